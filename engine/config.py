@@ -1,0 +1,70 @@
+"""Engine configuration: one frozen dataclass whose field names are the CLI flags
+(``--max-num-seqs`` -> ``max_num_seqs``) and the keywords of ``LLM(...)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
+    block_size: int = 16
+    kv_cache_memory: float = 1.0  # GiB for the KV cache on CPU
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # overrides the memory-based sizing
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0  # seeds the generator of requests that bring no seed of their own
+    # tensor parallel across machines (torch.distributed); see engine/distributed.py
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port is chosen
+    tp_channel: str = "auto"  # "shm" (one machine), "dist" (torch.distributed), "auto"
+
+    def __post_init__(self) -> None:
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, DEVICES)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _one_of("tp_channel", self.tp_channel, ("auto", "shm", "dist"))
+        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Build from keywords; an unknown keyword is an error that lists the known ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(names)}")
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

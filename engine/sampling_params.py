@@ -1,0 +1,94 @@
+"""Per-request sampling parameters: the Python mirror of the gRPC ``SamplingParams``.
+
+Field names and defaults are the API contract (DESIGN.md §3). ``validate()`` raises
+``ValueError`` naming the field and the limit; the service maps it to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = no limit
+    min_p: float = 0.0  # [0, 1]
+    seed: int | None = None  # same seed and prompt => same output, whatever else runs
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens exist
+    stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # > 0; 1 = off (applied over prompt and output tokens)
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    logprobs: int = 0  # top-N alternatives per token, 0 = none
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Raise ValueError (message names the field and the limit) on any bad value."""
+        _finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _finite("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        _finite("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s:
+                raise ValueError("stop: stop strings must not be empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop: each stop string is at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
+            )
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"stop_token_ids: id {t} is outside the vocabulary [0, {vocab_size})")
+        _finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _finite(name, v)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        return self
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
