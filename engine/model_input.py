@@ -1,0 +1,42 @@
+"""What one engine step asks of the model runner, as plain integers.
+
+The scheduler decides *which* tokens run; ``build_model_input`` lays them out as the flat,
+mixed batch the runner executes: prefill chunks and decode tokens side by side. Being plain
+lists, a ``ModelInput`` travels to tensor-parallel workers without pickling engine objects
+(``to_bytes`` / ``from_bytes`` use JSON, never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class ModelInput:
+    input_ids: list[int]  # flattened new tokens of every scheduled sequence, batch order
+    positions: list[int]  # position of each of those tokens in its sequence
+    query_lens: list[int]  # per sequence: tokens computed this step
+    context_lens: list[int]  # per sequence: KV length after this step (cached + new)
+    block_tables: list[list[int]]  # per sequence: its KV block ids
+    slot_mapping: list[int]  # per token: block_id * block_size + offset where its K/V goes; -1 = skip
+    logits_indices: list[int]  # flat token indices whose logits are wanted (last token of sampling seqs)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ModelInput:
+        return cls(**json.loads(data))

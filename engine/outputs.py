@@ -1,0 +1,44 @@
+"""What the engine hands back per step: per-request deltas (new tokens, new text) and,
+on the last one, the finish reason and usage. The service and ``LLM.generate`` consume these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.sequence import FinishReason, SequenceTimes
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of a chosen token and the top-N alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprobs]  # one per new token when params.logprobs > 0, else empty
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    times: SequenceTimes  # time.monotonic() stamps: arrival, first_scheduled, first_token, finished
+
+
+@dataclass
+class CompletionOutput:
+    """A whole completion, as returned by ``LLM.generate``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprobs]
+    cached_tokens: int = 0

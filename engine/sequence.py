@@ -1,0 +1,94 @@
+"""A request inside the engine: its tokens, its place in the KV cache and its progress.
+
+Plain Python (no torch): the scheduler and block manager work on these objects.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kvserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped; the names match the gRPC ``FinishReason`` enum."""
+
+    STOP = "stop"  # EOS or a stop token id
+    STOP_STRING = "stop_string"
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass
+class SequenceTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # tokens whose KV is in the cache (prefix-cache hits included)
+        self.num_computed_tokens = 0
+        # tokens of the prompt found in the prefix cache at the first admission (for usage)
+        self.num_cached_prompt_tokens: int | None = None
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.times = SequenceTimes()
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
