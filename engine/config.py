@@ -40,7 +40,8 @@ class EngineConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("tp_channel", self.tp_channel, ("auto", "shm", "dist"))
-        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes"):
+        positive = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes")
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -40,3 +40,21 @@ class ModelInput:
     @classmethod
     def from_bytes(cls, data: bytes) -> ModelInput:
         return cls(**json.loads(data))
+
+
+def build_model_input(scheduled: list, block_size: int) -> ModelInput:
+    """Lay out a scheduler step (``ScheduledSeq`` items, batch order) as one flat batch."""
+    inp = ModelInput([], [], [], [], [], [], [])
+    for s in scheduled:
+        seq, n = s.seq, s.num_tokens
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        table = seq.block_table
+        inp.input_ids.extend(seq.token_ids[start:end])
+        inp.positions.extend(range(start, end))
+        inp.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        inp.query_lens.append(n)
+        inp.context_lens.append(end)
+        inp.block_tables.append(list(table))
+        if end == seq.num_tokens:
+            inp.logits_indices.append(len(inp.input_ids) - 1)
+    return inp

@@ -52,6 +52,7 @@ class Sequence:
         # tokens of the prompt found in the prefix cache at the first admission (for usage)
         self.num_cached_prompt_tokens: int | None = None
         self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks of block_table whose hash is published
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.times = SequenceTimes()

@@ -1,0 +1,174 @@
+"""The paged KV cache's control plane: which block holds which tokens (plain Python, no torch).
+
+- Blocks are fixed-size; a sequence's ``block_table`` lists its block ids in order.
+- Prefix caching: a *full* block is identified by a chained xxhash64 over (previous block's
+  hash, this block's token ids). A hit also needs equal token ids (collision guard).
+- A block's hash is published only by ``commit``, which the engine calls after the step
+  that wrote the block's KV, so no request can hit a block whose KV does not exist yet.
+- Freed blocks keep their hash and tokens and go to the tail of the free list; new blocks
+  come from its head (least recently freed first), so a later request can still hit them.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xxhash
+
+from kvserve.engine.sequence import Sequence
+
+
+def block_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
+    """xxhash64 chained over the previous block's hash and this block's token ids."""
+    h = xxhash.xxh64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # insertion order = order of freeing; popping from the front reuses the LRU block
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # of which found
+
+    # ---- accounting -------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check_integrity(self) -> None:
+        """Invariants tests can call: refcounts match the free list; the hash table is consistent."""
+        for b in self.blocks:
+            assert b.ref_count >= 0, b
+            assert (b.ref_count == 0) == (b.block_id in self.free_ids), b
+        for h, bid in self.hash_to_block.items():
+            assert self.blocks[bid].hash == h, (h, self.blocks[bid])
+
+    # ---- prefix cache -----------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq`` (full blocks only).
+
+        The block holding the last token is never matched: at least one token must be
+        computed to produce logits, even when the whole prompt is cached.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        prev: int | None = None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(prev, tokens)
+            bid = self.hash_to_block.get(h)
+            if bid is None or self.blocks[bid].token_ids != tokens:
+                break
+            hits.append(bid)
+            prev = h
+        return hits
+
+    # ---- allocation -------------------------------------------------------------------
+    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        """Whether ``seq`` (empty block table) can take ``hits`` and cover its first chunk."""
+        reused_free = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
+        covered = len(hits) * self.block_size + num_new_tokens
+        fresh = self.blocks_needed(covered) - len(hits)
+        return reused_free + fresh <= self.num_free_blocks
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Give an un-admitted sequence its cached prefix blocks and count the lookup."""
+        assert not seq.block_table, seq
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_ids[bid]
+            block.ref_count += 1
+            seq.block_table.append(bid)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        if self.enable_prefix_caching:
+            self.query_tokens += seq.num_tokens
+            self.hit_tokens += seq.num_computed_tokens
+
+    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._num_missing(seq, num_new_tokens) <= self.num_free_blocks
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Append blocks so that the next ``num_new_tokens`` tokens of ``seq`` have slots."""
+        missing = self._num_missing(seq, num_new_tokens)
+        if missing > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {missing}, {self.num_free_blocks} free")
+        for _ in range(missing):
+            seq.block_table.append(self._take_free_block())
+
+    def _num_missing(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def _take_free_block(self) -> int:
+        bid, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, None, 1
+        return bid
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the hashes of blocks whose KV is now fully written (call after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        start = seq.num_hashed_blocks
+        prev = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for i in range(start, full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                block.hash, block.token_ids = block_hash(prev, tokens), tokens
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+            prev = block.hash
+        seq.num_hashed_blocks = max(start, full)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; blocks at zero keep their hash for later hits.
+
+        Walks the table backwards so that a sequence's suffix is evicted before its prefix.
+        """
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, block
+            if block.ref_count == 0:
+                self.free_ids[bid] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0

@@ -1,0 +1,273 @@
+"""The sampler: turns each sequence's last-position logits into its next token.
+
+Owns the per-request sampling policy (DESIGN.md §3 SamplingParams): penalties, the
+min_tokens mask, greedy argmax, temperature, min_p / top_k / top_p truncation, the random
+draw (exponential race, no ``torch.multinomial``) and the raw-distribution logprobs.
+
+Rows of one batch carry different parameters; the per-row values travel as small device
+tensors, so each stage runs once over the rows that need it. The only host sync is the
+read-back of the results at the end. A seeded row draws its noise from a generator seeded
+by (seed, completion tokens so far), so its output does not depend on batch composition
+and survives a recompute after preemption.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import torch
+
+from kvserve.engine.outputs import TokenLogprobs
+from kvserve.engine.sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where the request asked for no logprobs
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # unseeded rows, one per device
+        self._row_generators: dict[torch.device, torch.Generator] = {}  # re-seeded per seeded row
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
+        raw = logits[:, : self.vocab_size].float()
+        edited = self._edit_logits(raw, seqs)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not random_rows:
+            token_ids = edited.argmax(dim=-1)  # the common all-greedy batch: no sort, no noise
+        elif len(random_rows) == len(seqs):
+            token_ids = self._sample_random(edited, seqs)
+        else:
+            token_ids = edited.argmax(dim=-1)
+            rows = _to_device(random_rows, torch.long, raw.device)
+            sampled = self._sample_random(edited.index_select(0, rows), [seqs[i] for i in random_rows])
+            token_ids = token_ids.index_copy(0, rows, sampled)
+        logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs > 0]
+        pending = _logprob_tensors(raw, token_ids, seqs, logprob_rows) if logprob_rows else None
+        ids = token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if pending is not None:
+            for row, entry in zip(logprob_rows, _read_logprobs(pending, ids, seqs, logprob_rows)):
+                logprobs[row] = entry
+        return SamplerOutput(ids, logprobs)
+
+    # -- logit edits shared by greedy and random rows -------------------------------------
+
+    def _edit_logits(self, raw: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Penalties and the min_tokens mask, on a copy; ``raw`` itself when nothing applies."""
+        penalty_rows = [i for i, s in enumerate(seqs) if _has_penalty(s)]
+        mask_rows, mask_cols = self._stop_mask_positions(seqs)
+        if not penalty_rows and not mask_rows:
+            return raw
+        logits = raw.clone()
+        if penalty_rows:
+            _apply_penalties(logits, seqs, penalty_rows)
+        if mask_rows:
+            rows = _to_device(mask_rows, torch.long, logits.device)
+            cols = _to_device(mask_cols, torch.long, logits.device)
+            logits.index_put_((rows, cols), torch.tensor(float("-inf"), device=logits.device))
+        return logits
+
+    def _stop_mask_positions(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """(row, token) pairs to forbid: the ids that would end a request still under min_tokens.
+
+        EOS counts only when it would end the request (not under ignore_eos), as in vLLM.
+        """
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_completion_tokens >= p.min_tokens:
+                continue
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            ids = [t for t in ids if 0 <= t < self.vocab_size]
+            rows += [i] * len(ids)
+            cols += ids
+        return rows, cols
+
+    # -- random rows ----------------------------------------------------------------------
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Temperature, min_p, top_k, top_p, then argmax(p_i / E_i) with E_i ~ Exp(1)."""
+        device = logits.device
+        temps = _to_device([s.params.temperature for s in seqs], torch.float32, device)
+        logits = logits / temps.unsqueeze(1)
+        min_ps = [s.params.min_p for s in seqs]
+        if any(m > 0 for m in min_ps):
+            logits = _apply_min_p(logits, _to_device(min_ps, torch.float32, device))
+        top_ks = [min(s.params.top_k, self.vocab_size) for s in seqs]
+        top_ps = [s.params.top_p for s in seqs]
+        if any(p < 1.0 for p in top_ps):
+            logits = _apply_top_k_top_p(logits, top_ks, top_ps)
+        elif any(k > 0 for k in top_ks):
+            logits = _apply_top_k(logits, top_ks)
+        probs = logits.softmax(dim=-1)
+        # clamp: an exact 0 would turn a kept token into inf and a masked one into nan
+        noise = self._exponential_noise(seqs, probs.shape, device).clamp_min_(1e-20)
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _exponential_noise(self, seqs: list[Sequence], shape: torch.Size, device: torch.device) -> torch.Tensor:
+        noise = torch.empty(shape, device=device)
+        noise.exponential_(generator=self._generator(device))
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                gen = self._row_generator(device)
+                gen.manual_seed(_row_seed(seq.params.seed, seq.num_completion_tokens))
+                noise[row].exponential_(generator=gen)
+        return noise
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed & _MASK64)
+        return self._generators[device]
+
+    def _row_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._row_generators:
+            self._row_generators[device] = torch.Generator(device=device)
+        return self._row_generators[device]
+
+
+# -- penalties ------------------------------------------------------------------------------
+
+
+def _has_penalty(seq: Sequence) -> bool:
+    p = seq.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """In place on ``logits[rows]``. Repetition (HF/vLLM): over prompt and output tokens,
+    positive logits are divided by the penalty, negative ones multiplied. Presence and
+    frequency (OpenAI): over output tokens, minus presence once and frequency per occurrence."""
+    device, vocab = logits.device, logits.shape[1]
+    picked = [seqs[i] for i in rows]
+    rows_t = _to_device(rows, torch.long, device)
+    sub = logits.index_select(0, rows_t)
+    rep = [s.params.repetition_penalty for s in picked]
+    if any(r != 1.0 for r in rep):
+        seen = _token_counts([s.token_ids for s in picked], vocab, device) > 0
+        rep_t = _to_device(rep, torch.float32, device).unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep_t, sub * rep_t), sub)
+    pres = [s.params.presence_penalty for s in picked]
+    freq = [s.params.frequency_penalty for s in picked]
+    if any(pres) or any(freq):
+        counts = _token_counts([s.completion_token_ids for s in picked], vocab, device)
+        sub = sub - _to_device(freq, torch.float32, device).unsqueeze(1) * counts
+        sub = sub - _to_device(pres, torch.float32, device).unsqueeze(1) * (counts > 0)
+    logits.index_copy_(0, rows_t, sub)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float counts of each token id per list."""
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    flat = list(itertools.chain.from_iterable(token_lists))
+    if not flat:
+        return counts
+    cols = _to_device(flat, torch.long, device)
+    lengths = _to_device([len(t) for t in token_lists], torch.long, device)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    counts.index_put_((rows, cols), torch.ones_like(cols, dtype=counts.dtype), accumulate=True)
+    return counts
+
+
+# -- truncation -----------------------------------------------------------------------------
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with p < min_p * p_max, i.e. logit < max_logit + log(min_p)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """Keep each row's k largest logits (ties at the k-th value kept too); k = 0 keeps all."""
+    device = logits.device
+    k_max = max(top_ks)
+    kth = logits.topk(k_max, dim=-1).values
+    k = _to_device(top_ks, torch.long, device)
+    cutoff = kth.gather(1, (k.clamp_min(1) - 1).unsqueeze(1))
+    cutoff = cutoff.masked_fill((k == 0).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """One descending sort serves both: top_k first, then the smallest prefix whose mass
+    (renormalised after top_k) reaches top_p. The most likely token is always kept."""
+    device, vocab = logits.device, logits.shape[1]
+    ordered = logits.sort(dim=-1, descending=True).values
+    if any(k > 0 for k in top_ks):
+        k = _to_device([k or vocab for k in top_ks], torch.long, device)
+        beyond_k = torch.arange(vocab, device=device).unsqueeze(0) >= k.unsqueeze(1)
+        ordered = ordered.masked_fill(beyond_k, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    top_p = _to_device(top_ps, torch.float32, device).unsqueeze(1)
+    # top_p == 1 keeps everything even where float rounding lets the cumulative mass hit 1 early
+    keep = ((mass_before < top_p) | (top_p >= 1.0)) & (ordered > float("-inf"))
+    last_kept = keep.sum(dim=-1, keepdim=True).clamp_min(1) - 1
+    cutoff = ordered.gather(1, last_kept)
+    return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+# -- logprobs -------------------------------------------------------------------------------
+
+
+class _LogprobTensors(NamedTuple):
+    chosen: torch.Tensor  # [m] logprob of the sampled token
+    top_values: torch.Tensor  # [m, max N]
+    top_ids: torch.Tensor  # [m, max N]
+
+
+def _logprob_tensors(
+    raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence], rows: list[int]
+) -> _LogprobTensors:
+    """Log-softmax of the raw model logits (before penalties and temperature)."""
+    rows_t = _to_device(rows, torch.long, raw.device)
+    logprobs = raw.index_select(0, rows_t).log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.index_select(0, rows_t).unsqueeze(1)).squeeze(1)
+    top = logprobs.topk(max(seqs[i].params.logprobs for i in rows), dim=-1)
+    return _LogprobTensors(chosen, top.values, top.indices)
+
+
+def _read_logprobs(
+    t: _LogprobTensors, ids: list[int], seqs: list[Sequence], rows: list[int]
+) -> list[TokenLogprobs]:
+    chosen, values, top_ids = t.chosen.tolist(), t.top_values.tolist(), t.top_ids.tolist()
+    out = []
+    for j, row in enumerate(rows):
+        n = seqs[row].params.logprobs
+        top = list(zip(top_ids[j][:n], values[j][:n]))
+        out.append(TokenLogprobs(token_id=ids[row], logprob=chosen[j], top=top))
+    return out
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without a blocking copy (pinned on CUDA)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def _row_seed(seed: int, step: int) -> int:
+    """Mix (request seed, completion tokens so far) into one 63-bit generator seed."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64) >> 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)

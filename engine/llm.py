@@ -1,0 +1,90 @@
+"""``LLM``: the offline, in-process API (``LLM(model).generate(prompts, params)``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import CompletionOutput
+from kvserve.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = "default", **config):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Run every prompt to completion; results come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        order: dict[str, int] = {}
+        results: dict[str, CompletionOutput] = {}
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, p, sp)
+                order[rid] = i
+                results[rid] = CompletionOutput(rid, [], "", [], None, [])
+            self._run(results, use_tqdm)
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            self.engine.step()  # drain the abort outputs
+            raise
+        return sorted(results.values(), key=lambda r: order[r.request_id])
+
+    def _run(self, results: dict[str, CompletionOutput], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(results), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        done = 0
+        while done < len(results):
+            for out in self.engine.step():
+                r = results[out.request_id]
+                r.token_ids.extend(out.new_token_ids)
+                r.text += out.new_text
+                r.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+                    r.cached_tokens = out.cached_tokens
+                    done += 1
+                    bar.update(1)
+            eng = self.engine
+            bar.set_postfix(running=eng.num_running(), waiting=eng.num_waiting(), refresh=False)
+        bar.close()
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None, **kw):
+        ids = self.engine.apply_chat_template(messages)
+        return self.generate([ids], sampling_params, **kw)[0]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
