@@ -51,7 +51,9 @@ def build_model_input(scheduled: list, block_size: int) -> ModelInput:
         table = seq.block_table
         inp.input_ids.extend(seq.token_ids[start:end])
         inp.positions.extend(range(start, end))
-        inp.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        inp.slot_mapping.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
         inp.query_lens.append(n)
         inp.context_lens.append(end)
         inp.block_tables.append(list(table))

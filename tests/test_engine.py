@@ -18,7 +18,7 @@ from kvserve.engine.sequence import FinishReason
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 NEAR_TIE = 1e-3  # logit margin under which float rounding may flip the argmax
 
-CODE = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+CODE = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 LONG = " ".join(
     f"Paragraph {i}: the river carried boats of grain, salt and timber to the markets of the coast."
     for i in range(20)

@@ -18,7 +18,9 @@ def make(num_blocks=64, max_num_seqs=8, budget=64, max_model_len=256, caching=Tr
 
 
 def seq(n, rid=None, max_tokens=8, first=1, **kw):
-    return Sequence(rid or f"r{n}-{first}", list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, **kw))
+    return Sequence(
+        rid or f"r{n}-{first}", list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, **kw)
+    )
 
 
 def step(s: Scheduler, token=7):

@@ -1,0 +1,110 @@
+"""Offline throughput: nano-vllm's benchmark method, scaled to a CPU.
+
+N requests (default 64) of random token ids, prompts of 32–512 tokens, 32–256 new tokens each,
+ignore_eos, seed 0. Prints output tokens/s for kvserve and, with ``--peer hf``, for Hugging Face
+transformers on the same requests in the same run, and the ratio.
+
+    python -m kvserve.benchmarks.offline [--num-requests 64] [--peer hf] [--peer-batch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from kvserve.engine import LLM, SamplingParams
+
+
+def make_requests(n: int, prompt_range, output_range, seed: int, vocab: int = 10000):
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, vocab - 1) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
+    outputs = [rng.randint(*output_range) for _ in range(n)]
+    return prompts, outputs
+
+
+def run_kvserve(args, prompts, outputs) -> tuple[float, LLM]:
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=args.temperature, max_tokens=m, ignore_eos=True) for m in outputs]
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - t0
+    assert sum(len(r.token_ids) for r in results) == sum(outputs)
+    return elapsed, llm
+
+
+def run_hf(llm: LLM, prompts, outputs, batch: int) -> float:
+    """transformers `generate`, padded batches (left padding), grouped by output length."""
+    from transformers import AutoModelForCausalLM
+
+    src = llm.engine.source
+    dtype = llm.engine.executor.dtype
+    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=dtype).eval()
+    order = sorted(range(len(prompts)), key=lambda i: outputs[i])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for s in range(0, len(order), batch):
+            idx = order[s : s + batch]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.zeros(len(idx), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(idx):
+                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]) :] = 1
+            new = max(outputs[i] for i in idx)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=32)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-output", type=int, default=32)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peer", choices=["none", "hf"], default="none")
+    ap.add_argument("--peer-batch", type=int, default=16, help="transformers batch size (padded)")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+
+    prompts, outputs = make_requests(
+        args.num_requests, (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), args.seed
+    )
+    total = sum(outputs)
+    elapsed, llm = run_kvserve(args, prompts, outputs)
+    ours = total / elapsed
+    print(f"requests={args.num_requests} prompt_tokens={sum(map(len, prompts))} output_tokens={total}")
+    print(f"kvserve      {elapsed:8.2f} s  {ours:8.1f} output tok/s  ({llm.stats()['dtype']})")
+    if args.peer == "hf":
+        hf_elapsed = run_hf(llm, prompts, outputs, args.peer_batch)
+        peer = total / hf_elapsed
+        mode = f"generate, batches of {args.peer_batch}"
+        print(f"transformers {hf_elapsed:8.2f} s  {peer:8.1f} output tok/s  ({mode})")
+        print(f"ratio kvserve / transformers = {ours / peer:.2f}x")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
