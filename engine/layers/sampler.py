@@ -41,25 +41,27 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
         raw = logits[:, : self.vocab_size].float()
-        edited = self._edit_logits(raw, seqs)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if not random_rows:
-            token_ids = edited.argmax(dim=-1)  # the common all-greedy batch: no sort, no noise
-        elif len(random_rows) == len(seqs):
-            token_ids = self._sample_random(edited, seqs)
-        else:
-            token_ids = edited.argmax(dim=-1)
-            rows = _to_device(random_rows, torch.long, raw.device)
-            sampled = self._sample_random(edited.index_select(0, rows), [seqs[i] for i in random_rows])
-            token_ids = token_ids.index_copy(0, rows, sampled)
+        token_ids = self._choose(self._edit_logits(raw, seqs), seqs)
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs > 0]
         pending = _logprob_tensors(raw, token_ids, seqs, logprob_rows) if logprob_rows else None
-        ids = token_ids.tolist()
+        ids = token_ids.tolist()  # the one host sync
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if pending is not None:
-            for row, entry in zip(logprob_rows, _read_logprobs(pending, ids, seqs, logprob_rows)):
+            entries = _read_logprobs(pending, ids, seqs, logprob_rows)
+            for row, entry in zip(logprob_rows, entries, strict=True):
                 logprobs[row] = entry
         return SamplerOutput(ids, logprobs)
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """[n] token ids: argmax for greedy rows, a random draw for the others."""
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not random_rows:
+            return logits.argmax(dim=-1)  # the common all-greedy batch: no sort, no noise
+        if len(random_rows) == len(seqs):
+            return self._sample_random(logits, seqs)
+        rows = _to_device(random_rows, torch.long, logits.device)
+        sampled = self._sample_random(logits.index_select(0, rows), [seqs[i] for i in random_rows])
+        return logits.argmax(dim=-1).index_copy(0, rows, sampled)
 
     # -- logit edits shared by greedy and random rows -------------------------------------
 
@@ -116,7 +118,9 @@ class Sampler:
         noise = self._exponential_noise(seqs, probs.shape, device).clamp_min_(1e-20)
         return probs.div_(noise).argmax(dim=-1)
 
-    def _exponential_noise(self, seqs: list[Sequence], shape: torch.Size, device: torch.device) -> torch.Tensor:
+    def _exponential_noise(
+        self, seqs: list[Sequence], shape: torch.Size, device: torch.device
+    ) -> torch.Tensor:
         noise = torch.empty(shape, device=device)
         noise.exponential_(generator=self._generator(device))
         for row, seq in enumerate(seqs):
@@ -246,7 +250,7 @@ def _read_logprobs(
     out = []
     for j, row in enumerate(rows):
         n = seqs[row].params.logprobs
-        top = list(zip(top_ids[j][:n], values[j][:n]))
+        top = list(zip(top_ids[j][:n], values[j][:n], strict=True))
         out.append(TokenLogprobs(token_id=ids[row], logprob=chosen[j], top=top))
     return out
 
