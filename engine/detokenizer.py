@@ -1,0 +1,116 @@
+"""Incremental detokenization of one request's output, with stop strings.
+
+Owns the text side of a running request: token ids go in one at a time, released text
+comes out. Two things are held back: bytes of a character that is not complete yet
+(tokenizers' ``DecodeStream`` does this, decoding only a small window per token), and text
+that could still be the start of a stop string. When a stop string appears, the text
+before it is released and everything from the stop string on never is.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+# prompt tokens decoded ahead of the output so that the first output token is decoded in
+# context (leading spaces, merges across the boundary); a few are enough
+PROMPT_CONTEXT_TOKENS = 6
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str]):
+        self._tokenizer = backend_tokenizer(tokenizer)
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = [s for s in stop if s]
+        context = self._complete_context(list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]))
+        self._stream = DecodeStream(context, skip_special_tokens=skip_special_tokens)
+        self._context = context  # the last tokens whose text is out of the stream
+        self._pending: list[int] = []  # tokens fed to the stream that have not produced text yet
+        self._held = ""  # decoded text that may be the start of a stop string
+        self._released: list[str] = []
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """Everything released so far."""
+        return "".join(self._released)
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; return the newly released text (possibly empty)."""
+        if self.stopped:
+            return ""
+        piece = self._stream.step(self._tokenizer, token_id)
+        if piece is None:
+            self._pending.append(token_id)
+            return ""
+        self._context = (self._context + self._pending + [token_id])[-PROMPT_CONTEXT_TOKENS:]
+        self._pending = []
+        return self._release(piece, final=False)
+
+    def finish(self) -> str:
+        """End of the request: release what was held back (incomplete bytes decode as U+FFFD,
+        as in a full decode). A stop string completed here still cuts the text."""
+        if self.stopped:
+            return ""
+        rest = self._decode_pending()
+        self._pending = []
+        return self._release(rest, final=True)
+
+    def _release(self, piece: str, final: bool) -> str:
+        text = self._held + piece
+        cut = first_stop(text, self._stop)
+        if cut is not None:
+            self.stopped = True
+            out, self._held = text[:cut], ""
+        else:
+            keep = 0 if final else stop_prefix_length(text, self._stop)
+            out, self._held = text[: len(text) - keep], text[len(text) - keep :]
+        self._released.append(out)
+        return out
+
+    def _decode_pending(self) -> str:
+        if not self._pending:
+            return ""
+        before = self._decode(self._context)
+        full = self._decode(self._context + self._pending)
+        return full[len(before) :] if full.startswith(before) else self._decode(self._pending)
+
+    def _complete_context(self, context: list[int]) -> list[int]:
+        """Drop trailing prompt tokens that end inside a character: seeded with such a
+        prefix, ``DecodeStream`` would hand the prompt's own text back with the first output."""
+        while context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context.pop()
+        return context
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def backend_tokenizer(tokenizer) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` behind a Hugging Face fast tokenizer (or itself)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise TypeError(f"need a fast (tokenizers-backed) tokenizer, got {type(tokenizer).__name__}")
+    return backend
+
+
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Index where the earliest stop string in ``text`` begins, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i != -1]
+    return min(found) if found else None
+
+
+def stop_prefix_length(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+        while i != -1 and len(text) - i > best:
+            if stop.startswith(text[i:]):
+                best = len(text) - i
+                break
+            i = text.find(stop[0], i + 1)
+    return best
