@@ -1,1 +1,8 @@
-"""kvserve.clients."""
+"""kvserve.clients: the Python client (``Client`` sync, ``AsyncClient`` asyncio) and the
+client-side command line tools."""
+
+from kvserve.clients.aio import AsyncClient
+from kvserve.clients.client import Client
+from kvserve.clients.messages import Completion, Delta, Timing, TokenLogprob, Usage
+
+__all__ = ["AsyncClient", "Client", "Completion", "Delta", "Timing", "TokenLogprob", "Usage"]

@@ -1,0 +1,170 @@
+"""Client-side request building and result types, shared by the sync and asyncio clients.
+
+Sampling keywords are the field names of ``SamplingParams`` in llm.proto (``temperature``,
+``max_tokens``, ``stop``, ...); unset ones take the server's defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from google.protobuf.descriptor import FieldDescriptor
+
+from kvserve.v1 import llm_pb2
+
+SAMPLING_FIELDS: dict[str, FieldDescriptor] = {f.name: f for f in llm_pb2.SamplingParams.DESCRIPTOR.fields}
+SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+# Keys gRPC core reads. The server allows a ping every 10 s; we ping an idle-looking
+# connection every 30 s so that a dead server is noticed during a long call.
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+Message = Mapping[str, str] | tuple[str, str]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Timing:
+    queue_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """A whole completion (``generate``)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "STOP", "STOP_STRING", "LENGTH" or "ABORT"
+    usage: Usage
+    timing: Timing
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class Delta:
+    """One streamed piece (``stream``); the last one has finish_reason, usage and timing."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timing: Timing | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Iterable[int] | None = None,
+    messages: Iterable[Message] | None = None,
+    request_id: str = "",
+    **sampling,
+) -> llm_pb2.GenerateRequest:
+    """A GenerateRequest from exactly one of prompt / token_ids / messages and sampling keywords."""
+    inputs = {"prompt": prompt, "token_ids": token_ids, "messages": messages}
+    given = [name for name, v in inputs.items() if v is not None]
+    if len(given) != 1:
+        raise TypeError(f"give exactly one of prompt, token_ids, messages (got {given or 'none'})")
+    req = llm_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
+    if prompt is not None:
+        req.prompt = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    else:
+        req.messages.messages.extend(_chat_message(m) for m in messages)
+    return req
+
+
+def sampling_params(**sampling) -> llm_pb2.SamplingParams:
+    """A SamplingParams message; keywords set to None are left unset (server default)."""
+    unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown sampling option(s) {unknown}; known: {sorted(SAMPLING_FIELDS)}")
+    msg = llm_pb2.SamplingParams()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if SAMPLING_FIELDS[name].is_repeated:
+            getattr(msg, name).extend([value] if isinstance(value, str | int) else value)
+        else:
+            setattr(msg, name, value)
+    return msg
+
+
+def _chat_message(m: Message) -> llm_pb2.ChatMessage:
+    if isinstance(m, tuple):
+        return llm_pb2.ChatMessage(role=m[0], content=m[1])
+    return llm_pb2.ChatMessage(role=m["role"], content=m["content"])
+
+
+def finish_reason_name(value: int) -> str | None:
+    return None if value == llm_pb2.FINISH_REASON_UNSPECIFIED else llm_pb2.FinishReason.Name(value)
+
+
+def _logprobs(msgs) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in msgs]
+
+
+def _usage(u: llm_pb2.Usage) -> Usage:
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+
+
+def _timing(t: llm_pb2.Timing) -> Timing:
+    return Timing(t.queue_ms, t.ttft_ms, t.total_ms)
+
+
+def completion_from_proto(msg: llm_pb2.GenerateResponse) -> Completion:
+    return Completion(
+        request_id=msg.request_id,
+        text=msg.text,
+        token_ids=list(msg.token_ids),
+        finish_reason=finish_reason_name(msg.finish_reason) or "",
+        usage=_usage(msg.usage),
+        timing=_timing(msg.timing),
+        logprobs=_logprobs(msg.logprobs),
+    )
+
+
+def delta_from_proto(msg: llm_pb2.StreamResponse) -> Delta:
+    reason = finish_reason_name(msg.finish_reason)
+    return Delta(
+        request_id=msg.request_id,
+        text=msg.text,
+        token_ids=list(msg.token_ids),
+        logprobs=_logprobs(msg.logprobs),
+        finish_reason=reason,
+        usage=_usage(msg.usage) if reason else None,
+        timing=_timing(msg.timing) if reason else None,
+    )
+
+
+def stats_to_dict(msg: llm_pb2.StatsResponse) -> dict:
+    """Every field, zeros included, with native Python numbers (64-bit ints stay ints)."""
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}

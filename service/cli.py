@@ -1,0 +1,118 @@
+"""The ``kvserve`` command line: ``serve`` here; ``generate``, ``chat``, ``stats`` and ``bench``
+come from ``kvserve.clients.commands``.
+
+The engine flags of ``serve`` are derived from ``EngineConfig``'s fields (``max_num_seqs`` ->
+``--max-num-seqs``), so a new engine option is a new flag with no change here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+import types
+import typing
+
+from kvserve.clients.commands import add_client_commands
+from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE
+from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+
+ALIASES = {"tensor_parallel_size": ["--tp"]}
+CHOICES = {
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "tp_channel": ("auto", "shm", "dist"),
+}
+HELP = {
+    "model": "'default' (the bundled SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file",
+    "tensor_parallel_size": "tensor-parallel ranks",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens)",
+    "max_model_len": "longest prompt + completion (default: the model's, capped at 8192)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_memory": "GiB for the KV cache on CPU",
+    "gpu_memory_utilization": "share of GPU memory the engine may use",
+    "num_kv_blocks": "KV cache blocks (overrides the memory-based sizing)",
+    "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "enforce_eager": "no CUDA graphs",
+    "seed": "seed for requests that bring none",
+}
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="an LLM inference service over gRPC")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve", help="serve a model over gRPC", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add_engine_flags(serve.add_argument_group("engine"))
+    s = serve.add_argument_group("service")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="most requests admitted but not yet running; beyond it RESOURCE_EXHAUSTED")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(func=cmd_serve)
+    add_client_commands(sub)
+    return parser
+
+
+def add_engine_flags(group) -> None:
+    """One flag per EngineConfig field, typed and defaulted from the dataclass."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        names = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, [])]
+        kind = _base_type(hints[f.name])
+        help_text = HELP.get(f.name, f"engine option {f.name}")
+        if kind is bool:
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help_text)
+        else:
+            group.add_argument(*names, dest=f.name, type=kind, default=f.default, choices=CHOICES.get(f.name),
+                               help=help_text)
+
+
+def _base_type(hint) -> type:
+    """``int | None`` -> int."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    return hint
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.service.server import ServeSettings, serve
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    if args.max_queue < 1:
+        raise SystemExit(f"kvserve serve: --max-queue must be >= 1, got {args.max_queue}")
+    if args.drain_timeout < 0:
+        raise SystemExit(f"kvserve serve: --drain-timeout must be >= 0, got {args.drain_timeout}")
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        raise SystemExit(f"kvserve serve: {e}") from None
+    settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout)
+    try:
+        return asyncio.run(serve(config, settings))
+    except OSError as e:
+        logging.getLogger("kvserve.service").error("%s", e)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""grpc.health.v1 for kvserve: ``""`` and ``kvserve.v1.LLMService`` are SERVING only while
+the engine is ready; NOT_SERVING while the model loads, while draining and after the engine died."""
+
+from __future__ import annotations
+
+import asyncio
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+
+from kvserve.engine.async_engine import EngineState
+from kvserve.v1 import llm_pb2
+
+SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
+HEALTH_SERVICES = ("", SERVICE_NAME)
+
+
+class Health:
+    """Owns the health servicer (create it inside the running event loop)."""
+
+    def __init__(self) -> None:
+        self.servicer = health_aio.HealthServicer()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def set_serving(self, serving: bool) -> None:
+        codes = health_pb2.HealthCheckResponse
+        status = codes.SERVING if serving else codes.NOT_SERVING
+        for name in HEALTH_SERVICES:
+            await self.servicer.set(name, status)
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING for good (later ``set_serving`` calls are ignored)."""
+        await self.servicer.enter_graceful_shutdown()
+
+    def on_engine_state(self, state: EngineState) -> None:
+        """``AsyncEngine``'s ``on_state`` callback (runs on the event loop)."""
+        task = asyncio.ensure_future(self.set_serving(state == EngineState.READY))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,53 @@
+"""Regenerates the Python stubs of ``proto/kvserve/v1/*.proto`` (``make proto``).
+
+The stubs are committed beside the .proto files so that the package installs without a
+build step; ``tests/test_proto_stubs.py`` fails when they no longer match the .proto.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+PROTO_ROOT = Path(__file__).resolve().parent.parent / "proto"
+PROTO_DIR = PROTO_ROOT / "kvserve" / "v1"
+
+
+def proto_files() -> list[Path]:
+    """The .proto files of the public API, sorted."""
+    return sorted(PROTO_DIR.glob("*.proto"))
+
+
+def protoc(args: list[str]) -> None:
+    """Run grpcio-tools' protoc with the API's include path and the well-known types."""
+    import grpc_tools
+    from grpc_tools import protoc as _protoc
+
+    well_known = Path(grpc_tools.__file__).parent / "_proto"
+    argv = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", *args]
+    if _protoc.main(argv) != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(argv)}")
+
+
+def generate(out_dir: Path = PROTO_ROOT) -> list[Path]:
+    """Write ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` for every .proto under ``out_dir``."""
+    files = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
+    protoc([f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *files])
+    return sorted((out_dir / "kvserve" / "v1").glob("*_pb2*.py*"))
+
+
+def descriptor_set(path: Path) -> bytes:
+    """The serialized FileDescriptorSet protoc builds from the current .proto files."""
+    files = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
+    protoc([f"--descriptor_set_out={path}", *files])
+    return path.read_bytes()
+
+
+def main() -> int:
+    for path in generate():
+        print(path.relative_to(PROTO_ROOT.parent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

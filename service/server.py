@@ -1,0 +1,124 @@
+"""The gRPC server: LLMService + grpc.health.v1 + reflection on one grpc.aio server, its
+channel options, start-up while the model loads, and the SIGTERM/SIGINT drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, AsyncEngine, EngineState
+from kvserve.engine.config import EngineConfig
+from kvserve.service.health import SERVICE_NAME, Health
+from kvserve.service.servicer import LLMServicer
+from kvserve.v1 import llm_pb2_grpc
+
+log = logging.getLogger("kvserve.service")
+
+MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
+
+# Every key here is one gRPC core reads (checked against the compiled core library by
+# tests/test_service_options.py). vLLM and SGLang shipped
+# "grpc.http2.min_recv_ping_interval_without_data_ms", which core ignores, so clients that
+# pinged during long unary calls were cut off with "Too many pings".
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 60_000),  # ping idle connections to find dead peers
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # clients may ping every 10 s
+    ("grpc.http2.max_ping_strikes", 0),  # never close a connection for pinging too often
+    ("grpc.so_reuseport", 0),  # a port in use is an error, not a silently shared socket
+]
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_queue: int = DEFAULT_MAX_QUEUE
+    drain_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+
+
+def build_server(engine: AsyncEngine, health: Health) -> grpc.aio.Server:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    return server
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on host:port (0 = any free port); returns the port. Fails loudly if it cannot."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {address}: {e}") from e
+    if bound == 0:
+        raise OSError(f"cannot listen on {address} (port in use?)")
+    return bound
+
+
+async def serve(config: EngineConfig, settings: ServeSettings) -> int:
+    """Run until SIGTERM/SIGINT, then drain; returns the exit status."""
+    health = Health()
+    await health.set_serving(False)
+    engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state)
+    server = build_server(engine, health)
+    port = bind(server, settings.host, settings.port)
+    await server.start()
+    log.info("listening on %s:%d (loading model %r)", settings.host, port, config.model)
+    stop = _stop_on_signals()
+    engine.start()
+    if await _first(engine.wait_ready(), stop.wait()) and engine.state == EngineState.DEAD:
+        log.error("the model failed to load: %r", engine.error)
+        await server.stop(grace=None)
+        await engine.shutdown()
+        return 1
+    if engine.state == EngineState.READY:
+        info = engine.info
+        log.info("ready: model %s, max_model_len %d, max_queue %d", info.model_name, info.max_model_len,
+                 settings.max_queue)
+    await stop.wait()
+    await _drain(server, engine, health, settings.drain_timeout)
+    return 0
+
+
+async def _drain(server: grpc.aio.Server, engine: AsyncEngine, health: Health, timeout: float) -> None:
+    log.info("draining: %d requests in flight, up to %g s", engine.num_in_flight, timeout)
+    await health.shutdown()
+    aborted = await engine.drain(timeout)
+    if aborted:
+        log.warning("drain timeout: aborted %d requests", aborted)
+    await server.stop(grace=5.0)  # the aborted calls end with UNAVAILABLE well within this
+    await engine.shutdown()
+    log.info("stopped")
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig, stop)
+    return stop
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    log.info("received %s", sig.name)
+    stop.set()
+
+
+async def _first(*aws) -> bool:
+    """Wait until the first of ``aws`` completes and cancel the rest; True if it was the first."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        t.cancel()
+    return tasks[0] in done

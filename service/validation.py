@@ -1,0 +1,67 @@
+"""gRPC request -> engine request: field-by-field conversion and the checks that need no
+tokenizer. Every error is a ``ValueError`` whose message names the field and the limit
+(the servicer answers INVALID_ARGUMENT with it). Checks that need the tokenizer (prompt +
+max_tokens over max_model_len, unknown chat roles) are done by the engine's ``add_request``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.v1 import llm_pb2
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt: str | list[int] | None  # text or token ids; None for chat
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+
+
+def parse_generate_request(req: llm_pb2.GenerateRequest, vocab_size: int) -> EngineRequest:
+    """Check and convert a GenerateRequest; raises ValueError naming the bad field."""
+    request_id = req.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+    prompt, messages = _parse_input(req, vocab_size)
+    params = sampling_from_proto(req.sampling).validate(vocab_size)
+    return EngineRequest(request_id, prompt, messages, params)
+
+
+def _parse_input(req: llm_pb2.GenerateRequest, vocab_size: int):
+    which = req.WhichOneof("input")
+    if which is None:
+        raise ValueError("input: give one of prompt, token_ids or messages")
+    if which == "prompt":
+        if not req.prompt:
+            raise ValueError("prompt: must not be empty")
+        return req.prompt, None
+    if which == "token_ids":
+        ids = list(req.token_ids.ids)
+        if not ids:
+            raise ValueError("token_ids.ids: must not be empty")
+        for t in ids:
+            if t >= vocab_size:
+                raise ValueError(f"token_ids.ids: id {t} is outside the vocabulary [0, {vocab_size})")
+        return ids, None
+    messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+    if not messages:
+        raise ValueError("messages.messages: must not be empty")
+    return None, messages
+
+
+def sampling_from_proto(msg: llm_pb2.SamplingParams) -> SamplingParams:
+    """Fields set in the message override SamplingParams' defaults; unset ones keep them."""
+    kwargs = {}
+    for f in msg.DESCRIPTOR.fields:
+        if f.is_repeated:
+            kwargs[f.name] = list(getattr(msg, f.name))
+        elif msg.HasField(f.name):
+            kwargs[f.name] = getattr(msg, f.name)
+    return SamplingParams(**kwargs)
+
