@@ -1,0 +1,165 @@
+"""A tensor-parallel worker (ranks 1..N-1): join the process groups, build the model runner
+for its shard, then execute the leader's commands until it says ``shutdown``.
+
+``worker_main`` is what each worker process runs. The leader spawns the workers of its own
+machine; on every further machine of a multi-machine engine, ``run_node`` (also
+``python -m kvserve.engine.worker --node-rank R --master-addr A --master-port P``) starts that
+machine's workers and waits for them. Workers take the engine config from the leader through
+the rendezvous store, so every rank runs the same config.
+
+A worker never outlives the process that started it: a thread exits the process when the
+parent dies, so a killed leader leaves no orphans behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+import torch
+
+from kvserve.engine import distributed as tpd
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_input import ModelInput
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.parallel import ParallelContext
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Where one worker joins; the engine config itself comes from the store."""
+
+    rank: int
+    local_rank: int  # index among the ranks on this machine (its GPU)
+    master_addr: str
+    master_port: int
+    channel: str  # "shm" or "dist"
+    shm_name: str | None = None
+    model: str | None = None  # this machine's path to the model, when it differs from the leader's
+
+
+def worker_main(spec: WorkerSpec, event=None) -> None:
+    """Body of a worker process: start, then serve commands until ``shutdown``."""
+    _exit_with_parent()
+    store = tpd.connect_store(spec.master_addr, spec.master_port, tpd.DEFAULT_TIMEOUT_S)
+    try:
+        launch = tpd.fetch_launch(store)
+        runner, receiver = _start(spec, launch, store, event)
+        _serve(runner, receiver)
+    except BaseException as exc:
+        tpd.report_error(store, spec.rank, exc)
+        raise
+    finally:
+        tpd.destroy_groups()
+
+
+def _start(spec: WorkerSpec, launch: tpd.Launch, store, event) -> tuple[ModelRunner, tpd.Receiver]:
+    """Mirror of the leader's start-up, in the same order: groups, runner, handshake."""
+    config = launch.config if spec.model is None else launch.config.replace(model=spec.model)
+    world = config.tensor_parallel_size
+    pin_device(config, spec.local_rank, world // config.nnodes)
+    tpd.announce_rank(store, spec.rank)
+    group, control = tpd.init_groups(store, spec.rank, world, tpd.collective_backend(config.device),
+                                     launch.timeout_s)
+    if spec.channel == "shm":
+        receiver = tpd.ShmReceiver(spec.shm_name, spec.rank - 1, event, world - 1)
+    else:
+        receiver = tpd.DistReceiver(control, launch.max_payload)
+    runner = ModelRunner(config, ParallelContext(spec.rank, world, group))
+    tpd.all_reduce_min(runner.num_kv_blocks, control)
+    return runner, receiver
+
+
+def _serve(runner: ModelRunner, receiver: tpd.Receiver) -> None:
+    while True:
+        cmd = receiver.recv()
+        if cmd.name == tpd.EXECUTE_MODEL:
+            runner.execute_model(ModelInput.from_bytes(cmd.body))
+        elif cmd.name == tpd.SHUTDOWN:
+            runner.shutdown()
+            receiver.close()
+            return
+        elif cmd.name != tpd.PING:
+            raise RuntimeError(f"unknown tensor-parallel command {cmd.name!r}")
+
+
+def pin_device(config: EngineConfig, local_rank: int, local_world: int) -> None:
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+    else:  # the ranks of one machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def _exit_with_parent() -> None:
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvserve-tp-parent-watch", daemon=True).start()
+
+
+# ---- further machines ---------------------------------------------------------------------------
+def run_node(node_rank: int, master_addr: str, master_port: int, model: str | None = None) -> int:
+    """Run machine ``node_rank`` (>= 1) of a multi-machine engine until the leader ends it.
+
+    Returns 0 when the leader shut the engine down, else the first failing worker's exit code.
+    """
+    if node_rank < 1:
+        raise ValueError(f"node_rank must be >= 1 on a worker machine (0 is the leader), got {node_rank}")
+    store = tpd.connect_store(master_addr, master_port, tpd.DEFAULT_TIMEOUT_S)
+    config = tpd.fetch_launch(store).config
+    if node_rank >= config.nnodes:
+        raise ValueError(f"node_rank must be < nnodes ({config.nnodes}), got {node_rank}")
+    per_node = config.tensor_parallel_size // config.nnodes
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=worker_main, daemon=True, name=f"kvserve-tp-worker-{node_rank * per_node + i}",
+            args=(WorkerSpec(node_rank * per_node + i, i, master_addr, master_port, "dist", model=model),),
+        )
+        for i in range(per_node)
+    ]
+    for p in procs:
+        p.start()
+    return _supervise(procs)
+
+
+def _supervise(procs: list) -> int:
+    """Wait for every process; when one fails, stop the others."""
+    pending = {p.sentinel: p for p in procs}
+    status = 0
+    while pending:
+        for sentinel in wait(list(pending)):
+            proc = pending.pop(sentinel)
+            proc.join()
+            if proc.exitcode and not status:
+                status = proc.exitcode if proc.exitcode > 0 else 128 - proc.exitcode
+                for other in pending.values():
+                    other.terminate()
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvserve.engine.worker",
+        description="Run the tensor-parallel workers of one further machine of a kvserve engine.",
+    )
+    parser.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1..nnodes-1")
+    parser.add_argument("--master-addr", required=True, help="address of the leader (node 0)")
+    parser.add_argument("--master-port", type=int, required=True, help="the leader's --master-port")
+    parser.add_argument("--model", default=None, help="path of the model on this machine, if it differs")
+    args = parser.parse_args(argv)
+    return run_node(args.node_rank, args.master_addr, args.master_port, args.model)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
