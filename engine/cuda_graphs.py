@@ -1,0 +1,203 @@
+"""CUDA graphs for decode steps: which batch sizes are captured, how a batch is padded to
+one of them, and the runner that captures and replays the graphs.
+
+A decode step feeds the model one token per sequence. Graphs are captured for a ladder of
+batch sizes (1, 2, 4, 8, then every 16) and a batch runs in the smallest captured size that
+holds it; the extra rows are padding that writes no K/V (slot -1) and attends to no keys
+(seq_len 0). Block tables are as wide as ``max_model_len`` needs, so no request can outgrow
+the captured width. Prefill, and decode batches above the largest size, run eagerly.
+
+Only ``CudaGraphRunner.capture`` needs CUDA; sizes, buckets and padding are plain tensor code
+that the tests run on the CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+import torch
+
+MAX_CAPTURE_SIZE = 512
+_LADDER = (1, 2, 4, 8, *range(16, MAX_CAPTURE_SIZE + 1, 16))
+
+# What a padded row holds: token 0 at position 0, no K/V written, no keys read.
+PAD_VALUES = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 0, "block_tables": 0}
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, 16, 32, ... up to the first one that holds
+    ``max_num_seqs`` (so every allowed batch has a size), at most ``MAX_CAPTURE_SIZE``."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    limit = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = []
+    for size in _LADDER:
+        sizes.append(size)
+        if size >= limit:
+            break
+    return sizes
+
+
+def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
+    """The smallest captured size >= ``batch_size``; None when the batch must run eagerly."""
+    i = bisect.bisect_left(sizes, batch_size)
+    return sizes[i] if i < len(sizes) else None
+
+
+def block_table_width(max_model_len: int, block_size: int) -> int:
+    """Columns a block table needs for a sequence of ``max_model_len`` tokens."""
+    return -(-max_model_len // block_size)
+
+
+@dataclass
+class DecodeInputs:
+    """One row per sequence of a decode step."""
+
+    input_ids: torch.Tensor  # [B] int64: the last sampled token
+    positions: torch.Tensor  # [B] int64: its position
+    slot_mapping: torch.Tensor  # [B] int64: where its K/V goes; -1 writes nothing
+    seq_lens: torch.Tensor  # [B] int32: keys to attend to, this token included
+    block_tables: torch.Tensor  # [B, width] int32
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, n: int) -> DecodeInputs:
+        """Views of the first ``n`` rows (the same storage)."""
+        return DecodeInputs(**{f.name: getattr(self, f.name)[:n] for f in fields(self)})
+
+
+def allocate_static_inputs(max_batch: int, width: int, device: torch.device | str) -> DecodeInputs:
+    """Buffers that captured graphs read from, every row holding the padding values."""
+    device = torch.device(device)
+    buffers = DecodeInputs(
+        input_ids=torch.empty(max_batch, dtype=torch.int64, device=device),
+        positions=torch.empty(max_batch, dtype=torch.int64, device=device),
+        slot_mapping=torch.empty(max_batch, dtype=torch.int64, device=device),
+        seq_lens=torch.empty(max_batch, dtype=torch.int32, device=device),
+        block_tables=torch.empty(max_batch, width, dtype=torch.int32, device=device),
+    )
+    for name, value in PAD_VALUES.items():
+        getattr(buffers, name).fill_(value)
+    return buffers
+
+
+def copy_padded(static: DecodeInputs, inputs: DecodeInputs, bucket: int) -> DecodeInputs:
+    """Copy ``inputs`` into the first rows of ``static``, pad the rest of ``bucket`` rows,
+    and return views of those ``bucket`` rows."""
+    batch, width = inputs.batch_size, inputs.block_tables.shape[1]
+    if not batch <= bucket <= static.batch_size:
+        raise ValueError(f"batch {batch} does not fit bucket {bucket} ({static.batch_size} buffer rows)")
+    if width > static.block_tables.shape[1]:
+        raise ValueError(
+            f"block_tables has {width} columns but the graphs were captured for "
+            f"{static.block_tables.shape[1]} (max_model_len / block_size): a sequence outgrew max_model_len"
+        )
+    padded = static.rows(bucket)
+    for name, pad in PAD_VALUES.items():
+        dst, src = getattr(padded, name), getattr(inputs, name)
+        dst[batch:].fill_(pad)
+        if name == "block_tables":
+            dst[:batch, :width].copy_(src, non_blocking=True)
+            dst[:batch, width:].fill_(pad)
+        else:
+            dst[:batch].copy_(src, non_blocking=True)
+    return padded
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+    def pool(self) -> Any: ...
+
+
+def record_cuda_graph(body: Callable[[], None], pool: Any) -> Graph:
+    """Capture ``body``'s CUDA work into a graph that may share ``pool`` with earlier ones."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+
+
+class CudaGraphRunner:
+    """Captures one graph per decode batch size and replays the one a batch fits.
+
+    ``forward(input_ids, positions, attn_metadata) -> hidden`` is the model up to the final
+    norm (the LM head runs outside the graph). ``build_metadata(inputs)`` makes the attention
+    metadata from the static buffers' views; it is called once per size at capture time, so
+    the metadata must hold those views and no host-side values derived from them.
+    ``record`` is the capture primitive, ``record_cuda_graph`` unless a test swaps it.
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        build_metadata: Callable[[DecodeInputs], Any],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device | str,
+        record: Callable[[Callable[[], None], Any], Graph] = record_cuda_graph,
+    ) -> None:
+        device = torch.device(device)
+        if record is record_cuda_graph and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}; run decode eagerly instead")
+        self.forward = forward
+        self.build_metadata = build_metadata
+        self.sizes = capture_sizes(max_num_seqs)
+        width = block_table_width(max_model_len, block_size)
+        self.static = allocate_static_inputs(self.sizes[-1], width, device)
+        self.record = record
+        self.graphs: dict[int, Graph] = {}
+        self.captured: list[int] = []  # sizes with a graph, ascending
+        self.hidden: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Warm up and capture every size, largest first so that the smaller graphs reuse
+        the first one's memory pool."""
+        pool = None
+        for size in reversed(self.sizes):
+            inputs = self.static.rows(size)
+            metadata = self.build_metadata(inputs)
+            warm = self.forward(inputs.input_ids, inputs.positions, metadata)  # compiles kernels, picks algos
+            if self.hidden is None:
+                shape = (self.sizes[-1], *warm.shape[1:])
+                self.hidden = torch.empty(shape, dtype=warm.dtype, device=warm.device)
+            del warm
+            self.graphs[size] = self.record(self._body(size, inputs, metadata), pool)
+            pool = self.graphs[size].pool() if pool is None else pool
+        self.captured = sorted(self.graphs)
+        if self.static.input_ids.is_cuda:
+            torch.cuda.synchronize()
+
+    def _body(self, size: int, inputs: DecodeInputs, metadata: Any) -> Callable[[], None]:
+        def body() -> None:
+            self.hidden[:size].copy_(self.forward(inputs.input_ids, inputs.positions, metadata))
+
+        return body
+
+    def can_replay(self, batch_size: int) -> bool:
+        return bucket_for(batch_size, self.captured) is not None
+
+    def replay(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Hidden states ``[batch, ...]`` for ``inputs``: a view of the runner's output buffer,
+        valid until the next replay."""
+        bucket = bucket_for(inputs.batch_size, self.captured)
+        if bucket is None:
+            raise ValueError(f"no captured graph holds a batch of {inputs.batch_size}; run it eagerly")
+        copy_padded(self.static, inputs, bucket)
+        self.graphs[bucket].replay()
+        return self.hidden[: inputs.batch_size]
+
+    def close(self) -> None:
+        """Drop the graphs and their memory pool."""
+        self.graphs.clear()
+        self.captured = []
+        self.hidden = None
