@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer, first_stop, stop_prefix_length
@@ -81,6 +82,17 @@ def test_multibyte_characters_are_never_released_half_done(tokenizer, prompt):
 def test_first_output_token_keeps_its_leading_space(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "Hello"), True, [])
     assert detok.add(encode(tokenizer, " world")[0]) == " world"
+
+
+def test_prompt_context_gives_the_first_token_its_space_under_a_metaspace_decoder():
+    """SentencePiece-style decoders drop the first token's leading space; seeding the stream
+    with the prompt tail keeps it (the default model's byte-level decoder has no such rule)."""
+    vocab = {"\u2581Hello": 0, "\u2581world": 1, "!": 2, "[UNK]": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    assert tok.decode([1]) == "world"
+    _, deltas = stream(tok, [0], [1, 2])
+    assert deltas == [" world", "!", ""]
 
 
 def test_prompt_ending_inside_a_character_is_not_echoed(tokenizer):
