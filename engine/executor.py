@@ -71,9 +71,14 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
         raise ValueError("master_port must be set when nnodes > 1, so that the other machines can join")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    if heads % tp or kv_heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide the model's attention heads "
-                         f"(num_attention_heads={heads}, num_key_value_heads={kv_heads})")
+    # KV heads are split when there are at least as many as ranks, else replicated (as vLLM does)
+    kv_fits = kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0
+    if heads % tp or not kv_fits:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not fit the model's attention heads "
+            f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}): it must divide "
+            "num_attention_heads, and divide num_key_value_heads or be a multiple of it"
+        )
 
 
 def resolve_device(device: str) -> str:
