@@ -1,0 +1,89 @@
+#!/usr/bin/env node
+// kvserve from Node.js: streams a completion token by token, then prints usage and timing.
+//
+//   npm install
+//   node client.js --target 127.0.0.1:50051 --prompt "Write a haiku about the sea." --max-tokens 32
+//   node client.js --json ...    one JSON line per message (what tests read)
+//   node client.js --stats       the Stats RPC
+//
+// The .proto is loaded at run time (no code generation): ../../proto/kvserve/v1/llm.proto.
+'use strict';
+
+const path = require('path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+const PROTO = path.join(__dirname, '..', '..', 'proto', 'kvserve', 'v1', 'llm.proto');
+
+function parseArgs(argv) {
+  const opts = { target: '127.0.0.1:50051', prompt: 'Hello!', maxTokens: 32, temperature: 0, json: false };
+  for (let i = 0; i < argv.length; i++) {
+    const a = argv[i];
+    if (a === '--target') opts.target = argv[++i];
+    else if (a === '--prompt') opts.prompt = argv[++i];
+    else if (a === '--max-tokens') opts.maxTokens = Number(argv[++i]);
+    else if (a === '--temperature') opts.temperature = Number(argv[++i]);
+    else if (a === '--json') opts.json = true;
+    else if (a === '--stats') opts.stats = true;
+    else throw new Error(`unknown argument ${a}`);
+  }
+  return opts;
+}
+
+function loadService() {
+  const definition = protoLoader.loadSync(PROTO, {
+    keepCase: true, // field names as in the .proto: max_tokens, token_ids, finish_reason
+    longs: Number,
+    enums: String, // finish_reason arrives as "STOP", "LENGTH", ...
+    defaults: true,
+    oneofs: true,
+  });
+  return grpc.loadPackageDefinition(definition).kvserve.v1.LLMService;
+}
+
+function stats(client) {
+  client.Stats({}, (err, reply) => {
+    if (err) fail(err);
+    console.log(JSON.stringify(reply));
+    client.close();
+  });
+}
+
+function stream(client, opts) {
+  const request = {
+    prompt: opts.prompt,
+    sampling: { temperature: opts.temperature, max_tokens: opts.maxTokens },
+  };
+  const call = client.Stream(request);
+  call.on('data', (msg) => {
+    if (opts.json) {
+      console.log(JSON.stringify(msg));
+    } else {
+      process.stdout.write(msg.text);
+      if (msg.finish_reason !== 'FINISH_REASON_UNSPECIFIED') {
+        const u = msg.usage;
+        const t = msg.timing;
+        console.error(`\n[${msg.finish_reason}: ${u.prompt_tokens} prompt + ${u.completion_tokens} ` +
+          `completion tokens, ttft ${t.ttft_ms.toFixed(0)} ms, total ${t.total_ms.toFixed(0)} ms]`);
+      }
+    }
+  });
+  call.on('error', fail);
+  call.on('end', () => client.close());
+}
+
+function fail(err) {
+  // err.code is a grpc.status number; err.details the server's message (it names the field).
+  console.error(`kvserve error ${grpc.status[err.code]}: ${err.details}`);
+  process.exit(1);
+}
+
+function main() {
+  const opts = parseArgs(process.argv.slice(2));
+  const LLMService = loadService();
+  const client = new LLMService(opts.target, grpc.credentials.createInsecure());
+  if (opts.stats) stats(client);
+  else stream(client, opts);
+}
+
+main();

