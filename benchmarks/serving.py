@@ -1,0 +1,271 @@
+"""Serving benchmark: a load generator over gRPC, and the same workload through the
+in-process engine, so that the service's overhead shows as a ratio measured in one run.
+
+    python -m kvserve.benchmarks.serving --num-requests 32 --concurrency 8 \
+        --prompt-len 32:256 --output-len 64 --dtype bfloat16
+    python -m kvserve.benchmarks.serving --target 127.0.0.1:50051 --request-rate 4 --no-compare
+
+Without --target it starts a server (``kvserve serve`` on a free loopback port, with the
+engine flags given here), runs the load, stops it, then loads the engine in process and
+runs the same workload with the same arrival policy (concurrency limit or Poisson rate).
+
+Prompts are random token ids (``--token-range``); ``--shared-prefix F`` makes the first F of
+every prompt one common prefix (prefix caching). Every request ignores EOS, so each makes
+exactly its output length. Printed: output tokens/s, requests/s, TTFT, inter-token latency
+(ITL) and end-to-end latency p50/p90/p99, errors by status code, and service / in-process ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import grpc
+
+ENGINE_FLAGS = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                "block_size", "max_model_len")
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    arrival: float  # seconds after the start (rate mode); 0 in concurrency mode
+
+
+@dataclass
+class Trace:
+    """What one request saw: send time, the arrival time of each token, end, error."""
+
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    end: float = 0.0
+    error: str | None = None
+
+
+# ---- workload ------------------------------------------------------------------------------
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    lo_i, hi_i = int(lo), int(hi or lo)
+    if not 1 <= lo_i <= hi_i:
+        raise argparse.ArgumentTypeError(f"expected LO:HI with 1 <= LO <= HI, got {text!r}")
+    return lo_i, hi_i
+
+
+def make_workload(args: argparse.Namespace) -> list[Request]:
+    rng = random.Random(args.seed)
+    lo_tok, hi_tok = args.token_range
+    prefix = [rng.randrange(lo_tok, hi_tok) for _ in range(args.prompt_len[1])]
+    t = 0.0
+    work = []
+    for _ in range(args.num_requests):
+        n = rng.randint(*args.prompt_len)
+        shared = int(n * args.shared_prefix)
+        prompt = prefix[:shared] + [rng.randrange(lo_tok, hi_tok) for _ in range(n - shared)]
+        if args.request_rate:
+            t += rng.expovariate(args.request_rate)
+        work.append(Request(prompt, rng.randint(*args.output_len), t))
+    return work
+
+
+# ---- the gRPC run --------------------------------------------------------------------------
+async def run_grpc(target: str, work: list[Request], concurrency: int | None) -> tuple[list[Trace], float]:
+    from kvserve.clients.aio import AsyncClient
+
+    limit = asyncio.Semaphore(concurrency or len(work))
+    async with AsyncClient(target) as client:
+        await client.generate(token_ids=work[0].prompt[:8], max_tokens=2)  # warm-up
+        start = time.perf_counter()
+
+        async def one(req: Request) -> Trace:
+            await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
+            async with limit:
+                return await _stream_one(client, req)
+
+        traces = await asyncio.gather(*(one(r) for r in work))
+        return list(traces), time.perf_counter() - start
+
+
+async def _stream_one(client, req: Request) -> Trace:
+    tr = Trace(sent=time.perf_counter())
+    try:
+        async for delta in client.stream(token_ids=req.prompt, max_tokens=req.max_tokens, temperature=0,
+                                         ignore_eos=True):
+            now = time.perf_counter()
+            tr.token_times.extend([now] * len(delta.token_ids))
+    except grpc.aio.AioRpcError as e:
+        tr.error = e.code().name
+    tr.end = time.perf_counter()
+    return tr
+
+
+# ---- the in-process run --------------------------------------------------------------------
+def run_in_process(engine, work: list[Request], concurrency: int | None) -> tuple[list[Trace], float]:
+    from kvserve.engine.sampling_params import SamplingParams
+
+    engine.add_request("warmup", work[0].prompt[:8], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    traces = [Trace() for _ in work]
+    pending = deque(range(len(work)))
+    active: set[str] = set()
+    start = time.perf_counter()
+    while pending or active:
+        now = time.perf_counter()
+        while pending and _may_admit(work[pending[0]], len(active), concurrency, now - start):
+            i = pending.popleft()
+            params = SamplingParams(temperature=0.0, max_tokens=work[i].max_tokens, ignore_eos=True)
+            engine.add_request(str(i), work[i].prompt, params)
+            traces[i].sent = now
+            active.add(str(i))
+        if not active:
+            time.sleep(max(0.0, start + work[pending[0]].arrival - time.perf_counter()))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            tr = traces[int(out.request_id)]
+            tr.token_times.extend([now] * len(out.new_token_ids))
+            if out.finished:
+                tr.end = now
+                active.discard(out.request_id)
+    return traces, time.perf_counter() - start
+
+
+def _may_admit(req: Request, num_active: int, concurrency: int | None, elapsed: float) -> bool:
+    if concurrency is not None:
+        return num_active < concurrency
+    return req.arrival <= elapsed
+
+
+# ---- report --------------------------------------------------------------------------------
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    s = sorted(values)
+    return {f"p{q}": s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))] for q in (50, 90, 99)}
+
+
+def summarize(traces: list[Trace], wall_s: float) -> dict:
+    ok = [t for t in traces if t.error is None and t.token_times]
+    tokens = sum(len(t.token_times) for t in ok)
+    ttft = [(t.token_times[0] - t.sent) * 1000 for t in ok]
+    itl = [(b - a) * 1000 for t in ok for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+    e2e = [(t.end - t.sent) * 1000 for t in ok]
+    return {
+        "requests_ok": len(ok),
+        "errors": dict(Counter(t.error for t in traces if t.error is not None)),
+        "wall_s": wall_s,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall_s if wall_s else 0.0,
+        "requests_per_s": len(ok) / wall_s if wall_s else 0.0,
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "e2e_ms": percentiles(e2e),
+    }
+
+
+def print_report(name: str, r: dict) -> None:
+    print(f"\n== {name}")
+    print(f"requests ok {r['requests_ok']}, errors {r['errors'] or 'none'}, wall {r['wall_s']:.1f} s")
+    print(f"output tokens/s {r['output_tokens_per_s']:.1f}   requests/s {r['requests_per_s']:.2f}")
+    for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        p = r[key]
+        print(f"{label:5s} ms  p50 {p['p50']:8.1f}  p90 {p['p90']:8.1f}  p99 {p['p99']:8.1f}")
+
+
+def print_ratios(service: dict, local: dict) -> dict:
+    ratios = {
+        "output_tokens_per_s": service["output_tokens_per_s"] / local["output_tokens_per_s"],
+        "ttft_p50": service["ttft_ms"]["p50"] / local["ttft_ms"]["p50"],
+        "itl_p50": service["itl_ms"]["p50"] / local["itl_ms"]["p50"],
+    }
+    print("\n== service / in-process")
+    print(f"throughput {ratios['output_tokens_per_s']:.3f}x   TTFT p50 {ratios['ttft_p50']:.3f}x   "
+          f"ITL p50 {ratios['itl_p50']:.3f}x")
+    return ratios
+
+
+# ---- main ----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", help="an already running server (default: start one)")
+    p.add_argument("--num-requests", type=int, default=32)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=int, help="requests in flight at once (default 8)")
+    mode.add_argument("--request-rate", type=float, help="Poisson arrivals per second instead")
+    p.add_argument("--prompt-len", type=parse_range, default=(32, 256), metavar="LO:HI")
+    p.add_argument("--output-len", type=parse_range, default=(64, 64), metavar="LO:HI")
+    p.add_argument("--shared-prefix", type=float, default=0.0, help="share of each prompt that is common")
+    p.add_argument("--token-range", type=parse_range, default=(1000, 30000), metavar="LO:HI",
+                   help="prompt token ids are drawn from [LO, HI)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compare", action="store_true", help="skip the in-process run")
+    p.add_argument("--json", help="also write the results to this file")
+    e = p.add_argument_group("engine (for the started server and the in-process engine)")
+    e.add_argument("--model", default="default")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--kv-cache-memory", type=float)
+    e.add_argument("--block-size", type=int)
+    e.add_argument("--max-model-len", type=int)
+    return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 0.0 <= args.shared_prefix <= 1.0:
+        raise SystemExit(f"--shared-prefix must be in [0, 1], got {args.shared_prefix}")
+    concurrency = None if args.request_rate else (args.concurrency or 8)
+    work = make_workload(args)
+    mode = f"rate {args.request_rate}/s" if args.request_rate else f"concurrency {concurrency}"
+    print(f"workload: {len(work)} requests, {mode}, prompt {args.prompt_len}, output {args.output_len}, "
+          f"shared prefix {args.shared_prefix}")
+    results = {"service": summarize(*_grpc_phase(args, work, concurrency))}
+    print_report("service (gRPC)", results["service"])
+    if not args.no_compare:
+        results["in_process"] = summarize(*_local_phase(args, work, concurrency))
+        print_report("in-process engine", results["in_process"])
+        results["ratio"] = print_ratios(results["service"], results["in_process"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "json"}, **results}, f, indent=2)
+    return 0
+
+
+def _grpc_phase(args, work, concurrency):
+    if args.target:
+        return asyncio.run(run_grpc(args.target, work, concurrency))
+    from kvserve.service.process import ServerProcess
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_kwargs(args).items()]
+    flags.append(f"--max-queue={max(256, len(work))}")
+    with ServerProcess(*flags, "--log-level", "warning") as server:
+        return asyncio.run(run_grpc(server.target, work, concurrency))
+
+
+def _local_phase(args, work, concurrency):
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    try:
+        return run_in_process(engine, work, concurrency)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
