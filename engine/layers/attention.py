@@ -1,0 +1,163 @@
+"""Paged attention behind one small interface, in vLLM's split.
+
+- ``AttentionBackend``: built once per model runner. ``build_metadata(inp, device)`` turns a
+  step's ``ModelInput`` into an ``AttentionMetadata`` once per step; ``create_impl(...)`` makes
+  the per-layer ``AttentionImpl``.
+- ``AttentionImpl.forward(q, k, v, k_cache, v_cache, meta)``: writes the new K/V into the paged
+  cache at ``meta.slot_mapping`` (slot -1 = skip) and returns attention over the cached K/V.
+- ``Attention``: the nn.Module a model holds per layer; it owns the layer's cache views.
+
+KV cache layout (shared by every backend and kernel): per layer ``k_cache`` and ``v_cache`` of
+shape [num_blocks, block_size, num_kv_heads, head_dim]. Token slot ``s`` is row
+``s % block_size`` of block ``s // block_size``.
+
+Position rule every backend implements: query token j of a sequence with query length q and
+context length L (cached + new tokens) sits at position L - q + j and attends to keys 0..L-q+j.
+This covers full prefills, prefix-cache hits, chunked-prefill continuations and decodes alike.
+
+Backends are looked up by name in ``BACKENDS`` ("module:Class"), imported on first use, so a
+backend in its own file needs only its entry there.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvserve.engine.model_input import ModelInput
+
+BACKENDS = {
+    "torch": "kvserve.engine.layers.attention_torch:TorchAttentionBackend",
+    "triton": "kvserve.engine.layers.attention_triton:TritonAttentionBackend",
+    "flash-attn": "kvserve.engine.layers.attention_flash:FlashAttentionBackend",
+}
+AUTO_ORDER_CUDA = ("flash-attn", "triton", "torch")
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention inputs, shared by every layer. Tensors live on the model's device."""
+
+    block_size: int
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = do not store
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cu_seqlens_q
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length after this step (cached + new)
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], padded with 0
+    max_query_len: int
+    max_seq_len: int
+    num_decode_tokens: int  # tokens of sequences whose query length is 1
+    query_lens_host: list[int]  # host copies, for planning without a device sync
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.device) -> dict:
+    """The ``AttentionMetadata`` fields every backend needs, as keyword arguments."""
+    max_blocks = max((len(table) for table in inp.block_tables), default=0)
+    padded_tables = [table + [0] * (max_blocks - len(table)) for table in inp.block_tables]
+    query_start = [0]
+    for q in inp.query_lens:
+        query_start.append(query_start[-1] + q)
+    return dict(
+        block_size=block_size,
+        slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(inp.context_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device).reshape(
+            len(padded_tables), max_blocks
+        ),
+        max_query_len=max(inp.query_lens, default=0),
+        max_seq_len=max(inp.context_lens, default=0),
+        num_decode_tokens=sum(1 for q in inp.query_lens if q == 1),
+        query_lens_host=list(inp.query_lens),
+        seq_lens_host=list(inp.context_lens),
+    )
+
+
+class AttentionImpl(ABC):
+    """One layer's attention computation; holds shapes only, no per-step state."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, heads, D], k and v [T, kv_heads, D] -> output [T, heads, D]."""
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    @abstractmethod
+    def build_metadata(self, inp: ModelInput, device: torch.device) -> AttentionMetadata:
+        """Called once per step, before the forward pass."""
+
+    @abstractmethod
+    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
+        """Called once per layer when the model is built."""
+
+
+class Attention(nn.Module):
+    """A model's attention layer: runs its impl over this layer's slice of the KV cache."""
+
+    def __init__(self, impl: AttentionImpl):
+        super().__init__()
+        self.impl = impl
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta)
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``auto``: the torch backend on CPU; on CUDA the first of flash-attn, triton, torch that imports."""
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "torch"
+    for candidate in AUTO_ORDER_CUDA:
+        try:
+            _backend_class(candidate)
+            return candidate
+        except ImportError:
+            continue
+    return "torch"
+
+
+def create_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+    """The backend called ``name`` ("auto", "torch", "triton", "flash-attn") for ``device``."""
+    return _backend_class(resolve_backend_name(name, device))(block_size=block_size)
+
+
+def _backend_class(name: str) -> type[AttentionBackend]:
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
+    module_name, class_name = BACKENDS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"attention backend {name!r} is not available: {exc}") from exc
+    return getattr(module, class_name)

@@ -1,0 +1,56 @@
+"""The token embedding and the LM head, split across tensor-parallel ranks by vocabulary rows.
+
+Each rank holds ``ceil(vocab / tp)`` rows (the last shard padded with zero rows). The embedding
+looks up the ids in its range and all-reduces; the LM head computes its slice of the logits and
+gathers them on rank 0, which trims the padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.engine.parallel import ParallelContext
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext | None = None):
+        super().__init__()
+        self.parallel = parallel or ParallelContext()
+        self.vocab_size = vocab_size
+        self.shard_rows = math.ceil(vocab_size / self.parallel.size)
+        self.vocab_start = self.parallel.rank * self.shard_rows
+        self.vocab_end = min(self.vocab_start + self.shard_rows, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.shard_rows, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(
+                f"checkpoint embedding of shape {tuple(loaded.shape)} does not fit "
+                f"vocab_size {self.vocab_size} x hidden {param.shape[1]}"
+            )
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = (input_ids - self.vocab_start) * in_shard
+        y = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        return self.parallel.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary; rank 0 gets them all, other ranks get None."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden_states, self.weight)
+        if self.parallel.size == 1:
+            return logits
+        logits = self.parallel.gather_last_dim(logits)
+        return None if logits is None else logits[..., : self.vocab_size]

@@ -1,0 +1,131 @@
+"""Tensor-parallel linear layers and the weight loaders that shard checkpoint tensors by rank.
+
+- ``ColumnParallelLinear``: the output features are split across ranks; no communication.
+- ``MergedColumnParallelLinear``: several column layers stored as one matrix (gate|up), each
+  part split across ranks, so one matmul serves them all.
+- ``QKVParallelLinear``: q|k|v in one matrix, split by query heads and by KV heads (KV heads are
+  replicated when there are fewer of them than ranks).
+- ``RowParallelLinear``: the input features are split; partial sums are all-reduced.
+
+Every parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies the
+rank's slice of a full checkpoint tensor into it; the model loader calls it by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.engine.parallel import ParallelContext, divide
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` after checking that the checkpoint tensor has the parameter's shape."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class LinearBase(nn.Module):
+    """``y = x W^T + b`` with ``W`` of shape [output_size, input_size] (this rank's part)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, parallel: ParallelContext | None):
+        super().__init__()
+        self.parallel = parallel or ParallelContext()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = _new_param(output_size, input_size)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = _new_param(output_size)
+            self.bias.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        copy_weight(param.data, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 parallel: ParallelContext | None = None):
+        parallel = parallel or ParallelContext()
+        super().__init__(input_size, divide(output_size, parallel.size, "output features"), bias, parallel)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        copy_weight(param.data, loaded.narrow(0, self.parallel.rank * size, size))
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Column layers of ``output_sizes`` stacked in one matrix; ``shard_id`` is the part's index."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 parallel: ParallelContext | None = None):
+        parallel = parallel or ParallelContext()
+        self.part_sizes = [divide(size, parallel.size, "output features") for size in output_sizes]
+        super().__init__(input_size, sum(self.part_sizes), bias, parallel)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            raise ValueError("a merged linear layer needs the shard id of the loaded part")
+        size = self.part_sizes[shard_id]
+        offset = sum(self.part_sizes[:shard_id])
+        copy_weight(param.data.narrow(0, offset, size), loaded.narrow(0, self.parallel.rank * size, size))
+
+
+class QKVParallelLinear(LinearBase):
+    """q|k|v projections in one matrix; ``shard_id`` is "q", "k" or "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, parallel: ParallelContext | None = None):
+        parallel = parallel or ParallelContext()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, parallel.size, "num_attention_heads")
+        if num_kv_heads >= parallel.size:
+            self.num_kv_heads = divide(num_kv_heads, parallel.size, "num_key_value_heads")
+            self.kv_head_start = parallel.rank * self.num_kv_heads
+        else:  # fewer KV heads than ranks: each rank holds a copy of the one its query heads use
+            divide(parallel.size, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = parallel.rank * num_kv_heads // parallel.size
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.shard_offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        super().__init__(hidden_size, q_size + 2 * kv_size, bias, parallel)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id not in self.shard_offsets:
+            raise ValueError(f"a qkv layer needs shard id 'q', 'k' or 'v', got {shard_id!r}")
+        offset, size = self.shard_offsets[shard_id]
+        head_start = self.parallel.rank * self.num_heads if shard_id == "q" else self.kv_head_start
+        part = loaded.narrow(0, head_start * self.head_dim, size)
+        copy_weight(param.data.narrow(0, offset, size), part)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the partial products are summed by all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 parallel: ParallelContext | None = None):
+        parallel = parallel or ParallelContext()
+        super().__init__(divide(input_size, parallel.size, "input features"), output_size, bias, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is added once, after the all-reduce
+            copy_weight(param.data, loaded)
+            return
+        size = param.shape[1]
+        copy_weight(param.data, loaded.narrow(1, self.parallel.rank * size, size))

@@ -1,0 +1,76 @@
+"""Rotary position embeddings (the "neox" rotate-half form Hugging Face uses for Llama and Qwen).
+
+The cos/sin table is computed once in float32 for every position up to the model's maximum;
+a forward pass looks up its positions once (``RotaryEmbedding.cos_sin``) and every layer
+rotates its q and k with the same pair (``apply_rotary``), so no layer repeats the lookup.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config) -> dict:
+    """The config's rope settings as one dict with ``rope_theta`` and ``rope_type``.
+
+    transformers 5 keeps them in ``rope_parameters``; 4.x in ``rope_theta`` + ``rope_scaling``.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
+    """The float32 inverse frequencies of one head, with the configured scaling applied."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths divided by ``factor``, short ones kept, a blend between."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, params: dict):
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, params)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.to(torch.float32))
+        self.max_position = max_position
+        self.register_buffer("cos_table", freqs.cos(), persistent=False)
+        self.register_buffer("sin_table", freqs.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [tokens, 1, head_dim / 2] for ``positions``, in ``dtype``."""
+        cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape [tokens, heads, head_dim] (the two halves form the complex pairs)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

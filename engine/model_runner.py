@@ -1,0 +1,170 @@
+"""The model runner: the data plane of one tensor-parallel rank.
+
+It loads the model (config, weights, dtype, device), sizes and allocates the paged KV cache and
+executes one ``ModelInput`` per step, returning float32 logits for the rows the scheduler asked
+for. ``prepare_inputs`` (lists -> device tensors and attention metadata) is a separate function
+so a CUDA-graph runner can reuse it for its static buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.layers.attention import AttentionBackend, AttentionMetadata, create_attention_backend
+from kvserve.engine.loader import (
+    load_hf_config,
+    load_weights,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
+from kvserve.engine.model_input import ModelInput
+from kvserve.engine.models import build_model
+from kvserve.engine.models.llama import head_dim_of
+from kvserve.engine.parallel import ParallelContext
+
+GiB = 1 << 30
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    logits_indices: torch.Tensor  # int64 [num_logits]
+    attn_metadata: AttentionMetadata
+
+
+def prepare_inputs(inp: ModelInput, backend: AttentionBackend, device: torch.device) -> PreparedBatch:
+    """One step's ``ModelInput`` as device tensors plus the backend's attention metadata."""
+    assert len(inp.input_ids) == len(inp.positions) == len(inp.slot_mapping) == sum(inp.query_lens)
+    assert len(inp.query_lens) == len(inp.context_lens) == len(inp.block_tables)
+    return PreparedBatch(
+        input_ids=torch.tensor(inp.input_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(inp.positions, dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(inp.logits_indices, dtype=torch.int64, device=device),
+        attn_metadata=backend.build_metadata(inp, device),
+    )
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
+        if parallel is None and config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 needs the ParallelContext of this worker's rank")
+        self.config = config
+        self.parallel = parallel or ParallelContext()
+        self.source = resolve_model(config.model)
+        self.hf_config = load_hf_config(self.source)
+        self._check_max_model_len()
+        self.device = self._pick_device()
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.backend = create_attention_backend(config.attention_backend, self.device, config.block_size)
+        self.attention_backend_name = self.backend.name
+        self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
+        load_weights(self.model, self.source)
+        self.vocab_size = self.hf_config.vocab_size
+        self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks())
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+
+    # -- execution -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
+        """float32 logits [len(inp.logits_indices), vocab] (None on ranks other than 0)."""
+        batch = prepare_inputs(inp, self.backend, self.device)
+        hidden = self._forward(batch)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        return None if logits is None else logits.float()
+
+    def _forward(self, batch: PreparedBatch) -> torch.Tensor:
+        # A decode-only batch is where a captured CUDA graph would be replayed instead.
+        return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+
+    def shutdown(self) -> None:
+        """Free the KV cache and the weights; the runner cannot execute afterwards."""
+        for layer in self.model.attention_layers():
+            layer.bind_kv_cache(torch.empty(0), torch.empty(0))
+        self.kv_cache = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- set-up --------------------------------------------------------------------------
+    def _check_max_model_len(self) -> None:
+        limit = self.hf_config.max_position_embeddings
+        if self.config.max_model_len is not None and self.config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len ({self.config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+
+    def _pick_device(self) -> torch.device:
+        device = resolve_device(self.config.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", self.parallel.rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        return device
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.model.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one block takes: K and V, every layer, ``block_size`` tokens."""
+        per_token = self.kv_heads_per_rank * head_dim_of(self.hf_config) * self.dtype.itemsize
+        return 2 * self.hf_config.num_hidden_layers * self.block_size * per_token
+
+    def _count_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            budget = self._free_gpu_bytes_after_warm_up()
+        else:
+            budget = int(self.config.kv_cache_memory * GiB)
+        blocks = budget // self.kv_block_bytes
+        if blocks < 1:
+            raise ValueError(
+                f"no memory is left for the KV cache: one block needs {self.kv_block_bytes} bytes; "
+                "raise kv_cache_memory / gpu_memory_utilization or set num_kv_blocks"
+            )
+        return blocks
+
+    def _free_gpu_bytes_after_warm_up(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute_model(self._warm_up_input())
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(total * self.config.gpu_memory_utilization - (total - free) - activations)
+
+    def _warm_up_input(self) -> ModelInput:
+        """The largest prefill one step can hold, with nothing stored (slot -1): peak activations."""
+        max_len = self.config.max_model_len or self.hf_config.max_position_embeddings
+        tokens = self.config.max_num_batched_tokens
+        lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len > 1 else [])
+        lens = lens[: self.config.max_num_seqs] or [min(tokens, max_len)]
+        return ModelInput(
+            input_ids=[0] * sum(lens),
+            positions=[p for n in lens for p in range(n)],
+            query_lens=lens,
+            context_lens=lens,
+            block_tables=[[] for _ in lens],
+            slot_mapping=[-1] * sum(lens),
+            logits_indices=list(range(min(sum(lens), self.config.max_num_seqs))),
+        )
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views.
+
+        Zeroed once: padded reads of unused slots are masked out, but must not be NaN.
+        """
+        shape = (2, self.hf_config.num_hidden_layers, num_blocks, self.block_size,
+                 self.kv_heads_per_rank, head_dim_of(self.hf_config))
+        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
+        return kv_cache

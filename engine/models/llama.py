@@ -1,0 +1,159 @@
+"""Llama-architecture decoder (SmolLM2, Llama 2/3), the base the Qwen models extend.
+
+Parameter names follow Hugging Face checkpoints except for the fused projections:
+``self_attn.qkv_proj`` (q|k|v) and ``mlp.gate_up_proj`` (gate|up); ``packed_modules_mapping``
+tells the loader how checkpoint names map onto them. The forward pass takes the step's
+``AttentionMetadata`` explicitly: ``model(input_ids, positions, attn_metadata)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.engine.layers.activation import SiluAndMul
+from kvserve.engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from kvserve.engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvserve.engine.layers.norm import RMSNorm
+from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from kvserve.engine.parallel import ParallelContext
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
+        super().__init__()
+        head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias=self.qkv_bias(config), parallel=parallel,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size,
+            bias=self.out_bias(config), parallel=parallel,
+        )
+        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+        self.attn = Attention(impl)
+
+    @staticmethod
+    def qkv_bias(config) -> bool:
+        return getattr(config, "attention_bias", False)
+
+    @staticmethod
+    def out_bias(config) -> bool:
+        return getattr(config, "attention_bias", False)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project_qkv(hidden, cos, sin)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
+
+    def project_qkv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [T, heads, D] and k, v [T, kv_heads, D], with rotary applied to q and k."""
+        qkv = self.qkv_proj(hidden)
+        qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
+        # q and k sit side by side in qkv: one rotary call turns both
+        qk = apply_rotary(qkv[:, :qk_size].view(qkv.shape[0], -1, self.head_dim), cos, sin)
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, parallel: ParallelContext, bias: bool = False):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias, parallel)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, parallel)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention
+
+    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
+        super().__init__()
+        self.self_attn = self.attention_class(config, backend, parallel)
+        self.mlp = LlamaMLP(config, parallel, bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    layer_class = LlamaDecoderLayer
+
+    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(
+            self.layer_class(config, backend, parallel) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim_of(config), config.max_position_embeddings, rope_parameters(config)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    model_class = LlamaModel
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext | None = None):
+        super().__init__()
+        parallel = parallel or ParallelContext()
+        self.config = config
+        self.model = self.model_class(config, backend, parallel)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden] (no LM head)."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab] on rank 0 (None on other ranks)."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
