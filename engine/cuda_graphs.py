@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kvserve.engine.layers.attention import AttentionMetadata
+
 MAX_CAPTURE_SIZE = 512
 _LADDER = (1, 2, 4, 8, *range(16, MAX_CAPTURE_SIZE + 1, 16))
 
@@ -107,6 +109,25 @@ def copy_padded(static: DecodeInputs, inputs: DecodeInputs, bucket: int) -> Deco
         else:
             dst[:batch].copy_(src, non_blocking=True)
     return padded
+
+
+def decode_metadata(inputs: DecodeInputs, block_size: int) -> AttentionMetadata:
+    """Attention metadata over (static) decode buffers, for backends whose decode path reads only
+    ``slot_mapping``, ``seq_lens`` and ``block_tables`` (Triton, flash-attn) and picks it by
+    ``max_query_len == 1``. The host-side lists are placeholders: a captured graph cannot see them."""
+    batch = inputs.batch_size
+    return AttentionMetadata(
+        block_size=block_size,
+        slot_mapping=inputs.slot_mapping,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=inputs.seq_lens.device),
+        seq_lens=inputs.seq_lens,
+        block_tables=inputs.block_tables,
+        max_query_len=1,
+        max_seq_len=inputs.block_tables.shape[1] * block_size,
+        num_decode_tokens=batch,
+        query_lens_host=[1] * batch,
+        seq_lens_host=[0] * batch,
+    )
 
 
 class Graph(Protocol):
