@@ -142,6 +142,37 @@ def test_rows_with_different_truncation_share_a_batch(device):
     assert len(set(out[2 * rows :])) >= 6
 
 
+def midpoint_top_p(row: torch.Tensor, last_kept_rank: int, top_k: int = 0) -> float:
+    """A top_p that keeps exactly the tokens ranked 0..last_kept_rank (float64 reference)."""
+    ordered = row.double().sort(descending=True).values[: top_k or None]
+    probs = ordered.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    return float(mass_before[last_kept_rank] + mass_before[last_kept_rank + 1]) / 2
+
+
+def test_top_p_with_long_and_short_nuclei_in_one_batch(device):
+    """Long nuclei (hundreds of tokens) and short ones, with and without top_k, next to an
+    untruncated row; the kept set is found by value, wherever the tokens sit."""
+    vocab, rows = 3000, 600
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(5))
+    flat = (-torch.arange(vocab) * 0.002)[perm.argsort()]  # token perm[r] has rank r
+    steep = (-torch.arange(vocab) * 0.5)[perm.argsort()]
+    cases = [
+        (flat, {"top_p": midpoint_top_p(flat, 700)}, 700),
+        (steep, {"top_p": midpoint_top_p(steep, 3)}, 3),
+        (flat, {"top_k": 600, "top_p": midpoint_top_p(flat, 400, top_k=600)}, 400),
+        (flat, {}, vocab - 1),  # untruncated: the tail is rare here, but it is drawn
+    ]
+    logits = torch.cat([row.repeat(rows, 1) for row, _, _ in cases]).to(device)
+    seqs = [make_seq(temperature=1.0, **params) for _, params, _ in cases for _ in range(rows)]
+    out = Sampler(vocab, [EOS])(logits, seqs).token_ids
+    rank = perm.argsort().tolist()
+    for c, (_, _, last) in enumerate(cases):
+        ranks = [rank[t] for t in out[c * rows : (c + 1) * rows]]
+        assert max(ranks) <= last
+        assert max(ranks) >= min(last - min(40, last), 2000)  # the tail of the nucleus is not cut off
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
 def test_draws_follow_the_temperature_scaled_distribution(device, temperature):
     probs = [0.5, 0.25, 0.15, 0.1]

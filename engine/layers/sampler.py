@@ -219,7 +219,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     cutoff, placed = _cutoff_among_largest(logits, width, k, p)
     if width < vocab:  # CPU only: reading ``placed`` is no device sync there
         missing = (~placed).nonzero().squeeze(1)
-        if False:
+        if missing.numel():
             full, _ = _cutoff_among_largest(logits.index_select(0, missing), vocab, k[missing], p[missing])
             cutoff = cutoff.index_copy(0, missing, full)
     return logits.masked_fill(logits < cutoff, float("-inf"))
