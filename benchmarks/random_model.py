@@ -1,0 +1,88 @@
+"""A Hugging Face model directory with seeded random weights, built from a config alone, so
+GPU checks and benchmarks run with nothing but the repository (no download, no GGUF).
+
+It holds ``config.json``, ``model.safetensors`` (``random_weights`` of the engine's model
+registry, checkpoint names) and a word-level tokenizer whose tokens are ``<t0>``, ``<t1>``, ...
+Both kvserve (``LLM(model=DIR)``) and transformers (``from_pretrained(DIR)``) load it.
+
+    python -m kvserve.benchmarks.random_model qwen3-0.6b /tmp/qwen3-0.6b-random
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+# name -> (architecture, config fields); qwen3-0.6b follows Qwen/Qwen3-0.6B's config.json
+SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen3-0.6b": ("Qwen3ForCausalLM", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True,
+    )),
+    "qwen3-tiny": ("Qwen3ForCausalLM", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+    )),
+    "llama-tiny": ("LlamaForCausalLM", dict(
+        vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+    )),
+}  # fmt: skip
+
+
+def make_config(name: str):
+    """The transformers config of the shape called ``name``."""
+    from transformers import AutoConfig
+
+    if name not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {name!r}")
+    architecture, fields = SHAPES[name]
+    model_type = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[architecture]
+    return AutoConfig.for_model(model_type, architectures=[architecture], **fields)
+
+
+def write_random_model(name: str, out_dir: str | Path, seed: int = 0,
+                       dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the model directory (weights stored in ``dtype``) and return its path."""
+    from safetensors.torch import save_file
+
+    from kvserve.engine.models import random_weights
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = make_config(name)
+    config.save_pretrained(out)
+    weights = {n: t.to(dtype).contiguous() for n, t in random_weights(config, seed)}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _word_level_tokenizer(config.vocab_size).save_pretrained(out)
+    return out
+
+
+def _word_level_tokenizer(vocab_size: int):
+    """A tokenizer with one whitespace-separated word per id: ids round-trip through text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<t0>")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = ap.parse_args(argv)
+    path = write_random_model(args.shape, args.out_dir, args.seed, getattr(torch, args.dtype))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
