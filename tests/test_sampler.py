@@ -260,12 +260,17 @@ def test_logprobs_are_sorted_log_softmax_of_the_raw_logits(device):
 
 def test_logits_wider_than_vocab_are_cut_and_input_is_not_modified(device):
     vocab = 10
-    logits = torch.zeros(1, 16, device=device)
-    logits[0, 12] = 50.0  # padding column beyond the vocabulary
+    logits = torch.zeros(2, 16, device=device)
+    logits[:, 12] = 50.0  # padding column beyond the vocabulary
     logits[0, 5] = 3.0
+    logits[1, 2], logits[1, 3] = 1.0, 0.9
     before = logits.clone()
-    seq = make_seq(temperature=0.0, prompt=[5], repetition_penalty=2.0)
-    assert Sampler(vocab, [EOS])(logits, [seq]).token_ids == [5]
+    # ids beyond the vocabulary in a penalised row must not reach the next row (12 = 1 * 10 + 2)
+    seqs = [
+        make_seq(temperature=0.0, prompt=[5, 12], output=[14], repetition_penalty=2.0, presence_penalty=-2.0),
+        make_seq(temperature=0.0),
+    ]
+    assert Sampler(vocab, [EOS])(logits, seqs).token_ids == [5, 2]
     assert torch.equal(logits, before)
 
 

@@ -14,6 +14,8 @@ and survives a recompute after preemption.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -73,7 +75,7 @@ class Sampler:
         mask_rows, mask_cols = self._stop_mask_positions(seqs)
         if not penalty_rows and not mask_rows:
             return raw
-        logits = raw.clone()
+        logits = raw.clone(memory_format=torch.contiguous_format)  # penalties index it flat
         if penalty_rows:
             _apply_penalties(logits, seqs, penalty_rows)
         if mask_rows:
@@ -150,38 +152,68 @@ def _has_penalty(seq: Sequence) -> bool:
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-    """In place on ``logits[rows]``. Repetition (HF/vLLM): over prompt and output tokens,
-    positive logits are divided by the penalty, negative ones multiplied. Presence and
-    frequency (OpenAI): over output tokens, minus presence once and frequency per occurrence."""
-    device, vocab = logits.device, logits.shape[1]
-    picked = [seqs[i] for i in rows]
-    rows_t = _to_device(rows, torch.long, device)
-    sub = logits.index_select(0, rows_t)
-    rep = [s.params.repetition_penalty for s in picked]
-    if any(r != 1.0 for r in rep):
-        seen = _token_counts([s.token_ids for s in picked], vocab, device) > 0
-        rep_t = _to_device(rep, torch.float32, device).unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep_t, sub * rep_t), sub)
-    pres = [s.params.presence_penalty for s in picked]
-    freq = [s.params.frequency_penalty for s in picked]
-    if any(pres) or any(freq):
-        counts = _token_counts([s.completion_token_ids for s in picked], vocab, device)
-        sub = sub - _to_device(freq, torch.float32, device).unsqueeze(1) * counts
-        sub = sub - _to_device(pres, torch.float32, device).unsqueeze(1) * (counts > 0)
-    logits.index_copy_(0, rows_t, sub)
+    """In place on a contiguous ``logits``, touching only the tokens each row has seen."""
+    rep_rows = [i for i in rows if seqs[i].params.repetition_penalty != 1.0]
+    if rep_rows:
+        _apply_repetition_penalty(logits, seqs, rep_rows)
+    out_rows = [i for i in rows if seqs[i].params.presence_penalty or seqs[i].params.frequency_penalty]
+    if out_rows:
+        _apply_presence_frequency(logits, seqs, out_rows)
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab] float counts of each token id per list."""
-    counts = torch.zeros(len(token_lists), vocab, device=device)
-    flat = list(itertools.chain.from_iterable(token_lists))
-    if not flat:
-        return counts
-    cols = _to_device(flat, torch.long, device)
-    lengths = _to_device([len(t) for t in token_lists], torch.long, device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
-    counts.index_put_((rows, cols), torch.ones_like(cols, dtype=counts.dtype), accumulate=True)
+def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """HF/vLLM: over prompt and output tokens, positive logits are divided by the penalty,
+    negative ones multiplied."""
+    vocab = logits.shape[1]
+    seen = [_in_vocab(set(seqs[i].token_ids), vocab) for i in rows]
+    keys, lengths = _flat_keys(rows, seen, vocab)
+    penalty = _per_key([seqs[i].params.repetition_penalty for i in rows], lengths)
+    keys = _to_device(keys, torch.long, logits.device)
+    penalty = _to_device(penalty, torch.float32, logits.device)
+    flat = logits.view(-1)
+    values = flat[keys]
+    flat[keys] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _apply_presence_frequency(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """OpenAI: over output tokens, minus presence once and frequency per occurrence."""
+    vocab = logits.shape[1]
+    counts = [_count_in_vocab(seqs[i].completion_token_ids, vocab) for i in rows]
+    keys, lengths = _flat_keys(rows, [c.keys() for c in counts], vocab)
+    occurrences = torch.tensor(list(itertools.chain.from_iterable(c.values() for c in counts)))
+    freq = _per_key([seqs[i].params.frequency_penalty for i in rows], lengths)
+    pres = _per_key([seqs[i].params.presence_penalty for i in rows], lengths)
+    keys = _to_device(keys, torch.long, logits.device)
+    delta = _to_device(freq * occurrences + pres, torch.float32, logits.device)
+    logits.view(-1)[keys] -= delta
+
+
+# the two guards below keep the flat index (row * vocab + token) inside its row
+
+
+def _in_vocab(tokens: set[int], vocab: int) -> set[int]:
+    return {t for t in tokens if t < vocab} if tokens and max(tokens) >= vocab else tokens
+
+
+def _count_in_vocab(tokens: list[int], vocab: int) -> Counter[int]:
+    counts = Counter(tokens)
+    if counts and max(counts) >= vocab:
+        counts = Counter({t: n for t, n in counts.items() if t < vocab})
     return counts
+
+
+def _flat_keys(
+    rows: list[int], token_groups: list[Iterable[int]], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors: row * vocab + token for every token of every row's group, and the group sizes."""
+    lengths = torch.tensor([len(g) for g in token_groups], dtype=torch.long)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_groups)), dtype=torch.long)
+    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
+    return row_ids * vocab + tokens, lengths
+
+
+def _per_key(per_row: list[float], lengths: torch.Tensor) -> torch.Tensor:
+    return torch.repeat_interleave(torch.tensor(per_row, dtype=torch.float32), lengths)
 
 
 # -- truncation -----------------------------------------------------------------------------
@@ -302,11 +334,12 @@ def _exponential_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return out.exponential_(generator=generator)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without a blocking copy (pinned on CUDA)."""
+def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a device tensor without a blocking copy (pinned on CUDA)."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _row_seed(seed: int, step: int) -> int:
