@@ -12,8 +12,10 @@ ever pickled. Two channels carry the same commands, with the same size limit:
 
 - ``ShmSender`` / ``ShmReceiver`` (one machine): a POSIX shared-memory segment, owner-only
   and unlinked on close, holding a header (sequence number, payload length), one
-  "consumed" counter per worker, then the payload; the leader sets one Event per worker.
-  The leader never overwrites a payload a worker has not copied yet.
+  "consumed" counter per worker, then the payload; the leader rings one doorbell per worker.
+  The leader never overwrites a payload a worker has not copied yet. A doorbell is a
+  semaphore rather than an Event: ``multiprocessing.Event.set()`` waits for every sleeping
+  waiter to acknowledge, so a worker killed while waiting would hang the leader forever.
 - ``DistSender`` / ``DistReceiver`` (any number of machines): the leader broadcasts a
   header tensor (sequence number, length) and then the payload bytes on the control group.
 """
@@ -216,12 +218,13 @@ def _next_seq(current: int, found: int) -> int:
 class ShmSender:
     """Leader side of the shared-memory channel."""
 
-    def __init__(self, events: list, max_payload: int = DEFAULT_MAX_PAYLOAD,
+    def __init__(self, doorbells: list, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
+        """``doorbells``: one ``multiprocessing`` Semaphore(0) per worker, in rank order."""
         self.max_payload = max_payload
-        self._events = events
+        self._doorbells = doorbells
         self._timeout_s = timeout_s
-        self._offset = _HEADER.size + _SLOT.size * len(events)
+        self._offset = _HEADER.size + _SLOT.size * len(doorbells)
         # CPython creates POSIX segments with mode 0o600: owner-only (tests check the mode)
         self._shm = SharedMemory(name=f"kvserve-tp-{uuid.uuid4().hex[:16]}", create=True,
                                  size=self._offset + max_payload)
@@ -240,13 +243,13 @@ class ShmSender:
         buf[self._offset:self._offset + len(frame)] = frame
         self._seq += 1
         _HEADER.pack_into(buf, 0, self._seq, len(frame))
-        for event in self._events:
-            event.set()
+        for doorbell in self._doorbells:
+            doorbell.release()
 
     def _wait_consumed(self) -> None:
         """Every worker has copied the previous command (in lock-step running, at once)."""
         deadline = time.monotonic() + self._timeout_s
-        while any(self._consumed(i) != self._seq for i in range(len(self._events))):
+        while any(self._consumed(i) != self._seq for i in range(len(self._doorbells))):
             if self._closed:
                 raise RuntimeError("the tensor-parallel command channel is closed")
             if time.monotonic() > deadline:
@@ -269,16 +272,15 @@ class ShmSender:
 class ShmReceiver:
     """Worker side of the shared-memory channel; ``index`` is rank - 1."""
 
-    def __init__(self, name: str, index: int, event, num_workers: int):
+    def __init__(self, name: str, index: int, doorbell, num_workers: int):
         self._shm = SharedMemory(name=name)
         self._index = index
-        self._event = event
+        self._doorbell = doorbell
         self._offset = _HEADER.size + _SLOT.size * num_workers
         self._seq = 0
 
     def recv(self) -> Command:
-        self._event.wait()
-        self._event.clear()
+        self._doorbell.acquire()
         buf = self._shm.buf
         seq, length = _HEADER.unpack_from(buf, 0)
         self._seq = _next_seq(self._seq, seq)

@@ -1,7 +1,8 @@
 """Runs the model on one process, or on N tensor-parallel ranks behind the same surface.
 
-``create_executor(config)`` returns a plain ``ModelRunner`` for ``tensor_parallel_size == 1``
-and a ``TensorParallelExecutor`` otherwise. Both offer what the engine uses: ``num_kv_blocks``,
+``create_executor(config)`` returns the model runner itself for ``tensor_parallel_size == 1``
+(a ``LocalExecutor``: a ``ModelRunner`` plus ``is_healthy``) and a ``TensorParallelExecutor``
+otherwise. Both offer what the engine uses: ``num_kv_blocks``,
 ``execute_model``, ``vocab_size``, ``hf_config``, ``dtype``, ``device``,
 ``attention_backend_name``, ``is_healthy`` and ``shutdown``.
 
@@ -36,7 +37,7 @@ import torch
 
 from kvserve.engine import distributed as tpd
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.loader import load_hf_config, resolve_model
+from kvserve.engine.loader import load_hf_config, resolve_device, resolve_model
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel import ParallelContext
@@ -55,8 +56,15 @@ class TensorParallelError(RuntimeError):
 
 def create_executor(config: EngineConfig) -> ModelRunner | TensorParallelExecutor:
     if config.tensor_parallel_size == 1 and config.nnodes == 1:
-        return ModelRunner(config)
+        return LocalExecutor(config)
     return TensorParallelExecutor(config)
+
+
+class LocalExecutor(ModelRunner):
+    """The model runner of a single-process engine, with the executor's health check."""
+
+    def is_healthy(self) -> bool:
+        return True  # no other process to lose; a failed step raises where it happens
 
 
 def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
@@ -81,19 +89,13 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
         )
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group, with the surface of a ModelRunner."""
 
     def __init__(self, config: EngineConfig, *, max_payload_bytes: int = tpd.DEFAULT_MAX_PAYLOAD,
                  timeout_s: float = tpd.DEFAULT_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S):
         check_tensor_parallel(config, load_hf_config(resolve_model(config.model)))
-        self.config = config = config.replace(device=resolve_device(config.device))
+        self.config = config = config.replace(device=resolve_device(config.device).type)
         self.tp_size = config.tensor_parallel_size
         self.max_payload_bytes = max_payload_bytes
         self._timeout_s = timeout_s
@@ -106,13 +108,13 @@ class TensorParallelExecutor:
         tpd.publish_launch(self._store, tpd.Launch(config, max_payload_bytes, timeout_s))
         ctx = mp.get_context("spawn")
         local = self.tp_size // config.nnodes
-        events = [ctx.Event() for _ in range(local - 1)] if channel == "shm" else []
+        doorbells = [ctx.Semaphore(0) for _ in range(local - 1)] if channel == "shm" else []
         self._sender: tpd.Sender | None = (
-            tpd.ShmSender(events, max_payload_bytes, timeout_s) if channel == "shm" else None
+            tpd.ShmSender(doorbells, max_payload_bytes, timeout_s) if channel == "shm" else None
         )
         specs = [WorkerSpec(rank, rank, config.master_addr, self._store.port, channel,
                             getattr(self._sender, "name", None)) for rank in range(1, local)]
-        self._workers = _WorkerProcesses.spawn(ctx, specs, events, self._store)
+        self._workers = _WorkerProcesses.spawn(ctx, specs, doorbells, self._store)
         self._finalizer = weakref.finalize(self, _release, self._workers, self._sender)
         self._leader = _LeaderThread(self._heartbeat if channel == "dist" else None, heartbeat_s)
         try:
@@ -159,6 +161,10 @@ class TensorParallelExecutor:
     @property
     def worker_pids(self) -> list[int]:
         return self._workers.pids
+
+    @property
+    def worker_exitcodes(self) -> list[int | None]:
+        return self._workers.exitcodes
 
     def shutdown(self) -> None:
         """Stop every rank: a clean stop when healthy, else kill; idempotent."""
@@ -287,11 +293,11 @@ class _WorkerProcesses:
         self._store = store
 
     @classmethod
-    def spawn(cls, ctx: Any, specs: list[WorkerSpec], events: list, store: Any) -> _WorkerProcesses:
+    def spawn(cls, ctx: Any, specs: list[WorkerSpec], doorbells: list, store: Any) -> _WorkerProcesses:
         procs = {}
         for i, spec in enumerate(specs):
-            event = events[i] if events else None
-            proc = ctx.Process(target=worker_main, args=(spec, event), daemon=True,
+            doorbell = doorbells[i] if doorbells else None
+            proc = ctx.Process(target=worker_main, args=(spec, doorbell), daemon=True,
                                name=f"kvserve-tp-worker-{spec.rank}")
             proc.start()
             procs[spec.rank] = proc
@@ -300,6 +306,10 @@ class _WorkerProcesses:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs.values()]
+
+    @property
+    def exitcodes(self) -> list[int | None]:
+        return [p.exitcode for p in self._procs.values()]
 
     def first_death(self) -> str | None:
         for rank, proc in self._procs.items():

@@ -43,13 +43,13 @@ class WorkerSpec:
     model: str | None = None  # this machine's path to the model, when it differs from the leader's
 
 
-def worker_main(spec: WorkerSpec, event=None) -> None:
+def worker_main(spec: WorkerSpec, doorbell=None) -> None:
     """Body of a worker process: start, then serve commands until ``shutdown``."""
     _exit_with_parent()
     store = tpd.connect_store(spec.master_addr, spec.master_port, tpd.DEFAULT_TIMEOUT_S)
     try:
         launch = tpd.fetch_launch(store)
-        runner, receiver = _start(spec, launch, store, event)
+        runner, receiver = _start(spec, launch, store, doorbell)
         _serve(runner, receiver)
     except BaseException as exc:
         tpd.report_error(store, spec.rank, exc)
@@ -58,7 +58,7 @@ def worker_main(spec: WorkerSpec, event=None) -> None:
         tpd.destroy_groups()
 
 
-def _start(spec: WorkerSpec, launch: tpd.Launch, store, event) -> tuple[ModelRunner, tpd.Receiver]:
+def _start(spec: WorkerSpec, launch: tpd.Launch, store, doorbell) -> tuple[ModelRunner, tpd.Receiver]:
     """Mirror of the leader's start-up, in the same order: groups, runner, handshake."""
     config = launch.config if spec.model is None else launch.config.replace(model=spec.model)
     world = config.tensor_parallel_size
@@ -67,7 +67,7 @@ def _start(spec: WorkerSpec, launch: tpd.Launch, store, event) -> tuple[ModelRun
     group, control = tpd.init_groups(store, spec.rank, world, tpd.collective_backend(config.device),
                                      launch.timeout_s)
     if spec.channel == "shm":
-        receiver = tpd.ShmReceiver(spec.shm_name, spec.rank - 1, event, world - 1)
+        receiver = tpd.ShmReceiver(spec.shm_name, spec.rank - 1, doorbell, world - 1)
     else:
         receiver = tpd.DistReceiver(control, launch.max_payload)
     runner = ModelRunner(config, ParallelContext(spec.rank, world, group))

@@ -27,9 +27,9 @@ def _model_input(num_tokens: int) -> ModelInput:
 
 @pytest.fixture
 def channel():
-    events = [mp.get_context("spawn").Event() for _ in range(2)]
-    sender = tpd.ShmSender(events, max_payload=4096, timeout_s=5)
-    receivers = [tpd.ShmReceiver(sender.name, i, events[i], num_workers=2) for i in range(2)]
+    doorbells = [mp.get_context("spawn").Semaphore(0) for _ in range(2)]
+    sender = tpd.ShmSender(doorbells, max_payload=4096, timeout_s=5)
+    receivers = [tpd.ShmReceiver(sender.name, i, doorbells[i], num_workers=2) for i in range(2)]
     yield sender, receivers
     for r in receivers:
         r.close()
@@ -69,9 +69,9 @@ def test_oversized_payload_raises_naming_size_and_limit_and_sends_nothing(channe
 
 
 def test_sender_waits_for_workers_before_overwriting():
-    events = [mp.get_context("spawn").Event()]
-    sender = tpd.ShmSender(events, max_payload=1024, timeout_s=0.2)
-    receiver = tpd.ShmReceiver(sender.name, 0, events[0], num_workers=1)
+    doorbells = [mp.get_context("spawn").Semaphore(0)]
+    sender = tpd.ShmSender(doorbells, max_payload=1024, timeout_s=0.2)
+    receiver = tpd.ShmReceiver(sender.name, 0, doorbells[0], num_workers=1)
     try:
         sender.send(tpd.Command(tpd.PING))
         with pytest.raises(TimeoutError, match="did not take command 1"):
