@@ -81,7 +81,7 @@ class Sampler:
         if mask_rows:
             rows = _to_device(mask_rows, torch.long, logits.device)
             cols = _to_device(mask_cols, torch.long, logits.device)
-            logits.index_put_((rows, cols), torch.tensor(float("-inf"), device=logits.device))
+            logits[rows, cols] = float("-inf")  # a Python scalar: no host-to-device copy
         return logits
 
     def _stop_mask_positions(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
