@@ -249,7 +249,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     p = _to_device(top_ps, torch.float32, device).unsqueeze(1)
     width = _sort_width(device, top_ks, vocab)
     cutoff, placed = _cutoff_among_largest(logits, width, k, p)
-    if width < vocab:  # CPU only: reading ``placed`` is no device sync there
+    if max(top_ks) > width:  # rows without top_k that looked at a prefix: CPU only, no device sync
         missing = (~placed).nonzero().squeeze(1)
         if missing.numel():
             full, _ = _cutoff_among_largest(logits.index_select(0, missing), vocab, k[missing], p[missing])
