@@ -277,3 +277,26 @@ def test_logits_wider_than_vocab_are_cut_and_input_is_not_modified(device):
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="num_seqs=2"):
         Sampler(8, [EOS])(torch.zeros(3, 8), [make_seq(), make_seq()])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_before_the_ids_are_read():
+    vocab = 49152
+    logits = torch.randn(6, vocab, device="cuda")
+    seqs = [
+        make_seq(temperature=0.0, repetition_penalty=1.2, min_tokens=3),
+        make_seq(temperature=0.8, top_p=0.9, seed=1),
+        make_seq(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
+        make_seq(temperature=1.0, presence_penalty=0.5, output=[3, 4, 4]),
+        make_seq(temperature=0.7, top_k=20),
+        make_seq(temperature=0.0, logprobs=3),
+    ]
+    sampler = Sampler(vocab, [EOS])
+    sampler(logits, seqs)  # warm-up: generators, pinned buffers
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        token_ids = sampler._choose(sampler._edit_logits(logits, seqs), seqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert token_ids.shape == (6,)
