@@ -40,7 +40,7 @@ class IncrementalDetokenizer:
         """Feed one generated token; return the newly released text (possibly empty)."""
         if self.stopped:
             return ""
-        piece = self._stream.step(self._tokenizer, token_id)
+        piece = self._step(token_id)
         if piece is None:
             self._pending.append(token_id)
             return ""
@@ -56,6 +56,14 @@ class IncrementalDetokenizer:
         rest = self._decode_pending()
         self._pending = []
         return self._release(rest, final=True)
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self._stream.step(self._tokenizer, token_id)
+        except Exception:  # tokenizers' "invalid prefix": a decoder that rewrote earlier text
+            # the broken stream stays broken; go on with a fresh one from the unreleased tokens
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            return self._stream.step(self._tokenizer, self._pending + [token_id])
 
     def _release(self, piece: str, final: bool) -> str:
         text = self._held + piece

@@ -95,6 +95,16 @@ def test_prompt_context_gives_the_first_token_its_space_under_a_metaspace_decode
     assert deltas == [" world", "!", ""]
 
 
+def test_a_decoder_that_rewrites_earlier_text_does_not_break_the_stream():
+    """A decoder whose output for earlier tokens changes with later ones makes DecodeStream
+    fail for good ("invalid prefix"); the detokenizer goes on from the unreleased tokens."""
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    assert tok.decode([0, 1, 2]) == "Xc"  # "a" alone was already out when "b" came
+    detok, deltas = stream(tok, [], [0, 1, 2, 0, 2])
+    assert deltas[0] == "a" and detok.text == "abcac"
+
+
 def test_prompt_ending_inside_a_character_is_not_echoed(tokenizer):
     ids = encode(tokenizer, "ab 👋 cd")
     for split in range(1, len(ids)):
