@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-# name -> (architecture, config fields); qwen3-0.6b follows Qwen/Qwen3-0.6B's config.json
+# name -> (architecture, config fields); qwen3-0.6b follows Qwen/Qwen3-0.6B's config.json. The tiny
+# shapes keep a vocabulary above 10,000: the offline benchmark draws prompt ids below that.
 SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3-0.6b": ("Qwen3ForCausalLM", dict(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -23,11 +24,11 @@ SHAPES: dict[str, tuple[str, dict]] = {
         rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True,
     )),
     "qwen3-tiny": ("Qwen3ForCausalLM", dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
     )),
     "llama-tiny": ("LlamaForCausalLM", dict(
-        vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
+        vocab_size=10240, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
     )),
 }  # fmt: skip
