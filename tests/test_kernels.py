@@ -238,15 +238,17 @@ def _compile_for_cuda(arch: int) -> None:
     ptrs = {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
     compile_kernel(_store_kv_kernel, {**ptrs, "slot_mapping_ptr": "*i64"},
                    {"BLOCK_SIZE": 16, "WIDTH": 192, "WIDTH_PAD": 256})  # fmt: skip
-    for dtype in ("bf16", "fp32"):
+    # the default model (9 heads over 3 KV heads, head dim 64) in both dtypes; Qwen3-0.6B (2, 128) in bf16
+    shapes = [(dtype, 3, 4, 64) for dtype in ("bf16", "fp32")] + [("bf16", 2, 2, 128)]
+    for dtype, group, group_pad, head_dim in shapes:
         for is_decode in (True, False):
             types = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
             types.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr")})
             types["scale"] = "fp32"
-            tokens, rows = (1, 16) if is_decode else (16, 64)
-            consts = {"GROUP": 3, "GROUP_PAD": 4, "TOKENS_PER_TILE": tokens, "BLOCK_M": rows, "BLOCK_N": 64,
-                      "BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "IS_DECODE": is_decode,
-                      "UPCAST_DOT": False}  # fmt: skip
+            tokens, rows = (1, 16) if is_decode else (64 // group_pad, 64)
+            consts = {"GROUP": group, "GROUP_PAD": group_pad, "TOKENS_PER_TILE": tokens, "BLOCK_M": rows,
+                      "BLOCK_N": 64, "BLOCK_SIZE": 16, "HEAD_DIM": head_dim, "D_PAD": head_dim,
+                      "IS_DECODE": is_decode, "UPCAST_DOT": False}  # fmt: skip
             compile_kernel(_paged_attention_kernel, types, consts)
     print(f"sm{arch}")
 
