@@ -1,10 +1,10 @@
 """The torch attention backend: the CPU path and the reference the kernels are tested against.
 
 Per step, ``build_metadata`` plans the work on the host (no device sync later):
-- every sequence with query length 1 (decodes, and one-token prefill chunks) joins one decode
-  group: their K/V blocks are gathered in one ``index_select`` into a padded [n, L] batch and
-  attended with one masked ``scaled_dot_product_attention``, the query heads of each KV head
-  laid out as rows so no K/V is repeated;
+- every sequence with query length 1 (decodes, and one-token prefill chunks) is a decode. The
+  decodes are sorted by context length and cut into a few groups of similar length, so that
+  padding stays small; each group gathers its K/V blocks with one ``index_select`` into a
+  padded [n, L, kv_heads * D] batch and attends with two batched matmuls (see ``_decode``);
 - every longer chunk is a prefill: with nothing cached before it, it attends causally to its
   own new K/V; otherwise it reads its context back from the cache under an offset causal mask.
 """
@@ -24,14 +24,24 @@ from kvserve.engine.layers.attention import (
 )
 from kvserve.engine.model_input import ModelInput
 
+# A decode group is cut where a sequence's context is shorter than this share of the group's
+# longest: below it, padding would cost more than running one more group.
+DECODE_GROUP_MIN_FILL = 0.5
+
+
+@dataclass
+class DecodeGroup:
+    tokens: torch.Tensor  # int64 [n]: where the group's queries sit in the flat batch
+    gather_blocks: torch.Tensor  # int64 [n * max_blocks]: block ids, padded with block 0
+    key_bias: torch.Tensor  # float32 [n, 1, max_blocks * block_size]: 0 for a key, -inf for padding
+    num_seqs: int
+    padded_len: int
+
 
 @dataclass
 class DecodePlan:
-    tokens: slice | torch.Tensor  # where the decode queries sit in the flat batch
-    gather_blocks: torch.Tensor  # int64 [num_seqs * max_blocks]: block ids, padded with block 0
-    mask: torch.Tensor  # bool [num_seqs, 1, 1, max_blocks * block_size]: True = a valid key
-    num_seqs: int
-    padded_len: int
+    groups: list[DecodeGroup]
+    tokens: torch.Tensor  # int64: every decode query, in group order
 
 
 @dataclass
@@ -74,20 +84,33 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _plan_decode(self, inp: ModelInput, seqs: list[int], starts: list[int],
                      device: torch.device) -> DecodePlan:
-        tokens = [starts[i] for i in seqs]
-        contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+        seqs = sorted(seqs, key=lambda i: -inp.context_lens[i])
+        groups, current = [], [seqs[0]]
+        for i in seqs[1:]:
+            if inp.context_lens[i] < DECODE_GROUP_MIN_FILL * inp.context_lens[current[0]]:
+                groups.append(current)
+                current = []
+            current.append(i)
+        groups.append(current)
+        planned = [self._plan_decode_group(inp, group, starts, device) for group in groups]
+        return DecodePlan(planned, torch.cat([group.tokens for group in planned]))
+
+    def _plan_decode_group(self, inp: ModelInput, seqs: list[int], starts: list[int],
+                           device: torch.device) -> DecodeGroup:
         lens = [inp.context_lens[i] for i in seqs]
         max_blocks = -(-max(lens) // self.block_size)
-        tables = [self._context_blocks(inp, i) for i in seqs]
-        flat_blocks = [b for table in tables for b in table + [0] * (max_blocks - len(table))]
         padded_len = max_blocks * self.block_size
+        flat_blocks = []
+        for i in seqs:
+            table = self._context_blocks(inp, i)
+            flat_blocks += table + [0] * (max_blocks - len(table))
         lens_t = torch.tensor(lens, device=device)
-        mask = torch.arange(padded_len, device=device)[None, :] < lens_t[:, None]
-        return DecodePlan(
-            tokens=slice(tokens[0], tokens[0] + len(tokens)) if contiguous
-            else torch.tensor(tokens, dtype=torch.int64, device=device),
+        is_pad = torch.arange(padded_len, device=device)[None, None, :] >= lens_t[:, None, None]
+        key_bias = torch.zeros(is_pad.shape, device=device).masked_fill_(is_pad, float("-inf"))
+        return DecodeGroup(
+            tokens=torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device),
             gather_blocks=torch.tensor(flat_blocks, dtype=torch.int64, device=device),
-            mask=mask.view(len(seqs), 1, 1, padded_len),
+            key_bias=key_bias,
             num_seqs=len(seqs),
             padded_len=padded_len,
         )
@@ -113,15 +136,18 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class TorchAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self._head_masks: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta)
         decode = meta.decode
-        if decode is not None and not meta.prefills:
-            return self._decode(q[decode.tokens], k_cache, v_cache, decode)
         out = torch.empty_like(q)
         if decode is not None:
-            out[decode.tokens] = self._decode(q[decode.tokens], k_cache, v_cache, decode)
+            parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g) for g in decode.groups]
+            out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
         for plan in meta.prefills:
             out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
         return out
@@ -135,15 +161,34 @@ class TorchAttentionImpl(AttentionImpl):
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                plan: DecodePlan) -> torch.Tensor:
-        n, length = plan.num_seqs, plan.padded_len
-        shape = (n, length, self.num_kv_heads, self.head_dim)
-        keys = k_cache.index_select(0, plan.gather_blocks).view(shape).transpose(1, 2)
-        values = v_cache.index_select(0, plan.gather_blocks).view(shape).transpose(1, 2)
-        # the query heads sharing a KV head become rows of one [group, D] query: no K/V repeat
-        grouped = q.reshape(n, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=self.scale)
-        return out.reshape(n, self.num_heads, self.head_dim)
+                group: DecodeGroup) -> torch.Tensor:
+        """Attention of n one-token queries over their padded contexts.
+
+        The gathered K/V stay as they lie in the cache, [n, L, kv_heads * D], and each query is
+        spread into a block-diagonal [heads, kv_heads * D] (zeros outside its KV head's slice), so
+        both products are plain contiguous batched matmuls; the extra multiply-adds by zero cost
+        less than making K/V head-major would.
+        """
+        n, length, width = group.num_seqs, group.padded_len, self.num_kv_heads * self.head_dim
+        keys = k_cache.index_select(0, group.gather_blocks).view(n, length, width)
+        values = v_cache.index_select(0, group.gather_blocks).view(n, length, width)
+        spread = q.repeat(1, 1, self.num_kv_heads) * self._head_mask(q)  # [n, heads, width]
+        scores = torch.bmm(spread, keys.transpose(1, 2)).float() * self.scale + group.key_bias
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        out = torch.bmm(probs, values)  # [n, heads, width]: each head's own slice is the answer
+        group_size = self.num_heads // self.num_kv_heads
+        out = out.view(n, self.num_kv_heads, group_size, self.num_kv_heads, self.head_dim)
+        return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, self.num_heads, self.head_dim)
+
+    def _head_mask(self, q: torch.Tensor) -> torch.Tensor:
+        """[heads, kv_heads * D]: 1 where query head h meets its KV head h // group, else 0."""
+        key = (q.dtype, q.device)
+        if key not in self._head_masks:
+            group_size = self.num_heads // self.num_kv_heads
+            kv_of_head = torch.arange(self.num_heads, device=q.device) // group_size
+            kv_of_column = torch.arange(self.num_kv_heads * self.head_dim, device=q.device) // self.head_dim
+            self._head_masks[key] = (kv_of_head[:, None] == kv_of_column[None, :]).to(q.dtype)
+        return self._head_masks[key]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
