@@ -100,6 +100,8 @@ class TensorParallelExecutor:
         self.max_payload_bytes = max_payload_bytes
         self._timeout_s = timeout_s
         self._failure: str | None = None
+        self._failure_lock = threading.Lock()
+        self._failure_listeners: list[Callable[[str], None]] = []
         self._closed = False
         self._runner: ModelRunner | None = None
         self._group: Any = None  # the world group, once joined
@@ -116,6 +118,7 @@ class TensorParallelExecutor:
                             getattr(self._sender, "name", None)) for rank in range(1, local)]
         self._workers = _WorkerProcesses.spawn(ctx, specs, doorbells, self._store)
         self._finalizer = weakref.finalize(self, _release, self._workers, self._sender)
+        self._workers.watch(self._on_worker_death)
         self._leader = _LeaderThread(self._heartbeat if channel == "dist" else None, heartbeat_s)
         try:
             self.num_kv_blocks: int = self._wait(self._leader.submit(self._start_leader))
@@ -130,6 +133,11 @@ class TensorParallelExecutor:
         cmd = tpd.Command(tpd.EXECUTE_MODEL, inp.to_bytes())
         tpd.check_payload_size(cmd.nbytes, self.max_payload_bytes)  # before anything is sent
         return self._wait(self._leader.submit(lambda: self._step(cmd, inp)))
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(reason)`` once, from any thread, when the group breaks (a worker
+        dies, even while the engine is idle, or a step fails)."""
+        self._failure_listeners.append(listener)
 
     def is_healthy(self) -> bool:
         if self._failure is None and not self._closed:
@@ -172,6 +180,7 @@ class TensorParallelExecutor:
             return
         healthy = self.is_healthy()
         self._closed = True
+        self._workers.stop_watching()
         if not healthy:  # frees a leader thread stuck in a collective with a dead peer
             self._workers.reap(grace_s=0)
         done = self._leader.submit(lambda: self._close_leader(send_shutdown=healthy))
@@ -241,10 +250,18 @@ class TensorParallelExecutor:
         if not self.is_healthy():
             raise TensorParallelError(self._failure)
 
+    def _on_worker_death(self, reason: str) -> None:
+        if not self._closed:
+            self._fail(reason)
+
     def _fail(self, reason: str) -> None:
-        if self._failure is None:
+        with self._failure_lock:
+            if self._failure is not None:
+                return
             self._failure = f"tensor-parallel engine is broken and must be restarted: {reason}"
-            log.error("%s", self._failure)
+        log.error("%s", self._failure)
+        for listener in self._failure_listeners:
+            listener(self._failure)
 
 
 class _LeaderThread:
@@ -291,6 +308,7 @@ class _WorkerProcesses:
     def __init__(self, procs: dict[int, Any], store: Any):
         self._procs = procs
         self._store = store
+        self._stop_watch, self._stop_signal = mp.Pipe(duplex=False)
 
     @classmethod
     def spawn(cls, ctx: Any, specs: list[WorkerSpec], doorbells: list, store: Any) -> _WorkerProcesses:
@@ -317,8 +335,30 @@ class _WorkerProcesses:
                 return self._describe(rank, proc)
         return None
 
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call ``on_death(reason)`` from a daemon thread when the first worker exits."""
+        if self._procs:
+            threading.Thread(target=self._watch, args=(on_death,), name="kvserve-tp-watchdog",
+                             daemon=True).start()
+
+    def _watch(self, on_death: Callable[[str], None]) -> None:
+        ready = wait_sentinels([p.sentinel for p in self._procs.values()] + [self._stop_watch])
+        if self._stop_watch not in ready:
+            self._join_exited(ready)
+            on_death(self.first_death() or "a tensor-parallel worker exited")
+
+    def stop_watching(self) -> None:
+        self._stop_signal.send_bytes(b"stop")
+
     def wait_any(self, timeout: float) -> None:
-        wait_sentinels([p.sentinel for p in self._procs.values()], timeout)
+        """Wait up to ``timeout`` for a worker to exit."""
+        self._join_exited(wait_sentinels([p.sentinel for p in self._procs.values()], timeout))
+
+    def _join_exited(self, ready: list) -> None:
+        # a sentinel is ready once the process closed its files, a moment before its exit code is
+        for proc in self._procs.values():
+            if proc.sentinel in ready:
+                proc.join(1.0)
 
     def reap(self, grace_s: float) -> None:
         """Join every worker; terminate, then kill, those still running after ``grace_s``."""

@@ -16,12 +16,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen3Config
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import EngineConfig
@@ -32,6 +35,7 @@ from kvserve.engine.executor import (
     TensorParallelExecutor,
     create_executor,
 )
+from kvserve.engine.loader import load_tokenizer, resolve_model
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.models import random_weights
 
@@ -40,7 +44,8 @@ STEPS = 32
 
 
 def write_random_model(directory, heads: int = 4, kv_heads: int = 2, vocab: int = 301) -> str:
-    """A Qwen3-shaped checkpoint with seeded random weights (odd vocab: uneven vocab shards)."""
+    """A Qwen3-shaped checkpoint with seeded random weights (odd vocab: uneven vocab shards),
+    and a word-level tokenizer so that the whole engine can load it."""
     cfg = Qwen3Config(
         vocab_size=vocab, hidden_size=16 * heads, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
@@ -49,6 +54,9 @@ def write_random_model(directory, heads: int = 4, kv_heads: int = 2, vocab: int 
     cfg.save_pretrained(directory)
     save_file({name: t.contiguous() for name, t in random_weights(cfg, seed=0)},
               os.path.join(directory, "model.safetensors"))
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", eos_token="w1").save_pretrained(directory)
     return str(directory)
 
 
@@ -147,12 +155,15 @@ def test_qwen3_at_tp2_gives_the_run_of_tp1_and_refuses_an_oversized_payload(qwen
     assert shm_segments() == segments
 
 
-def test_dist_channel_gives_the_same_run(qwen_model, qwen_reference):
+def test_dist_channel_gives_the_same_run_with_heartbeats_in_between(qwen_model, qwen_reference):
     segments = shm_segments()
-    executor = create_executor(engine_config(qwen_model, tp=2, tp_channel="dist"))
+    executor = TensorParallelExecutor(engine_config(qwen_model, tp=2, tp_channel="dist"), heartbeat_s=0.02)
     pids = executor.worker_pids
     try:
         assert shm_segments() == segments  # the shared-memory path is off
+        assert_same_run(greedy(executor, PROMPTS, JOINS), qwen_reference)
+        time.sleep(0.5)  # idle: the leader pings the workers on the same stream
+        assert executor.is_healthy()
         assert_same_run(greedy(executor, PROMPTS, JOINS), qwen_reference)
     finally:
         executor.shutdown()
@@ -203,6 +214,22 @@ def test_killed_worker_breaks_the_engine_loudly_and_leaves_no_orphans(tmp_path):
     assert shm_segments() == segments
 
 
+def test_worker_dying_while_idle_is_noticed_without_a_request(qwen_model):
+    executor = create_executor(engine_config(qwen_model, tp=2))
+    pids = executor.worker_pids
+    broken = threading.Event()
+    reasons = []
+    executor.add_failure_listener(lambda reason: (reasons.append(reason), broken.set()))
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        broken.wait()
+        assert not executor.is_healthy()
+        assert reasons == [reasons[0]] and "worker rank 1" in reasons[0] and "SIGKILL" in reasons[0]
+    finally:
+        executor.shutdown()
+    assert_reaped(pids)
+
+
 def test_tp_size_that_does_not_divide_the_heads_is_refused_before_any_process_starts():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*num_attention_heads=9, "
                                          r"num_key_value_heads=3"):
@@ -210,23 +237,39 @@ def test_tp_size_that_does_not_divide_the_heads_is_refused_before_any_process_st
     assert not mp.active_children()
 
 
-def test_default_model_at_tp3_matches_tp1_through_the_engine_and_the_logits():
-    """SmolLM2 (9 query heads, 3 KV heads) split three ways, against one process."""
-    kwargs = dict(dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256)
-    tp1 = LLM("default", **kwargs)
-    tp3 = LLM("default", tensor_parallel_size=3, **kwargs)
-    pids = tp3.engine.executor.worker_pids
+def test_llm_at_tp2_generates_the_tokens_of_tp1(qwen_model):
+    kwargs = dict(dtype="float32", num_kv_blocks=32, max_model_len=256, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    tp1 = LLM(qwen_model, **kwargs)
     try:
-        texts = ["The three primary colors are", "def fibonacci(n):", "Paris is the capital of"]
-        params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-        want = [o.token_ids for o in tp1.generate(texts, params, use_tqdm=False)]
-        assert [o.token_ids for o in tp3.generate(texts, params, use_tqdm=False)] == want
-        # the same through execute_model, logits included (after generate: the engines are done)
-        prompts = [tp1.tokenizer.encode(t) for t in texts]
-        assert_same_run(greedy(tp3.engine.executor, prompts, [0, 0, 3]),
-                        greedy(tp1.engine.executor, prompts, [0, 0, 3]))
+        want = [o.token_ids for o in tp1.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        tp1.shutdown()
+    tp2 = LLM(qwen_model, tensor_parallel_size=2, **kwargs)
+    try:
+        assert tp2.engine.is_healthy()
+        assert [o.token_ids for o in tp2.generate(PROMPTS, params, use_tqdm=False)] == want
+    finally:
+        tp2.shutdown()
+    assert not tp2.engine.is_healthy()
+
+
+def test_default_model_at_tp3_gives_the_run_of_tp1():
+    """SmolLM2 (9 query heads, 3 KV heads) split three ways, against one process."""
+    config = EngineConfig(model="default", dtype="float32", num_kv_blocks=32, max_model_len=512)
+    tokenizer = load_tokenizer(resolve_model("default"))
+    prompts = [tokenizer.encode(t) for t in
+               ("The three primary colors are", "def fibonacci(n):", "Paris is the capital of")]
+    tp1 = create_executor(config)
+    try:
+        reference = greedy(tp1, prompts, JOINS)
+    finally:
+        tp1.shutdown()
+    tp3 = create_executor(config.replace(tensor_parallel_size=3))
+    pids = tp3.worker_pids
+    try:
+        assert_same_run(greedy(tp3, prompts, JOINS), reference)
     finally:
         tp3.shutdown()
-        tp1.shutdown()
-    assert tp3.engine.executor.worker_exitcodes == [0, 0]
+    assert tp3.worker_exitcodes == [0, 0]
     assert_reaped(pids)
