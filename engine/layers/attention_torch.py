@@ -197,9 +197,10 @@ class TorchAttentionImpl(AttentionImpl):
         else:
             keys = k_cache.index_select(0, plan.blocks).flatten(0, 1)[: plan.context_len]
             values = v_cache.index_select(0, plan.blocks).flatten(0, 1)[: plan.context_len]
+        # 4-D inputs, or CPU SDPA falls back from its flash kernel to the slow math path
         out = F.scaled_dot_product_attention(
-            q[plan.start : plan.end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=plan.mask, is_causal=plan.mask is None, scale=self.scale,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+            q[plan.start : plan.end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None], attn_mask=plan.mask, is_causal=plan.mask is None,
+            scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
