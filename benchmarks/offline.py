@@ -19,35 +19,37 @@ from kvserve.engine import LLM, SamplingParams
 
 
 def make_requests(n: int, prompt_range, output_range, seed: int, vocab: int = 10000):
+    """Random prompt ids below ``vocab`` (nano-vllm draws below 10,000) and output lengths."""
     rng = random.Random(seed)
     prompts = [[rng.randint(0, vocab - 1) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
     outputs = [rng.randint(*output_range) for _ in range(n)]
     return prompts, outputs
 
 
-def run_kvserve(args, prompts, outputs) -> tuple[float, LLM]:
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+def run_kvserve(llm: LLM, args, prompts, outputs) -> float:
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=args.temperature, max_tokens=m, ignore_eos=True) for m in outputs]
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - t0
     assert sum(len(r.token_ids) for r in results) == sum(outputs)
-    return elapsed, llm
+    return elapsed
 
 
-def run_hf(llm: LLM, prompts, outputs, batch: int) -> float:
-    """transformers `generate`, padded batches (left padding), grouped by output length."""
+def load_hf_peer(llm: LLM):
+    """transformers' model on the same weights, dtype and device as kvserve."""
     from transformers import AutoModelForCausalLM
 
-    src = llm.engine.source
-    dtype = llm.engine.executor.dtype
-    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=dtype).eval()
+    src, ex = llm.engine.source, llm.engine.executor
+    if src.gguf_file:
+        model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=ex.dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=ex.dtype)
+    return model.to(ex.device).eval()
+
+
+def run_hf(model, prompts, outputs, batch: int) -> float:
+    """transformers ``generate``: padded batches (left padding), grouped by output length."""
     order = sorted(range(len(prompts)), key=lambda i: outputs[i])
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -61,13 +63,33 @@ def run_hf(llm: LLM, prompts, outputs, batch: int) -> float:
                 mask[row, width - len(prompts[i]) :] = 1
             new = max(outputs[i] for i in idx)
             model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=False,
                 pad_token_id=0,
             )
+    return time.perf_counter() - t0
+
+
+def run_hf_continuous(model, prompts, outputs) -> float:
+    """transformers' continuous batching (the engine behind ``generate_batch``), each request
+    with its own number of new tokens and no EOS."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(outputs), eos_token_id=-1, pad_token_id=0)
+    t0 = time.perf_counter()
+    with torch.inference_mode(), model.continuous_batching_context_manager(generation_config=config) as mgr:
+        for i, (p, m) in enumerate(zip(prompts, outputs, strict=True)):
+            mgr.add_request(p, request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1)
+        done = 0
+        while done < len(prompts):
+            result = mgr.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+            elif result is None and not mgr.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped early")
     return time.perf_counter() - t0
 
 
@@ -84,23 +106,44 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peer", choices=["none", "hf"], default="none")
+    ap.add_argument(
+        "--peer",
+        choices=["none", "hf", "hf-batch"],
+        default="none",
+        help="hf: transformers generate in padded batches; hf-batch: transformers continuous batching",
+    )
     ap.add_argument("--peer-batch", type=int, default=16, help="transformers batch size (padded)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
 
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     prompts, outputs = make_requests(
-        args.num_requests, (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), args.seed
+        args.num_requests,
+        (args.min_prompt, args.max_prompt),
+        (args.min_output, args.max_output),
+        args.seed,
+        vocab=min(10000, llm.engine.vocab_size),
     )
     total = sum(outputs)
-    elapsed, llm = run_kvserve(args, prompts, outputs)
+    elapsed = run_kvserve(llm, args, prompts, outputs)
     ours = total / elapsed
     print(f"requests={args.num_requests} prompt_tokens={sum(map(len, prompts))} output_tokens={total}")
     print(f"kvserve      {elapsed:8.2f} s  {ours:8.1f} output tok/s  ({llm.stats()['dtype']})")
-    if args.peer == "hf":
-        hf_elapsed = run_hf(llm, prompts, outputs, args.peer_batch)
+    if args.peer != "none":
+        model = load_hf_peer(llm)
+        if args.peer == "hf":
+            hf_elapsed, mode = (
+                run_hf(model, prompts, outputs, args.peer_batch),
+                f"generate, batches of {args.peer_batch}",
+            )
+        else:
+            hf_elapsed, mode = run_hf_continuous(model, prompts, outputs), "continuous batching"
         peer = total / hf_elapsed
-        mode = f"generate, batches of {args.peer_batch}"
         print(f"transformers {hf_elapsed:8.2f} s  {peer:8.1f} output tok/s  ({mode})")
         print(f"ratio kvserve / transformers = {ours / peer:.2f}x")
     llm.shutdown()

@@ -133,7 +133,9 @@ class LLMEngine:
 
     def _emit(self, req: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq = req.seq
-        text = req.detok.add(token)
+        # the EOS / stop token that ended the request is reported as a token, not as text
+        ended_by_token = seq.finish_reason == FinishReason.STOP
+        text = "" if ended_by_token else req.detok.add(token)
         if req.detok.stopped and not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.STOP_STRING)
         tail = req.detok.finish() if seq.is_finished and not req.detok.stopped else ""

@@ -1,0 +1,39 @@
+"""The offline benchmark runs end to end (tiny random model, both transformers peers)."""
+
+import pytest
+
+from kvserve.benchmarks import offline
+from kvserve.benchmarks.random_model import write_random_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return str(write_random_model("llama-tiny", tmp_path_factory.mktemp("llama-tiny")))
+
+
+@pytest.mark.parametrize("peer", ["hf", "hf-batch"])
+def test_offline_benchmark_prints_throughput_and_ratio(tiny_llama, peer, capsys):
+    offline.main(
+        [
+            "--model",
+            tiny_llama,
+            "--dtype",
+            "float32",
+            "--num-requests",
+            "4",
+            "--min-prompt",
+            "8",
+            "--max-prompt",
+            "40",
+            "--min-output",
+            "4",
+            "--max-output",
+            "12",
+            "--peer",
+            peer,
+            "--quiet",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "kvserve" in out and "output tok/s" in out
+    assert "ratio kvserve / transformers" in out
