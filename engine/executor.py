@@ -116,7 +116,12 @@ class TensorParallelExecutor:
         )
         specs = [WorkerSpec(rank, rank, config.master_addr, self._store.port, channel,
                             getattr(self._sender, "name", None)) for rank in range(1, local)]
-        self._workers = _WorkerProcesses.spawn(ctx, specs, doorbells, self._store)
+        try:
+            self._workers = _WorkerProcesses.spawn(ctx, specs, doorbells, self._store)
+        except BaseException:
+            if self._sender is not None:
+                self._sender.close()
+            raise
         self._finalizer = weakref.finalize(self, _release, self._workers, self._sender)
         self._workers.watch(self._on_worker_death)
         self._leader = _LeaderThread(self._heartbeat if channel == "dist" else None, heartbeat_s)
@@ -312,14 +317,18 @@ class _WorkerProcesses:
 
     @classmethod
     def spawn(cls, ctx: Any, specs: list[WorkerSpec], doorbells: list, store: Any) -> _WorkerProcesses:
-        procs = {}
-        for i, spec in enumerate(specs):
-            doorbell = doorbells[i] if doorbells else None
-            proc = ctx.Process(target=worker_main, args=(spec, doorbell), daemon=True,
-                               name=f"kvserve-tp-worker-{spec.rank}")
-            proc.start()
-            procs[spec.rank] = proc
-        return cls(procs, store)
+        workers = cls({}, store)
+        try:
+            for i, spec in enumerate(specs):
+                doorbell = doorbells[i] if doorbells else None
+                proc = ctx.Process(target=worker_main, args=(spec, doorbell), daemon=True,
+                                   name=f"kvserve-tp-worker-{spec.rank}")
+                proc.start()
+                workers._procs[spec.rank] = proc
+        except BaseException:
+            workers.reap(grace_s=0)
+            raise
+        return workers
 
     @property
     def pids(self) -> list[int]:

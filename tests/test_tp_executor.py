@@ -98,12 +98,13 @@ def greedy(executor, prompts: list[list[int]], joins: list[int] | None = None,
     return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)], step_logits
 
 
-def assert_same_run(run, reference) -> None:
+def assert_same_run(run, reference, tol: float = 1e-4) -> None:
     tokens, logits = run
     ref_tokens, ref_logits = reference
     assert tokens == ref_tokens
     for step, (got, want) in enumerate(zip(logits, ref_logits, strict=True)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=tol, atol=tol,
+                                   msg=lambda m, s=step: f"step {s}: {m}")
 
 
 def assert_reaped(pids: list[int]) -> None:
@@ -227,6 +228,24 @@ def test_worker_dying_while_idle_is_noticed_without_a_request(qwen_model):
         assert reasons == [reasons[0]] and "worker rank 1" in reasons[0] and "SIGKILL" in reasons[0]
     finally:
         executor.shutdown()
+    assert_reaped(pids)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
+def test_qwen3_at_tp2_on_two_gpus_gives_the_run_of_one_gpu(qwen_model):
+    config = engine_config(qwen_model, tp=1).replace(device="cuda")
+    one = create_executor(config)
+    try:
+        reference = greedy(one, PROMPTS, JOINS)
+    finally:
+        one.shutdown()
+    two = create_executor(config.replace(tensor_parallel_size=2))
+    pids = two.worker_pids
+    try:
+        assert_same_run(greedy(two, PROMPTS, JOINS), reference, tol=1e-3)
+    finally:
+        two.shutdown()
+    assert two.worker_exitcodes == [0]
     assert_reaped(pids)
 
 
