@@ -108,20 +108,8 @@ class TensorParallelExecutor:
         channel = tpd.resolve_channel(config)
         self._store = tpd.listen_store(config.master_addr, config.master_port, self.tp_size, timeout_s)
         tpd.publish_launch(self._store, tpd.Launch(config, max_payload_bytes, timeout_s))
-        ctx = mp.get_context("spawn")
-        local = self.tp_size // config.nnodes
-        doorbells = [ctx.Semaphore(0) for _ in range(local - 1)] if channel == "shm" else []
-        self._sender: tpd.Sender | None = (
-            tpd.ShmSender(doorbells, max_payload_bytes, timeout_s) if channel == "shm" else None
-        )
-        specs = [WorkerSpec(rank, rank, config.master_addr, self._store.port, channel,
-                            getattr(self._sender, "name", None)) for rank in range(1, local)]
-        try:
-            self._workers = _WorkerProcesses.spawn(ctx, specs, doorbells, self._store)
-        except BaseException:
-            if self._sender is not None:
-                self._sender.close()
-            raise
+        self._sender: tpd.Sender | None = None  # the dist channel's comes with the groups
+        self._workers = self._spawn_local_workers(channel)
         self._finalizer = weakref.finalize(self, _release, self._workers, self._sender)
         self._workers.watch(self._on_worker_death)
         self._leader = _LeaderThread(self._heartbeat if channel == "dist" else None, heartbeat_s)
@@ -129,6 +117,22 @@ class TensorParallelExecutor:
             self.num_kv_blocks: int = self._wait(self._leader.submit(self._start_leader))
         except BaseException:
             self.shutdown()
+            raise
+
+    def _spawn_local_workers(self, channel: str) -> _WorkerProcesses:
+        """Ranks 1..local-1 on this machine (with their shared-memory channel, if it is used)."""
+        ctx = mp.get_context("spawn")
+        local = self.tp_size // self.config.nnodes
+        doorbells = [ctx.Semaphore(0) for _ in range(local - 1)] if channel == "shm" else []
+        if channel == "shm":
+            self._sender = tpd.ShmSender(doorbells, self.max_payload_bytes, self._timeout_s)
+        specs = [WorkerSpec(rank, rank, self.config.master_addr, self._store.port, channel,
+                            getattr(self._sender, "name", None)) for rank in range(1, local)]
+        try:
+            return _WorkerProcesses.spawn(ctx, specs, doorbells, self._store)
+        except BaseException:
+            if self._sender is not None:
+                self._sender.close()
             raise
 
     # ---- the ModelRunner surface --------------------------------------------------------------
