@@ -143,12 +143,18 @@ def announce_rank(store: dist.TCPStore, rank: int) -> None:
     store.set(f"kvserve/joining/{rank}", "1")
 
 
-def wait_for_ranks(store: dist.TCPStore, ranks: Iterable[int], cancelled: Callable[[], bool]) -> None:
+def wait_for_ranks(store: dist.TCPStore, ranks: Iterable[int], cancelled: Callable[[], bool],
+                   timeout_s: float) -> None:
     """Wait until every rank announced itself (joining then takes milliseconds), or cancel."""
-    keys = [f"kvserve/joining/{rank}" for rank in ranks]
-    while keys and not store.check(keys):
+    pending = {rank: f"kvserve/joining/{rank}" for rank in ranks}
+    deadline = time.monotonic() + timeout_s
+    while pending and not store.check(list(pending.values())):
         if cancelled():
             raise RuntimeError("tensor-parallel start-up cancelled")
+        if time.monotonic() > deadline:
+            missing = [rank for rank, key in pending.items() if not store.check([key])]
+            raise TimeoutError(f"tensor-parallel ranks {missing} did not join within {timeout_s:.0f} s; "
+                               "on other machines start them with `kvserve worker --node-rank R`")
         time.sleep(0.05)
 
 

@@ -206,7 +206,7 @@ class TensorParallelExecutor:
         """Rank 0's start-up, mirrored by every worker: groups, runner, handshake."""
         pin_device(self.config, 0, self.tp_size // self.config.nnodes)
         # join only once every rank is about to: a rank that died first would stall the join
-        tpd.wait_for_ranks(self._store, range(1, self.tp_size), cancelled=lambda: self._closed)
+        tpd.wait_for_ranks(self._store, range(1, self.tp_size), lambda: self._closed, self._timeout_s)
         group, control = tpd.init_groups(self._store, 0, self.tp_size,
                                          tpd.collective_backend(self.config.device), self._timeout_s)
         self._group = group
@@ -224,7 +224,7 @@ class TensorParallelExecutor:
             try:
                 self._sender.send(tpd.Command(tpd.PING))
             except Exception as exc:
-                self._fail(self._workers.first_death() or f"heartbeat to the workers failed: {exc}")
+                self._fail(self._cause() or f"heartbeat to the workers failed: {exc}")
 
     def _close_leader(self, send_shutdown: bool) -> None:
         try:
@@ -250,8 +250,20 @@ class TensorParallelExecutor:
         except Exception as exc:
             self._workers.wait_any(timeout=1.0)  # a reset connection usually means a peer is dying
             step_error = f"the leader's step failed: {type(exc).__name__}: {exc}"
-            self._fail(self._workers.first_death() or step_error)
+            self._fail(self._cause() or step_error)
             raise TensorParallelError(self._failure) from exc
+
+    def _cause(self) -> str | None:
+        """Why the group broke, as far as this machine can tell: a local worker's death, or the
+        error a worker on any machine left in the store before it exited."""
+        death = self._workers.first_death()
+        if death:
+            return death
+        for rank in range(1, self.tp_size):
+            error = tpd.reported_error(self._store, rank)
+            if error:
+                return f"tensor-parallel worker rank {rank} failed: {error}"
+        return None
 
     def _raise_if_broken(self) -> None:
         if self._closed:
@@ -365,7 +377,8 @@ class _WorkerProcesses:
 
     def wait_any(self, timeout: float) -> None:
         """Wait up to ``timeout`` for a worker to exit."""
-        self._join_exited(wait_sentinels([p.sentinel for p in self._procs.values()], timeout))
+        if self._procs:
+            self._join_exited(wait_sentinels([p.sentinel for p in self._procs.values()], timeout))
 
     def _join_exited(self, ready: list) -> None:
         # a sentinel is ready once the process closed its files, a moment before its exit code is

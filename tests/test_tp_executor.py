@@ -197,6 +197,28 @@ def test_across_machines_entry_runs_the_other_node(qwen_model, qwen_reference):
             node.wait()
 
 
+def test_failing_worker_on_another_node_is_quoted_by_the_leader(qwen_model):
+    port = _free_port()
+    node = subprocess.Popen([sys.executable, "-m", "kvserve.engine.worker", "--node-rank", "1",
+                             "--master-addr", "127.0.0.1", "--master-port", str(port),
+                             "--model", "/nonexistent/model"], stderr=subprocess.DEVNULL)
+    try:
+        with pytest.raises(TensorParallelError, match=r"worker rank 1 failed: ValueError: model "
+                                                      r"'/nonexistent/model' is not"):
+            create_executor(engine_config(qwen_model, tp=2, nnodes=2, master_port=port))
+        assert node.wait() != 0
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
+def test_machine_that_never_joins_fails_the_start_with_a_hint(qwen_model):
+    config = engine_config(qwen_model, tp=2, nnodes=2, master_port=_free_port())
+    with pytest.raises(TensorParallelError, match=r"ranks \[1\] did not join within 1 s; .*kvserve worker"):
+        TensorParallelExecutor(config, timeout_s=1.0)
+
+
 def test_killed_worker_breaks_the_engine_loudly_and_leaves_no_orphans(tmp_path):
     model = write_random_model(tmp_path, heads=6, kv_heads=3)
     segments = shm_segments()
