@@ -20,6 +20,7 @@ first death or failed step makes the executor unhealthy for good: every later ca
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import queue
@@ -118,6 +119,12 @@ class TensorParallelExecutor:
         except BaseException:
             self.shutdown()
             raise
+        runner = self._runner  # what the engine reads, kept past shutdown
+        self.vocab_size: int = runner.vocab_size
+        self.hf_config: Any = runner.hf_config
+        self.dtype: torch.dtype = runner.dtype
+        self.device: torch.device = runner.device
+        self.attention_backend_name: str = runner.attention_backend_name
 
     def _spawn_local_workers(self, channel: str) -> _WorkerProcesses:
         """Ranks 1..local-1 on this machine (with their shared-memory channel, if it is used)."""
@@ -156,26 +163,6 @@ class TensorParallelExecutor:
         return self._failure is None and not self._closed
 
     @property
-    def vocab_size(self) -> int:
-        return self._runner.vocab_size
-
-    @property
-    def hf_config(self) -> Any:
-        return self._runner.hf_config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._runner.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._runner.device
-
-    @property
-    def attention_backend_name(self) -> str:
-        return self._runner.attention_backend_name
-
-    @property
     def worker_pids(self) -> list[int]:
         return self._workers.pids
 
@@ -200,6 +187,9 @@ class TensorParallelExecutor:
         self._workers.reap(grace_s=SHUTDOWN_GRACE_S)
         self._leader.stop(timeout=SHUTDOWN_GRACE_S)
         self._finalizer()
+        # the groups hold the store: dropping them frees the rendezvous port for a next engine
+        self._runner = self._group = self._sender = self._store = self._workers.store = None
+        gc.collect()  # the model's layers (and their group) sit in reference cycles
 
     # ---- the leader thread's work ---------------------------------------------------------------
     def _start_leader(self) -> int:
@@ -328,7 +318,7 @@ class _WorkerProcesses:
 
     def __init__(self, procs: dict[int, Any], store: Any):
         self._procs = procs
-        self._store = store
+        self.store = store  # where workers leave their fatal errors
         self._stop_watch, self._stop_signal = mp.Pipe(duplex=False)
 
     @classmethod
@@ -405,7 +395,7 @@ class _WorkerProcesses:
         except ValueError:
             how = f"exited with status {code}"
         what = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
-        error = tpd.reported_error(self._store, rank)
+        error = tpd.reported_error(self.store, rank)
         return f"{what}: {error}" if error else what
 
 

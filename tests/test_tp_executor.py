@@ -111,6 +111,12 @@ def assert_reaped(pids: list[int]) -> None:
     assert pids and not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def shm_segments() -> set[str]:
     return set(glob.glob("/dev/shm/kvserve-tp-*"))
 
@@ -136,7 +142,9 @@ def qwen_reference(qwen_model):
 
 def test_qwen3_at_tp2_gives_the_run_of_tp1_and_refuses_an_oversized_payload(qwen_model, qwen_reference):
     segments = shm_segments()
-    executor = TensorParallelExecutor(engine_config(qwen_model, tp=2), max_payload_bytes=4096)
+    port = _free_port()
+    config = engine_config(qwen_model, tp=2, master_port=port)
+    executor = TensorParallelExecutor(config, max_payload_bytes=4096)
     pids = executor.worker_pids
     try:
         assert len(shm_segments() - segments) == 1
@@ -154,6 +162,7 @@ def test_qwen3_at_tp2_gives_the_run_of_tp1_and_refuses_an_oversized_payload(qwen
     assert executor.worker_exitcodes == [0]  # a clean stop, not a kill
     assert_reaped(pids)
     assert shm_segments() == segments
+    socket.create_server(("127.0.0.1", port)).close()  # the rendezvous port is free for a next engine
 
 
 def test_dist_channel_gives_the_same_run_with_heartbeats_in_between(qwen_model, qwen_reference):
@@ -169,12 +178,6 @@ def test_dist_channel_gives_the_same_run_with_heartbeats_in_between(qwen_model, 
     finally:
         executor.shutdown()
     assert_reaped(pids)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_across_machines_entry_runs_the_other_node(qwen_model, qwen_reference):
