@@ -84,8 +84,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Free the KV cache and the weights; the runner cannot execute afterwards."""
-        for layer in self.model.attention_layers():
-            layer.bind_kv_cache(torch.empty(0), torch.empty(0))
+        self._unbind_kv_cache()
         self.kv_cache = None
         self.model = None
         if self.device.type == "cuda":
@@ -133,29 +132,42 @@ class ModelRunner:
         return blocks
 
     def _free_gpu_bytes_after_warm_up(self) -> int:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.execute_model(self._warm_up_input())
+        """Free GPU memory once the largest step's activations are set aside (measured by running
+        that step over a scratch KV cache just big enough for it)."""
+        warm_up = self._warm_up_input()
+        scratch = self._allocate_kv_cache(sum(len(table) for table in warm_up.block_tables))
         torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute_model(warm_up)
+        torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        self._unbind_kv_cache()
+        del scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
         return int(total * self.config.gpu_memory_utilization - (total - free) - activations)
 
     def _warm_up_input(self) -> ModelInput:
-        """The largest prefill one step can hold, with nothing stored (slot -1): peak activations."""
+        """The largest prefill one step can hold: ``max_num_batched_tokens`` tokens in sequences
+        of at most ``max_model_len``, with blocks numbered from 0."""
         max_len = self.config.max_model_len or self.hf_config.max_position_embeddings
         tokens = self.config.max_num_batched_tokens
-        lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len > 1 else [])
-        lens = lens[: self.config.max_num_seqs] or [min(tokens, max_len)]
-        return ModelInput(
-            input_ids=[0] * sum(lens),
-            positions=[p for n in lens for p in range(n)],
-            query_lens=lens,
-            context_lens=lens,
-            block_tables=[[] for _ in lens],
-            slot_mapping=[-1] * sum(lens),
-            logits_indices=list(range(min(sum(lens), self.config.max_num_seqs))),
-        )
+        lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+        lens = lens[: self.config.max_num_seqs]
+        inp = ModelInput([], [], [], [], [], [], [])
+        next_block = 0
+        for n in lens:
+            table = list(range(next_block, next_block + -(-n // self.block_size)))
+            next_block += len(table)
+            inp.input_ids += [0] * n
+            inp.positions += range(n)
+            inp.slot_mapping += [table[p // self.block_size] * self.block_size + p % self.block_size
+                                 for p in range(n)]
+            inp.query_lens.append(n)
+            inp.context_lens.append(n)
+            inp.block_tables.append(table)
+            inp.logits_indices.append(len(inp.input_ids) - 1)
+        return inp
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views.
@@ -168,3 +180,8 @@ class ModelRunner:
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
         return kv_cache
+
+    def _unbind_kv_cache(self) -> None:
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for layer in self.model.attention_layers():
+            layer.bind_kv_cache(empty, empty)

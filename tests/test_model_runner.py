@@ -196,6 +196,18 @@ def test_qwen2_hf_directory_through_the_runner_matches_transformers(tiny_qwen2_d
     torch.testing.assert_close(torch.cat([prefill, decode]), hf_logits(theirs, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_memory_sizing_warm_up_step_is_a_valid_largest_prefill(tiny_qwen2_dir):
+    """The step the GPU sizing runs to measure peak activations (its logic runs on any device)."""
+    runner = ModelRunner(EngineConfig(model=str(tiny_qwen2_dir), dtype="float32", max_model_len=128,
+                                      max_num_batched_tokens=300, num_kv_blocks=32, block_size=BLOCK))
+    warm_up = runner._warm_up_input()
+    assert warm_up.query_lens == warm_up.context_lens == [128, 128, 44]
+    assert len(set(warm_up.slot_mapping)) == 300 and min(warm_up.slot_mapping) >= 0
+    logits = runner.execute_model(warm_up)
+    runner.shutdown()
+    assert logits.shape == (3, 512) and torch.isfinite(logits).all()
+
+
 def bind_fresh_kv_cache(model, num_blocks: int, kv_heads: int, head_dim: int) -> None:
     layers = model.attention_layers()
     kv = torch.zeros(2, len(layers), num_blocks, BLOCK, kv_heads, head_dim)
