@@ -214,7 +214,7 @@ class TensorParallelExecutor:
             try:
                 self._sender.send(tpd.Command(tpd.PING))
             except Exception as exc:
-                self._fail(self._cause() or f"heartbeat to the workers failed: {exc}")
+                self._fail(self._cause(wait_s=1.0) or f"heartbeat to the workers failed: {exc}")
 
     def _close_leader(self, send_shutdown: bool) -> None:
         try:
@@ -238,15 +238,14 @@ class TensorParallelExecutor:
         except TensorParallelError:
             raise
         except Exception as exc:
-            self._workers.wait_any(timeout=1.0)  # a reset connection usually means a peer is dying
             step_error = f"the leader's step failed: {type(exc).__name__}: {exc}"
-            self._fail(self._cause() or step_error)
+            self._fail(self._cause(wait_s=1.0) or step_error)  # a failed collective: a peer dying?
             raise TensorParallelError(self._failure) from exc
 
-    def _cause(self) -> str | None:
+    def _cause(self, wait_s: float) -> str | None:
         """Why the group broke, as far as this machine can tell: a local worker's death, or the
         error a worker on any machine left in the store before it exited."""
-        death = self._workers.first_death()
+        death = self._workers.death_reason(wait_s)
         if death:
             return death
         for rank in range(1, self.tp_size):
@@ -359,22 +358,26 @@ class _WorkerProcesses:
     def _watch(self, on_death: Callable[[str], None]) -> None:
         ready = wait_sentinels([p.sentinel for p in self._procs.values()] + [self._stop_watch])
         if self._stop_watch not in ready:
-            self._join_exited(ready)
-            on_death(self.first_death() or "a tensor-parallel worker exited")
+            on_death(self.death_reason(wait_s=2.0) or "a tensor-parallel worker exited")
 
     def stop_watching(self) -> None:
         self._stop_signal.send_bytes(b"stop")
 
-    def wait_any(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for a worker to exit."""
-        if self._procs:
-            self._join_exited(wait_sentinels([p.sentinel for p in self._procs.values()], timeout))
-
-    def _join_exited(self, ready: list) -> None:
-        # a sentinel is ready once the process closed its files, a moment before its exit code is
-        for proc in self._procs.values():
-            if proc.sentinel in ready:
-                proc.join(1.0)
+    def death_reason(self, wait_s: float) -> str | None:
+        """``first_death()``, waiting up to ``wait_s`` for a worker to die. A sentinel fires as
+        the process closes its files, a moment before its exit status exists, and the thread
+        that reaps it may be another one: so look again until the status shows."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            death = self.first_death()
+            remaining = deadline - time.monotonic()
+            if death or remaining <= 0 or not self._procs:
+                return death
+            ready = wait_sentinels([p.sentinel for p in self._procs.values()], remaining)
+            for proc in self._procs.values():
+                if proc.sentinel in ready:
+                    proc.join(0.05)
+            time.sleep(0.005)
 
     def reap(self, grace_s: float) -> None:
         """Join every worker; terminate, then kill, those still running after ``grace_s``."""

@@ -158,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master-port", type=int, required=True, help="the leader's --master-port")
     parser.add_argument("--model", default=None, help="path of the model on this machine, if it differs")
     args = parser.parse_args(argv)
-    return run_node(args.node_rank, args.master_addr, args.master_port, args.model)
+    try:
+        return run_node(args.node_rank, args.master_addr, args.master_port, args.model)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":
