@@ -33,7 +33,7 @@ DECODE_GROUP_MIN_FILL = 0.5
 class DecodeGroup:
     tokens: torch.Tensor  # int64 [n]: where the group's queries sit in the flat batch
     gather_blocks: torch.Tensor  # int64 [n * max_blocks]: block ids, padded with block 0
-    key_bias: torch.Tensor  # float32 [n, 1, max_blocks * block_size]: 0 for a key, -inf for padding
+    key_bias: torch.Tensor  # [n, 1, max_blocks * block_size]: 0 for a key, -inf for padding
     num_seqs: int
     padded_len: int
 
@@ -172,22 +172,24 @@ class TorchAttentionImpl(AttentionImpl):
         n, length, width = group.num_seqs, group.padded_len, self.num_kv_heads * self.head_dim
         keys = k_cache.index_select(0, group.gather_blocks).view(n, length, width)
         values = v_cache.index_select(0, group.gather_blocks).view(n, length, width)
-        spread = q.repeat(1, 1, self.num_kv_heads) * self._head_mask(q)  # [n, heads, width]
-        scores = torch.bmm(spread, keys.transpose(1, 2)).float() * self.scale + group.key_bias
-        probs = scores.softmax(dim=-1).to(q.dtype)
+        spread = q.repeat(1, 1, self.num_kv_heads) * self._head_mask(q)  # [n, heads, width], scaled
+        scores = torch.bmm(spread, keys.transpose(1, 2)) + group.key_bias
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.bmm(probs, values)  # [n, heads, width]: each head's own slice is the answer
         group_size = self.num_heads // self.num_kv_heads
         out = out.view(n, self.num_kv_heads, group_size, self.num_kv_heads, self.head_dim)
         return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, self.num_heads, self.head_dim)
 
     def _head_mask(self, q: torch.Tensor) -> torch.Tensor:
-        """[heads, kv_heads * D]: 1 where query head h meets its KV head h // group, else 0."""
+        """[heads, kv_heads * D]: the softmax scale where query head h meets its KV head
+        h // group, else 0."""
         key = (q.dtype, q.device)
         if key not in self._head_masks:
             group_size = self.num_heads // self.num_kv_heads
             kv_of_head = torch.arange(self.num_heads, device=q.device) // group_size
             kv_of_column = torch.arange(self.num_kv_heads * self.head_dim, device=q.device) // self.head_dim
-            self._head_masks[key] = (kv_of_head[:, None] == kv_of_column[None, :]).to(q.dtype)
+            meets = kv_of_head[:, None] == kv_of_column[None, :]
+            self._head_masks[key] = (meets * self.scale).to(q.dtype)
         return self._head_masks[key]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -1,8 +1,8 @@
 """Rotary position embeddings (the "neox" rotate-half form Hugging Face uses for Llama and Qwen).
 
-The cos/sin table is computed once in float32 for every position up to the model's maximum;
+The cos/sin tables are computed once in float32 for every position up to the model's maximum;
 a forward pass looks up its positions once (``RotaryEmbedding.cos_sin``) and every layer
-rotates its q and k with the same pair (``apply_rotary``), so no layer repeats the lookup.
+rotates its q and k with the same pair (``apply_rotary``: three elementwise ops).
 """
 
 from __future__ import annotations
@@ -60,17 +60,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.to(torch.float32))
         self.max_position = max_position
-        self.register_buffer("cos_table", freqs.cos(), persistent=False)
-        self.register_buffer("sin_table", freqs.sin(), persistent=False)
+        # full width: cos repeated over both halves, sin with the rotation's sign (-sin, sin)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos_table", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_table", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [tokens, 1, head_dim / 2] for ``positions``, in ``dtype``."""
-        cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+        """The pair ``apply_rotary`` takes for ``positions``: [tokens, 1, head_dim] each, in ``dtype``."""
+        cos = self.cos_table.index_select(0, positions).to(dtype)
+        sin = self.sin_table.index_select(0, positions).to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape [tokens, heads, head_dim] (the two halves form the complex pairs)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate ``x`` [tokens, heads, head_dim], whose two halves form the complex pairs:
+    ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``, with ``cos``/``sin`` from ``cos_sin``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
