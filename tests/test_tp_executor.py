@@ -274,6 +274,45 @@ def test_qwen3_at_tp2_on_two_gpus_gives_the_run_of_one_gpu(qwen_model):
     assert_reaped(pids)
 
 
+def test_workers_exit_when_the_leader_is_killed(qwen_model):
+    segments = shm_segments()
+    leader = subprocess.Popen([sys.executable, "-c", LEADER_SCRIPT, qwen_model], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        pids = [int(pid) for pid in leader.stdout.readline().split()]
+        assert len(pids) == 1
+        leader.kill()
+        leader.wait()
+        while [pid for pid in pids if _running(pid)]:  # each worker notices its parent is gone
+            time.sleep(0.1)
+        while shm_segments() != segments:  # the resource tracker removes what the leader left
+            time.sleep(0.1)
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
+
+
+LEADER_SCRIPT = """
+import sys, time
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.executor import create_executor
+executor = create_executor(EngineConfig(model=sys.argv[1], dtype="float32", device="cpu",
+                                        tensor_parallel_size=2, num_kv_blocks=32, max_model_len=256))
+print(*executor.worker_pids, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie is its new parent's to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_tp_size_that_does_not_divide_the_heads_is_refused_before_any_process_starts():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*num_attention_heads=9, "
                                          r"num_key_value_heads=3"):
