@@ -11,6 +11,7 @@ Per step, ``build_metadata`` plans the work on the host (no device sync later):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
             keep = [i for i, slot in enumerate(inp.slot_mapping) if slot >= 0]
             meta.store_tokens = torch.tensor(keep, dtype=torch.int64, device=device)
             meta.store_slots = meta.slot_mapping.index_select(0, meta.store_tokens)
-        starts = meta.query_start_loc.tolist()
+        starts = list(itertools.accumulate(inp.query_lens, initial=0))  # host-side: no device sync
         decode_seqs = [i for i, q in enumerate(inp.query_lens) if q == 1]
         if decode_seqs:
             meta.decode = self._plan_decode(inp, decode_seqs, starts, device)
