@@ -67,6 +67,9 @@ class LocalExecutor(ModelRunner):
     def is_healthy(self) -> bool:
         return True  # no other process to lose; a failed step raises where it happens
 
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """Nothing can break behind the caller's back here, so the listener is never called."""
+
 
 def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
     """Refuse, before any process starts, a layout the engine cannot run."""
