@@ -8,6 +8,8 @@ so a CUDA-graph runner can reuse it for its static buffers.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +178,10 @@ class ModelRunner:
         """
         shape = (2, self.hf_config.num_hidden_layers, num_blocks, self.block_size,
                  self.kv_heads_per_rank, head_dim_of(self.hf_config))
-        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            kv_cache = _lazily_zeroed_cpu_tensor(shape, self.dtype)
+        else:
+            kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
         return kv_cache
@@ -185,3 +190,11 @@ class ModelRunner:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(empty, empty)
+
+
+def _lazily_zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor over an anonymous memory map: the OS hands out zero pages on first
+    touch, so a cache of several GiB costs no start-up time and only the memory its used blocks
+    take. The tensor keeps the map alive."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
