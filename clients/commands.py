@@ -95,7 +95,8 @@ def _generate(client, args: argparse.Namespace) -> int:
         else:
             print(delta.text, end="", flush=True)
             if delta.finished:
-                print(f"\n[{delta.finish_reason}, {delta.usage.completion_tokens} tokens, "
+                print(flush=True)
+                print(f"[{delta.finish_reason}, {delta.usage.completion_tokens} tokens, "
                       f"ttft {delta.timing.ttft_ms:.0f} ms, total {delta.timing.total_ms:.0f} ms]",
                       file=sys.stderr)
     return 0

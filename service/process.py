@@ -37,7 +37,15 @@ class ServerProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 600.0) -> ServerProcess:
-        """Start, then wait until it listens and its health check answers SERVING."""
+        """Start, then wait until it listens and its health check answers SERVING (stopped again
+        if it does not)."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop(timeout=30)
+            raise
+
+    def _start(self, timeout: float) -> ServerProcess:
         cmd = [sys.executable, "-m", "kvserve.service.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                *self.flags]
         env = {**os.environ, **(self.env or {})}

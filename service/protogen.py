@@ -9,13 +9,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-PROTO_ROOT = Path(__file__).resolve().parent.parent / "proto"
-PROTO_DIR = PROTO_ROOT / "kvserve" / "v1"
+import kvserve.v1
+
+# proto/kvserve/v1 in the source tree, site-packages/kvserve/v1 in an installed wheel
+PROTO_DIR = Path(kvserve.v1.__file__).resolve().parent
+PROTO_ROOT = PROTO_DIR.parents[1]
 
 
 def proto_files() -> list[Path]:
     """The .proto files of the public API, sorted."""
     return sorted(PROTO_DIR.glob("*.proto"))
+
+
+def proto_names() -> list[str]:
+    """The same files as protoc names them (``kvserve/v1/llm.proto``)."""
+    return [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
 
 
 def protoc(args: list[str]) -> None:
@@ -31,15 +39,14 @@ def protoc(args: list[str]) -> None:
 
 def generate(out_dir: Path = PROTO_ROOT) -> list[Path]:
     """Write ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` for every .proto under ``out_dir``."""
-    files = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
-    protoc([f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *files])
+    outs = [f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
+    protoc([*outs, *proto_names()])
     return sorted((out_dir / "kvserve" / "v1").glob("*_pb2*.py*"))
 
 
 def descriptor_set(path: Path) -> bytes:
     """The serialized FileDescriptorSet protoc builds from the current .proto files."""
-    files = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
-    protoc([f"--descriptor_set_out={path}", *files])
+    protoc([f"--descriptor_set_out={path}", *proto_names()])
     return path.read_bytes()
 
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, AsyncEngine, EngineState
 from kvserve.engine.config import EngineConfig
 from kvserve.service.health import SERVICE_NAME, Health
+from kvserve.service.reflection import enable_reflection
 from kvserve.service.servicer import LLMServicer
 from kvserve.v1 import llm_pb2_grpc
 
@@ -50,7 +51,7 @@ def build_server(engine: AsyncEngine, health: Health) -> grpc.aio.Server:
     llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    enable_reflection((SERVICE_NAME, health_name), server)
     return server
 
 
@@ -74,7 +75,9 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
     server = build_server(engine, health)
     port = bind(server, settings.host, settings.port)
     await server.start()
-    log.info("listening on %s:%d (loading model %r)", settings.host, port, config.model)
+    # printed whatever the log level: scripts and tests read the port from this line
+    print(f"kvserve: listening on {settings.host}:{port} (loading model {config.model!r})", file=sys.stderr,
+          flush=True)
     stop = _stop_on_signals()
     engine.start()
     if await _first(engine.wait_ready(), stop.wait()) and engine.state == EngineState.DEAD:

@@ -117,7 +117,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         if code == grpc.StatusCode.INTERNAL:
             log.error("request %s failed", request_id or "-", exc_info=error)
         else:
-            log.info("request %s refused: %s: %s", request_id or "-", code.name, message)
+            log.info("request %s ended: %s: %s", request_id or "-", code.name, message)
         await context.abort(code, message)
 
     def _log_finished(self, req: EngineRequest, out: RequestOutput, arrival: float) -> None:

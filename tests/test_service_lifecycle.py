@@ -30,7 +30,11 @@ def server():
 
 
 async def _read_all(call) -> list[llm_pb2.StreamResponse]:
-    return [msg async for msg in call]
+    """The rest of a stream, read with ``read()`` (grpc.aio forbids mixing it with iteration)."""
+    msgs = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        msgs.append(msg)
+    return msgs
 
 
 def test_burst_beyond_max_queue_is_refused_and_admitted_requests_complete(server):
