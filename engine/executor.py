@@ -107,6 +107,7 @@ class TensorParallelExecutor:
         self._failure_lock = threading.Lock()
         self._failure_listeners: list[Callable[[str], None]] = []
         self._closed = False
+        self._num_threads = torch.get_num_threads()  # the leader narrows it on CPU; restored at shutdown
         self._runner: ModelRunner | None = None
         self._group: Any = None  # the world group, once joined
         channel = tpd.resolve_channel(config)
@@ -193,6 +194,7 @@ class TensorParallelExecutor:
         # the groups hold the store: dropping them frees the rendezvous port for a next engine
         self._runner = self._group = self._sender = self._store = self._workers.store = None
         gc.collect()  # the model's layers (and their group) sit in reference cycles
+        torch.set_num_threads(self._num_threads)
 
     # ---- the leader thread's work ---------------------------------------------------------------
     def _start_leader(self) -> int:
