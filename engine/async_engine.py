@@ -150,8 +150,9 @@ class AsyncEngine:
     """Runs an ``LLMEngine`` in its own thread and serves it to asyncio code.
 
     ``engine`` is an ``EngineConfig`` (the model is loaded in the engine thread, so the
-    service can answer health checks while it loads) or an already built ``LLMEngine``.
-    ``on_state`` is called on the event loop whenever the state changes.
+    service can answer health checks while it loads, and ``shutdown`` shuts it down) or an
+    already built ``LLMEngine`` (its owner shuts it down; it must not be used elsewhere
+    while this bridge runs). ``on_state`` is called on the event loop whenever the state changes.
     """
 
     def __init__(
@@ -164,6 +165,7 @@ class AsyncEngine:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
         self._source = engine
+        self._owns_engine = isinstance(engine, EngineConfig)
         self._on_state = on_state
         self._cond = threading.Condition()
         self._inbox: deque[_NewRequest] = deque()
@@ -328,18 +330,20 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - any load failure makes the engine dead
             log.exception("loading the engine failed")
             self._fail(e)
+            self._fail_pending({}, e)
             self._loop.call_soon_threadsafe(self._ready.set)
             return
         self._set_state(EngineState.READY, only_from=(EngineState.LOADING,))
         self._loop.call_soon_threadsafe(self._ready.set)
         live: dict[str, _Sink] = {}
+        error = None
         try:
             self._loop_until_stopped(engine, live)
         except BaseException as e:  # noqa: BLE001 - fail every request, then report
             log.exception("the engine loop failed")
-            self._fail(e, live)
-        finally:
-            self._stop_engine(engine, live)
+            error = e
+            self._fail(e)
+        self._close(engine, live, error)
 
     def _load(self):
         if isinstance(self._source, EngineConfig):
@@ -369,10 +373,11 @@ class AsyncEngine:
                 self._add(engine, req, live)
             self._publish_waiting(engine)
             if engine.has_unfinished_requests():
-                self._deliver(engine.step(), live)
+                outputs = engine.step()
+                self._publish_waiting(engine)  # before the outputs wake anyone who then admits more
+                self._deliver(outputs, live)
                 if not engine.is_healthy():
                     raise RuntimeError("a tensor-parallel worker died")
-                self._publish_waiting(engine)
 
     def _next_work(self, engine) -> _Work:
         """Sleep until there is something to do; take it all (the inbox moves into ``new``)."""
@@ -433,30 +438,35 @@ class AsyncEngine:
         if engine.has_unfinished_requests():
             engine.step()  # hands out the abort outputs; nobody needs them
 
-    def _fail(self, error: BaseException, live: dict[str, _Sink] | None = None) -> None:
-        """The engine is dead: every request and call in flight or queued gets UNAVAILABLE."""
+    def _fail(self, error: BaseException) -> None:
+        """The engine is dead: nothing will be admitted again."""
         with self._cond:
             self._error = error
-            pending = [r.sink for r in self._inbox] + [c.sink for c in self._work.calls]
-            self._inbox.clear()
-            self._work.calls.clear()
         self._set_state(EngineState.DEAD)
-        reason = EngineUnavailable(self._unavailable_reason())
-        for sink in pending + list((live or {}).values()):
-            sink.put(reason)
-        if live:
-            live.clear()
 
-    def _stop_engine(self, engine, live: dict[str, _Sink]) -> None:
+    def _fail_pending(self, live: dict[str, _Sink], error: BaseException | None) -> None:
+        """Every request and call in flight or queued gets UNAVAILABLE."""
         with self._cond:
             pending = [r.sink for r in self._inbox] + [c.sink for c in self._work.calls]
             self._inbox.clear()
             self._work.calls.clear()
+        reason = EngineUnavailable(f"the engine failed: {error!r}" if error else "the engine is stopped")
         for sink in pending + list(live.values()):
-            sink.put(EngineUnavailable("the engine is stopped"))
+            sink.put(reason)
+
+    def _close(self, engine, live: dict[str, _Sink], error: BaseException | None) -> None:
+        """Fail what is left, abort it in the engine, and shut the engine down if it is ours."""
+        self._fail_pending(live, error)
+        for key in live:
+            with contextlib.suppress(Exception):  # a broken engine may refuse; nothing else to do
+                engine.abort(key)
         live.clear()
-        self._set_state(EngineState.STOPPED, only_from=(EngineState.READY, EngineState.DRAINING))
+        if error is None:
+            self._set_state(EngineState.STOPPED, only_from=(EngineState.READY, EngineState.DRAINING))
         try:
-            engine.shutdown()
-        except Exception:  # noqa: BLE001 - shutting down anyway
+            if self._owns_engine:
+                engine.shutdown()
+            elif engine.has_unfinished_requests():
+                engine.step()  # hands out the abort outputs, leaving the borrowed engine clean
+        except Exception:  # noqa: BLE001 - stopping anyway
             log.exception("engine shutdown failed")
