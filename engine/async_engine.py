@@ -35,6 +35,7 @@ from kvserve.engine.sampling_params import SamplingParams
 log = logging.getLogger("kvserve.engine.async")
 
 DEFAULT_MAX_QUEUE = 256
+IDLE_HEALTH_CHECK_S = 1.0  # an idle engine thread wakes this often to check its workers
 
 
 class EngineOverloaded(Exception):
@@ -383,7 +384,8 @@ class AsyncEngine:
         """Sleep until there is something to do; take it all (the inbox moves into ``new``)."""
         with self._cond:
             while not (self._inbox or self._has_work() or engine.has_unfinished_requests()):
-                self._cond.wait()
+                if not self._cond.wait(IDLE_HEALTH_CHECK_S) and not engine.is_healthy():
+                    raise RuntimeError("a tensor-parallel worker died")
             work, self._work = self._work, _Work(stop=self._work.stop)
             work.new = list(self._inbox)
             self._inbox.clear()

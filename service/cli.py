@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=cmd_serve)
+    worker = sub.add_parser("worker", add_help=False,
+                            help="tensor-parallel workers of a further machine (see `kvserve worker -h`)")
+    worker.add_argument("args", nargs=argparse.REMAINDER)
+    worker.set_defaults(func=cmd_worker)
     add_client_commands(sub)
     return parser
 
@@ -109,7 +113,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from kvserve.engine.worker import main as worker_main
+
+    return worker_main(args.args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("worker", "bench"):  # their own parsers own every flag, -h included
+        return build_parser().parse_args(argv[:1]).func(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

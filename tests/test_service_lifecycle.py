@@ -41,7 +41,7 @@ def test_burst_beyond_max_queue_is_refused_and_admitted_requests_complete(server
     async def run():
         async with grpc.aio.insecure_channel(server.target) as ch:
             stub = llm_pb2_grpc.LLMServiceStub(ch)
-            runners = [stub.Stream(build_request(f"Runner {i}:", max_tokens=48, ignore_eos=True))
+            runners = [stub.Stream(build_request(f"Runner {i}:", max_tokens=24, ignore_eos=True))
                        for i in range(MAX_NUM_SEQS)]
             firsts = [await r.read() for r in runners]  # both running: every seat is taken
             burst = [stub.Generate(build_request(f"Burst {i}:", max_tokens=4, ignore_eos=True))
@@ -63,7 +63,7 @@ def test_burst_beyond_max_queue_is_refused_and_admitted_requests_complete(server
     for resp in served:
         assert resp.finish_reason == llm_pb2.LENGTH and len(resp.token_ids) == 4
     for first, msgs in zip(firsts, rest, strict=True):
-        assert len(first.token_ids) + sum(len(m.token_ids) for m in msgs) == 48
+        assert len(first.token_ids) + sum(len(m.token_ids) for m in msgs) == 24
         assert msgs[-1].finish_reason == llm_pb2.LENGTH
     assert stats.requests_rejected == len(refused)
     assert stats.max_queue == MAX_QUEUE
