@@ -7,8 +7,11 @@ holds it; the extra rows are padding that writes no K/V (slot -1) and attends to
 (seq_len 0). Block tables are as wide as ``max_model_len`` needs, so no request can outgrow
 the captured width. Prefill, and decode batches above the largest size, run eagerly.
 
-Only ``CudaGraphRunner.capture`` needs CUDA; sizes, buckets and padding are plain tensor code
-that the tests run on the CPU.
+Graphs are used on CUDA unless ``enforce_eager``, and only with attention backends whose decode
+path reads device tensors alone (Triton, flash-attn); the torch backend plans each step on the
+host, which a graph cannot see. Only ``record_cuda_graph`` needs CUDA; sizes, buckets, padding
+and the runner's bookkeeping are plain tensor code that the tests run on the CPU with a recorder
+that replays by re-running the captured body.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from typing import Any, Protocol
 import torch
 
 from kvserve.engine.layers.attention import AttentionMetadata
+from kvserve.engine.model_input import ModelInput
 
 MAX_CAPTURE_SIZE = 512
+GRAPH_BACKENDS = frozenset({"triton", "flash-attn"})  # decode reads only device tensors
 _LADDER = (1, 2, 4, 8, *range(16, MAX_CAPTURE_SIZE + 1, 16))
 
 # What a padded row holds: token 0 at position 0, no K/V written, no keys read.
@@ -49,6 +54,13 @@ def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def decode_graphs_enabled(enforce_eager: bool, backend_name: str, device: torch.device,
+                          test_recorder: bool = False) -> bool:
+    """Whether decode steps run as graphs: on CUDA (or anywhere with a test's recorder), unless
+    ``enforce_eager``, and only with a backend in ``GRAPH_BACKENDS``."""
+    return not enforce_eager and backend_name in GRAPH_BACKENDS and (device.type == "cuda" or test_recorder)
+
+
 def block_table_width(max_model_len: int, block_size: int) -> int:
     """Columns a block table needs for a sequence of ``max_model_len`` tokens."""
     return -(-max_model_len // block_size)
@@ -71,6 +83,20 @@ class DecodeInputs:
     def rows(self, n: int) -> DecodeInputs:
         """Views of the first ``n`` rows (the same storage)."""
         return DecodeInputs(**{f.name: getattr(self, f.name)[:n] for f in fields(self)})
+
+
+def decode_inputs(inp: ModelInput, pin: bool) -> DecodeInputs:
+    """A decode step's rows as host tensors (in pinned memory when ``pin``, so that
+    ``copy_padded`` can copy them to the device without blocking); block tables padded with 0."""
+    width = max((len(table) for table in inp.block_tables), default=0)
+    tables = [table + [0] * (width - len(table)) for table in inp.block_tables]
+    return DecodeInputs(
+        input_ids=torch.tensor(inp.input_ids, dtype=torch.int64, pin_memory=pin),
+        positions=torch.tensor(inp.positions, dtype=torch.int64, pin_memory=pin),
+        slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, pin_memory=pin),
+        seq_lens=torch.tensor(inp.context_lens, dtype=torch.int32, pin_memory=pin),
+        block_tables=torch.tensor(tables, dtype=torch.int32, pin_memory=pin).reshape(len(tables), width),
+    )
 
 
 def allocate_static_inputs(max_batch: int, width: int, device: torch.device | str) -> DecodeInputs:
@@ -143,6 +169,7 @@ def record_cuda_graph(body: Callable[[], None], pool: Any) -> Graph:
     return graph
 
 
+Recorder = Callable[[Callable[[], None], Any], Graph]  # (body, pool) -> graph; record_cuda_graph's shape
 Forward = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
 
@@ -164,7 +191,7 @@ class CudaGraphRunner:
         max_model_len: int,
         block_size: int,
         device: torch.device | str,
-        record: Callable[[Callable[[], None], Any], Graph] = record_cuda_graph,
+        record: Recorder = record_cuda_graph,
     ) -> None:
         device = torch.device(device)
         if record is record_cuda_graph and device.type != "cuda":
@@ -206,6 +233,16 @@ class CudaGraphRunner:
 
     def can_replay(self, batch_size: int) -> bool:
         return bucket_for(batch_size, self.captured) is not None
+
+    def fits(self, inp: ModelInput) -> bool:
+        """Whether a graph can run this step: decode-only (every query length 1), a captured size
+        holds it, and no block table is wider than the captured width (else it runs eagerly)."""
+        return (
+            inp.num_seqs > 0
+            and inp.is_decode_only
+            and self.can_replay(inp.num_seqs)
+            and max(len(table) for table in inp.block_tables) <= self.static.block_tables.shape[1]
+        )
 
     def replay(self, inputs: DecodeInputs) -> torch.Tensor:
         """Hidden states ``[batch, ...]`` for ``inputs``: a view of the runner's output buffer,

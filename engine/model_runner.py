@@ -2,19 +2,31 @@
 
 It loads the model (config, weights, dtype, device), sizes and allocates the paged KV cache and
 executes one ``ModelInput`` per step, returning float32 logits for the rows the scheduler asked
-for. ``prepare_inputs`` (lists -> device tensors and attention metadata) is a separate function
-so a CUDA-graph runner can reuse it for its static buffers.
+for. ``prepare_inputs`` turns a step's lists into device tensors and attention metadata for an
+eager pass; on CUDA, decode steps replay captured graphs instead (``engine/cuda_graphs.py``).
+
+On CUDA a step's inputs go to the device from pinned host memory without blocking, and nothing
+in a step waits for the device: the one read-back is the sampler's, of the sampled tokens.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.cuda_graphs import (
+    CudaGraphRunner,
+    Recorder,
+    decode_graphs_enabled,
+    decode_inputs,
+    decode_metadata,
+    record_cuda_graph,
+)
 from kvserve.engine.layers.attention import AttentionBackend, AttentionMetadata, create_attention_backend
 from kvserve.engine.loader import (
     load_hf_config,
@@ -44,15 +56,25 @@ def prepare_inputs(inp: ModelInput, backend: AttentionBackend, device: torch.dev
     assert len(inp.input_ids) == len(inp.positions) == len(inp.slot_mapping) == sum(inp.query_lens)
     assert len(inp.query_lens) == len(inp.context_lens) == len(inp.block_tables)
     return PreparedBatch(
-        input_ids=torch.tensor(inp.input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(inp.positions, dtype=torch.int64, device=device),
-        logits_indices=torch.tensor(inp.logits_indices, dtype=torch.int64, device=device),
+        input_ids=to_device(inp.input_ids, device),
+        positions=to_device(inp.positions, device),
+        logits_indices=to_device(inp.logits_indices, device),
         attn_metadata=backend.build_metadata(inp, device),
     )
 
 
+def to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host integers as an int64 tensor on ``device``; on CUDA through pinned memory, without blocking."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
+    """``record_graph`` replaces CUDA graph capture (tests pass a recorder that works on the CPU)."""
+
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None,
+                 record_graph: Recorder | None = None):
         if parallel is None and config.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 needs the ParallelContext of this worker's rank")
         self.config = config
@@ -63,6 +85,7 @@ class ModelRunner:
         self.device = self._pick_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
+        self.graphs: CudaGraphRunner | None = None
         self.backend = create_attention_backend(config.attention_backend, self.device, config.block_size)
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
@@ -70,22 +93,27 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.graphs = self._capture_decode_graphs(record_graph)
 
     # -- execution -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits [len(inp.logits_indices), vocab] (None on ranks other than 0)."""
-        batch = prepare_inputs(inp, self.backend, self.device)
-        hidden = self._forward(batch)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        if self.graphs is not None and self.graphs.fits(inp):
+            hidden = self.graphs.replay(decode_inputs(inp, pin=self.device.type == "cuda"))
+            logits_indices = to_device(inp.logits_indices, self.device)
+        else:
+            batch = prepare_inputs(inp, self.backend, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+            logits_indices = batch.logits_indices
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         return None if logits is None else logits.float()
 
-    def _forward(self, batch: PreparedBatch) -> torch.Tensor:
-        # A decode-only batch is where a captured CUDA graph would be replayed instead.
-        return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-
     def shutdown(self) -> None:
-        """Free the KV cache and the weights; the runner cannot execute afterwards."""
+        """Free the graphs, the KV cache and the weights; the runner cannot execute afterwards."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
         self._unbind_kv_cache()
         self.kv_cache = None
         self.model = None
@@ -93,6 +121,22 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     # -- set-up --------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len or self.hf_config.max_position_embeddings
+
+    def _capture_decode_graphs(self, record_graph: Recorder | None) -> CudaGraphRunner | None:
+        """Decode graphs over the bound KV cache, or None where decode runs eagerly."""
+        if not decode_graphs_enabled(self.config.enforce_eager, self.backend.name, self.device,
+                                     test_recorder=record_graph is not None):
+            return None
+        graphs = CudaGraphRunner(
+            self.model, lambda inputs: decode_metadata(inputs, self.block_size), self.config.max_num_seqs,
+            self.max_model_len, self.block_size, self.device, record=record_graph or record_cuda_graph,
+        )  # fmt: skip
+        graphs.capture()
+        return graphs
+
     def _check_max_model_len(self) -> None:
         limit = self.hf_config.max_position_embeddings
         if self.config.max_model_len is not None and self.config.max_model_len > limit:
@@ -152,7 +196,7 @@ class ModelRunner:
     def _warm_up_input(self) -> ModelInput:
         """The largest prefill one step can hold: ``max_num_batched_tokens`` tokens in sequences
         of at most ``max_model_len``, with blocks numbered from 0."""
-        max_len = self.config.max_model_len or self.hf_config.max_position_embeddings
+        max_len = self.max_model_len
         tokens = self.config.max_num_batched_tokens
         lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
         lens = lens[: self.config.max_num_seqs]

@@ -17,7 +17,9 @@ from kvserve.engine.cuda_graphs import (
     bucket_for,
     capture_sizes,
     copy_padded,
+    decode_inputs,
 )
+from kvserve.engine.model_input import ModelInput
 
 
 def test_capture_sizes_follow_the_ladder_and_always_cover_max_num_seqs():
@@ -56,7 +58,7 @@ def test_block_tables_are_as_wide_as_max_model_len_needs():
     assert allocate_static_inputs(4, block_table_width(100, 16), "cpu").block_tables.shape == (4, 7)
 
 
-def decode_inputs(token_ids, block_tables, block_size=4):
+def decode_batch(token_ids, block_tables, block_size=4):
     """A decode batch for sequences whose lengths follow from their last tokens' positions."""
     lengths = [len(t) * block_size - 1 for t in block_tables]  # last block one short of full
     return DecodeInputs(
@@ -73,7 +75,7 @@ def decode_inputs(token_ids, block_tables, block_size=4):
 def test_copy_padded_fills_real_rows_and_pads_the_rest_of_the_bucket():
     static = allocate_static_inputs(8, 5, "cpu")
     static.block_tables.fill_(99)  # stale entries from an earlier, wider batch
-    inputs = decode_inputs([11, 12, 13], [[3, 4], [5, 6], [7, 1]])
+    inputs = decode_batch([11, 12, 13], [[3, 4], [5, 6], [7, 1]])
 
     padded = copy_padded(static, inputs, bucket=4)
 
@@ -89,12 +91,49 @@ def test_copy_padded_fills_real_rows_and_pads_the_rest_of_the_bucket():
 def test_copy_padded_rejects_a_block_table_wider_than_captured():
     static = allocate_static_inputs(4, 2, "cpu")
     with pytest.raises(ValueError, match="outgrew max_model_len"):
-        copy_padded(static, decode_inputs([1], [[1, 2, 3]]), bucket=1)
+        copy_padded(static, decode_batch([1], [[1, 2, 3]]), bucket=1)
 
 
 def test_runner_refuses_a_cpu_device_with_real_cuda_graphs():
     with pytest.raises(ValueError, match="CUDA device"):
         CudaGraphRunner(lambda *a: None, lambda i: i, 4, 64, 4, "cpu")
+
+
+def model_input(query_lens, block_tables, block_size=4):
+    """A step of sequences whose last block is one short of full, computing ``query_lens`` tokens."""
+    inp = ModelInput([], [], [], [], [], [], [])
+    for q, table in zip(query_lens, block_tables, strict=True):
+        length = len(table) * block_size - 1
+        positions = range(length - q, length)
+        inp.input_ids += [100 + p for p in positions]
+        inp.positions += positions
+        inp.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in positions]
+        inp.query_lens.append(q)
+        inp.context_lens.append(length)
+        inp.block_tables.append(table)
+        inp.logits_indices.append(len(inp.input_ids) - 1)
+    return inp
+
+
+def test_decode_inputs_are_the_step_rows_with_block_tables_padded_with_zero():
+    inp = model_input([1, 1], [[3, 4], [9]])
+    rows = decode_inputs(inp, pin=False)
+    assert rows.input_ids.tolist() == [106, 102] and rows.positions.tolist() == [6, 2]
+    assert rows.slot_mapping.tolist() == [18, 38] and rows.seq_lens.tolist() == [7, 3]
+    assert rows.block_tables.tolist() == [[3, 4], [9, 0]]
+    assert (rows.seq_lens.dtype, rows.block_tables.dtype, rows.slot_mapping.dtype) == (
+        torch.int32, torch.int32, torch.int64)
+    assert not rows.input_ids.is_pinned()
+
+
+def test_runner_fits_only_decode_steps_of_a_captured_size_within_the_captured_width():
+    runner = CudaGraphRunner(TinyModel(8).forward, build_metadata, 4, 8, 4, "cpu", record=ReplayingRecorder())
+    runner.capture()  # sizes 1, 2, 4; block tables 2 wide
+    assert runner.fits(model_input([1, 1, 1], [[1], [2, 3], [4]]))
+    assert not runner.fits(model_input([1] * 5, [[1]] * 5))  # above the largest size
+    assert not runner.fits(model_input([1, 2], [[1], [2, 3]]))  # a two-token chunk: not decode-only
+    assert not runner.fits(model_input([1], [[1, 2, 3]]))  # outgrew the captured width: runs eagerly
+    assert not runner.fits(model_input([], []))
 
 
 # ---------------------------------------------------------------- runner with a fake recorder
@@ -159,7 +198,7 @@ def test_runner_captures_largest_first_in_one_shared_pool_and_replays_the_batch_
     assert [p for p, _ in recorder.calls] == [None] + [first_pool] * 5
 
     for tokens, tables in (([5, 6, 7], [[1, 2], [3, 4], [5, 6]]), ([9], [[7, 8, 9, 10]])):
-        inputs = decode_inputs(tokens, tables)
+        inputs = decode_batch(tokens, tables)
         hidden = runner.replay(inputs)
         expected = eager.forward(inputs.input_ids, inputs.positions, build_metadata(inputs))
         assert torch.equal(hidden, expected)
@@ -171,6 +210,6 @@ def test_runner_has_no_graph_for_a_batch_above_the_largest_size():
     runner.capture()
     assert runner.can_replay(2) and not runner.can_replay(3)
     with pytest.raises(ValueError, match="run it eagerly"):
-        runner.replay(decode_inputs([1, 2, 3], [[0], [1], [0]]))
+        runner.replay(decode_batch([1, 2, 3], [[0], [1], [0]]))
     runner.close()
     assert not runner.can_replay(1)

@@ -36,6 +36,7 @@ BACKENDS = {
     "flash-attn": "kvserve.engine.layers.attention_flash:FlashAttentionBackend",
 }
 AUTO_ORDER_CUDA = ("flash-attn", "triton", "torch")
+FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged KV takes only blocks of a multiple of this
 
 
 @dataclass
@@ -132,13 +133,16 @@ class Attention(nn.Module):
         return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta)
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """``auto``: the torch backend on CPU; on CUDA the first of flash-attn, triton, torch that imports."""
+def resolve_backend_name(name: str, device: torch.device, block_size: int) -> str:
+    """``auto``: the torch backend on CPU; on CUDA the first of flash-attn (only when
+    ``block_size`` is a multiple of ``FLASH_ATTN_BLOCK_MULTIPLE``), triton, torch that imports."""
     if name != "auto":
         return name
     if device.type != "cuda":
         return "torch"
     for candidate in AUTO_ORDER_CUDA:
+        if candidate == "flash-attn" and not flash_attn_takes(block_size):
+            continue
         try:
             _backend_class(candidate)
             return candidate
@@ -147,9 +151,21 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return "torch"
 
 
+def flash_attn_takes(block_size: int) -> bool:
+    return block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
+
+
 def create_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
     """The backend called ``name`` ("auto", "torch", "triton", "flash-attn") for ``device``."""
-    return _backend_class(resolve_backend_name(name, device))(block_size=block_size)
+    resolved = resolve_backend_name(name, device, block_size)
+    if resolved == "flash-attn" and not flash_attn_takes(block_size):
+        multiple = FLASH_ATTN_BLOCK_MULTIPLE
+        raise ValueError(
+            f"attention_backend 'flash-attn' needs block_size to be a multiple of {multiple} "
+            f"(flash-attn's paged KV limit), got block_size={block_size}; "
+            f"pass --block-size {multiple} or --attention-backend triton"
+        )
+    return _backend_class(resolved)(block_size=block_size)
 
 
 def _backend_class(name: str) -> type[AttentionBackend]:
