@@ -3,8 +3,10 @@
 #   1. kernels     the Triton kernel tests, compiled for the GPU
 #   2. parity      tiny random-weight Llama and Qwen3 models on the GPU (Triton backend) against
 #                  the torch backend on this machine's CPU: logits close, clear greedy choices equal
-#   3. graphs      decode CUDA graphs: bucket/padding logic, and graph replay of a real model
-#                  against its eager decode
+#   3. graphs      decode CUDA graphs: bucket/padding logic, the ModelRunner's graph path against
+#                  its eager path, and whole engines (LLM on random Llama- and Qwen3-shaped model
+#                  directories) with CUDA graphs against enforce_eager=True: equal greedy tokens
+#                  (the engine comparison needs CUDA: in a CPU smoke run it is skipped)
 #   4. throughput  nano-vllm's workload (256 requests, prompts and outputs of 100-1024 tokens,
 #                  ignore_eos) on a Qwen3-0.6B-shaped model with random weights, no download;
 #                  transformers on the same requests in the same run when the benchmark offers
@@ -105,7 +107,7 @@ pytest_step() {
 
 pytest_step kernels 180 tests/test_kernels.py
 pytest_step parity 180 tests/test_attention_triton.py -k "not graph"
-pytest_step graphs 180 tests/test_cuda_graphs.py \
+pytest_step graphs 240 tests/test_cuda_graphs.py tests/test_model_runner_graphs.py \
   tests/test_attention_triton.py::test_graph_decode_metadata_over_padded_static_buffers_gives_the_same_rows \
   tests/test_attention_triton.py::test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode
 

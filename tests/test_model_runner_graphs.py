@@ -217,11 +217,17 @@ def test_explicit_flash_attn_with_a_bad_block_size_names_block_size_and_the_rule
 
 
 @pytest.mark.skipif(not CUDA, reason="real CUDA graphs need a GPU (the logic above runs on the CPU)")
-def test_engine_with_cuda_graphs_generates_the_greedy_tokens_of_enforce_eager(model_dir):
+@pytest.mark.parametrize("shape", ["llama-tiny", "qwen3-tiny"])
+def test_engine_with_cuda_graphs_generates_the_greedy_tokens_of_enforce_eager(shape, tmp_path):
+    from kvserve.benchmarks.random_model import write_random_model
     from kvserve.engine import LLM, SamplingParams
 
+    model_dir = write_random_model(shape, tmp_path / shape, dtype=torch.float32)
     prompts = [[(13 * i + 5 * j) % 10240 for j in range(n)] for i, n in enumerate((5, 40, 17, 90, 3, 64, 8))]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # a random model under plain greedy repeats its last token; the penalty makes each step's choice
+    # depend on the context, and the logprobs show the logits themselves
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=2.0,
+                            logprobs=1)
     outputs = {}
     for eager in (False, True):
         llm = LLM(str(model_dir), dtype="float32", max_num_seqs=8, max_model_len=256, num_kv_blocks=128,
@@ -231,6 +237,9 @@ def test_engine_with_cuda_graphs_generates_the_greedy_tokens_of_enforce_eager(mo
         assert (runner.graphs is None) == eager
         if not eager:
             assert runner.graphs.captured == [1, 2, 4, 8]
-        outputs[eager] = [out.token_ids for out in llm.generate(prompts, params)]
+        outputs[eager] = llm.generate(prompts, params, use_tqdm=False)
         llm.shutdown()
-    assert outputs[False] == outputs[True]
+    for graphed, eager in zip(outputs[False], outputs[True], strict=True):
+        assert graphed.token_ids == eager.token_ids
+        ours, theirs = ([lp.logprob for lp in out.logprobs] for out in (graphed, eager))
+        assert len(ours) == 24 and ours == pytest.approx(theirs, abs=1e-4)
