@@ -12,12 +12,15 @@ import pytest
 from kvserve.service.process import ServerProcess
 
 SHARED_SERVER_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "0.5", "--max-queue", "64")
+# One intra-op thread: test machines are small and shared, and OpenMP threads that spin-wait
+# for a descheduled sibling made every step ~10x slower there. Greedy tokens do not depend on it.
+TEST_SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="session")
 def kvserve_server():
     """The shared server (``.target`` is its host:port)."""
-    with ServerProcess(*SHARED_SERVER_FLAGS) as server:
+    with ServerProcess(*SHARED_SERVER_FLAGS, env=TEST_SERVER_ENV) as server:
         yield server
         rc = server.stop()
     assert rc == 0, f"shared server exited with status {rc}:\n{server.log_tail()}"

@@ -14,6 +14,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from kvserve.clients import AsyncClient, Client
 from kvserve.clients.messages import build_request
@@ -28,9 +29,13 @@ NUM_CONCURRENT = 32
 
 @pytest.fixture(scope="module")
 def offline():
+    """The in-process reference, on one thread like the server (see TEST_SERVER_ENV)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     llm = LLM(dtype="float32", kv_cache_memory=0.25)
     yield llm
     llm.shutdown()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

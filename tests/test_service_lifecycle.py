@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserve.clients.messages import SERVICE_NAME, build_request
 from kvserve.service.process import ServerProcess
+from kvserve.service.testing import TEST_SERVER_ENV
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 MAX_QUEUE = 2
@@ -25,7 +26,7 @@ DRAIN_TIMEOUT_S = 8
 def server():
     flags = ("--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(MAX_QUEUE),
              "--drain-timeout", str(DRAIN_TIMEOUT_S), "--kv-cache-memory", "0.25")
-    with ServerProcess(*flags) as srv:
+    with ServerProcess(*flags, env=TEST_SERVER_ENV) as srv:
         yield srv
 
 
