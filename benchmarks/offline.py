@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from kvserve.benchmarks.peers import load_transformers_model
 from kvserve.engine import LLM, SamplingParams
 
 
@@ -38,14 +39,8 @@ def run_kvserve(llm: LLM, args, prompts, outputs) -> float:
 
 def load_hf_peer(llm: LLM):
     """transformers' model on the same weights, dtype and device as kvserve."""
-    from transformers import AutoModelForCausalLM
-
-    src, ex = llm.engine.source, llm.engine.executor
-    if src.gguf_file:
-        model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=ex.dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=ex.dtype)
-    return model.to(ex.device).eval()
+    ex = llm.engine.executor
+    return load_transformers_model(llm.engine.source, ex.dtype, ex.device)
 
 
 def run_hf(model, prompts, outputs, batch: int) -> float:

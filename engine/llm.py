@@ -46,7 +46,8 @@ class LLM:
                 rid = f"offline-{next(self._ids)}"
                 self.engine.add_request(rid, p, sp)
                 order[rid] = i
-                results[rid] = CompletionOutput(rid, [], "", [], None, [])
+                prompt_ids = self.engine.requests[rid].seq.prompt_token_ids
+                results[rid] = CompletionOutput(rid, prompt_ids, "", [], None, [])
             self._run(results, use_tqdm)
         except BaseException:
             for rid in order:

@@ -22,6 +22,14 @@ def default_source():
 
 
 @pytest.fixture(scope="session")
+def hf_default_model(default_source):
+    """transformers' Llama on the default model's weights, float32, with its own dequantization."""
+    from kvserve.benchmarks.peers import load_transformers_model
+
+    return load_transformers_model(default_source, torch.float32)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, default_source):
     """A local HF directory (config.json, model.safetensors, generation_config.json, tokenizer)
     holding a 2-layer Qwen2 with random weights, random biases and random norm weights."""

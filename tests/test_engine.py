@@ -68,13 +68,8 @@ def fresh(llm):
     eng.config, eng.block_manager, eng.scheduler = saved
 
 
-def hf_reference(llm: LLM, prompt_ids: list[list[int]], n: int):
+def hf_reference(model, prompt_ids: list[list[int]], n: int):
     """Greedy tokens from transformers and, per step, the top-2 logit margin."""
-    from transformers import AutoModelForCausalLM
-
-    src = llm.engine.source
-    model = AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
-    model.eval()
     refs = []
     with torch.inference_mode():
         for ids in prompt_ids:
@@ -93,12 +88,12 @@ def hf_reference(llm: LLM, prompt_ids: list[list[int]], n: int):
     return refs
 
 
-def test_greedy_matches_transformers(llm, prompts):
+def test_greedy_matches_transformers(llm, prompts, hf_default_model):
     ids = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p in prompts]
     assert len(ids[3]) > 300
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     ours = llm.generate(ids, params, use_tqdm=False)
-    for out, (ref, margins) in zip(ours, hf_reference(llm, ids, 32), strict=True):
+    for out, (ref, margins) in zip(ours, hf_reference(hf_default_model, ids, 32), strict=True):
         n = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(ref))
         assert n >= 8, f"reference has a near-tie too early ({n})"
         assert out.token_ids[:n] == ref[:n]

@@ -30,19 +30,8 @@ def runner():
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_source):
-    """transformers' Llama built from the same GGUF with transformers' own dequantization."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(default_source.path, gguf_file=default_source.gguf_file)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(default_source.gguf_path, return_tensors=True, model_to_load=skeleton)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.load_state_dict(tensors["tensors"], strict=False)
-    model.tie_weights()
-    return model
+def hf_model(hf_default_model):
+    return hf_default_model
 
 
 @pytest.fixture(scope="module")

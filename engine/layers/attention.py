@@ -63,6 +63,14 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host integers as a tensor on ``device``; on CUDA through pinned memory without blocking, so
+    building a step's inputs never waits for the GPU to finish queued work."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.device) -> dict:
     """The ``AttentionMetadata`` fields every backend needs, as keyword arguments."""
     max_blocks = max((len(table) for table in inp.block_tables), default=0)
@@ -72,10 +80,10 @@ def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.devic
         query_start.append(query_start[-1] + q)
     return dict(
         block_size=block_size,
-        slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(inp.context_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device).reshape(
+        slot_mapping=to_device(inp.slot_mapping, device),
+        query_start_loc=to_device(query_start, device, torch.int32),
+        seq_lens=to_device(inp.context_lens, device, torch.int32),
+        block_tables=to_device(padded_tables, device, torch.int32).reshape(
             len(padded_tables), max_blocks
         ),
         max_query_len=max(inp.query_lens, default=0),

@@ -17,15 +17,15 @@ import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from kvserve.engine.layers.attention import (
+    FLASH_ATTN_BLOCK_MULTIPLE,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
     common_metadata_fields,
+    to_device,
 )
 from kvserve.engine.model_input import ModelInput
 from kvserve.kernels import store_kv_cache
-
-PAGE_BLOCK_MULTIPLE = 256
 
 
 @dataclass
@@ -39,8 +39,9 @@ class FlashAttentionBackend(AttentionBackend):
     def __init__(self, block_size: int):
         if not supports_block_size(block_size):
             raise ValueError(
-                f"the flash-attn backend needs block_size to be a multiple of {PAGE_BLOCK_MULTIPLE} "
-                f"(flash-attn's paged KV limit), got {block_size}; pass --block-size {PAGE_BLOCK_MULTIPLE} "
+                f"the flash-attn backend needs block_size to be a multiple of {FLASH_ATTN_BLOCK_MULTIPLE} "
+                f"(flash-attn's paged KV limit), got {block_size}; "
+                f"pass --block-size {FLASH_ATTN_BLOCK_MULTIPLE} "
                 "or --attention-backend triton"
             )
         super().__init__(block_size)
@@ -51,7 +52,7 @@ class FlashAttentionBackend(AttentionBackend):
             cu_seqlens_k.append(cu_seqlens_k[-1] + length)
         return FlashAttentionMetadata(
             **common_metadata_fields(inp, self.block_size, device),
-            cu_seqlens_k=torch.tensor(cu_seqlens_k, dtype=torch.int32, device=device),
+            cu_seqlens_k=to_device(cu_seqlens_k, device, torch.int32),
         )
 
     def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
@@ -59,7 +60,7 @@ class FlashAttentionBackend(AttentionBackend):
 
 
 def supports_block_size(block_size: int) -> bool:
-    return block_size % PAGE_BLOCK_MULTIPLE == 0
+    return block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
 
 
 class FlashAttentionImpl(AttentionImpl):
