@@ -1,0 +1,34 @@
+"""Rotary scaling from the config's rope settings agrees with transformers' own tables."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kvserve.engine.layers.rotary import inverse_frequencies, rope_parameters
+
+LLAMA31 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, LLAMA31])
+def test_scaled_inverse_frequencies_match_transformers(rope):
+    """(Unscaled rope is pinned by the greedy-parity tests against transformers.)"""
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=dict(rope)
+    )
+    theirs, attention_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+    assert attention_scale == 1.0
+    ours = inverse_frequencies(64, rope_parameters(config))
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+
+
+def test_unknown_rope_type_is_refused_with_the_supported_list():
+    with pytest.raises(ValueError, match="llama3"):
+        inverse_frequencies(64, {"rope_type": "yarn", "rope_theta": 1e4})
