@@ -12,8 +12,9 @@ import pytest
 from kvserve.service.process import ServerProcess
 
 SHARED_SERVER_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "0.5", "--max-queue", "64")
-# One intra-op thread: test machines are small and shared, and OpenMP threads that spin-wait
-# for a descheduled sibling made every step ~10x slower there. Greedy tokens do not depend on it.
+# One intra-op thread: the test process and the server share a small machine's cores, and
+# OpenMP threads that wait for a descheduled sibling slow every step. Greedy tokens do not
+# depend on it.
 TEST_SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
