@@ -98,6 +98,23 @@ def greedy(executor, prompts: list[list[int]], joins: list[int] | None = None,
     return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)], step_logits
 
 
+def assert_tp_matches_one_process(config: EngineConfig, tp: int, prompts, tol: float = 1e-4) -> None:
+    """The same greedy run at ``tp`` ranks as in one process; afterwards every worker exited 0."""
+    one = create_executor(config)
+    try:
+        reference = greedy(one, prompts, JOINS)
+    finally:
+        one.shutdown()
+    many = create_executor(config.replace(tensor_parallel_size=tp))
+    pids = many.worker_pids
+    try:
+        assert_same_run(greedy(many, prompts, JOINS), reference, tol=tol)
+    finally:
+        many.shutdown()
+    assert many.worker_exitcodes == [0] * (tp - 1)
+    assert_reaped(pids)
+
+
 def assert_same_run(run, reference, tol: float = 1e-4) -> None:
     tokens, logits = run
     ref_tokens, ref_logits = reference
@@ -259,19 +276,7 @@ def test_worker_dying_while_idle_is_noticed_without_a_request(qwen_model):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
 def test_qwen3_at_tp2_on_two_gpus_gives_the_run_of_one_gpu(qwen_model):
     config = engine_config(qwen_model, tp=1).replace(device="cuda")
-    one = create_executor(config)
-    try:
-        reference = greedy(one, PROMPTS, JOINS)
-    finally:
-        one.shutdown()
-    two = create_executor(config.replace(tensor_parallel_size=2))
-    pids = two.worker_pids
-    try:
-        assert_same_run(greedy(two, PROMPTS, JOINS), reference, tol=1e-3)
-    finally:
-        two.shutdown()
-    assert two.worker_exitcodes == [0]
-    assert_reaped(pids)
+    assert_tp_matches_one_process(config, 2, PROMPTS, tol=1e-3)
 
 
 def test_workers_exit_when_the_leader_is_killed(qwen_model):
@@ -343,16 +348,4 @@ def test_default_model_at_tp3_gives_the_run_of_tp1():
     tokenizer = load_tokenizer(resolve_model("default"))
     prompts = [tokenizer.encode(t) for t in
                ("The three primary colors are", "def fibonacci(n):", "Paris is the capital of")]
-    tp1 = create_executor(config)
-    try:
-        reference = greedy(tp1, prompts, JOINS)
-    finally:
-        tp1.shutdown()
-    tp3 = create_executor(config.replace(tensor_parallel_size=3))
-    pids = tp3.worker_pids
-    try:
-        assert_same_run(greedy(tp3, prompts, JOINS), reference)
-    finally:
-        tp3.shutdown()
-    assert tp3.worker_exitcodes == [0, 0]
-    assert_reaped(pids)
+    assert_tp_matches_one_process(config, 3, prompts)
