@@ -120,6 +120,18 @@ def test_prefix_cache_hit_gives_same_tokens(llm, fresh, prompts):
     assert llm.stats()["prefix_cache_hit_rate"] > 0
 
 
+def test_fully_cached_prompt_recomputes_its_last_block(llm, fresh):
+    """A prompt of exactly four blocks, seen before: everything but the last block is served from
+    the cache and the answer is unchanged (nano-vllm crashed on this case, #114/#144)."""
+    fresh()
+    ids = llm.tokenizer.encode(LONG)[:64]
+    assert len(ids) == 4 * llm.engine.config.block_size
+    cold = llm.generate([ids], GREEDY, use_tqdm=False)[0]
+    warm = llm.generate([ids], GREEDY, use_tqdm=False)[0]
+    assert warm.cached_tokens == 48
+    assert warm.token_ids == cold.token_ids
+
+
 def test_preemption_does_not_change_greedy_tokens(llm, fresh, prompts):
     ids = [llm.tokenizer.encode(p) for p in ("Once upon a time", "The weather today", "def add(a, b):")]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
