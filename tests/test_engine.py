@@ -12,6 +12,7 @@ import torch
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.config import EngineConfig
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason
 
@@ -148,7 +149,7 @@ def test_chunked_prefill_does_not_change_greedy_tokens(llm, fresh, prompts):
     ids = [llm.tokenizer.encode(LONG), llm.tokenizer.encode(CODE)]
     fresh()
     whole = llm.generate(ids, GREEDY, use_tqdm=False)
-    fresh(max_num_batched_tokens=24)
+    fresh(max_num_batched_tokens=24, max_num_seqs=8)
     chunked = llm.generate(ids, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
 
@@ -221,6 +222,11 @@ def test_bad_requests_are_refused_with_field_names(llm):
         with pytest.raises(ValueError, match=word):
             eng.add_request("bad", prompt, params)
     assert not eng.has_unfinished_requests()
+
+
+def test_token_budget_below_max_num_seqs_is_refused():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"):
+        EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
 
 
 def test_unknown_engine_option_is_an_error():
