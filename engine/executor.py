@@ -24,14 +24,11 @@ import gc
 import logging
 import multiprocessing as mp
 import queue
-import signal
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from multiprocessing.connection import wait as wait_sentinels
 from typing import Any
 
 import torch
@@ -42,7 +39,7 @@ from kvserve.engine.loader import load_hf_config, resolve_device, resolve_model
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel import ParallelContext
-from kvserve.engine.worker import WorkerSpec, pin_device, worker_main
+from kvserve.engine.worker import WorkerProcesses, WorkerSpec, pin_device
 
 log = logging.getLogger("kvserve.engine.executor")
 
@@ -130,7 +127,7 @@ class TensorParallelExecutor:
         self.device: torch.device = runner.device
         self.attention_backend_name: str = runner.attention_backend_name
 
-    def _spawn_local_workers(self, channel: str) -> _WorkerProcesses:
+    def _spawn_local_workers(self, channel: str) -> WorkerProcesses:
         """Ranks 1..local-1 on this machine (with their shared-memory channel, if it is used)."""
         ctx = mp.get_context("spawn")
         local = self.tp_size // self.config.nnodes
@@ -140,7 +137,7 @@ class TensorParallelExecutor:
         specs = [WorkerSpec(rank, rank, self.config.master_addr, self._store.port, channel,
                             getattr(self._sender, "name", None)) for rank in range(1, local)]
         try:
-            return _WorkerProcesses.spawn(ctx, specs, doorbells, self._store)
+            return WorkerProcesses.spawn(ctx, specs, doorbells, self._store)
         except BaseException:
             if self._sender is not None:
                 self._sender.close()
@@ -317,97 +314,7 @@ class _LeaderThread:
                     future.set_exception(exc)
 
 
-class _WorkerProcesses:
-    """The worker processes this machine's leader started, by rank."""
-
-    def __init__(self, procs: dict[int, Any], store: Any):
-        self._procs = procs
-        self.store = store  # where workers leave their fatal errors
-        self._stop_watch, self._stop_signal = mp.Pipe(duplex=False)
-
-    @classmethod
-    def spawn(cls, ctx: Any, specs: list[WorkerSpec], doorbells: list, store: Any) -> _WorkerProcesses:
-        workers = cls({}, store)
-        try:
-            for i, spec in enumerate(specs):
-                doorbell = doorbells[i] if doorbells else None
-                proc = ctx.Process(target=worker_main, args=(spec, doorbell), daemon=True,
-                                   name=f"kvserve-tp-worker-{spec.rank}")
-                proc.start()
-                workers._procs[spec.rank] = proc
-        except BaseException:
-            workers.reap(grace_s=0)
-            raise
-        return workers
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs.values()]
-
-    @property
-    def exitcodes(self) -> list[int | None]:
-        return [p.exitcode for p in self._procs.values()]
-
-    def first_death(self) -> str | None:
-        for rank, proc in self._procs.items():
-            if proc.exitcode is not None:
-                return self._describe(rank, proc)
-        return None
-
-    def watch(self, on_death: Callable[[str], None]) -> None:
-        """Call ``on_death(reason)`` from a daemon thread when the first worker exits."""
-        if self._procs:
-            threading.Thread(target=self._watch, args=(on_death,), name="kvserve-tp-watchdog",
-                             daemon=True).start()
-
-    def _watch(self, on_death: Callable[[str], None]) -> None:
-        ready = wait_sentinels([p.sentinel for p in self._procs.values()] + [self._stop_watch])
-        if self._stop_watch not in ready:
-            on_death(self.death_reason(wait_s=2.0) or "a tensor-parallel worker exited")
-
-    def stop_watching(self) -> None:
-        self._stop_signal.send_bytes(b"stop")
-
-    def death_reason(self, wait_s: float) -> str | None:
-        """``first_death()``, waiting up to ``wait_s`` for a worker to die. A sentinel fires as
-        the process closes its files, a moment before its exit status exists, and the thread
-        that reaps it may be another one: so look again until the status shows."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            death = self.first_death()
-            remaining = deadline - time.monotonic()
-            if death or remaining <= 0 or not self._procs:
-                return death
-            ready = wait_sentinels([p.sentinel for p in self._procs.values()], remaining)
-            for proc in self._procs.values():
-                if proc.sentinel in ready:
-                    proc.join(0.05)
-            time.sleep(0.005)
-
-    def reap(self, grace_s: float) -> None:
-        """Join every worker; terminate, then kill, those still running after ``grace_s``."""
-        deadline = time.monotonic() + grace_s
-        for proc in self._procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for stop in ("terminate", "kill"):
-            alive = [p for p in self._procs.values() if p.is_alive()]
-            for proc in alive:
-                getattr(proc, stop)()
-            for proc in alive:
-                proc.join(2.0)
-
-    def _describe(self, rank: int, proc: Any) -> str:
-        code = proc.exitcode
-        try:
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        except ValueError:
-            how = f"exited with status {code}"
-        what = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
-        error = tpd.reported_error(self.store, rank)
-        return f"{what}: {error}" if error else what
-
-
-def _release(workers: _WorkerProcesses, sender: tpd.Sender | None) -> None:
+def _release(workers: WorkerProcesses, sender: tpd.Sender | None) -> None:
     """Last resort (garbage collection or interpreter exit): no orphans, no leftover segment."""
     workers.reap(grace_s=0)
     if sender is not None:

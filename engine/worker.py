@@ -1,5 +1,6 @@
 """A tensor-parallel worker (ranks 1..N-1): join the process groups, build the model runner
-for its shard, then execute the leader's commands until it says ``shutdown``.
+for its shard, then execute the leader's commands until it says ``shutdown``; and
+``WorkerProcesses``, the starting process's handle on its workers (spawn, watch, stop).
 
 ``worker_main`` is what each worker process runs. The leader spawns the workers of its own
 machine; on every further machine of a multi-machine engine, ``run_node`` (also
@@ -16,10 +17,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import wait as wait_sentinels
+from typing import Any
 
 import torch
 
@@ -120,32 +125,114 @@ def run_node(node_rank: int, master_addr: str, master_port: int, model: str | No
     if node_rank >= config.nnodes:
         raise ValueError(f"node_rank must be < nnodes ({config.nnodes}), got {node_rank}")
     per_node = config.tensor_parallel_size // config.nnodes
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=worker_main, daemon=True, name=f"kvserve-tp-worker-{node_rank * per_node + i}",
-            args=(WorkerSpec(node_rank * per_node + i, i, master_addr, master_port, "dist", model=model),),
-        )
-        for i in range(per_node)
-    ]
-    for p in procs:
-        p.start()
-    return _supervise(procs)
+    first = node_rank * per_node
+    specs = [WorkerSpec(first + i, i, master_addr, master_port, "dist", model=model) for i in range(per_node)]
+    return WorkerProcesses.spawn(mp.get_context("spawn"), specs, [], store).wait_all()
 
 
-def _supervise(procs: list) -> int:
-    """Wait for every process; when one fails, stop the others."""
-    pending = {p.sentinel: p for p in procs}
-    status = 0
-    while pending:
-        for sentinel in wait(list(pending)):
-            proc = pending.pop(sentinel)
-            proc.join()
-            if proc.exitcode and not status:
-                status = proc.exitcode if proc.exitcode > 0 else 128 - proc.exitcode
-                for other in pending.values():
-                    other.terminate()
-    return status
+class WorkerProcesses:
+    """The parent's handle on the worker processes it started, by rank: spawn, watch, stop."""
+
+    def __init__(self, procs: dict[int, Any], store: Any):
+        self._procs = procs
+        self.store = store  # where workers leave their fatal errors
+        self._stop_watch, self._stop_signal = mp.Pipe(duplex=False)
+
+    @classmethod
+    def spawn(cls, ctx: Any, specs: list[WorkerSpec], doorbells: list, store: Any) -> WorkerProcesses:
+        workers = cls({}, store)
+        try:
+            for i, spec in enumerate(specs):
+                doorbell = doorbells[i] if doorbells else None
+                proc = ctx.Process(target=worker_main, args=(spec, doorbell), daemon=True,
+                                   name=f"kvserve-tp-worker-{spec.rank}")
+                proc.start()
+                workers._procs[spec.rank] = proc
+        except BaseException:
+            workers.reap(grace_s=0)
+            raise
+        return workers
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs.values()]
+
+    @property
+    def exitcodes(self) -> list[int | None]:
+        return [p.exitcode for p in self._procs.values()]
+
+    def first_death(self) -> str | None:
+        for rank, proc in self._procs.items():
+            if proc.exitcode is not None:
+                return self._describe(rank, proc)
+        return None
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call ``on_death(reason)`` from a daemon thread when the first worker exits."""
+        if self._procs:
+            threading.Thread(target=self._watch, args=(on_death,), name="kvserve-tp-watchdog",
+                             daemon=True).start()
+
+    def _watch(self, on_death: Callable[[str], None]) -> None:
+        ready = wait_sentinels([p.sentinel for p in self._procs.values()] + [self._stop_watch])
+        if self._stop_watch not in ready:
+            on_death(self.death_reason(wait_s=2.0) or "a tensor-parallel worker exited")
+
+    def stop_watching(self) -> None:
+        self._stop_signal.send_bytes(b"stop")
+
+    def death_reason(self, wait_s: float) -> str | None:
+        """``first_death()``, waiting up to ``wait_s`` for a worker to die. A sentinel fires as
+        the process closes its files, a moment before its exit status exists, and the thread
+        that reaps it may be another one: so look again until the status shows."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            death = self.first_death()
+            remaining = deadline - time.monotonic()
+            if death or remaining <= 0 or not self._procs:
+                return death
+            ready = wait_sentinels([p.sentinel for p in self._procs.values()], remaining)
+            for proc in self._procs.values():
+                if proc.sentinel in ready:
+                    proc.join(0.05)
+            time.sleep(0.005)
+
+    def reap(self, grace_s: float) -> None:
+        """Join every worker; terminate, then kill, those still running after ``grace_s``."""
+        deadline = time.monotonic() + grace_s
+        for proc in self._procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for stop in ("terminate", "kill"):
+            alive = [p for p in self._procs.values() if p.is_alive()]
+            for proc in alive:
+                getattr(proc, stop)()
+            for proc in alive:
+                proc.join(2.0)
+
+    def wait_all(self) -> int:
+        """Wait for every worker; when one fails, stop the others. 0 if all exited cleanly, else
+        the first failure's status (128 + signal for a killed one)."""
+        pending = {p.sentinel: p for p in self._procs.values()}
+        status = 0
+        while pending:
+            for sentinel in wait_sentinels(list(pending)):
+                proc = pending.pop(sentinel)
+                proc.join()
+                if proc.exitcode and not status:
+                    status = proc.exitcode if proc.exitcode > 0 else 128 - proc.exitcode
+                    for other in pending.values():
+                        other.terminate()
+        return status
+
+    def _describe(self, rank: int, proc: Any) -> str:
+        code = proc.exitcode
+        try:
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        except ValueError:
+            how = f"exited with status {code}"
+        what = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
+        error = tpd.reported_error(self.store, rank)
+        return f"{what}: {error}" if error else what
 
 
 def main(argv: list[str] | None = None) -> int:
