@@ -38,7 +38,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.loader import load_hf_config, resolve_device, resolve_model
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.parallel import ParallelContext
+from kvserve.engine.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.engine.worker import WorkerProcesses, WorkerSpec, pin_device
 
 log = logging.getLogger("kvserve.engine.executor")
@@ -80,14 +80,14 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
         raise ValueError("master_port must be set when nnodes > 1, so that the other machines can join")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    # KV heads are split when there are at least as many as ranks, else replicated (as vLLM does)
-    kv_fits = kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0
-    if heads % tp or not kv_fits:
+    try:  # the layers' own rules, checked before any process starts
+        divide(heads, tp, "num_attention_heads")
+        kv_head_shard(kv_heads, 0, tp)
+    except ValueError as exc:
         raise ValueError(
             f"tensor_parallel_size={tp} does not fit the model's attention heads "
-            f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}): it must divide "
-            "num_attention_heads, and divide num_key_value_heads or be a multiple of it"
-        )
+            f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}): {exc}"
+        ) from None
 
 
 class TensorParallelExecutor:

@@ -72,3 +72,18 @@ def divide(numerator: int, denominator: int, what: str) -> int:
             f"{what} ({numerator}) must be divisible by tensor_parallel_size ({denominator})"
         )
     return numerator // denominator
+
+
+def kv_head_shard(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """(how many, first) KV heads rank ``rank`` of ``size`` holds. KV heads are split when there
+    are at least as many as ranks, else replicated, as vLLM does: each rank keeps a copy of the
+    one its query heads use, which needs ``size`` to be a multiple of ``num_kv_heads``."""
+    if num_kv_heads >= size:
+        count = divide(num_kv_heads, size, "num_key_value_heads")
+        return count, rank * count
+    if size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size ({size}) must be a multiple of num_key_value_heads ({num_kv_heads}) "
+            "when it is larger"
+        )
+    return 1, rank * num_kv_heads // size

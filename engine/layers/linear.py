@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.parallel import ParallelContext, divide
+from kvserve.engine.parallel import ParallelContext, divide, kv_head_shard
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -89,13 +89,7 @@ class QKVParallelLinear(LinearBase):
         parallel = parallel or ParallelContext()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, parallel.size, "num_attention_heads")
-        if num_kv_heads >= parallel.size:
-            self.num_kv_heads = divide(num_kv_heads, parallel.size, "num_key_value_heads")
-            self.kv_head_start = parallel.rank * self.num_kv_heads
-        else:  # fewer KV heads than ranks: each rank holds a copy of the one its query heads use
-            divide(parallel.size, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
-            self.num_kv_heads = 1
-            self.kv_head_start = parallel.rank * num_kv_heads // parallel.size
+        self.num_kv_heads, self.kv_head_start = kv_head_shard(num_kv_heads, parallel.rank, parallel.size)
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.shard_offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
         super().__init__(hidden_size, q_size + 2 * kv_size, bias, parallel)
