@@ -18,7 +18,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserve.clients.messages import (
-    CHANNEL_OPTIONS,
     DEFAULT_TARGET,
     SERVICE_NAME,
     Completion,
@@ -27,6 +26,7 @@ from kvserve.clients.messages import (
     build_request,
     completion_from_proto,
     delta_from_proto,
+    open_channel,
     stats_to_dict,
 )
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
@@ -36,10 +36,7 @@ class Client:
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None):
         """``timeout``: default deadline in seconds for every call (None = no deadline)."""
-        if credentials is None:
-            self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        else:
-            self.channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        self.channel = open_channel(grpc, target, credentials)
         self.timeout = timeout
         self._stub = llm_pb2_grpc.LLMServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)

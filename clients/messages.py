@@ -28,6 +28,13 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 Message = Mapping[str, str] | tuple[str, str]
 
 
+def open_channel(api, target: str, credentials=None):
+    """A channel to ``target`` with the client options; ``api`` is ``grpc`` or ``grpc.aio``."""
+    if credentials is None:
+        return api.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return api.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
