@@ -136,9 +136,9 @@ class LLMEngine:
         # the EOS / stop token that ended the request is reported as a token, not as text
         ended_by_token = seq.finish_reason == FinishReason.STOP
         text = "" if ended_by_token else req.detok.add(token)
-        if req.detok.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP_STRING)
         tail = req.detok.finish() if seq.is_finished and not req.detok.stopped else ""
+        if req.detok.stopped:  # also when this token hit max_tokens: the stop string ended the text
+            self.scheduler.finish(seq, FinishReason.STOP_STRING)
         if seq.is_finished:
             del self.requests[seq.request_id]
             self.counters["requests_finished"] += 1

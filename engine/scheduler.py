@@ -182,6 +182,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence in any state and return its blocks to the pool."""
         if seq.status == SequenceStatus.FINISHED:
+            if reason.replaces(seq.finish_reason):
+                seq.finish_reason = reason
             return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
