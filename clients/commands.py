@@ -17,6 +17,8 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from kvserve.clients.messages import DEFAULT_TARGET, SAMPLING_FIELDS
 
+API_KEY_ENV = "KVSERVE_API_KEY"
+
 _FLOATS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
 _INTS = (
     FieldDescriptor.CPPTYPE_INT32,
@@ -56,6 +58,27 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=os.environ.get("KVSERVE_TARGET", DEFAULT_TARGET),
                    help="server address host:port (env KVSERVE_TARGET; default %(default)s)")
     p.add_argument("--timeout", type=float, help="deadline in seconds")
+    g = p.add_argument_group("connection security")
+    g.add_argument("--tls", action="store_true", help="connect over TLS (system CA roots unless --tls-ca)")
+    g.add_argument("--tls-ca", metavar="PEM", help="CA that signed the server's certificate (implies --tls)")
+    g.add_argument("--tls-cert", metavar="PEM", help="this client's certificate (mutual TLS)")
+    g.add_argument("--tls-key", metavar="PEM", help="this client's private key (mutual TLS)")
+    g.add_argument("--api-key", metavar="KEY", help=f"the server's --api-key (env {API_KEY_ENV})")
+
+
+def _client(args: argparse.Namespace):
+    """The client the connection flags describe."""
+    from kvserve.clients.client import Client
+    from kvserve.clients.messages import tls_credentials
+
+    credentials = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
+        try:
+            credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"kvserve: --tls-*: {e}") from None
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return Client(args.target, timeout=args.timeout, credentials=credentials, api_key=api_key)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -77,9 +100,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvserve.clients.client import Client
-
-    with Client(args.target, timeout=args.timeout) as client:
+    with _client(args) as client:
         return _rpc(lambda: _generate(client, args))
 
 
@@ -103,10 +124,8 @@ def _generate(client, args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from kvserve.clients.client import Client
-
     history = [{"role": "system", "content": args.system}] if args.system else []
-    with Client(args.target, timeout=args.timeout) as client:
+    with _client(args) as client:
         if args.message is not None:
             return _rpc(lambda: _chat_turn(client, history, args.message, args))
         while True:
@@ -133,9 +152,7 @@ def _chat_turn(client, history: list[dict], message: str, args: argparse.Namespa
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from kvserve.clients.client import Client
-
-    with Client(args.target, timeout=args.timeout) as client:
+    with _client(args) as client:
         if args.watch is None:
             return _rpc(lambda: print(json.dumps(client.stats(), indent=2)) or 0)
         try:

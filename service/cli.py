@@ -18,6 +18,8 @@ import typing
 from kvserve.clients.commands import add_client_commands
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE
 from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from kvserve.service.limits import add_limit_flags, stream_limits
+from kvserve.service.security import add_security_flags, security_settings
 
 ALIASES = {"tensor_parallel_size": ["--tp"]}
 CHOICES = {
@@ -58,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_security_flags(serve)
+    add_limit_flags(serve)
     serve.set_defaults(func=cmd_serve)
     worker = sub.add_parser("worker", add_help=False,
                             help="tensor-parallel workers of a further machine (see `kvserve worker -h`)")
@@ -94,6 +98,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.service.security import server_credentials
     from kvserve.service.server import ServeSettings, serve
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
@@ -103,9 +108,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve serve: --drain-timeout must be >= 0, got {args.drain_timeout}")
     try:
         config = engine_config(args)
+        settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout,
+                                 security=security_settings(args), limits=stream_limits(args))
+        server_credentials(settings.security)  # unreadable or non-PEM files: refused before loading
     except ValueError as e:
         raise SystemExit(f"kvserve serve: {e}") from None
-    settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout)
     try:
         return asyncio.run(serve(config, settings))
     except OSError as e:
