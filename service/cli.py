@@ -29,6 +29,16 @@ CHOICES = {
 }
 HELP = {
     "model": "'default' (the bundled SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file",
+    "dtype": "weights and activations: auto = bfloat16 on GPUs and on CPUs with native bf16, else float32",
+    "device": "where the model runs: auto = cuda when available, else cpu",
+    "attention_backend": "auto = torch on CPU; on CUDA flash-attn when it imports and --block-size is a "
+                         "multiple of 256, else triton",
+    "nnodes": "machines taking part in tensor parallelism (workers join with `kvserve worker`)",
+    "node_rank": "this machine's index among --nnodes (the leader is 0)",
+    "master_addr": "address of the leader's torch.distributed rendezvous",
+    "master_port": "port of the rendezvous (default: one the OS picks; fix it when --nnodes > 1)",
+    "tp_channel": "how the leader sends steps to workers: shm (one machine), dist (torch.distributed); "
+                  "auto picks",
     "tensor_parallel_size": "tensor-parallel ranks",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens)",
@@ -68,7 +78,7 @@ def add_engine_flags(group) -> None:
     for f in dataclasses.fields(EngineConfig):
         names = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, [])]
         kind = _base_type(hints[f.name])
-        help_text = HELP.get(f.name, f"engine option {f.name}")
+        help_text = HELP.get(f.name, f.name.replace("_", " "))  # tests check that every field has one
         if kind is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -136,7 +137,11 @@ def _stop_on_signals() -> asyncio.Event:
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
-    log.info("received %s", sig.name)
+    if stop.is_set():  # the second Ctrl-C: the operator wants it gone now, not after the drain
+        log.warning("received %s again: exiting at once, without draining", sig.name)
+        logging.shutdown()
+        os._exit(128 + sig)
+    log.info("received %s: draining (send it again to exit at once)", sig.name)
     stop.set()
 
 

@@ -88,7 +88,7 @@ def test_reflection_can_be_turned_off(secure_server, tls_files):
 
 
 def test_cli_connects_with_tls_and_the_key(secure_server, tls_files):
-    base = [sys.executable, "-m", "kvserve.service.cli", "stats", "--target", secure_server.target,
+    base = [sys.executable, "-m", "kvserve.cli", "stats", "--target", secure_server.target,
             "--tls-ca", tls_files["ca"], "--tls-cert", tls_files["client_cert"],
             "--tls-key", tls_files["client_key"]]
     ok = subprocess.run([*base, "--api-key", SECURE_API_KEY], capture_output=True, text=True, timeout=60)
