@@ -32,7 +32,7 @@ SAMPLING_HELP = {  # short forms of the field comments in llm.proto
     "top_k": "keep the k most likely tokens (0 = all)",
     "min_p": "drop tokens below min_p x the top probability, in [0, 1]",
     "seed": "same seed + prompt = same output",
-    "max_tokens": "most tokens to generate (default 256)",
+    "max_tokens": "most tokens to generate (default: up to the model length)",
     "min_tokens": "no EOS / stop token before this many",
     "stop": "stop string, excluded from the output (repeat for more)",
     "stop_token_ids": "token id that ends the output (repeat for more)",

@@ -13,7 +13,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
-DEFAULT_MAX_TOKENS = 256
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (1e-38 gave
 # inf logits and then token 0 forever), and long before that the draw is an argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -33,7 +32,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = no limit
     min_p: float = 0.0  # [0, 1]
     seed: int | None = None  # same seed and prompt => same output, whatever else runs
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    # None = as many as fit: up to max_model_len (and the whole KV cache), as vLLM's API does
+    max_tokens: int | None = None
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens exist
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output
     stop_token_ids: list[int] = field(default_factory=list)
@@ -64,11 +64,11 @@ class SamplingParams:
         _finite("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (unset = up to max_model_len), got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
