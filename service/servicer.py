@@ -15,6 +15,7 @@ from typing import NoReturn
 import grpc
 
 from kvserve.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from kvserve.engine.generation_defaults import sampling_defaults
 from kvserve.engine.outputs import RequestOutput
 from kvserve.service.errors import status_for
 from kvserve.service.limits import MIN_WATCH_INTERVAL_MS
@@ -98,7 +99,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             info = self._engine.info
             if info is None:
                 raise EngineUnavailable("the model is still loading")
-            req = parse_generate_request(request, info.vocab_size)
+            req = parse_generate_request(request, info.vocab_size, sampling_defaults(info.config.model))
             stream = await self._engine.generate(req.request_id, req.prompt, req.params, req.messages)
             return req, stream
         except Exception as e:  # noqa: BLE001 - mapped to a status

@@ -93,3 +93,13 @@ def test_a_second_ctrl_c_stops_the_server_at_once(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_unset_sampling_follows_the_bundled_models_recommendation(kvserve_server):
+    from kvserve.clients import Client
+
+    with Client(kvserve_server.target) as c:
+        chat = [{"role": "user", "content": "Name a color."}]
+        plain = c.generate(messages=chat, seed=11, max_tokens=12)
+        recommended = c.generate(messages=chat, seed=11, max_tokens=12, temperature=0.2, top_p=0.9)
+    assert plain.token_ids == recommended.token_ids
