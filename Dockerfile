@@ -3,6 +3,14 @@
 #   docker build -t kvserve .
 #   docker run --gpus all -p 50051:50051 kvserve
 #
+# Security: the server listens on 0.0.0.0 (a container must, to be reachable through -p) and is
+# then plaintext and open to whoever reaches the port, with reflection on. Beyond a trusted
+# network, mount a certificate and set a key (README "Reliability and security"):
+#   docker run --gpus all -p 50051:50051 -v $PWD/tls:/tls:ro -e KVSERVE_API_KEY=... kvserve \
+#     kvserve serve --host 0.0.0.0 --tls-cert /tls/server.pem --tls-key /tls/server.key --no-reflection
+# (--tls-client-ca for mutual TLS). The HEALTHCHECK below probes over plaintext: with TLS on, run
+# with --no-healthcheck or --health-cmd and a TLS-aware probe. Health never needs the key.
+#
 # Two stages. `build` (CUDA devel image: nvcc) makes a virtual environment with torch,
 # flash-attn compiled against that toolkit, kvserve with its gpu extra, and the bundled
 # default model; `runtime` (CUDA runtime image, no compiler) copies that environment.
