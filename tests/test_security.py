@@ -180,3 +180,24 @@ def test_unreadable_or_non_pem_files_name_the_flag(tmp_path, tls_files):
     junk.write_text("not a certificate")
     with pytest.raises(ValueError, match="--tls-key: .* is not a PEM file"):
         server_credentials(SecuritySettings(tls_cert=tls_files["server_cert"], tls_key=str(junk)))
+
+
+def test_an_exposed_address_without_tls_or_key_is_warned_about(caplog):
+    from kvserve.service.security import warn_if_exposed
+
+    with caplog.at_level("WARNING", logger="kvserve.service"):
+        warn_if_exposed(SecuritySettings(), "127.0.0.1")
+        assert caplog.records == []
+        warn_if_exposed(SecuritySettings(api_key="k"), "0.0.0.0")
+    assert [r.getMessage() for r in caplog.records] == [
+        "listening on 0.0.0.0 without TLS: prompts, completions and the API key travel in clear text"
+    ]
+
+
+def test_client_strings_are_cut_and_escaped_for_logs():
+    from kvserve.service.redact import clip, for_log
+
+    assert for_log("plain-id") == "plain-id"
+    assert for_log("a\nb\x1b[31m\u2028") == "a\\nb\\x1b[31m\\u2028"
+    assert for_log("x" * 100) == "x" * 64 + "...(100 chars)"
+    assert clip("y" * 2000, 1024) == "y" * 1024 + "...(2000 chars)"
