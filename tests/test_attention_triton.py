@@ -173,14 +173,17 @@ def test_tiny_model_on_triton_backend_matches_cpu_torch_backend(architecture):
         assert torch.equal(actual.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
-def test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode():
+@pytest.mark.parametrize("num_sms", [None, 32])
+def test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode(num_sms):
     """CudaGraphRunner over a real model: real CUDA graphs on a GPU; on the CPU a recorder
-    whose replay re-runs the captured body on the same static buffers."""
+    whose replay re-runs the captured body on the same static buffers. With 32 SMs every
+    captured size splits its contexts (2 to 16 splits), through the one shared workspace."""
     from types import SimpleNamespace
 
     from kvserve.engine.cuda_graphs import CudaGraphRunner, record_cuda_graph
 
     backend = create_attention_backend("triton", DEVICE, BLOCK_SIZE)
+    backend.num_sms = num_sms
     model = build_tiny_model(tiny_config("llama"), backend, DEVICE)
     prefill, mixed, decode = three_steps()
     forward_step(model, backend, prefill, DEVICE)
@@ -197,4 +200,5 @@ def test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode():
 
     assert runner.captured == [1, 2, 4, 8] and replayed.shape == eager.shape
     torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
+    assert (backend.workspace is not None) == (num_sms == 32)
     runner.close()
