@@ -173,7 +173,8 @@ def test_split_decode_matches_reference_with_splits_ending_mid_block(block_size,
     out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, 0.25, num_splits=num_splits)
 
     cu = torch.arange(len(seq_lens) + 1)
-    assert_close(out, reference_attention(q, k_cache, v_cache, cu, seq_lens_t, block_tables, 0.25), torch.float32)
+    expected = reference_attention(q, k_cache, v_cache, cu, seq_lens_t, block_tables, 0.25)
+    assert_close(out, expected, torch.float32)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
 
 
@@ -251,7 +252,8 @@ def test_prefill_of_one_long_chunk_among_decodes_matches_reference():
     out = paged_prefill_attention(q, k_cache, v_cache, cu, seq_lens_t, block_tables, 0.25, work=work)
 
     assert work.shape[0] == 3 + 5  # a tile per decode row and five for the chunk, nothing empty
-    assert_close(out, reference_attention(q, k_cache, v_cache, cu, seq_lens_t, block_tables, 0.25), torch.float32)
+    expected = reference_attention(q, k_cache, v_cache, cu, seq_lens_t, block_tables, 0.25)
+    assert_close(out, expected, torch.float32)
 
 
 def test_store_then_prefill_equals_causal_attention_on_the_whole_prompt_in_two_chunks():
@@ -325,8 +327,8 @@ def _compile_for_cuda(arch: int) -> None:
                    {"BLOCK_SIZE": 16, "WIDTH": 192, "WIDTH_PAD": 256})  # fmt: skip
     # the default model (9 heads over 3 KV heads, head dim 64) in both dtypes; Qwen3-0.6B (2, 128) in bf16
     shapes = [(dtype, 3, 4, 64) for dtype in ("bf16", "fp32")] + [("bf16", 2, 2, 128)]
-    ints = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "work_ptr": "*i32",
-            "scale": "fp32"}  # fmt: skip
+    ints = {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr", "work_ptr")}
+    ints["scale"] = "fp32"
     parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
     for dtype, group, group_pad, head_dim in shapes:
         types = {**ints, **{n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}}
@@ -335,7 +337,8 @@ def _compile_for_cuda(arch: int) -> None:
         compile_kernel(_paged_prefill_kernel, types,
                        {**common, "GROUP_PAD": group_pad, "TOKENS_PER_TILE": 64 // group_pad, "BLOCK_M": 64})
         for split in (False, True):
-            compile_kernel(_paged_decode_kernel, {**types, **parts}, {**common, "BLOCK_M": 16, "SPLIT": split})
+            consts = {**common, "BLOCK_M": 16, "SPLIT": split}
+            compile_kernel(_paged_decode_kernel, {**types, **parts}, consts)
         compile_kernel(_reduce_splits_kernel, {**parts, "out_ptr": f"*{dtype}"},
                        {"HEAD_DIM": head_dim, "D_PAD": head_dim, "SPLITS_PAD": MAX_SPLITS})
     print(f"sm{arch}")

@@ -74,7 +74,8 @@ class TritonAttentionBackend(AttentionBackend):
             if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the decode workspace must be allocated by an eager decode before "
                                    "CUDA-graph capture (its address is baked into the graphs)")
-            self.workspace = DecodeWorkspace.for_every_batch(q.shape[1], kv_heads, q.shape[2], num_sms, q.device)
+            _, heads, head_dim = q.shape
+            self.workspace = DecodeWorkspace.for_every_batch(heads, kv_heads, head_dim, num_sms, q.device)
         return splits, self.workspace
 
 
