@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.engine.block_manager import BlockManager
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config import EngineConfig, resolve_max_model_len
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
@@ -27,7 +27,6 @@ from kvserve.engine.sequence import FinishReason, Sequence
 log = logging.getLogger("kvserve.engine")
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass
@@ -194,11 +193,3 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-
-def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-    if config.max_model_len is None:
-        return min(limit, DEFAULT_MAX_MODEL_LEN)
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's limit ({limit})")
-    return config.max_model_len

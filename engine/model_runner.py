@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config import EngineConfig, resolve_max_model_len
 from kvserve.engine.cuda_graphs import (
     CudaGraphRunner,
     Recorder,
@@ -86,13 +86,14 @@ class ModelRunner:
         self.parallel = parallel or ParallelContext()
         self.source = resolve_model(config.model)
         self.hf_config = load_hf_config(self.source)
-        self._check_max_model_len()
+        self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.device = self._pick_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         flush_denormals(self.device)
         self.block_size = config.block_size
         self.graphs: CudaGraphRunner | None = None
-        self.backend = create_attention_backend(config.attention_backend, self.device, config.block_size)
+        self.backend = create_attention_backend(config.attention_backend, self.device, config.block_size,
+                                                self.dtype)
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
         load_weights(self.model, self.source)
@@ -128,10 +129,6 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     # -- set-up --------------------------------------------------------------------------
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len or self.hf_config.max_position_embeddings
-
     def _capture_decode_graphs(self, record_graph: Recorder | None) -> CudaGraphRunner | None:
         """Decode graphs over the bound KV cache, or None where decode runs eagerly."""
         if not decode_graphs_enabled(self.config.enforce_eager, self.backend.name, self.device,
@@ -143,14 +140,6 @@ class ModelRunner:
         )  # fmt: skip
         graphs.capture()
         return graphs
-
-    def _check_max_model_len(self) -> None:
-        limit = self.hf_config.max_position_embeddings
-        if self.config.max_model_len is not None and self.config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len ({self.config.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({limit})"
-            )
 
     def _pick_device(self) -> torch.device:
         device = resolve_device(self.config.device)

@@ -179,6 +179,23 @@ def test_shutdown_releases_the_graphs(model_dir):
     assert runner.graphs is None and graphs.graphs == {} and graphs.hidden is None
 
 
+def test_a_runner_built_directly_follows_the_engines_max_model_len_rule(model_dir):
+    from types import SimpleNamespace
+
+    from kvserve.engine.config import resolve_max_model_len
+
+    qwen3_0_6b = SimpleNamespace(max_position_embeddings=40960)
+    assert resolve_max_model_len(EngineConfig(), qwen3_0_6b) == 8192  # capped when not given
+    assert resolve_max_model_len(EngineConfig(max_model_len=20000), qwen3_0_6b) == 20000
+    with pytest.raises(ValueError, match=r"\(50000\) exceeds .*max_position_embeddings \(40960\)"):
+        resolve_max_model_len(EngineConfig(max_model_len=50000), qwen3_0_6b)
+    config = runner_config(model_dir, max_model_len=None, max_num_seqs=1)
+    runner = ModelRunner(config, record_graph=Recorder())
+    assert runner.max_model_len == 2048  # the tiny model's own limit, below the cap
+    assert runner.graphs.static.block_tables.shape == (1, 2048 // BLOCK)
+    runner.shutdown()
+
+
 # ---------------------------------------------------------------- which attention backend runs
 
 
@@ -194,10 +211,19 @@ def importable_flash_attn(monkeypatch):
 
 def test_auto_picks_flash_attn_only_for_block_sizes_it_pages(importable_flash_attn):
     cuda = torch.device("cuda")
-    assert resolve_backend_name("auto", cuda, 256) == "flash-attn"
-    assert resolve_backend_name("auto", cuda, 512) == "flash-attn"
-    assert resolve_backend_name("auto", cuda, 16) == "triton"
-    assert resolve_backend_name("auto", torch.device("cpu"), 256) == "torch"
+    assert resolve_backend_name("auto", cuda, 256, torch.bfloat16) == "flash-attn"
+    assert resolve_backend_name("auto", cuda, 512, torch.float16) == "flash-attn"
+    assert resolve_backend_name("auto", cuda, 16, torch.bfloat16) == "triton"
+    assert resolve_backend_name("auto", torch.device("cpu"), 256, torch.bfloat16) == "torch"
+
+
+def test_auto_never_picks_flash_attn_for_float32(importable_flash_attn):
+    assert resolve_backend_name("auto", torch.device("cuda"), 256, torch.float32) == "triton"
+
+
+def test_explicit_flash_attn_in_float32_names_dtype_and_why(importable_flash_attn):
+    with pytest.raises(ValueError, match=r"dtype float16 or bfloat16 .*no float32 kernels.*dtype=float32"):
+        create_attention_backend("flash-attn", torch.device("cuda"), 256, torch.float32)
 
 
 def test_auto_picks_triton_on_cuda_when_flash_attn_is_missing(monkeypatch):

@@ -141,15 +141,19 @@ class Attention(nn.Module):
         return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta)
 
 
-def resolve_backend_name(name: str, device: torch.device, block_size: int) -> str:
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn computes in half precision only
+
+
+def resolve_backend_name(name: str, device: torch.device, block_size: int,
+                         dtype: torch.dtype | None = None) -> str:
     """``auto``: the torch backend on CPU; on CUDA the first of flash-attn (only when
-    ``block_size`` is a multiple of ``FLASH_ATTN_BLOCK_MULTIPLE``), triton, torch that imports."""
+    ``flash_attn_refusal`` has nothing against it), triton, torch that imports."""
     if name != "auto":
         return name
     if device.type != "cuda":
         return "torch"
     for candidate in AUTO_ORDER_CUDA:
-        if candidate == "flash-attn" and not flash_attn_takes(block_size):
+        if candidate == "flash-attn" and flash_attn_refusal(block_size, dtype):
             continue
         try:
             _backend_class(candidate)
@@ -159,20 +163,29 @@ def resolve_backend_name(name: str, device: torch.device, block_size: int) -> st
     return "torch"
 
 
-def flash_attn_takes(block_size: int) -> bool:
-    return block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
-
-
-def create_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
-    """The backend called ``name`` ("auto", "torch", "triton", "flash-attn") for ``device``."""
-    resolved = resolve_backend_name(name, device, block_size)
-    if resolved == "flash-attn" and not flash_attn_takes(block_size):
+def flash_attn_refusal(block_size: int, dtype: torch.dtype | None) -> str | None:
+    """Why flash-attn cannot serve this block size and dtype (None: not known yet, not checked),
+    or None when it can."""
+    if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
         multiple = FLASH_ATTN_BLOCK_MULTIPLE
-        raise ValueError(
-            f"attention_backend 'flash-attn' needs block_size to be a multiple of {multiple} "
-            f"(flash-attn's paged KV limit), got block_size={block_size}; "
-            f"pass --block-size {multiple} or --attention-backend triton"
-        )
+        return (f"needs block_size to be a multiple of {multiple} (flash-attn's paged KV limit), "
+                f"got block_size={block_size}; pass --block-size {multiple} or --attention-backend triton")
+    if dtype is not None and dtype not in FLASH_ATTN_DTYPES:
+        return (f"needs dtype float16 or bfloat16 (flash-attn has no {str(dtype).removeprefix('torch.')} "
+                "kernels), got dtype=" + str(dtype).removeprefix("torch.")
+                + "; pass --dtype bfloat16 or --attention-backend triton")
+    return None
+
+
+def create_attention_backend(name: str, device: torch.device, block_size: int,
+                             dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend called ``name`` ("auto", "torch", "triton", "flash-attn") for ``device``
+    and a model in ``dtype``."""
+    resolved = resolve_backend_name(name, device, block_size, dtype)
+    if resolved == "flash-attn":
+        refusal = flash_attn_refusal(block_size, dtype)
+        if refusal:
+            raise ValueError(f"attention_backend 'flash-attn' {refusal}")
     return _backend_class(resolved)(block_size=block_size)
 
 
