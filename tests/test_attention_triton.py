@@ -85,6 +85,25 @@ def test_triton_layer_matches_torch_layer_over_mixed_steps(dtype):
         assert torch.equal(caches["triton"][1], caches["torch"][1])
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host-device synchronisation exists only on a GPU")
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_a_steps_metadata_and_attention_never_wait_for_the_gpu(name):
+    """Every host-to-device copy of a step's metadata goes through pinned memory without blocking;
+    torch's sync debug mode turns any synchronising call into an error."""
+    backend = create_attention_backend(name, DEVICE, BLOCK_SIZE)
+    impl = backend.create_impl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    caches = paged_caches()
+    gen = torch.Generator().manual_seed(0)
+    steps = [(inp, random_qkv(inp.num_tokens, gen)) for inp in three_steps()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for inp, (q, k, v) in steps:
+            impl.forward(q, k, v, *caches, backend.build_metadata(inp, DEVICE))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def graph_inputs(inp: ModelInput, meta):
     """A decode step's inputs in the form the CUDA-graph runner takes."""
     from kvserve.engine.cuda_graphs import DecodeInputs
