@@ -205,13 +205,16 @@ class CudaGraphRunner:
         self.graphs: dict[int, Graph] = {}
         self.captured: list[int] = []  # sizes with a graph, ascending
         self.hidden: torch.Tensor | None = None
+        self.pool: Any = None  # the memory pool every graph shares, once the first is captured
 
     @torch.no_grad()
-    def capture(self) -> None:
-        """Warm up and capture every size, largest first so that the smaller graphs reuse
-        the first one's memory pool."""
-        pool = None
-        for size in reversed(self.sizes):
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Warm up and capture ``sizes`` (default: every size), largest first, all in one memory
+        pool so that the smaller graphs reuse the largest one's memory."""
+        sizes = self.sizes if sizes is None else sizes
+        if not set(sizes) <= set(self.sizes):
+            raise ValueError(f"sizes {sorted(set(sizes) - set(self.sizes))} are not among {self.sizes}")
+        for size in sorted(sizes, reverse=True):
             inputs = self.static.rows(size)
             metadata = self.build_metadata(inputs)
             warm = self.forward(inputs.input_ids, inputs.positions, metadata)  # compiles kernels, picks algos
@@ -219,8 +222,9 @@ class CudaGraphRunner:
                 shape = (self.sizes[-1], *warm.shape[1:])
                 self.hidden = torch.empty(shape, dtype=warm.dtype, device=warm.device)
             del warm
-            self.graphs[size] = self.record(self._body(size, inputs, metadata), pool)
-            pool = self.graphs[size].pool() if pool is None else pool
+            self.graphs[size] = self.record(self._body(size, inputs, metadata), self.pool)
+            if self.pool is None:
+                self.pool = self.graphs[size].pool()
         self.captured = sorted(self.graphs)
         if self.static.input_ids.is_cuda:
             torch.cuda.synchronize()
@@ -259,3 +263,4 @@ class CudaGraphRunner:
         self.graphs.clear()
         self.captured = []
         self.hidden = None
+        self.pool = None

@@ -196,6 +196,34 @@ def test_a_runner_built_directly_follows_the_engines_max_model_len_rule(model_di
     runner.shutdown()
 
 
+def test_the_warm_up_sampler_pass_runs_every_stage_over_max_num_seqs_rows(model_dir):
+    from kvserve.engine.model_runner import WARM_UP_SAMPLING
+
+    WARM_UP_SAMPLING.validate(10240)
+    assert WARM_UP_SAMPLING.top_p < 1 and WARM_UP_SAMPLING.top_k > 0 and WARM_UP_SAMPLING.logprobs > 0
+    runner = ModelRunner(runner_config(model_dir, max_num_seqs=6, enforce_eager=True))
+    runner.sample_full_batch()  # on CUDA this runs inside the measured warm-up
+    runner.shutdown()
+
+
+@pytest.mark.skipif(not CUDA, reason="GPU memory sizing needs a GPU")
+def test_kv_sizing_leaves_room_for_graphs_sampler_and_the_largest_step(model_dir):
+    """Sized for a utilization 2 GiB above what is in use now, a runner with graphs, after a
+    full-size sampler pass and the largest prefill, stays under that line."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(0.95, (total - free + 2 * 2**30) / total)
+    runner = ModelRunner(runner_config(model_dir, num_kv_blocks=None, max_num_seqs=64, max_model_len=2048,
+                                       max_num_batched_tokens=4096, gpu_memory_utilization=utilization))
+    assert runner.graphs.captured[-1] == 64
+    runner.sample_full_batch()
+    runner.execute_model(runner._warm_up_input())
+    torch.cuda.synchronize()
+    in_use = total - torch.cuda.mem_get_info()[0]
+    runner.shutdown()
+    assert in_use <= utilization * total + 64 * 2**20, (in_use, utilization * total)
+
+
 # ---------------------------------------------------------------- which attention backend runs
 
 
