@@ -18,7 +18,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.loader import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
-from kvserve.engine.model_input import build_model_input
+from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
@@ -58,6 +58,10 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
+        # which row of the runners' persistent block table each running sequence has
+        self.block_tables = BlockTableWriter(
+            config.max_num_seqs, block_table_width(config.max_model_len, config.block_size)
+        )
         self.requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
         self.started = time.monotonic()
@@ -120,7 +124,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        inp = build_model_input(sched.scheduled, self.config.block_size)
+        self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
+        inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
         logits = self.executor.execute_model(inp)
         sampling = sched.sampling_seqs
         sampled = self.sampler(logits, sampling)

@@ -41,7 +41,7 @@ from kvserve.engine.loader import (
     resolve_dtype,
     resolve_model,
 )
-from kvserve.engine.model_input import ModelInput
+from kvserve.engine.model_input import BlockTableArray, ModelInput, block_table_width
 from kvserve.engine.models import build_model
 from kvserve.engine.models.llama import head_dim_of
 from kvserve.engine.parallel import ParallelContext
@@ -107,6 +107,8 @@ class ModelRunner:
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
         load_weights(self.model, self.source)
         self.vocab_size = self.hf_config.vocab_size
+        width = block_table_width(self.max_model_len, self.block_size)
+        self.block_tables = BlockTableArray(config.max_num_seqs, width)  # changed by each step's updates
         self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks(record_graph))
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.graphs = self._new_graph_runner(record_graph)
@@ -118,6 +120,8 @@ class ModelRunner:
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits [len(inp.logits_indices), vocab] (None on ranks other than 0)."""
         flush_denormals(self.device)  # per thread: the engine may step from another thread
+        if inp.seq_rows:
+            self._take_block_tables(inp)
         if self.graphs is not None and self.graphs.fits(inp):
             hidden = self.graphs.replay(decode_inputs(inp, pin=self.device.type == "cuda"))
             logits_indices = to_device(inp.logits_indices, self.device)
@@ -127,6 +131,17 @@ class ModelRunner:
             logits_indices = batch.logits_indices
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         return None if logits is None else logits.float()
+
+    def _take_block_tables(self, inp: ModelInput) -> None:
+        """Apply the step's block-table updates to the persistent array and cut the step's tables
+        out of it; a worker, which receives no lists, also gets them back as lists for host-side
+        planning (the torch backend's)."""
+        self.block_tables.apply(inp.table_updates)
+        width = block_table_width(max(inp.context_lens, default=0), self.block_size)
+        inp.block_table_array = self.block_tables.gather(inp.seq_rows, width)
+        if not inp.block_tables:
+            inp.block_tables = [row[: block_table_width(n, self.block_size)].tolist()
+                                for row, n in zip(inp.block_table_array, inp.context_lens, strict=True)]
 
     def shutdown(self) -> None:
         """Free the graphs, the KV cache and the weights; the runner cannot execute afterwards."""

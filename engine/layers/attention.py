@@ -25,6 +25,7 @@ import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -64,17 +65,26 @@ class AttentionMetadata:
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Host integers as a tensor on ``device``; on CUDA through pinned memory without blocking, so
-    building a step's inputs never waits for the GPU to finish queued work."""
+    """Host integers (a list, or a numpy array of ``dtype``) as a tensor on ``device``; on CUDA
+    through pinned memory without blocking, so building a step's inputs never waits for the GPU
+    to finish queued work."""
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(values).to(dtype)
+        return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.device) -> dict:
-    """The ``AttentionMetadata`` fields every backend needs, as keyword arguments."""
-    max_blocks = max((len(table) for table in inp.block_tables), default=0)
-    padded_tables = [table + [0] * (max_blocks - len(table)) for table in inp.block_tables]
+    """The ``AttentionMetadata`` fields every backend needs, as keyword arguments. Block tables come
+    from the runner's persistent array when the step has one, else from the padded lists."""
+    if inp.block_table_array is not None:
+        block_tables = to_device(inp.block_table_array, device, torch.int32)
+    else:
+        max_blocks = max((len(table) for table in inp.block_tables), default=0)
+        padded_tables = [table + [0] * (max_blocks - len(table)) for table in inp.block_tables]
+        block_tables = to_device(padded_tables, device, torch.int32).reshape(len(padded_tables), max_blocks)
     query_start = [0]
     for q in inp.query_lens:
         query_start.append(query_start[-1] + q)
@@ -83,9 +93,7 @@ def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.devic
         slot_mapping=to_device(inp.slot_mapping, device),
         query_start_loc=to_device(query_start, device, torch.int32),
         seq_lens=to_device(inp.context_lens, device, torch.int32),
-        block_tables=to_device(padded_tables, device, torch.int32).reshape(
-            len(padded_tables), max_blocks
-        ),
+        block_tables=block_tables,
         max_query_len=max(inp.query_lens, default=0),
         max_seq_len=max(inp.context_lens, default=0),
         num_decode_tokens=sum(1 for q in inp.query_lens if q == 1),
