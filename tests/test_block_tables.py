@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 from kvserve.engine.model_input import BlockTableArray, BlockTableWriter, ModelInput, build_model_input
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import ScheduledSeq
+from kvserve.engine.sequence import Sequence
 
 
 def test_a_decode_step_that_adds_no_block_sends_nothing_but_rows():
@@ -58,26 +61,19 @@ def test_an_array_fed_only_updates_matches_the_tables_over_a_random_run():
             assert array.array[row, : len(tables[s])].tolist() == tables[s]
 
 
-class _Seq:
-    def __init__(self, seq_id, tokens, computed, table):
-        self.seq_id, self.token_ids, self.num_computed_tokens, self.block_table = seq_id, tokens, computed, table
-        self.num_tokens = len(tokens)
-
-
-class _Scheduled:
-    def __init__(self, seq, n):
-        self.seq, self.num_tokens = seq, n
-
-
 def test_workers_receive_rows_and_new_blocks_but_no_full_tables():
     writer = BlockTableWriter(64, 128)
-    seqs = [_Seq(i, list(range(1000)), 0, list(range(100 * i, 100 * i + 63))) for i in range(64)]
-    first = build_model_input([_Scheduled(s, 1000) for s in seqs], 16, writer)
-    for s in seqs:
-        s.num_computed_tokens, s.token_ids = 1000, s.token_ids + [5]
-    decode = build_model_input([_Scheduled(s, 1) for s in seqs], 16, writer)
+    seqs = [Sequence(f"r{i}", list(range(1000)), SamplingParams()) for i in range(64)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = list(range(100 * i, 100 * i + 63))
+    first = build_model_input([ScheduledSeq(s, 1000) for s in seqs], 16, writer)
+    for seq in seqs:
+        seq.num_computed_tokens = 1000
+        seq.append_token(5)
+    decode = build_model_input([ScheduledSeq(s, 1) for s in seqs], 16, writer)
 
     assert decode.block_tables[3] == seqs[3].block_table and decode.table_updates == []
+    assert len(decode.logits_indices) == 64
     sent = ModelInput.from_bytes(decode.to_bytes())
     assert sent.block_tables == [] and sent.seq_rows == list(range(64))
     assert len(decode.to_bytes()) < len(first.to_bytes()) // 20  # 64 x 63 block ids are not resent

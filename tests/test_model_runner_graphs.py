@@ -134,6 +134,37 @@ def test_decode_replays_the_smallest_graph_that_holds_it_with_the_eager_logits(r
     torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-5, rtol=1e-5)
 
 
+def with_rows(inp: ModelInput, writer, seq_ids: list[int]) -> ModelInput:
+    """The step as the engine sends it: rows in the runners' block table plus the new blocks."""
+    for seq_id, table in zip(seq_ids, inp.block_tables, strict=True):
+        row, update = writer.place(seq_id, table)
+        inp.seq_rows.append(row)
+        inp.table_updates += [update] if update else []
+    return inp
+
+
+def test_graph_replay_takes_block_tables_from_the_runners_persistent_array(runners):
+    from kvserve.engine.model_input import BlockTableWriter
+
+    graphed, eager, seqs = runners
+    writer = BlockTableWriter(MAX_NUM_SEQS, 64 // BLOCK)
+    before = sum(replays(graphed).values())
+    for token in (51, 52):  # the second step sends rows only: every block is already there
+        plain = step(seqs[1:4], [[token], [token], [token]])
+        sent = with_rows(step_copy(plain), writer, [1, 2, 3])
+        assert bool(sent.table_updates) == (token == 51)
+        ours, theirs = graphed.execute_model(sent), eager.execute_model(plain)
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        assert sent.block_table_array.tolist() == [t + [0] * (3 - len(t)) for t in plain.block_tables]
+    assert sum(replays(graphed).values()) == before + 2
+
+
+def step_copy(inp: ModelInput) -> ModelInput:
+    names = ("input_ids", "positions", "query_lens", "context_lens", "block_tables", "slot_mapping",
+             "logits_indices")
+    return ModelInput(*(list(getattr(inp, name)) for name in names))
+
+
 def test_graph_path_returns_logits_only_for_the_rows_asked(runners):
     graphed, eager, seqs = runners
     before = sum(replays(graphed).values())
