@@ -6,7 +6,10 @@ for. ``prepare_inputs`` turns a step's lists into device tensors and attention m
 eager pass; on CUDA, decode steps replay captured graphs instead (``engine/cuda_graphs.py``).
 
 On CUDA a step's inputs go to the device from pinned host memory without blocking, and nothing
-in a step waits for the device: the one read-back is the sampler's, of the sampled tokens.
+in a step waits for the device: the one read-back is the sampler's, of the sampled tokens. Block
+tables persist in the runner between steps (``model_input.BlockTableArray``); a step brings only
+its sequences' rows and new blocks. On CUDA the KV cache gets what is left once a warm-up has
+measured the largest step, a full-size sampler pass and the decode graphs' memory.
 """
 
 from __future__ import annotations
