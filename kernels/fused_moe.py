@@ -75,7 +75,8 @@ def _grouped_gemm_kernel(
     tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Entries sorted by expert, each expert's run padded to a multiple of ``block_m``.
 
     Returns ``sorted_ids`` (int64 ``[rows]``: entry numbers, ``T * top_k`` in padding rows) and

@@ -133,7 +133,8 @@ class FusedExperts(nn.Module):
         param = self.gate_up_proj if param_name.endswith(".gate_up_proj") else self.down_proj
         hidden, full = self.down_proj.shape[1], self.intermediate * self.parallel.size
         shape = {"gate": (full, hidden), "up": (full, hidden), "down": (hidden, full)}
-        return [(names.checkpoint_name(param_name, e, part), shape[part]) for e, part in param.checkpoint_shards]
+        return [(names.checkpoint_name(param_name, expert, part), shape[part])
+                for expert, part in param.checkpoint_shards]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)

@@ -17,8 +17,8 @@ from kvserve.engine.parallel import ParallelContext
 class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config, parallel: ParallelContext, layer_idx: int) -> nn.Module:
         return SparseMoeBlock(
-            config.hidden_size, config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
-            renormalize=True, parallel=parallel,
+            config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
+            config.intermediate_size, renormalize=True, parallel=parallel,
         )
 
 
