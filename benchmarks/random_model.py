@@ -55,13 +55,14 @@ MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3M
                "MixtralForCausalLM": "mixtral"}
 
 
-def make_config(name: str):
-    """The transformers config of the shape called ``name``."""
+def make_config(name: str, **overrides):
+    """The transformers config of the shape called ``name``, with ``overrides`` of its fields."""
     from transformers import AutoConfig
 
     if name not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {name!r}")
     architecture, fields = SHAPES[name]
+    fields = {**fields, **overrides}
     return AutoConfig.for_model(MODEL_TYPES[architecture], architectures=[architecture], **fields)
 
 
