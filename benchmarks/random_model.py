@@ -37,6 +37,11 @@ SHAPES: dict[str, tuple[str, dict]] = {
         num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
     )),
+    "qwen2-moe-tiny": ("Qwen2MoeForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+    )),
     "mixtral-tiny": ("MixtralForCausalLM", dict(
         vocab_size=10240, hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -52,6 +57,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
     )),
 }  # fmt: skip
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "Qwen2MoeForCausalLM": "qwen2_moe",
                "MixtralForCausalLM": "mixtral"}
 
 

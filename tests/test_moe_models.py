@@ -1,5 +1,5 @@
-"""Qwen3-MoE and Mixtral end to end on the CPU, float32, with tiny random-weight checkpoints
-(8 experts, top-2) written under Hugging Face's per-expert names.
+"""Qwen3-MoE, Mixtral and Qwen2-MoE (shared expert) end to end on the CPU, float32, with tiny
+random-weight checkpoints (8 experts, top-2) written under Hugging Face's per-expert names.
 
 - against transformers' own implementation on the same directory: logits close, greedy tokens
   equal (also a Qwen3-MoE with a dense layer and unnormalised top-k, saved by transformers);
@@ -30,7 +30,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     dirs = {name: str(write_model_dir(make_config(name), tmp_path_factory.mktemp(name), dtype=torch.float32))
-            for name in ("qwen3-moe-tiny", "mixtral-tiny")}
+            for name in ("qwen3-moe-tiny", "mixtral-tiny", "qwen2-moe-tiny")}
     # saved by transformers itself: its own initialisation and its own per-expert names, layer 1
     # dense (mlp_only_layers) and the top-k weights left unnormalised
     config = make_config("qwen3-moe-tiny", num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=False)
@@ -65,7 +65,7 @@ def prefill_then_decode(executor, ids: list[int]) -> torch.Tensor:
     return torch.cat([prefill, decode]).cpu()
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny", "qwen3-moe-hf-saved"])
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny", "qwen3-moe-hf-saved", "qwen2-moe-tiny"])
 def test_moe_logits_match_transformers(model_dirs, name):
     path = model_dirs[name]
     runner = ModelRunner(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=8,
@@ -120,7 +120,7 @@ def test_preemption_chunking_prefix_hits_and_batching_leave_moe_tokens_unchanged
         squeezed.shutdown()
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "qwen2-moe-tiny"])  # qwen2: the shared expert too
 def test_moe_at_tp2_gives_the_tokens_and_logits_of_tp1(model_dirs, name):
     config = EngineConfig(model=model_dirs[name], dtype="float32", device="cpu", num_kv_blocks=16,
                           max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8)
@@ -139,3 +139,24 @@ def test_moe_at_tp2_gives_the_tokens_and_logits_of_tp1(model_dirs, name):
     one_logits, one_tokens, two_logits, two_tokens = runs
     torch.testing.assert_close(two_logits, one_logits, atol=1e-4, rtol=1e-4)
     assert two_tokens == one_tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton MoE kernel, CUDA graphs)")
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny"])
+def test_moe_on_the_gpu_with_cuda_graphs_matches_the_cpu(model_dirs, name):
+    runs = {}
+    for device in ("cpu", "cuda"):
+        config = EngineConfig(model=model_dirs[name], dtype="float32", device=device, num_kv_blocks=16,
+                              max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8)
+        runner = ModelRunner(config)
+        try:
+            logits = prefill_then_decode(runner, IDS)
+        finally:
+            runner.shutdown()
+        llm = LLM(**config.__dict__)  # decode steps replay CUDA graphs on the GPU
+        try:
+            runs[device] = logits, greedy_tokens(llm, PROMPTS)
+        finally:
+            llm.shutdown()
+    torch.testing.assert_close(runs["cuda"][0], runs["cpu"][0], atol=1e-3, rtol=1e-3)
+    assert runs["cuda"][1] == runs["cpu"][1]

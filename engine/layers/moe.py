@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.layers.linear import LinearBase, copy_weight
+from kvserve.engine.layers.activation import SiluAndMul
+from kvserve.engine.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    copy_weight,
+)
 from kvserve.engine.parallel import ParallelContext, divide
 
 PARTS = ("gate", "up", "down")
@@ -140,11 +146,27 @@ class FusedExperts(nn.Module):
         return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's always-on expert: a SwiGLU MLP whose down projection is left as this rank's
+    partial sum, so that the MoE block's one all-reduce also completes it."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelContext):
+        super().__init__()
+        size = intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [size, size], False, parallel)
+        self.down_proj = RowParallelLinear(size, hidden_size, False, parallel)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.act(self.gate_up_proj(x)), self.down_proj.weight)
+
+
 class SparseMoeBlock(nn.Module):
-    """Router (``gate``) plus experts; the layer's one all-reduce closes it under TP."""
+    """Router (``gate``) plus experts (and, with ``shared_expert_size``, Qwen2-MoE's sigmoid-gated
+    shared expert); the layer's one all-reduce closes it under TP."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool, parallel: ParallelContext):
+                 renormalize: bool, parallel: ParallelContext, shared_expert_size: int = 0):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts={num_experts}]")
@@ -153,7 +175,15 @@ class SparseMoeBlock(nn.Module):
         self.parallel = parallel
         self.gate = LinearBase(hidden_size, num_experts, bias=False, parallel=parallel)  # replicated
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_expert_size:
+            self.shared_expert = SharedExpert(hidden_size, shared_expert_size, parallel)
+            self.shared_expert_gate = LinearBase(hidden_size, 1, bias=False, parallel=parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        return self.parallel.all_reduce(self.experts(x, weights, ids))
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            # the gate is the same on every rank, so gating the partial sums gates their total
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.parallel.all_reduce(out)

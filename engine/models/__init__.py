@@ -19,6 +19,7 @@ from kvserve.engine.layers.moe import FusedExperts
 from kvserve.engine.models.llama import LlamaForCausalLM
 from kvserve.engine.models.mixtral import MixtralForCausalLM
 from kvserve.engine.models.qwen2 import Qwen2ForCausalLM
+from kvserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvserve.engine.models.qwen3 import Qwen3ForCausalLM
 from kvserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvserve.engine.parallel import ParallelContext
@@ -27,6 +28,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
 }
@@ -50,7 +52,7 @@ def _refuse_unsupported_features(hf_config, name: str) -> None:
     if "sliding_attention" in (getattr(hf_config, "layer_types", None) or []):
         raise ValueError(f"{name} with sliding-window attention layers is not supported")
     window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < hf_config.max_position_embeddings:
+    if window and window < hf_config.max_position_embeddings:  # Qwen2-MoE writes 0 for none
         raise ValueError(f"{name} with sliding_window={window} (below max_position_embeddings="
                          f"{hf_config.max_position_embeddings}) is not supported: attention here is global")
 
