@@ -160,3 +160,23 @@ def test_moe_on_the_gpu_with_cuda_graphs_matches_the_cpu(model_dirs, name):
             llm.shutdown()
     torch.testing.assert_close(runs["cuda"][0], runs["cpu"][0], atol=1e-3, rtol=1e-3)
     assert runs["cuda"][1] == runs["cpu"][1]
+
+
+def test_a_checkpoint_lacking_one_experts_tensor_is_refused_by_name():
+    from kvserve.engine.loader import load_named_weights
+    from kvserve.engine.models import build_model, random_weights
+
+    config = make_config("mixtral-tiny")
+    model = build_model(config, torch.float32, "cpu")
+    lacking = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
+    weights = [(name, t) for name, t in random_weights(config, seed=0) if name != lacking]
+    with pytest.raises(ValueError, match=r"lacks 1 weight\(s\), e.g. \[\"model.layers.1.mlp.experts."
+                                         r"gate_up_proj\[\(5, 'up'\)\]\"\]"):
+        load_named_weights(model, weights)
+
+
+def test_mixtral_with_a_sliding_window_is_refused():
+    from kvserve.engine.models import model_class_for
+
+    with pytest.raises(ValueError, match=r"sliding_window=512 \(below max_position_embeddings=2048\)"):
+        model_class_for(make_config("mixtral-tiny", sliding_window=512))

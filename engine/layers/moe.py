@@ -122,8 +122,12 @@ class FusedExperts(nn.Module):
             # what the loader must see filled: one shard per expert and part
             param.checkpoint_shards = [(e, part) for e in range(num_experts) for part in parts]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: tuple[int, str] | None = None) -> None:
         """Copy this rank's slice of one expert's full ``gate``/``up`` [I, H] or ``down`` [H, I]."""
+        if shard_id is None:
+            raise ValueError("fused expert tensors are loaded from per-expert checkpoint tensors "
+                             "(...experts.<e>.<projection>.weight), not from an already fused one")
         expert, part = shard_id
         if not 0 <= expert < self.num_experts or part not in PARTS:
             raise ValueError(f"expert shard {shard_id!r} does not exist (num_experts={self.num_experts})")

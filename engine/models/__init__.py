@@ -51,8 +51,9 @@ def model_class_for(hf_config) -> type[nn.Module]:
 def _refuse_unsupported_features(hf_config, name: str) -> None:
     if "sliding_attention" in (getattr(hf_config, "layer_types", None) or []):
         raise ValueError(f"{name} with sliding-window attention layers is not supported")
-    window = getattr(hf_config, "sliding_window", None)
-    if window and window < hf_config.max_position_embeddings:  # Qwen2-MoE writes 0 for none
+    window = getattr(hf_config, "sliding_window", None)  # Mixtral; Qwen's count only when switched on
+    used = getattr(hf_config, "use_sliding_window", True)
+    if used and window and window < hf_config.max_position_embeddings:
         raise ValueError(f"{name} with sliding_window={window} (below max_position_embeddings="
                          f"{hf_config.max_position_embeddings}) is not supported: attention here is global")
 
