@@ -180,3 +180,15 @@ def test_mixtral_with_a_sliding_window_is_refused():
 
     with pytest.raises(ValueError, match=r"sliding_window=512 \(below max_position_embeddings=2048\)"):
         model_class_for(make_config("mixtral-tiny", sliding_window=512))
+
+
+def test_offline_benchmark_on_a_moe_model_prints_active_parameter_flops_and_the_ratio(model_dirs, capsys):
+    from kvserve.benchmarks import offline
+
+    offline.main(["--model", model_dirs["qwen3-moe-tiny"], "--dtype", "float32", "--num-requests", "3",
+                  "--min-prompt", "8", "--max-prompt", "24", "--min-output", "4", "--max-output", "8",
+                  "--peer", "hf", "--quiet"])
+    out = capsys.readouterr().out
+    total, active = offline.active_parameters(make_config("qwen3-moe-tiny"))
+    assert total - active == 2 * 8 * (3 * 32 * 64) * 6 // 8  # 2 layers x 8 experts, 6 of 8 idle
+    assert f"{active / 1e6:.1f}M active per token" in out and "ratio kvserve / transformers" in out
