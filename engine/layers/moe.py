@@ -1,5 +1,6 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks ``top_k`` experts per token
-and the token's output is the routing-weighted sum of those experts' SwiGLU MLPs.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE): a router picks ``top_k`` experts
+per token and the token's output is the routing-weighted sum of those experts' SwiGLU MLPs (plus,
+for Qwen2-MoE, a sigmoid-gated shared expert that every token runs).
 
 - Routing: router logits -> softmax (float32) -> top-k; the chosen probabilities are
   renormalised to sum to 1 when the checkpoint says so (``norm_topk_prob``; Mixtral always).
