@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # kvserve's GPU checks in one go, about 3-5 minutes on one GPU and never more than
-# GPU_CHECK_BUDGET_S (default 420 s) for the four steps together:
-#   1. kernels     the Triton kernel tests compiled for the GPU, split-K decode included, and the
-#                  count of compiled variants over a varied run (no recompiles after warm-up)
+# GPU_CHECK_BUDGET_S (default 420 s) for the five steps together:
+#   1. kernels     the Triton kernel tests (attention with split-K decode, KV store, fused MoE)
+#                  compiled for the GPU, and the count of compiled variants over a varied run (no
+#                  recompiles after warm-up)
 #   2. parity      tiny random-weight Llama and Qwen3 models on the GPU (Triton backend) against
 #                  the torch backend on this machine's CPU: logits close, clear greedy choices
 #                  equal; no step's metadata or attention waits for the GPU (sync debug mode)
+#   2b. moe        the tiny Qwen3-MoE and Mixtral on the GPU (fused Triton MoE kernel, CUDA graphs)
+#                  against the CPU: logits close, greedy tokens equal; and against transformers
 #   3. graphs      decode CUDA graphs: bucket/padding logic, the ModelRunner's graph path against
 #                  its eager path, and whole engines (LLM on random Llama- and Qwen3-shaped model
 #                  directories) with CUDA graphs against enforce_eager=True: equal greedy tokens
@@ -17,7 +20,7 @@
 #                  the ratio (its own time limit, GPU_CHECK_PEER_S, default 600 s)
 # It ends with one summary table, rewritten after every step so that a run cut short still leaves
 # one. The output folder ($OUT) receives only summary.md and one short log per step (at most the
-# last 200 lines, 1 MiB): at most 6 files. The random model, a path shim and the full logs go to
+# last 200 lines, 1 MiB): at most 7 files. The random model, a path shim and the full logs go to
 # a temporary directory that is removed at exit.
 #
 # Needs torch (CUDA), triton, transformers, safetensors, tokenizers, xxhash, numpy, tqdm and
@@ -37,7 +40,7 @@ ON_CPU="${GPU_CHECK_ON_CPU:-0}"
 WITH_PEER="${GPU_CHECK_PEER:-0}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-420}"
 PEER_S="${GPU_CHECK_PEER_S:-600}"
-ALL_STEPS=(kernels parity graphs throughput)
+ALL_STEPS=(kernels parity moe graphs throughput)
 if (( $# )); then STEPS=("$@"); else STEPS=("${ALL_STEPS[@]}"); fi
 OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/kvserve-gpu-check.XXXXXX")}"
 mkdir -p "$OUT"
@@ -183,8 +186,10 @@ bench() {
 
 for step in "${STEPS[@]}"; do
   case $step in
-    kernels) run_step kernels "$(limit_for 150)" "${PYTEST[@]}" tests/test_kernels.py tests/test_kernel_variants.py ;;
+    kernels) run_step kernels "$(limit_for 150)" "${PYTEST[@]}" tests/test_kernels.py tests/test_kernel_variants.py \
+               tests/test_moe.py ;;
     parity) run_step parity "$(limit_for 90)" "${PYTEST[@]}" tests/test_attention_triton.py -k "not graph" ;;
+    moe) run_step moe "$(limit_for 120)" "${PYTEST[@]}" tests/test_moe_models.py -k "gpu or logits" ;;
     graphs) run_step graphs "$(limit_for 150)" "${PYTEST[@]}" tests/test_cuda_graphs.py tests/test_model_runner_graphs.py \
               tests/test_attention_triton.py::test_graph_decode_metadata_over_padded_static_buffers_gives_the_same_rows \
               tests/test_attention_triton.py::test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode ;;
