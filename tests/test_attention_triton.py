@@ -67,9 +67,15 @@ def paged_caches(dtype=torch.float32, gen: torch.Generator | None = None):
     return [torch.randn(shape, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_layer_matches_torch_layer_over_mixed_steps(dtype):
+SPLIT_CASES = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 64)]
+
+
+@pytest.mark.parametrize(("dtype", "num_sms"), SPLIT_CASES)
+def test_triton_layer_matches_torch_layer_over_mixed_steps(dtype, num_sms):
+    """With 64 SMs the decode step takes the split path (16 splits for 4 sequences x 2 KV heads;
+    at these lengths only the first split holds keys, and the reduce must ignore the empty ones)."""
     backends = {name: create_attention_backend(name, DEVICE, BLOCK_SIZE) for name in ("torch", "triton")}
+    backends["triton"].num_sms = num_sms
     impls = {name: b.create_impl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5) for name, b in backends.items()}
     caches = {name: paged_caches(dtype) for name in backends}
     gen = torch.Generator().manual_seed(0)
