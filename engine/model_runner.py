@@ -223,12 +223,14 @@ class ModelRunner:
         return inp
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views.
+        """One tensor [2, layers, *per-layer shape]; each layer gets views. The per-layer shape is
+        the backend's (``kv_cache_shape``): each backend reads the cache in its own layout.
 
         Zeroed once: padded reads of unused slots are masked out, but must not be NaN.
         """
-        shape = (2, self.hf_config.num_hidden_layers, num_blocks, self.block_size,
-                 self.kv_heads_per_rank, head_dim_of(self.hf_config))
+        head_dim = head_dim_of(self.hf_config)
+        layer_shape = self.backend.kv_cache_shape(num_blocks, self.kv_heads_per_rank, head_dim)
+        shape = (2, self.hf_config.num_hidden_layers, *layer_shape)
         if self.device.type == "cpu":
             kv_cache = _lazily_zeroed_cpu_tensor(shape, self.dtype)
         else:
