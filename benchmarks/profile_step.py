@@ -8,6 +8,10 @@ the same batch's weight multiplications alone (``benchmarks/ceiling.py``).
 Prefill: prompts of ``--context`` tokens with ``max_tokens=1``, so every step is a prefill chunk
 of a full token budget; prompt tokens/s next to the matmul rate at that many rows.
 
+``--compete N`` then times the decode steps again with N busy processes (a pure-Python loop
+each) running beside the engine: on a shared CPU a step should slow down no more than in
+proportion to the CPU they take.
+
     python -m kvserve.benchmarks.profile_step [--batch 48] [--context 300] [--temperature 0.6]
         [--torch-profile] [--json out.json]
 """
@@ -15,8 +19,11 @@ of a full token budget; prompt tokens/s next to the matmul rate at that many row
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -91,6 +98,19 @@ def profile_prefill(llm: LLM, args) -> dict:
     return {"prompt_tokens": tokens, "tokens_per_s": tokens / seconds, "token_budget": budget}
 
 
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """``n`` processes that each keep one CPU busy until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5)  # let them start spinning
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def _profiler(args):
     if not args.torch_profile:
         return torch.autograd.profiler.record_function("steps")  # a no-op context outside a profile
@@ -116,6 +136,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the engine's)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--compete", type=int, default=0, help="also time decode beside N busy processes")
     ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top ops")
     ap.add_argument("--profile-rows", type=int, default=15)
     ap.add_argument("--json", default=None, help="write the figures to this file")
@@ -130,6 +151,11 @@ def main(argv=None) -> dict:
     try:
         decode = profile_decode(llm, args)
         prefill = profile_prefill(llm, args)
+        if args.compete:
+            args.torch_profile = False
+            with busy_processes(args.compete):
+                decode["step_ms_beside_busy"] = profile_decode(llm, args)["step_ms"]
+            decode["busy_processes"] = args.compete
         dtype = llm.engine.executor.dtype
         hf_config = load_hf_config(llm.engine.source)
         device = llm.engine.executor.device
@@ -157,6 +183,11 @@ def _print_result(r: dict) -> None:
     print(f"decode step, batch {d['batch']}, {d['context']}-token contexts: {d['step_ms']:.1f} ms "
           f"(forward {d['forward_ms']:.1f} ms, sampler {d['sampler_ms']:.1f} ms = {d['sampler_share']:.0%}); "
           f"matmul-only {d['matmul_ms']:.1f} ms; step / matmul = {d['step_over_matmul']:.2f}x")
+    if "step_ms_beside_busy" in d:
+        n, threads = d["busy_processes"], r["threads"]
+        print(f"decode step beside {n} busy process(es): {d['step_ms_beside_busy']:.1f} ms = "
+              f"{d['step_ms_beside_busy'] / d['step_ms']:.2f}x alone (in proportion to the CPU they take: "
+              f"{(threads + n) / threads:.2f}x)")
     print(f"prefill, chunks of {p['token_budget']} tokens: {p['tokens_per_s']:.0f} tokens/s; "
           f"matmul rate {p['matmul_tokens_per_s']:.0f} tokens/s; {p['share_of_matmul_rate']:.0%} of it")
 

@@ -28,6 +28,7 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
+    threads: int | None = None  # CPU intra-op threads per rank; None: the usable CPUs / local ranks
     # tensor parallel across machines (torch.distributed); see engine/distributed.py
     nnodes: int = 1
     node_rank: int = 0
@@ -50,6 +51,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -43,6 +43,7 @@ from kvserve.engine.model_input import ModelInput
 from kvserve.engine.models import build_model
 from kvserve.engine.models.llama import head_dim_of
 from kvserve.engine.parallel import ParallelContext
+from kvserve.engine.threads import intra_op_threads
 
 GiB = 1 << 30
 
@@ -89,6 +90,10 @@ class ModelRunner:
         self._check_max_model_len()
         self.device = self._pick_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self._threads_before = torch.get_num_threads()
+        if self.device.type == "cpu":
+            local_ranks = config.tensor_parallel_size // config.nnodes
+            torch.set_num_threads(intra_op_threads(config.threads, local_ranks))
         flush_denormals(self.device)
         self.block_size = config.block_size
         self.graphs: CudaGraphRunner | None = None
@@ -124,6 +129,7 @@ class ModelRunner:
         self._unbind_kv_cache()
         self.kv_cache = None
         self.model = None
+        torch.set_num_threads(self._threads_before)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
