@@ -9,6 +9,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("int8",)  # weight-only, CPU (engine/layers/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     threads: int | None = None  # CPU intra-op threads per rank; None: the usable CPUs / local ranks
+    quantization: str | None = None  # "int8": weight-only int8 on the CPU; None: weights in dtype
     # tensor parallel across machines (torch.distributed); see engine/distributed.py
     nnodes: int = 1
     node_rank: int = 0
@@ -41,6 +43,8 @@ class EngineConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("tp_channel", self.tp_channel, ("auto", "shm", "dist"))
+        if self.quantization is not None:
+            _one_of("quantization", self.quantization, QUANTIZATIONS)
         positive = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes")
         for name in positive:
             if getattr(self, name) < 1:

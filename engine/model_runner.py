@@ -32,6 +32,7 @@ from kvserve.engine.layers.attention import (
     create_attention_backend,
     to_device,
 )
+from kvserve.engine.layers.quantization import quantize_model
 from kvserve.engine.loader import (
     load_hf_config,
     load_weights,
@@ -101,6 +102,8 @@ class ModelRunner:
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
         load_weights(self.model, self.source)
+        if config.quantization is not None:
+            quantize_model(self.model, config.quantization, self.device)
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
