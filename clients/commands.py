@@ -1,4 +1,4 @@
-"""The client subcommands of ``kvserve``: ``generate``, ``chat``, ``stats``, ``bench``.
+"""The client subcommands of ``kvserve``: ``generate``, ``chat``, ``stats``.
 
 Sampling flags are derived from ``SamplingParams`` in llm.proto, so they never drift from
 the API: ``--temperature``, ``--max-tokens``, ``--stop`` (repeatable), ``--ignore-eos``, ...
@@ -46,10 +46,6 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     _add_target(p)
     p.add_argument("--watch", type=int, metavar="MS", help="print a snapshot every MS milliseconds")
     p.set_defaults(func=cmd_stats)
-
-    p = sub.add_parser("bench", help="serving benchmark (see benchmarks/serving.py --help)", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_bench)
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -148,12 +144,6 @@ def _watch(client, interval_ms: int) -> int:
     for snapshot in client.watch_stats(interval_ms):
         print(json.dumps(snapshot), flush=True)
     return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from kvserve.benchmarks.serving import main as bench_main
-
-    return bench_main(args.args)
 
 
 def _rpc(fn) -> int:

@@ -1,5 +1,5 @@
-"""The ``kvserve`` command line: ``serve`` here; ``generate``, ``chat``, ``stats`` and ``bench``
-come from ``kvserve.clients.commands``.
+"""The ``kvserve serve`` subcommand: its flags and what it runs. ``kvserve.cli`` gathers it
+with the other subcommands.
 
 The engine flags of ``serve`` are derived from ``EngineConfig``'s fields (``max_num_seqs`` ->
 ``--max-num-seqs``), so a new engine option is a new flag with no change here.
@@ -15,7 +15,6 @@ import sys
 import types
 import typing
 
-from kvserve.clients.commands import add_client_commands
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE
 from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
 
@@ -43,9 +42,7 @@ HELP = {
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="an LLM inference service over gRPC")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser(
         "serve", help="serve a model over gRPC", formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -59,12 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=cmd_serve)
-    worker = sub.add_parser("worker", add_help=False,
-                            help="tensor-parallel workers of a further machine (see `kvserve worker -h`)")
-    worker.add_argument("args", nargs=argparse.REMAINDER)
-    worker.set_defaults(func=cmd_worker)
-    add_client_commands(sub)
-    return parser
 
 
 def add_engine_flags(group) -> None:
@@ -111,21 +102,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         logging.getLogger("kvserve.service").error("%s", e)
         return 1
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    from kvserve.engine.worker import main as worker_main
-
-    return worker_main(args.args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("worker", "bench"):  # their own parsers own every flag, -h included
-        return build_parser().parse_args(argv[:1]).func(argparse.Namespace(args=argv[1:]))
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

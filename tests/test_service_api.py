@@ -282,7 +282,7 @@ def test_each_finished_request_logs_one_line(kvserve_server, client):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "kvserve.service.cli", *args]
+    cmd = [sys.executable, "-m", "kvserve.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 

@@ -12,11 +12,12 @@ import grpc
 import grpc._cython.cygrpc as cygrpc
 import pytest
 
+from kvserve.cli import build_parser
 from kvserve.clients.commands import sampling_kwargs
 from kvserve.clients.messages import CHANNEL_OPTIONS, build_request, sampling_params
 from kvserve.engine.async_engine import EngineOverloaded, EngineUnavailable
 from kvserve.engine.config import EngineConfig
-from kvserve.service.cli import build_parser, engine_config
+from kvserve.service.cli import engine_config
 from kvserve.service.errors import status_for
 from kvserve.service.server import SERVER_OPTIONS
 from kvserve.service.validation import parse_generate_request
