@@ -1,23 +1,36 @@
 """Offline throughput: nano-vllm's benchmark method, scaled to a CPU.
 
 N requests (default 64) of random token ids, prompts of 32–512 tokens, 32–256 new tokens each,
-ignore_eos, seed 0. Prints output tokens/s for kvserve and, with ``--peer hf``, for Hugging Face
-transformers on the same requests in the same run, and the ratio.
+ignore_eos, seed 0. Prints output tokens/s for kvserve; then the machine's ceiling for the same
+workload, measured in the same run (``benchmarks/ceiling.py``: the matmul time of the model's
+projections at the batch sizes the workload passes through, and the memory read bandwidth), and
+kvserve's share of it; with ``--peer hf`` / ``hf-batch``, Hugging Face transformers on the same
+requests, and the ratio. The peer is loaded only once kvserve is shut down and its KV cache freed,
+and a peer that fails reports its error next to kvserve's figures. ``--json FILE`` writes them.
 
-    python -m kvserve.benchmarks.offline [--num-requests 64] [--peer hf] [--peer-batch 16]
+    python -m kvserve.benchmarks.offline [--num-requests 64] [--peer hf] [--peer-batch 16] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import math
 import random
 import time
 
 import torch
 
+from kvserve.benchmarks.ceiling import (
+    MatmulCeiling,
+    ideal_workload_time,
+    kv_bytes_per_token,
+    memory_bandwidth,
+)
 from kvserve.benchmarks.peers import load_transformers_model
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.loader import load_hf_config
 
 
 def make_requests(n: int, prompt_range, output_range, seed: int, vocab: int = 10000):
@@ -51,12 +64,6 @@ def run_kvserve(llm: LLM, args, prompts, outputs) -> float:
     elapsed = time.perf_counter() - t0
     assert sum(len(r.token_ids) for r in results) == sum(outputs)
     return elapsed
-
-
-def load_hf_peer(llm: LLM):
-    """transformers' model on the same weights, dtype and device as kvserve."""
-    ex = llm.engine.executor
-    return load_transformers_model(llm.engine.source, ex.dtype, ex.device)
 
 
 def run_hf(model, prompts, outputs, batch: int) -> float:
@@ -104,7 +111,7 @@ def run_hf_continuous(model, prompts, outputs) -> float:
     return time.perf_counter() - t0
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
@@ -117,6 +124,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="engine intra-op threads (default: engine's)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default=None, help="engine weight quantization, e.g. int8")
     ap.add_argument(
         "--peer",
         choices=["none", "hf", "hf-batch"],
@@ -124,44 +134,117 @@ def main(argv=None) -> None:
         help="hf: transformers generate in padded batches; hf-batch: transformers continuous batching",
     )
     ap.add_argument("--peer-batch", type=int, default=16, help="transformers batch size (padded)")
+    ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    prompts, outputs = make_requests(
-        args.num_requests,
-        (args.min_prompt, args.max_prompt),
-        (args.min_output, args.max_output),
-        args.seed,
-        vocab=min(10000, llm.engine.vocab_size),
-    )
-    total = sum(outputs)
-    elapsed = run_kvserve(llm, args, prompts, outputs)
-    ours = total / elapsed
-    print(f"requests={args.num_requests} prompt_tokens={sum(map(len, prompts))} output_tokens={total}")
-    total_params, active = active_parameters(llm.engine.executor.hf_config)
-    tokens = sum(map(len, prompts)) + total
+
+def engine_options(args) -> dict:
+    options = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+    if args.threads is not None:
+        options["threads"] = args.threads
+    if args.quantization is not None:
+        options["quantization"] = args.quantization
+    return options
+
+
+def run_ours(args) -> dict:
+    """kvserve's run; the engine is shut down (KV cache and weights freed) before this returns."""
+    llm = LLM(args.model, **engine_options(args))
+    try:
+        vocab = min(10000, llm.engine.vocab_size)
+        prompts, outputs = make_requests(
+            args.num_requests, (args.min_prompt, args.max_prompt), (args.min_output, args.max_output),
+            args.seed, vocab=vocab,
+        )  # fmt: skip
+        elapsed = run_kvserve(llm, args, prompts, outputs)
+        ex = llm.engine.executor
+        figures = dict(source=llm.engine.source, dtype=ex.dtype, device=ex.device, prompts=prompts,
+                       outputs=outputs, seconds=elapsed, threads=torch.get_num_threads())
+    finally:
+        llm.shutdown()
+    del llm
+    _free_memory(figures["device"])
+    return figures
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_ceiling(ours: dict, args) -> dict:
+    """The workload's ideal time on this machine (``ceiling.ideal_workload_time``)."""
+    hf_config = load_hf_config(ours["source"])
+    ceiling = MatmulCeiling(hf_config, ours["dtype"], ours["device"])
+    bandwidth = memory_bandwidth(ours["device"])
+    ideal = ideal_workload_time(
+        [len(p) for p in ours["prompts"]], ours["outputs"], args.max_num_seqs, args.max_num_batched_tokens,
+        ceiling, bandwidth, kv_bytes_per_token(hf_config, ours["dtype"]),
+    )  # fmt: skip
+    del ceiling
+    _free_memory(ours["device"])
+    return {"seconds": ideal.seconds, "output_tok_s": sum(ours["outputs"]) / ideal.seconds,
+            "prefill_s": ideal.prefill_s, "decode_s": ideal.decode_s, "decode_steps": ideal.decode_steps,
+            "kv_bound_steps": ideal.bandwidth_bound_steps, "prefill_matmul_tok_s": ideal.prefill_rate,
+            "memory_gb_s": bandwidth / 1e9}
+
+
+def run_peer(ours: dict, args) -> dict:
+    """transformers on the same requests, weights, dtype and device."""
+    model = load_transformers_model(ours["source"], ours["dtype"], ours["device"])
+    prompts, outputs = ours["prompts"], ours["outputs"]
+    if args.peer == "hf":
+        seconds = run_hf(model, prompts, outputs, args.peer_batch)
+        mode = f"generate, batches of {args.peer_batch}"
+    else:
+        seconds, mode = run_hf_continuous(model, prompts, outputs), "continuous batching"
+    return {"seconds": seconds, "output_tok_s": sum(outputs) / seconds, "mode": mode}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    ours = run_ours(args)
+    total = sum(ours["outputs"])
+    dtype = str(ours["dtype"]).removeprefix("torch.")
+    result = {
+        "requests": args.num_requests, "prompt_tokens": sum(map(len, ours["prompts"])),
+        "output_tokens": total, "dtype": dtype, "threads": ours["threads"],
+        "kvserve": {"seconds": ours["seconds"], "output_tok_s": total / ours["seconds"]},
+    }  # fmt: skip
+    print(f"requests={args.num_requests} prompt_tokens={result['prompt_tokens']} output_tokens={total}")
+    print(f"kvserve      {ours['seconds']:8.2f} s  {total / ours['seconds']:8.1f} output tok/s  "
+          f"({dtype}, {ours['threads']} threads)")
+    total_params, active = active_parameters(load_hf_config(ours["source"]))
+    tokens = result["prompt_tokens"] + total
     print(f"matmul weights {total_params / 1e6:.1f}M, {active / 1e6:.1f}M active per token: "
-          f"{2 * active / 1e6:.1f} MFLOP/token, kvserve {2 * active * tokens / elapsed / 1e9:.1f} GFLOP/s")
-    print(f"kvserve      {elapsed:8.2f} s  {ours:8.1f} output tok/s  ({llm.stats()['dtype']})")
+          f"{2 * active / 1e6:.1f} MFLOP/token, kvserve {2 * active * tokens / ours['seconds'] / 1e9:.1f} GFLOP/s")
+    if not args.no_ceiling:
+        c = result["ceiling"] = measure_ceiling(ours, args)
+        result["kvserve_over_ceiling"] = c["seconds"] / ours["seconds"]
+        print(f"ceiling      {c['seconds']:8.2f} s  {c['output_tok_s']:8.1f} output tok/s  "
+              f"(prefill {c['prefill_s']:.2f} s at the {c['prefill_matmul_tok_s']:.0f} tok/s matmul rate; "
+              f"{c['decode_steps']} decode steps {c['decode_s']:.2f} s, {c['kv_bound_steps']} of them "
+              f"bound by KV reads at {c['memory_gb_s']:.0f} GB/s)")
+        print(f"kvserve / ceiling = {result['kvserve_over_ceiling']:.0%}")
     if args.peer != "none":
-        model = load_hf_peer(llm)
-        if args.peer == "hf":
-            hf_elapsed, mode = (
-                run_hf(model, prompts, outputs, args.peer_batch),
-                f"generate, batches of {args.peer_batch}",
-            )
+        try:
+            peer = result["transformers"] = run_peer(ours, args)
+        except Exception as e:  # the peer's failure must not lose kvserve's figures
+            result["transformers"] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"transformers failed: {type(e).__name__}: {e}")
         else:
-            hf_elapsed, mode = run_hf_continuous(model, prompts, outputs), "continuous batching"
-        peer = total / hf_elapsed
-        print(f"transformers {hf_elapsed:8.2f} s  {peer:8.1f} output tok/s  ({mode})")
-        print(f"ratio kvserve / transformers = {ours / peer:.2f}x")
-    llm.shutdown()
+            result["kvserve_over_transformers"] = peer["seconds"] / ours["seconds"]
+            print(f"transformers {peer['seconds']:8.2f} s  {peer['output_tok_s']:8.1f} output tok/s  "
+                  f"({peer['mode']})")
+            print(f"ratio kvserve / transformers = {result['kvserve_over_transformers']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own limit when max_model_len is not given
+QUANTIZATIONS = ("int8",)  # weight-only, CPU (engine/layers/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
+    threads: int | None = None  # CPU intra-op threads per rank; None: the usable CPUs / local ranks
+    quantization: str | None = None  # "int8": weight-only int8 on the CPU; None: weights in dtype
     # tensor parallel across machines (torch.distributed); see engine/distributed.py
     nnodes: int = 1
     node_rank: int = 0
@@ -41,6 +44,8 @@ class EngineConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("tp_channel", self.tp_channel, ("auto", "shm", "dist"))
+        if self.quantization is not None:
+            _one_of("quantization", self.quantization, QUANTIZATIONS)
         positive = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes")
         for name in positive:
             if getattr(self, name) < 1:
@@ -51,6 +56,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

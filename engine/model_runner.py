@@ -37,6 +37,7 @@ from kvserve.engine.layers.attention import (
     create_attention_backend,
     to_device,
 )
+from kvserve.engine.layers.quantization import quantize_model
 from kvserve.engine.loader import (
     load_hf_config,
     load_weights,
@@ -52,6 +53,7 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
 
 log = logging.getLogger("kvserve.engine.model_runner")
+from kvserve.engine.threads import intra_op_threads
 
 GiB = 1 << 30
 # the warm-up's sampler pass turns every stage on, so that its buffers are at their largest
@@ -101,6 +103,10 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.device = self._pick_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self._threads_before = torch.get_num_threads()
+        if self.device.type == "cpu":
+            local_ranks = config.tensor_parallel_size // config.nnodes
+            torch.set_num_threads(intra_op_threads(config.threads, local_ranks))
         flush_denormals(self.device)
         self.block_size = config.block_size
         self.graphs: CudaGraphRunner | None = None
@@ -109,6 +115,8 @@ class ModelRunner:
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
         load_weights(self.model, self.source)
+        if config.quantization is not None:
+            quantize_model(self.model, config.quantization, self.device)
         self.vocab_size = self.hf_config.vocab_size
         width = block_table_width(self.max_model_len, self.block_size)
         self.block_tables = BlockTableArray(config.max_num_seqs, width)  # changed by each step's updates
@@ -154,6 +162,7 @@ class ModelRunner:
         self._unbind_kv_cache()
         self.kv_cache = None
         self.model = None
+        torch.set_num_threads(self._threads_before)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -283,12 +292,14 @@ class ModelRunner:
         return inp
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views.
+        """One tensor [2, layers, *per-layer shape]; each layer gets views. The per-layer shape is
+        the backend's (``kv_cache_shape``): each backend reads the cache in its own layout.
 
         Zeroed once: padded reads of unused slots are masked out, but must not be NaN.
         """
-        shape = (2, self.hf_config.num_hidden_layers, num_blocks, self.block_size,
-                 self.kv_heads_per_rank, head_dim_of(self.hf_config))
+        head_dim = head_dim_of(self.hf_config)
+        layer_shape = self.backend.kv_cache_shape(num_blocks, self.kv_heads_per_rank, head_dim)
+        shape = (2, self.hf_config.num_hidden_layers, *layer_shape)
         if self.device.type == "cpu":
             kv_cache = _lazily_zeroed_cpu_tensor(shape, self.dtype)
         else:

@@ -60,8 +60,11 @@ def random_qkv(tokens: int, gen: torch.Generator, dtype=torch.float32):
     return [torch.randn(shape, generator=gen).to(dtype).to(DEVICE) for shape in shapes]
 
 
-def paged_caches(dtype=torch.float32, gen: torch.Generator | None = None):
+def paged_caches(dtype=torch.float32, gen: torch.Generator | None = None, backend=None):
+    """K and V caches of 10 blocks, in ``backend``'s layout (the kernels' when None)."""
     shape = (10, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    if backend is not None:
+        shape = backend.kv_cache_shape(10, KV_HEADS, HEAD_DIM)
     if gen is None:
         return torch.zeros(shape, dtype=dtype, device=DEVICE), torch.zeros(shape, dtype=dtype, device=DEVICE)
     return [torch.randn(shape, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
@@ -77,7 +80,7 @@ def test_triton_layer_matches_torch_layer_over_mixed_steps(dtype, num_sms):
     backends = {name: create_attention_backend(name, DEVICE, BLOCK_SIZE) for name in ("torch", "triton")}
     backends["triton"].num_sms = num_sms
     impls = {name: b.create_impl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5) for name, b in backends.items()}
-    caches = {name: paged_caches(dtype) for name in backends}
+    caches = {name: paged_caches(dtype, backend=b) for name, b in backends.items()}
     gen = torch.Generator().manual_seed(0)
     for inp in three_steps():
         q, k, v = random_qkv(inp.num_tokens, gen, dtype)
@@ -87,8 +90,8 @@ def test_triton_layer_matches_torch_layer_over_mixed_steps(dtype, num_sms):
             outs[name] = impls[name].forward(q, k, v, *caches[name], meta)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert (outs["triton"].float() - outs["torch"].float()).abs().max().item() <= tol
-        assert torch.equal(caches["triton"][0], caches["torch"][0])
-        assert torch.equal(caches["triton"][1], caches["torch"][1])
+        for triton_cache, torch_cache in zip(caches["triton"], caches["torch"], strict=True):
+            assert torch.equal(triton_cache, torch_cache.permute(1, 2, 0, 3))  # torch's is head-major
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host-device synchronisation exists only on a GPU")
@@ -160,7 +163,7 @@ def build_tiny_model(config, backend, device: torch.device):
     init_random_weights(model, seed=0)
     head_dim = config.hidden_size // config.num_attention_heads
     for layer in model.attention_layers():
-        shape = (10, BLOCK_SIZE, config.num_key_value_heads, head_dim)
+        shape = backend.kv_cache_shape(10, config.num_key_value_heads, head_dim)
         layer.bind_kv_cache(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
     return model
 

@@ -1,5 +1,7 @@
 """The offline benchmark runs end to end (tiny random model, both transformers peers)."""
 
+import json
+
 import pytest
 
 from kvserve.benchmarks import offline
@@ -12,8 +14,8 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("peer", ["hf", "hf-batch"])
-def test_offline_benchmark_prints_throughput_and_ratio(tiny_llama, peer, capsys):
-    offline.main(
+def test_offline_benchmark_prints_throughput_ceiling_and_ratio(tiny_llama, peer, capsys, tmp_path):
+    figures = offline.main(
         [
             "--model",
             tiny_llama,
@@ -32,8 +34,28 @@ def test_offline_benchmark_prints_throughput_and_ratio(tiny_llama, peer, capsys)
             "--peer",
             peer,
             "--quiet",
+            "--json",
+            str(tmp_path / "figures.json"),
         ]
     )
     out = capsys.readouterr().out
     assert "kvserve" in out and "output tok/s" in out
-    assert "ratio kvserve / transformers" in out
+    assert "kvserve / ceiling = " in out and "ratio kvserve / transformers" in out
+    assert json.loads((tmp_path / "figures.json").read_text()) == json.loads(json.dumps(figures))
+    ceiling = figures["ceiling"]
+    assert ceiling["seconds"] == pytest.approx(ceiling["prefill_s"] + ceiling["decode_s"])
+    assert figures["kvserve_over_ceiling"] > 0 and figures["transformers"]["output_tok_s"] > 0
+
+
+def test_a_failing_peer_keeps_kvserves_figures(tiny_llama, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("peer out of memory")
+
+    monkeypatch.setattr(offline, "load_transformers_model", broken)
+    args = ["--model", tiny_llama, "--dtype", "float32", "--num-requests", "2", "--min-prompt", "4",
+            "--max-prompt", "8", "--min-output", "2", "--max-output", "4", "--peer", "hf", "--quiet",
+            "--no-ceiling"]  # fmt: skip
+    figures = offline.main(args)
+    assert figures["kvserve"]["output_tok_s"] > 0
+    assert figures["transformers"] == {"error": "RuntimeError: peer out of memory"}
+    assert "transformers failed: RuntimeError: peer out of memory" in capsys.readouterr().out

@@ -85,7 +85,7 @@ def test_runner_reports_what_it_loaded(runner):
     assert runner.dtype == torch.float32 and runner.device == torch.device("cpu")
     assert runner.attention_backend_name == "torch"
     assert (runner.num_kv_blocks, runner.block_size) == (64, BLOCK)
-    assert runner.kv_cache.shape == (2, 30, 64, BLOCK, 3, 64)
+    assert runner.kv_cache.shape == (2, 30, 3, 64, BLOCK, 64)  # the torch backend's head-major layout
 
 
 def test_prefill_logits_match_transformers(runner, hf_model, prompt_ids):
@@ -109,9 +109,12 @@ def test_greedy_decode_through_the_paged_cache_matches_transformers(runner, hf_m
     assert tokens == expected
 
 
-def test_prompt_in_two_chunks_gives_the_logits_of_one_pass(runner, prompt_ids):
+@pytest.mark.parametrize("blocks", [[40, 41, 42], [42, 17, 40]], ids=["consecutive", "scattered"])
+def test_prompt_in_two_chunks_gives_the_logits_of_one_pass(runner, prompt_ids, blocks):
+    """The second chunk reads the first from the cache: as a view of consecutive blocks, or
+    through a gather of scattered ones."""
     whole = runner.execute_model(batch(Seq([1, 2, 3]).chunk(prompt_ids)))
-    seq = Seq([40, 41, 42])
+    seq = Seq(blocks)
     runner.execute_model(batch(seq.chunk(prompt_ids[:21])))  # ends inside a block
     second = runner.execute_model(batch(seq.chunk(prompt_ids[21:])))
     torch.testing.assert_close(second, whole, atol=1e-4, rtol=1e-4)
@@ -132,11 +135,12 @@ def test_mixed_batch_gives_each_sequence_its_logits_alone(runner, prompt_ids):
 
 
 def test_slot_minus_one_leaves_the_cache_untouched(runner, prompt_ids):
-    runner.kv_cache[:, :, 60].fill_(3.0)
-    before = runner.kv_cache[:, :, 60].clone()
+    block_60 = runner.kv_cache[:, :, :, 60]  # [K/V, layer, kv head, block, ...]
+    block_60.fill_(3.0)
+    before = block_60.clone()
     seq = Seq([60, 61, 62])
     runner.execute_model(batch(seq.chunk(prompt_ids[:10], store=False)))
-    assert torch.equal(runner.kv_cache[:, :, 60], before)
+    assert torch.equal(block_60, before)
 
 
 def test_prepare_inputs_lays_out_the_common_attention_metadata(runner):
@@ -164,7 +168,7 @@ def test_random_qwen3_matches_transformers_qwen3_with_the_same_weights():
     assert missing == ["lm_head.weight"] and unexpected == []  # tied to the embedding
 
     ids = [5, 17, 250, 3, 99, 42, 7, 7, 1, 0, 123, 64, 31]
-    bind_fresh_kv_cache(ours, num_blocks=4, kv_heads=2, head_dim=16)
+    bind_fresh_kv_cache(ours, backend, num_blocks=4, kv_heads=2, head_dim=16)
     seq = Seq([3, 1])
     first = run_model(ours, backend, batch(seq.chunk(ids[:9]), all_logits=True))
     rest = run_model(ours, backend, batch(seq.chunk(ids[9:]), all_logits=True))  # context from the cache
@@ -197,9 +201,9 @@ def test_memory_sizing_warm_up_step_is_a_valid_largest_prefill(tiny_qwen2_dir):
     assert logits.shape == (3, 512) and torch.isfinite(logits).all()
 
 
-def bind_fresh_kv_cache(model, num_blocks: int, kv_heads: int, head_dim: int) -> None:
+def bind_fresh_kv_cache(model, backend, num_blocks: int, kv_heads: int, head_dim: int) -> None:
     layers = model.attention_layers()
-    kv = torch.zeros(2, len(layers), num_blocks, BLOCK, kv_heads, head_dim)
+    kv = torch.zeros(2, len(layers), *backend.kv_cache_shape(num_blocks, kv_heads, head_dim))
     for i, layer in enumerate(layers):
         layer.bind_kv_cache(kv[0, i], kv[1, i])
 

@@ -10,4 +10,4 @@ from torch import nn
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # silu's output is a fresh tensor: multiply into it

@@ -7,8 +7,10 @@
   cache at ``meta.slot_mapping`` (slot -1 = skip) and returns attention over the cached K/V.
 - ``Attention``: the nn.Module a model holds per layer; it owns the layer's cache views.
 
-KV cache layout (shared by every backend and kernel): per layer ``k_cache`` and ``v_cache`` of
-shape [num_blocks, block_size, num_kv_heads, head_dim]. Token slot ``s`` is row
+KV cache layout: each backend allocates the cache in the layout it reads
+(``AttentionBackend.kv_cache_shape``). The kernels' layout, the default, is per layer ``k_cache``
+and ``v_cache`` of shape [num_blocks, block_size, num_kv_heads, head_dim]; the torch backend's is
+head-major, [num_kv_heads, num_blocks, block_size, head_dim]. Either way token slot ``s`` is row
 ``s % block_size`` of block ``s // block_size``.
 
 Position rule every backend implements: query token j of a sequence with query length q and
@@ -122,6 +124,10 @@ class AttentionBackend(ABC):
 
     def __init__(self, block_size: int):
         self.block_size = block_size
+
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's K (and V) cache in the layout this backend reads."""
+        return (num_blocks, self.block_size, num_kv_heads, head_dim)
 
     @abstractmethod
     def build_metadata(self, inp: ModelInput, device: torch.device) -> AttentionMetadata:

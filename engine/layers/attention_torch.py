@@ -1,12 +1,19 @@
 """The torch attention backend: the CPU path and the reference the kernels are tested against.
 
+Its KV cache is head-major, per layer [kv_heads, num_blocks, block_size, head_dim] (the other
+backends keep the shared [num_blocks, block_size, kv_heads, head_dim]): gathering a sequence's
+blocks along dim 1 then yields, for each KV head, its keys as one contiguous [tokens, head_dim]
+matrix, so a decode multiplies every query head only by its own KV head's keys, in plain
+batched matmuls, with no copy besides the one gather.
+
 Per step, ``build_metadata`` plans the work on the host (no device sync later):
 - every sequence with query length 1 (decodes, and one-token prefill chunks) is a decode. The
   decodes are sorted by context length and cut into a few groups of similar length, so that
-  padding stays small; each group gathers its K/V blocks with one ``index_select`` into a
-  padded [n, L, kv_heads * D] batch and attends with two batched matmuls (see ``_decode``);
+  padding stays small; each group gathers its K/V blocks with one ``index_select`` per cache
+  into [kv_heads, n, L, head_dim] and attends with two batched matmuls (see ``_decode``);
 - every longer chunk is a prefill: with nothing cached before it, it attends causally to its
-  own new K/V; otherwise it reads its context back from the cache under an offset causal mask.
+  own new K/V; otherwise it reads its context from the cache under an offset causal mask, as a
+  view when the context's blocks are consecutive (the common case), else through one gather.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ DECODE_GROUP_MIN_FILL = 0.5
 class DecodeGroup:
     tokens: torch.Tensor  # int64 [n]: where the group's queries sit in the flat batch
     gather_blocks: torch.Tensor  # int64 [n * max_blocks]: block ids, padded with block 0
-    key_bias: torch.Tensor  # [n, 1, max_blocks * block_size]: 0 for a key, -inf for padding
+    key_bias: torch.Tensor | None  # [1, n, 1, max_blocks * block_size]: 0 for a key, -inf for padding
     num_seqs: int
     padded_len: int
 
@@ -51,8 +58,9 @@ class PrefillPlan:
     start: int  # the chunk's tokens are [start, end) of the flat batch
     end: int
     context_len: int
-    blocks: torch.Tensor | None  # int64 block ids holding the context; None = no cached context
-    mask: torch.Tensor | None  # bool [query_len, context_len]; None = plain causal
+    blocks: torch.Tensor | None  # int64 block ids holding the context, when they must be gathered
+    block_range: tuple[int, int] | None  # [first, last) block ids when they are consecutive: a view
+    mask: torch.Tensor | None  # bool [query_len, context_len]; None = plain causal over new K/V
 
 
 @dataclass
@@ -65,6 +73,9 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_kv_heads, num_blocks, self.block_size, head_dim)
 
     def build_metadata(self, inp: ModelInput, device: torch.device) -> TorchAttentionMetadata:
         meta = TorchAttentionMetadata(**common_metadata_fields(inp, self.block_size, device))
@@ -106,9 +117,12 @@ class TorchAttentionBackend(AttentionBackend):
         for i in seqs:
             table = self._context_blocks(inp, i)
             flat_blocks += table + [0] * (max_blocks - len(table))
-        lens_t = to_device(lens, device)
-        is_pad = torch.arange(padded_len, device=device)[None, None, :] >= lens_t[:, None, None]
-        key_bias = torch.zeros(is_pad.shape, device=device).masked_fill_(is_pad, float("-inf"))
+        key_bias = None
+        if min(lens) < padded_len:
+            lens_t = to_device(lens, device)
+            is_pad = torch.arange(padded_len, device=device)[None, :] >= lens_t[:, None]
+            key_bias = torch.zeros(is_pad.shape, device=device).masked_fill_(is_pad, float("-inf"))
+            key_bias = key_bias.view(1, len(seqs), 1, padded_len)
         return DecodeGroup(
             tokens=to_device([starts[i] for i in seqs], device),
             gather_blocks=to_device(flat_blocks, device),
@@ -119,9 +133,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _plan_prefill(self, inp: ModelInput, seq: int, start: int, device: torch.device) -> PrefillPlan:
         q_len, ctx = inp.query_lens[seq], inp.context_lens[seq]
-        plan = PrefillPlan(start, start + q_len, ctx, None, None)
+        plan = PrefillPlan(start, start + q_len, ctx, None, None, None)
         if ctx > q_len:  # earlier tokens (prefix hit or earlier chunk) are only in the cache
-            plan.blocks = to_device(self._context_blocks(inp, seq), device)
+            table = self._context_blocks(inp, seq)
+            if table == list(range(table[0], table[0] + len(table))):
+                plan.block_range = (table[0], table[0] + len(table))
+            else:
+                plan.blocks = to_device(table, device)
             rows = torch.arange(q_len, device=device)[:, None] + (ctx - q_len)
             plan.mask = torch.arange(ctx, device=device)[None, :] <= rows
         return plan
@@ -138,9 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class TorchAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        self._head_masks: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    """Over caches of ``TorchAttentionBackend.kv_cache_shape``: [kv_heads, blocks, block_size, D]."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
@@ -159,52 +175,49 @@ class TorchAttentionImpl(AttentionImpl):
         slots = meta.slot_mapping
         if meta.store_tokens is not None:
             k, v, slots = k[meta.store_tokens], v[meta.store_tokens], meta.store_slots
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slots, v.transpose(0, 1))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:
         """Attention of n one-token queries over their padded contexts.
 
-        The gathered K/V stay as they lie in the cache, [n, L, kv_heads * D], and each query is
-        spread into a block-diagonal [heads, kv_heads * D] (zeros outside its KV head's slice), so
-        both products are plain contiguous batched matmuls; the extra multiply-adds by zero cost
-        less than making K/V head-major would.
+        One gather per cache gives [kv_heads * n, L, D]; the query heads that share a KV head
+        form the rows of one small matrix, so each product is a batched matmul over
+        (KV head, sequence) pairs that multiplies only what belongs together.
         """
-        n, length, width = group.num_seqs, group.padded_len, self.num_kv_heads * self.head_dim
-        keys = k_cache.index_select(0, group.gather_blocks).view(n, length, width)
-        values = v_cache.index_select(0, group.gather_blocks).view(n, length, width)
-        spread = q.repeat(1, 1, self.num_kv_heads) * self._head_mask(q)  # [n, heads, width], scaled
-        scores = torch.bmm(spread, keys.transpose(1, 2)) + group.key_bias
+        n, length, kv_heads, d = group.num_seqs, group.padded_len, self.num_kv_heads, self.head_dim
+        group_size = self.num_heads // kv_heads
+        keys = k_cache.index_select(1, group.gather_blocks).view(kv_heads * n, length, d)
+        values = v_cache.index_select(1, group.gather_blocks).view(kv_heads * n, length, d)
+        rows = (q * self.scale).view(n, kv_heads, group_size, d).transpose(0, 1)
+        rows = rows.reshape(kv_heads * n, group_size, d)
+        scores = torch.bmm(rows, keys.transpose(1, 2)).view(kv_heads, n, group_size, length)
+        if group.key_bias is not None:
+            scores = scores + group.key_bias  # float32 from here: the softmax runs in float32
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.bmm(probs, values)  # [n, heads, width]: each head's own slice is the answer
-        group_size = self.num_heads // self.num_kv_heads
-        out = out.view(n, self.num_kv_heads, group_size, self.num_kv_heads, self.head_dim)
-        return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, self.num_heads, self.head_dim)
-
-    def _head_mask(self, q: torch.Tensor) -> torch.Tensor:
-        """[heads, kv_heads * D]: the softmax scale where query head h meets its KV head
-        h // group, else 0."""
-        key = (q.dtype, q.device)
-        if key not in self._head_masks:
-            group_size = self.num_heads // self.num_kv_heads
-            kv_of_head = torch.arange(self.num_heads, device=q.device) // group_size
-            kv_of_column = torch.arange(self.num_kv_heads * self.head_dim, device=q.device) // self.head_dim
-            meets = kv_of_head[:, None] == kv_of_column[None, :]
-            self._head_masks[key] = (meets * self.scale).to(q.dtype)
-        return self._head_masks[key]
+        out = torch.bmm(probs.view(kv_heads * n, group_size, length), values)
+        return out.view(kv_heads, n, group_size, d).transpose(0, 1).reshape(n, self.num_heads, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
-        if plan.blocks is None:
-            keys, values = k[plan.start : plan.end], v[plan.start : plan.end]
+        if plan.mask is None:
+            keys = k[plan.start : plan.end].transpose(0, 1)
+            values = v[plan.start : plan.end].transpose(0, 1)
         else:
-            keys = k_cache.index_select(0, plan.blocks).flatten(0, 1)[: plan.context_len]
-            values = v_cache.index_select(0, plan.blocks).flatten(0, 1)[: plan.context_len]
+            keys, values = (self._context(cache, plan) for cache in (k_cache, v_cache))
         # 4-D inputs, or CPU SDPA falls back from its flash kernel to the slow math path
         out = F.scaled_dot_product_attention(
-            q[plan.start : plan.end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None], attn_mask=plan.mask, is_causal=plan.mask is None,
-            scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+            q[plan.start : plan.end].transpose(0, 1)[None], keys[None], values[None],
+            attn_mask=plan.mask, is_causal=plan.mask is None, scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return out[0].transpose(0, 1)
+
+    def _context(self, cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
+        """[kv_heads, context_len, D]: a view of the cache when the blocks are consecutive."""
+        if plan.block_range is not None:
+            blocks = cache[:, plan.block_range[0] : plan.block_range[1]]
+        else:
+            blocks = cache.index_select(1, plan.blocks)
+        return blocks.flatten(1, 2)[:, : plan.context_len]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.layers.quantization import int8_linear, quantize_int8
 from kvserve.engine.parallel import ParallelContext
 
 
@@ -48,8 +49,18 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; rank 0 gets them all, other ranks get None."""
 
+    qweight: torch.Tensor | None = None  # int8 copy and row scales, once quantized
+    scales: torch.Tensor | None = None
+
+    def quantize_int8(self) -> None:
+        """An int8 copy for the logits; the float table stays (it may be the tied embedding's)."""
+        self.qweight, self.scales = quantize_int8(self.weight.data)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden_states, self.weight)
+        if self.qweight is not None:
+            logits = int8_linear(hidden_states, self.qweight, self.scales)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         if self.parallel.size == 1:
             return logits
         logits = self.parallel.gather_last_dim(logits)

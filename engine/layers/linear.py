@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.layers.quantization import int8_linear, quantize_int8
 from kvserve.engine.parallel import ParallelContext, divide, kv_head_shard
 
 
@@ -45,9 +46,21 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _new_param(output_size)
             self.bias.weight_loader = self.weight_loader
+        self.qweight: torch.Tensor | None = None  # int8 weight and its row scales, once quantized
+        self.scales: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.qweight is not None:
+            return int8_linear(x, self.qweight, self.scales, bias)
+        return F.linear(x, self.weight, bias)
+
+    def quantize_int8(self) -> None:
+        """Keep the weight as int8 with row scales (``layers/quantization.py``); the float weight goes."""
+        self.qweight, self.scales = quantize_int8(self.weight.data)
+        self.weight = _new_param(0)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_weight(param.data, loaded)
@@ -113,8 +126,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.parallel.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.parallel.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

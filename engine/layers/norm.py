@@ -16,10 +16,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. The sum is
+        written into ``residual``: the decoder layers hand the running residual from one norm to
+        the next and never read the old value again."""
         if residual is None:
             return self._normalize(x)
-        x = x + residual
+        x = residual.add_(x)
         return self._normalize(x), x
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:

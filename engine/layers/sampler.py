@@ -2,18 +2,24 @@
 
 Owns the per-request sampling policy (DESIGN.md §3 SamplingParams): penalties, the
 min_tokens mask, greedy argmax, temperature, min_p / top_k / top_p truncation, the random
-draw (exponential race, no ``torch.multinomial``) and the raw-distribution logprobs.
+draw and the raw-distribution logprobs.
 
 Rows of one batch carry different parameters; the per-row values travel as small device
 tensors, so each stage runs once over the rows that need it. The only host sync is the
-read-back of the results at the end. A seeded row draws its noise from a generator seeded
-by (seed, completion tokens so far), so its output does not depend on batch composition
-and survives a recompute after preemption.
+read-back of the results at the end.
+
+The random draw is by inverse CDF: one uniform per row, looked up in the row's cumulative
+(unnormalised) probabilities with a binary search, so a draw costs one number per row, not one
+per vocabulary entry; greedy rows draw nothing. The uniforms are made on the host: a seeded
+row's is a hash of (seed, completion tokens so far), so its output does not depend on batch
+composition and survives a recompute after preemption; unseeded rows take theirs from one
+generator seeded by the engine's ``seed``.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -38,8 +44,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}  # unseeded rows, one per device
-        self._row_generators: dict[torch.device, torch.Generator] = {}  # re-seeded per seeded row
+        self._rng = random.Random(seed)  # the uniforms of unseeded rows
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
@@ -104,7 +109,7 @@ class Sampler:
     # -- random rows ----------------------------------------------------------------------
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Temperature, min_p, top_k, top_p, then argmax(p_i / E_i) with E_i ~ Exp(1)."""
+        """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row."""
         device = logits.device
         temps = _to_device([s.params.temperature for s in seqs], torch.float32, device)
         logits = logits / temps.unsqueeze(1)
@@ -112,35 +117,28 @@ class Sampler:
         if any(m > 0 for m in min_ps):
             logits = _apply_min_p(logits, _to_device(min_ps, torch.float32, device))
         logits = _apply_top_k_top_p_rows(logits, seqs)
-        probs = logits.softmax(dim=-1)
-        # clamp: an exact 0 would turn a kept token into inf and a masked one into nan
-        noise = self._exponential_noise(seqs, probs.shape, device).clamp_min_(1e-20)
-        return probs.div_(noise).argmax(dim=-1)
+        return _inverse_cdf_draw(logits, _to_device(self._uniforms(seqs), torch.float32, device))
 
-    def _exponential_noise(
-        self, seqs: list[Sequence], shape: torch.Size, device: torch.device
-    ) -> torch.Tensor:
-        """Exp(1) draws, [rows, vocab]: a seeded row's from its own (seed, step) generator."""
-        noise = torch.empty(shape, device=device)
-        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
-        if len(seeded) < len(seqs):
-            _exponential_(noise, self._generator(device))  # seeded rows are overwritten below
-        for row in seeded:
-            seq = seqs[row]
-            gen = self._row_generator(device)
-            gen.manual_seed(_row_seed(seq.params.seed, seq.num_completion_tokens))
-            _exponential_(noise[row], gen)
-        return noise
+    def _uniforms(self, seqs: list[Sequence]) -> list[float]:
+        """One U[0, 1) per row: a seeded row's from (seed, step), the others' from the engine's."""
+        draws = []
+        for s in seqs:
+            seed = s.params.seed
+            draws.append(self._rng.random() if seed is None else _row_uniform(seed, s.num_completion_tokens))
+        return draws
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed & _MASK64)
-        return self._generators[device]
 
-    def _row_generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._row_generators:
-            self._row_generators[device] = torch.Generator(device=device)
-        return self._row_generators[device]
+def _inverse_cdf_draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the token whose cumulative-probability interval holds ``uniform * total``.
+
+    ``logits`` is the function's own tensor (it is overwritten). exp(-inf) = 0 gives masked
+    tokens an empty interval, which the search (first cumulative value above the target) never
+    lands in; the target is kept below the total, where float32 rounding of ``u * total`` could
+    otherwise reach it."""
+    cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 # -- penalties ------------------------------------------------------------------------------
@@ -326,14 +324,6 @@ def _read_logprobs(
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _exponential_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Fill ``out`` with Exp(1) draws. On CPU, -log(U) is about twice as fast as torch's
-    ``exponential_``; U < 1 there, so no draw is 0."""
-    if out.device.type == "cpu":
-        return out.uniform_(generator=generator).log_().neg_()
-    return out.exponential_(generator=generator)
-
-
 def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values as a device tensor without a blocking copy (pinned on CUDA)."""
     host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
@@ -342,9 +332,10 @@ def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.de
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _row_seed(seed: int, step: int) -> int:
-    """Mix (request seed, completion tokens so far) into one 63-bit generator seed."""
-    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64) >> 1
+def _row_uniform(seed: int, step: int) -> float:
+    """A U[0, 1) draw that depends on (request seed, completion tokens so far) alone."""
+    mixed = _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64)
+    return (mixed >> 11) * 2.0**-53
 
 
 def _splitmix64(x: int) -> int:

@@ -1,0 +1,196 @@
+"""Where one step's time goes: a decode step and a prefill chunk next to their matmul-only time.
+
+Decode: ``--batch`` requests with prompts of ``--context`` random tokens are prefilled, then
+``--steps`` decode steps are timed (the whole ``LLMEngine.step``: scheduling, inputs, forward,
+sampling at ``--temperature``), split into the model forward and the sampler, next to the time of
+the same batch's weight multiplications alone (``benchmarks/ceiling.py``).
+
+Prefill: prompts of ``--context`` tokens with ``max_tokens=1``, so every step is a prefill chunk
+of a full token budget; prompt tokens/s next to the matmul rate at that many rows.
+
+``--compete N`` then times the decode steps again with N busy processes (a pure-Python loop
+each) running beside the engine: on a shared CPU a step should slow down no more than in
+proportion to the CPU they take.
+
+    python -m kvserve.benchmarks.profile_step [--batch 48] [--context 300] [--temperature 0.6]
+        [--torch-profile] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+from kvserve.benchmarks.ceiling import MatmulCeiling
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.loader import load_hf_config
+
+
+class _Timed:
+    """Wraps a callable and adds up the seconds spent in it (``reset`` starts over)."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def profile_decode(llm: LLM, args) -> dict:
+    eng = llm.engine
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 8, ignore_eos=True)
+    for i, p in enumerate(_prompts(args.batch, args.context, min(10000, eng.vocab_size), args.seed)):
+        eng.add_request(f"decode-{i}", p, params)
+    while any(r.seq.num_completion_tokens == 0 for r in eng.requests.values()):
+        eng.step()  # the prefills
+    forward, sampler = _Timed(eng.executor.execute_model), _Timed(eng.sampler)
+    eng.executor.execute_model, eng.sampler = forward, sampler
+    try:
+        eng.step()  # warm-up at this shape
+        forward.seconds = sampler.seconds = 0.0
+        profiler = _profiler(args)
+        t0 = time.perf_counter()
+        with profiler:
+            for _ in range(args.steps):
+                eng.step()
+        step_s = (time.perf_counter() - t0) / args.steps
+    finally:
+        del eng.executor.execute_model  # the class's method again
+        eng.sampler = sampler.fn
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    eng.step()
+    _print_profile(profiler, args)
+    per_step_ms = 1e3 / args.steps
+    return {"batch": args.batch, "context": args.context, "step_ms": step_s * 1e3,
+            "forward_ms": forward.seconds * per_step_ms, "sampler_ms": sampler.seconds * per_step_ms}
+
+
+def profile_prefill(llm: LLM, args) -> dict:
+    budget = llm.engine.config.max_num_batched_tokens
+    n = max(1, -(-budget * args.prefill_chunks // args.context))
+    prompts = _prompts(n, args.context, min(10000, llm.engine.vocab_size), args.seed + 1)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up (its blocks stay cached: other ids below)
+    t0 = time.perf_counter()
+    llm.generate(prompts[1:], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = args.context * (n - 1)
+    return {"prompt_tokens": tokens, "tokens_per_s": tokens / seconds, "token_budget": budget}
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """``n`` processes that each keep one CPU busy until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5)  # let them start spinning
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _profiler(args):
+    if not args.torch_profile:
+        return torch.autograd.profiler.record_function("steps")  # a no-op context outside a profile
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+
+def _print_profile(profiler, args) -> None:
+    if args.torch_profile:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", type=int, default=48)
+    ap.add_argument("--context", type=int, default=300, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=10, help="decode steps timed")
+    ap.add_argument("--prefill-chunks", type=int, default=4, help="full-budget prefill chunks timed")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the engine's)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--compete", type=int, default=0, help="also time decode beside N busy processes")
+    ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top ops")
+    ap.add_argument("--profile-rows", type=int, default=15)
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args(argv)
+
+    options = {"threads": args.threads} if args.threads else {}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch, 1),
+              max_num_batched_tokens=max(args.max_num_batched_tokens, args.batch),
+              enforce_eager=args.enforce_eager, **options)
+    try:
+        decode = profile_decode(llm, args)
+        prefill = profile_prefill(llm, args)
+        if args.compete:
+            args.torch_profile = False
+            with busy_processes(args.compete):
+                decode["step_ms_beside_busy"] = profile_decode(llm, args)["step_ms"]
+            decode["busy_processes"] = args.compete
+        dtype = llm.engine.executor.dtype
+        hf_config = load_hf_config(llm.engine.source)
+        device = llm.engine.executor.device
+    finally:
+        llm.shutdown()
+    ceiling = MatmulCeiling(hf_config, dtype, device)
+    decode["matmul_ms"] = ceiling.decode_step_time(args.batch) * 1e3
+    decode["step_over_matmul"] = decode["step_ms"] / decode["matmul_ms"]
+    decode["sampler_share"] = decode["sampler_ms"] / decode["step_ms"]
+    budget = prefill["token_budget"]
+    prefill["matmul_tokens_per_s"] = budget / ceiling.layers_time(budget)
+    prefill["share_of_matmul_rate"] = prefill["tokens_per_s"] / prefill["matmul_tokens_per_s"]
+    result = {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+              "decode": decode, "prefill": prefill}
+    _print_result(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _print_result(r: dict) -> None:
+    d, p = r["decode"], r["prefill"]
+    print(f"dtype={r['dtype']} threads={r['threads']}")
+    print(f"decode step, batch {d['batch']}, {d['context']}-token contexts: {d['step_ms']:.1f} ms "
+          f"(forward {d['forward_ms']:.1f} ms, sampler {d['sampler_ms']:.1f} ms = {d['sampler_share']:.0%}); "
+          f"matmul-only {d['matmul_ms']:.1f} ms; step / matmul = {d['step_over_matmul']:.2f}x")
+    if "step_ms_beside_busy" in d:
+        n, threads = d["busy_processes"], r["threads"]
+        print(f"decode step beside {n} busy process(es): {d['step_ms_beside_busy']:.1f} ms = "
+              f"{d['step_ms_beside_busy'] / d['step_ms']:.2f}x alone (in proportion to the CPU they take: "
+              f"{(threads + n) / threads:.2f}x)")
+    print(f"prefill, chunks of {p['token_budget']} tokens: {p['tokens_per_s']:.0f} tokens/s; "
+          f"matmul rate {p['matmul_tokens_per_s']:.0f} tokens/s; {p['share_of_matmul_rate']:.0%} of it")
+
+
+if __name__ == "__main__":
+    main()
