@@ -221,7 +221,8 @@ def main(argv=None) -> dict:
     total_params, active = active_parameters(load_hf_config(ours["source"]))
     tokens = result["prompt_tokens"] + total
     print(f"matmul weights {total_params / 1e6:.1f}M, {active / 1e6:.1f}M active per token: "
-          f"{2 * active / 1e6:.1f} MFLOP/token, kvserve {2 * active * tokens / ours['seconds'] / 1e9:.1f} GFLOP/s")
+          f"{2 * active / 1e6:.1f} MFLOP/token, "
+          f"kvserve {2 * active * tokens / ours['seconds'] / 1e9:.1f} GFLOP/s")
     if not args.no_ceiling:
         c = result["ceiling"] = measure_ceiling(ours, args)
         result["kvserve_over_ceiling"] = c["seconds"] / ours["seconds"]

@@ -51,9 +51,9 @@ from kvserve.engine.models.llama import head_dim_of
 from kvserve.engine.parallel import ParallelContext
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.threads import intra_op_threads
 
 log = logging.getLogger("kvserve.engine.model_runner")
-from kvserve.engine.threads import intra_op_threads
 
 GiB = 1 << 30
 # the warm-up's sampler pass turns every stage on, so that its buffers are at their largest
