@@ -15,7 +15,7 @@ import sys
 import types
 import typing
 
-from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE
+from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
 
 ALIASES = {"tensor_parallel_size": ["--tp"]}
@@ -54,6 +54,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="most requests admitted but not yet running; beyond it RESOURCE_EXHAUSTED")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
+    s.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                   help="seconds the engine core may stay silent (one step, or between idle heartbeats) "
+                        "before the engine is declared dead (a hung or stopped tensor-parallel worker)")
+    s.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit with status 1 once the engine died and its requests were failed "
+                        "(--no-exit-on-engine-failure: stay up, NOT_SERVING)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=cmd_serve)
 
@@ -96,7 +102,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = engine_config(args)
     except ValueError as e:
         raise SystemExit(f"kvserve serve: {e}") from None
-    settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout)
+    if args.step_timeout <= 0:
+        raise SystemExit(f"kvserve serve: --step-timeout must be > 0, got {args.step_timeout}")
+    settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout, args.step_timeout,
+                             args.exit_on_engine_failure, args.log_level)
     try:
         return asyncio.run(serve(config, settings))
     except OSError as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvserve.engine.async_engine import EngineOverloaded, EngineUnavailable
+from kvserve.engine.engine_state import EngineOverloaded, EngineUnavailable
 
 
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
