@@ -161,12 +161,12 @@ class AsyncEngine:
         self._fail_calls(EngineUnavailable("the engine is stopped"))
         self._ready.set()
         self._batch.shutdown = True
-        self._flush()
+        told = self._flush()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         core, self._core = self._core, None
-        await core.stop(SHUTDOWN_GRACE_S)
+        await core.stop(SHUTDOWN_GRACE_S if told and self._state != EngineState.DEAD else 0.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -260,18 +260,21 @@ class AsyncEngine:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Send the batch gathered so far; False if there was nothing to send or no core took it."""
         self._flush_scheduled = False
         batch = self._batch
         if self._core is None or not (batch.new or batch.aborts or batch.calls or batch.shutdown):
-            return
+            return False
         self._batch = _fresh_batch()
         self._seq += 1
         batch.seq = self._seq
         self._sent.append((self._seq, len(batch.new)))
-        if not self._core.send(self._codec.encode(batch)) and not batch.shutdown:
+        sent = self._core.send(self._codec.encode(batch))
+        if not sent and not batch.shutdown:
             # only possible before the core connects or after it died: nothing can be served
             self._fail("the engine core is not connected")
+        return sent
 
     # ---- from the core ------------------------------------------------------------------------------
     async def _receive(self) -> None:
