@@ -1,5 +1,7 @@
-# kvserve: `make run` serves the bundled model, `make test` runs the whole suite.
-# Both build .venv from nothing; a stamp file keeps re-runs cheap (idempotent).
+# kvserve: `make run` serves the bundled model, `make test` runs the whole suite (with a short
+# soak), `make test-slow` the long soak tests, `make shell` a shell with .venv/bin on PATH
+# (so that bare `kvserve` and `grpcurl` work). All build .venv from nothing; a stamp file
+# keeps re-runs cheap (idempotent).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +10,7 @@ STAMP  := $(VENV)/.stamp-install
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 
-.PHONY: run test soak lint proto bench clean
+.PHONY: run test test-slow soak shell lint proto bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +28,14 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-soak: $(STAMP)
+test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+soak: test-slow
+
+shell: $(STAMP)
+	@echo "kvserve shell: .venv/bin is first on PATH (kvserve, grpcurl, python); exit to leave"
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(CURDIR)/$(VENV)" $${SHELL:-/bin/sh} -i
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,7 @@ service, the clients and the benchmarks never import one another for the command
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvserve.clients.commands import add_client_commands
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", add_help=False, help="serving benchmark (see `kvserve bench -h`)")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
+    for name, subparser in sub.choices.items():
+        if name not in PASS_THROUGH:
+            subparser.set_defaults(subparser=subparser)  # for errors that need the subcommand's usage
     return parser
 
 
@@ -46,10 +50,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Ctrl-C ends any command quietly (status 130); so does a closed pipe (``| head``)."""
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader is gone: point stdout at /dev/null so that the interpreter's final
+        # flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: list[str]) -> int:
     if argv and argv[0] in PASS_THROUGH:
         return build_parser().parse_args(argv[:1]).func(argparse.Namespace(args=argv[1:]))
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # reported by the subcommand, whose usage lists the flags it takes
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

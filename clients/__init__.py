@@ -3,6 +3,8 @@ client-side command line tools."""
 
 from kvserve.clients.aio import AsyncClient
 from kvserve.clients.client import Client
-from kvserve.clients.messages import Completion, Delta, Timing, TokenLogprob, Usage
+from kvserve.clients.messages import Completion, Delta, Timing, TokenLogprob, Usage, tls_credentials
 
-__all__ = ["AsyncClient", "Client", "Completion", "Delta", "Timing", "TokenLogprob", "Usage"]
+__all__ = [
+    "AsyncClient", "Client", "Completion", "Delta", "Timing", "TokenLogprob", "Usage", "tls_credentials",
+]

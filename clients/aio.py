@@ -21,6 +21,7 @@ from kvserve.clients.messages import (
     Completion,
     Delta,
     Message,
+    auth_metadata,
     build_request,
     completion_from_proto,
     delta_from_proto,
@@ -32,9 +33,10 @@ from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 class AsyncClient:
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
         self.channel = open_channel(grpc.aio, target, credentials)
         self.timeout = timeout
+        self._metadata = auth_metadata(api_key)  # sent with every call (health needs none)
         self._stub = llm_pb2_grpc.LLMServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -42,14 +44,14 @@ class AsyncClient:
                        messages: Iterable[Message] | None = None, request_id: str = "",
                        timeout: float | None = None, **sampling) -> Completion:
         req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id, **sampling)
-        return completion_from_proto(await self._stub.Generate(req, timeout=self._deadline(timeout)))
+        return completion_from_proto(await self._stub.Generate(req, **self._call_options(timeout)))
 
     async def stream(self, prompt: str | None = None, *, token_ids: Iterable[int] | None = None,
                      messages: Iterable[Message] | None = None, request_id: str = "",
                      timeout: float | None = None, **sampling) -> AsyncIterator[Delta]:
         """Async-iterates the completion; closing the iterator early cancels the request."""
         req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id, **sampling)
-        call = self._stub.Stream(req, timeout=self._deadline(timeout))
+        call = self._stub.Stream(req, **self._call_options(timeout))
         try:
             async for msg in call:
                 yield delta_from_proto(msg)
@@ -57,10 +59,11 @@ class AsyncClient:
             call.cancel()
 
     async def stats(self, timeout: float | None = None) -> dict:
-        return stats_to_dict(await self._stub.Stats(llm_pb2.StatsRequest(), timeout=self._deadline(timeout)))
+        return stats_to_dict(await self._stub.Stats(llm_pb2.StatsRequest(), **self._call_options(timeout)))
 
     async def watch_stats(self, interval_ms: int = 1000) -> AsyncIterator[dict]:
-        call = self._stub.WatchStats(llm_pb2.WatchStatsRequest(interval_ms=interval_ms))
+        call = self._stub.WatchStats(llm_pb2.WatchStatsRequest(interval_ms=interval_ms),
+                                     metadata=self._metadata)
         try:
             async for msg in call:
                 yield stats_to_dict(msg)
@@ -69,7 +72,7 @@ class AsyncClient:
 
     async def health(self, service: str = SERVICE_NAME, timeout: float | None = None) -> str:
         req = health_pb2.HealthCheckRequest(service=service)
-        resp = await self._health.Check(req, timeout=self._deadline(timeout))
+        resp = await self._health.Check(req, **self._call_options(timeout))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     async def wait_ready(self, timeout: float = 120.0, poll_s: float = 0.2) -> None:
@@ -84,8 +87,9 @@ class AsyncClient:
                 raise TimeoutError(f"the server was not SERVING within {timeout} s")
             await asyncio.sleep(poll_s)
 
-    def _deadline(self, timeout: float | None) -> float | None:
-        return timeout if timeout is not None else self.timeout
+    def _call_options(self, timeout: float | None) -> dict:
+        """The deadline (this call's, else the client's) and the API key's metadata."""
+        return {"timeout": timeout if timeout is not None else self.timeout, "metadata": self._metadata}
 
     async def close(self) -> None:
         await self.channel.close()

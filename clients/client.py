@@ -23,6 +23,7 @@ from kvserve.clients.messages import (
     Completion,
     Delta,
     Message,
+    auth_metadata,
     build_request,
     completion_from_proto,
     delta_from_proto,
@@ -34,10 +35,13 @@ from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 class Client:
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
-        """``timeout``: default deadline in seconds for every call (None = no deadline)."""
+                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
+        """``timeout``: default deadline in seconds for every call (None = no deadline).
+        ``credentials``: for a TLS server (``tls_credentials(ca=..., cert=..., key=...)``);
+        ``api_key``: for a server started with ``--api-key``."""
         self.channel = open_channel(grpc, target, credentials)
         self.timeout = timeout
+        self._metadata = auth_metadata(api_key)  # sent with every call (health needs none)
         self._stub = llm_pb2_grpc.LLMServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -46,14 +50,14 @@ class Client:
                  timeout: float | None = None, **sampling) -> Completion:
         """The whole completion of one prompt (text, token ids or chat messages)."""
         req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id, **sampling)
-        return completion_from_proto(self._stub.Generate(req, timeout=self._deadline(timeout)))
+        return completion_from_proto(self._stub.Generate(req, **self._call_options(timeout)))
 
     def stream(self, prompt: str | None = None, *, token_ids: Iterable[int] | None = None,
                messages: Iterable[Message] | None = None, request_id: str = "",
                timeout: float | None = None, **sampling) -> Iterator[Delta]:
         """Yields the completion piece by piece; leaving the loop early cancels the request."""
         req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id, **sampling)
-        call = self._stub.Stream(req, timeout=self._deadline(timeout))
+        call = self._stub.Stream(req, **self._call_options(timeout))
         try:
             for msg in call:
                 yield delta_from_proto(msg)
@@ -61,10 +65,11 @@ class Client:
             call.cancel()  # no-op when the stream already ended
 
     def stats(self, timeout: float | None = None) -> dict:
-        return stats_to_dict(self._stub.Stats(llm_pb2.StatsRequest(), timeout=self._deadline(timeout)))
+        return stats_to_dict(self._stub.Stats(llm_pb2.StatsRequest(), **self._call_options(timeout)))
 
     def watch_stats(self, interval_ms: int = 1000) -> Iterator[dict]:
-        call = self._stub.WatchStats(llm_pb2.WatchStatsRequest(interval_ms=interval_ms))
+        call = self._stub.WatchStats(llm_pb2.WatchStatsRequest(interval_ms=interval_ms),
+                                     metadata=self._metadata)
         try:
             for msg in call:
                 yield stats_to_dict(msg)
@@ -74,7 +79,7 @@ class Client:
     def health(self, service: str = SERVICE_NAME, timeout: float | None = None) -> str:
         """"SERVING" or "NOT_SERVING" ("" is the whole server, the default is LLMService)."""
         req = health_pb2.HealthCheckRequest(service=service)
-        resp = self._health.Check(req, timeout=self._deadline(timeout))
+        resp = self._health.Check(req, **self._call_options(timeout))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_ready(self, timeout: float = 120.0, poll_s: float = 0.2) -> None:
@@ -90,8 +95,9 @@ class Client:
                 raise TimeoutError(f"the server was not SERVING within {timeout} s")
             time.sleep(poll_s)
 
-    def _deadline(self, timeout: float | None) -> float | None:
-        return timeout if timeout is not None else self.timeout
+    def _call_options(self, timeout: float | None) -> dict:
+        """The deadline (this call's, else the client's) and the API key's metadata."""
+        return {"timeout": timeout if timeout is not None else self.timeout, "metadata": self._metadata}
 
     def close(self) -> None:
         self.channel.close()

@@ -17,13 +17,32 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from kvserve.clients.messages import DEFAULT_TARGET, SAMPLING_FIELDS
 
+API_KEY_ENV = "KVSERVE_API_KEY"
+
 _FLOATS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
-_INTS = (
-    FieldDescriptor.CPPTYPE_INT32,
-    FieldDescriptor.CPPTYPE_INT64,
-    FieldDescriptor.CPPTYPE_UINT32,
-    FieldDescriptor.CPPTYPE_UINT64,
-)
+_INT_RANGES = {  # what the proto field can hold: a flag outside it is a usage error, not a traceback
+    FieldDescriptor.CPPTYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.CPPTYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.CPPTYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.CPPTYPE_UINT64: (0, 2**64 - 1),
+}
+SAMPLING_HELP = {  # short forms of the field comments in llm.proto
+    "temperature": "0 = greedy (default 1.0)",
+    "top_p": "nucleus sampling, in (0, 1]",
+    "top_k": "keep the k most likely tokens (0 = all)",
+    "min_p": "drop tokens below min_p x the top probability, in [0, 1]",
+    "seed": "same seed + prompt = same output",
+    "max_tokens": "most tokens to generate (default: up to the model length)",
+    "min_tokens": "no EOS / stop token before this many",
+    "stop": "stop string, excluded from the output (repeat for more)",
+    "stop_token_ids": "token id that ends the output (repeat for more)",
+    "ignore_eos": "keep generating past EOS",
+    "repetition_penalty": "> 1 discourages tokens already seen, in [0.01, 100]",
+    "presence_penalty": "subtracted once from tokens already generated, in [-2, 2]",
+    "frequency_penalty": "subtracted per occurrence from tokens already generated, in [-2, 2]",
+    "logprobs": "log probabilities with this many top alternatives per token (0-20)",
+    "skip_special_tokens": "leave special tokens out of the text (default on)",
+}
 
 
 def add_client_commands(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +71,27 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=os.environ.get("KVSERVE_TARGET", DEFAULT_TARGET),
                    help="server address host:port (env KVSERVE_TARGET; default %(default)s)")
     p.add_argument("--timeout", type=float, help="deadline in seconds")
+    g = p.add_argument_group("connection security")
+    g.add_argument("--tls", action="store_true", help="connect over TLS (system CA roots unless --tls-ca)")
+    g.add_argument("--tls-ca", metavar="PEM", help="CA that signed the server's certificate (implies --tls)")
+    g.add_argument("--tls-cert", metavar="PEM", help="this client's certificate (mutual TLS)")
+    g.add_argument("--tls-key", metavar="PEM", help="this client's private key (mutual TLS)")
+    g.add_argument("--api-key", metavar="KEY", help=f"the server's --api-key (env {API_KEY_ENV})")
+
+
+def _client(args: argparse.Namespace):
+    """The client the connection flags describe."""
+    from kvserve.clients.client import Client
+    from kvserve.clients.messages import tls_credentials
+
+    credentials = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
+        try:
+            credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"kvserve: --tls-*: {e}") from None
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return Client(args.target, timeout=args.timeout, credentials=credentials, api_key=api_key)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -59,13 +99,29 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (SamplingParams in proto/kvserve/v1/llm.proto)")
     for name, f in SAMPLING_FIELDS.items():
         flag = "--" + name.replace("_", "-")
+        help_text = SAMPLING_HELP.get(name, name.replace("_", " "))
         if f.cpp_type == FieldDescriptor.CPPTYPE_BOOL:
-            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
-        elif f.is_repeated:
-            kind = int if f.cpp_type in _INTS else str
-            g.add_argument(flag, dest=name, type=kind, action="append", help="repeat for more")
-        else:
-            g.add_argument(flag, dest=name, type=float if f.cpp_type in _FLOATS else int)
+            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        kind = float if f.cpp_type in _FLOATS else str
+        if f.cpp_type in _INT_RANGES:
+            kind = _int_in(*_INT_RANGES[f.cpp_type])
+        action = "append" if f.is_repeated else "store"
+        g.add_argument(flag, dest=name, type=kind, action=action, help=help_text)
+
+
+def _int_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its message
+    return parse
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -73,14 +129,14 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvserve.clients.client import Client
-
-    with Client(args.target, timeout=args.timeout) as client:
+    with _client(args) as client:
         return _rpc(lambda: _generate(client, args))
 
 
 def _generate(client, args: argparse.Namespace) -> int:
     sampling = sampling_kwargs(args)
+    if sampling.get("logprobs") and not args.json:
+        return _generate_with_logprobs(client, args.prompt, sampling, args.stream)
     if not args.stream:
         done = client.generate(args.prompt, **sampling)
         print(json.dumps(_as_dict(done), indent=2) if args.json else done.text)
@@ -98,11 +154,26 @@ def _generate(client, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    from kvserve.clients.client import Client
+def _generate_with_logprobs(client, prompt: str, sampling: dict, stream: bool) -> int:
+    """The text, then one line per token: its text, its log probability and the top
+    alternatives (ids). Streams underneath: each message pairs a token with the text it released."""
+    rows = []
+    for delta in client.stream(prompt, **sampling):
+        if stream:
+            print(delta.text, end="", flush=True)
+        rows += [(delta.text if i == 0 else "", lp) for i, lp in enumerate(delta.logprobs)]
+    if not stream:
+        print("".join(text for text, _ in rows), end="")
+    print()
+    for text, lp in rows:
+        top = ", ".join(f"{t}:{v:.3f}" for t, v in lp.top)
+        print(f"{lp.token_id:>7} {text!r:<16} {lp.logprob:8.3f}   top: {top}")
+    return 0
 
+
+def cmd_chat(args: argparse.Namespace) -> int:
     history = [{"role": "system", "content": args.system}] if args.system else []
-    with Client(args.target, timeout=args.timeout) as client:
+    with _client(args) as client:
         if args.message is not None:
             return _rpc(lambda: _chat_turn(client, history, args.message, args))
         while True:
@@ -129,9 +200,7 @@ def _chat_turn(client, history: list[dict], message: str, args: argparse.Namespa
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from kvserve.clients.client import Client
-
-    with Client(args.target, timeout=args.timeout) as client:
+    with _client(args) as client:
         if args.watch is None:
             return _rpc(lambda: print(json.dumps(client.stats(), indent=2)) or 0)
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from google.protobuf.descriptor import FieldDescriptor
 
@@ -33,6 +34,26 @@ def open_channel(api, target: str, credentials=None):
     if credentials is None:
         return api.insecure_channel(target, options=CHANNEL_OPTIONS)
     return api.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+
+
+def tls_credentials(ca: str | None = None, cert: str | None = None, key: str | None = None):
+    """Channel credentials for a TLS server, from PEM files: ``ca`` the CA that signed the
+    server's certificate (None = the system's roots); ``cert`` + ``key`` this client's own
+    certificate, for a server that asks for one (mutual TLS)."""
+    import grpc
+
+    if (cert is None) != (key is None):
+        raise ValueError("tls cert and key: give both (or neither)")
+
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path is not None else None
+
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries an API key (``authorization: Bearer <key>``), or None."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
 @dataclass

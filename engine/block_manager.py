@@ -2,7 +2,13 @@
 
 - Blocks are fixed-size; a sequence's ``block_table`` lists its block ids in order.
 - Prefix caching: a *full* block is identified by a chained xxhash64 over (previous block's
-  hash, this block's token ids). A hit also needs equal token ids (collision guard).
+  hash, this block's token ids). A hit also needs equal token ids and an equal parent hash
+  (collision guard: the block stores both, so a hash collision anywhere in the chain misses).
+- Two sequences that compute the same block at once leave two blocks with one hash; only
+  one is in the hash table. When that one is evicted, a surviving duplicate takes its place,
+  so the prefix stays cached as long as one copy of its KV exists.
+- The hit rate counts a sequence's first admission only: recomputation after preemption is
+  the engine's own doing, not a client's repeated prefix.
 - A block's hash is published only by ``commit``, which the engine calls after the step
   that wrote the block's KV, so no request can hit a block whose KV does not exist yet.
 - Freed blocks keep their hash and tokens and go to the tail of the free list; new blocks
@@ -35,6 +41,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] | None = None
+    parent_hash: int | None = None  # the previous block's hash when this one was published
 
 
 class BlockManager:
@@ -47,6 +54,8 @@ class BlockManager:
         # insertion order = order of freeing; popping from the front reuses the LRU block
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        # published blocks whose hash another block already holds in hash_to_block
+        self.duplicates: dict[int, set[int]] = {}
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found
 
@@ -73,6 +82,10 @@ class BlockManager:
             assert (b.ref_count == 0) == (b.block_id in self.free_ids), b
         for h, bid in self.hash_to_block.items():
             assert self.blocks[bid].hash == h, (h, self.blocks[bid])
+        for h, bids in self.duplicates.items():
+            assert bids and h in self.hash_to_block, (h, bids)
+            for bid in bids:
+                assert self.blocks[bid].hash == h and self.hash_to_block[h] != bid, (h, self.blocks[bid])
 
     # ---- prefix cache -----------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -90,11 +103,16 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(prev, tokens)
             bid = self.hash_to_block.get(h)
-            if bid is None or self.blocks[bid].token_ids != tokens:
+            if bid is None or not self._holds(bid, prev, tokens):
                 break
             hits.append(bid)
             prev = h
         return hits
+
+    def _holds(self, bid: int, parent: int | None, tokens: tuple[int, ...]) -> bool:
+        """Collision guard: the block really holds ``tokens`` after the block hashed ``parent``."""
+        block = self.blocks[bid]
+        return block.token_ids == tokens and block.parent_hash == parent
 
     # ---- allocation -------------------------------------------------------------------
     def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
@@ -115,7 +133,7 @@ class BlockManager:
             seq.block_table.append(bid)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.query_tokens += seq.num_tokens
             self.hit_tokens += seq.num_computed_tokens
 
@@ -136,10 +154,29 @@ class BlockManager:
     def _take_free_block(self) -> int:
         bid, _ = self.free_ids.popitem(last=False)
         block = self.blocks[bid]
-        if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
-            del self.hash_to_block[block.hash]
-        block.hash, block.token_ids, block.ref_count = None, None, 1
+        if block.hash is not None:
+            self._unpublish(block)
+        block.hash, block.token_ids, block.parent_hash, block.ref_count = None, None, None, 1
         return bid
+
+    def _publish(self, block: Block) -> None:
+        registered = self.hash_to_block.setdefault(block.hash, block.block_id)
+        if registered != block.block_id:
+            self.duplicates.setdefault(block.hash, set()).add(block.block_id)
+
+    def _unpublish(self, block: Block) -> None:
+        """``block`` is being reused: its hash leaves the table, or passes to a surviving copy."""
+        h = block.hash
+        copies = self.duplicates.get(h)
+        if self.hash_to_block.get(h) == block.block_id:
+            if copies:
+                self.hash_to_block[h] = copies.pop()
+            else:
+                del self.hash_to_block[h]
+        elif copies is not None:
+            copies.discard(block.block_id)
+        if copies is not None and not copies:
+            del self.duplicates[h]
 
     def commit(self, seq: Sequence) -> None:
         """Publish the hashes of blocks whose KV is now fully written (call after a step)."""
@@ -153,8 +190,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                block.hash, block.token_ids = block_hash(prev, tokens), tokens
-                self.hash_to_block.setdefault(block.hash, block.block_id)
+                block.hash, block.token_ids, block.parent_hash = block_hash(prev, tokens), tokens, prev
+                self._publish(block)
             prev = block.hash
         seq.num_hashed_blocks = max(start, full)
 

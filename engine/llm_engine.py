@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass
 
 from kvserve.engine.block_manager import BlockManager
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config import EngineConfig, resolve_max_model_len
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.loader import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
-from kvserve.engine.model_input import build_model_input
+from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.prompts import PromptEncoder
 from kvserve.engine.sampling_params import SamplingParams
@@ -60,6 +60,10 @@ class LLMEngine:
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self.prompts = PromptEncoder(self.tokenizer, self.vocab_size, config.max_model_len)
+        # which row of the runners' persistent block table each running sequence has
+        self.block_tables = BlockTableWriter(
+            config.max_num_seqs, block_table_width(config.max_model_len, config.block_size)
+        )
         self.requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
         self.started = time.monotonic()
@@ -117,7 +121,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        inp = build_model_input(sched.scheduled, self.config.block_size)
+        self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
+        inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
         logits = self.executor.execute_model(inp)
         sampling = sched.sampling_seqs
         sampled = self.sampler(logits, sampling)
@@ -132,9 +137,9 @@ class LLMEngine:
         # the EOS / stop token that ended the request is reported as a token, not as text
         ended_by_token = seq.finish_reason == FinishReason.STOP
         text = "" if ended_by_token else req.detok.add(token)
-        if req.detok.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP_STRING)
         tail = req.detok.finish() if seq.is_finished and not req.detok.stopped else ""
+        if req.detok.stopped:  # also when this token hit max_tokens: the stop string ended the text
+            self.scheduler.finish(seq, FinishReason.STOP_STRING)
         if seq.is_finished:
             del self.requests[seq.request_id]
             self.counters["requests_finished"] += 1
@@ -190,11 +195,3 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-
-def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-    if config.max_model_len is None:
-        return min(limit, DEFAULT_MAX_MODEL_LEN)
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's limit ({limit})")
-    return config.max_model_len

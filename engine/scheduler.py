@@ -68,9 +68,20 @@ class Scheduler:
         self.check_fits(seq)
         self.waiting.append(seq)
 
+    def max_new_tokens(self, seq: Sequence) -> int:
+        """``max_tokens``, or when it is unset as many as fit: up to max_model_len, and no more
+        than the whole KV cache holds (a sequence larger than the cache could never run)."""
+        if seq.params.max_tokens is not None:
+            return seq.params.max_tokens
+        return min(self.max_model_len, self.bm.num_blocks * self.bm.block_size) - seq.num_prompt_tokens
+
     def check_fits(self, seq: Sequence) -> None:
         """Refuse a request that could never run, rather than let it wait forever."""
-        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if seq.params.max_tokens is None and self.max_new_tokens(seq) < 1:
+            room = min(self.max_model_len, self.bm.num_blocks * self.bm.block_size)
+            raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) leaves no room for a completion: "
+                             f"max_model_len ({self.max_model_len}) and the KV cache allow {room} tokens")
+        total = seq.num_prompt_tokens + self.max_new_tokens(seq)
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {total} "
@@ -175,13 +186,15 @@ class Scheduler:
             (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
         ):
             return FinishReason.STOP
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_completion_tokens >= self.max_new_tokens(seq) or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence in any state and return its blocks to the pool."""
         if seq.status == SequenceStatus.FINISHED:
+            if reason.replaces(seq.finish_reason):
+                seq.finish_reason = reason
             return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)

@@ -27,6 +27,12 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
 
+    def replaces(self, earlier: FinishReason | None) -> bool:
+        """Whether this reason, found for a sequence that ``earlier`` already ended in the same
+        step, is the one to report: a stop string completed by the last allowed token is what
+        ended the text (its tail is cut), so STOP_STRING wins over LENGTH."""
+        return earlier is None or (self is FinishReason.STOP_STRING and earlier is FinishReason.LENGTH)
+
 
 @dataclass
 class SequenceTimes:

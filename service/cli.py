@@ -17,6 +17,8 @@ import typing
 
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from kvserve.service.limits import add_limit_flags, stream_limits
+from kvserve.service.security import add_security_flags, security_settings
 
 ALIASES = {"tensor_parallel_size": ["--tp"]}
 CHOICES = {
@@ -27,6 +29,16 @@ CHOICES = {
 }
 HELP = {
     "model": "'default' (the bundled SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file",
+    "dtype": "weights and activations: auto = bfloat16 on GPUs and on CPUs with native bf16, else float32",
+    "device": "where the model runs: auto = cuda when available, else cpu",
+    "attention_backend": "auto = torch on CPU; on CUDA flash-attn when it imports and --block-size is a "
+                         "multiple of 256, else triton",
+    "nnodes": "machines taking part in tensor parallelism (workers join with `kvserve worker`)",
+    "node_rank": "this machine's index among --nnodes (the leader is 0)",
+    "master_addr": "address of the leader's torch.distributed rendezvous",
+    "master_port": "port of the rendezvous (default: one the OS picks; fix it when --nnodes > 1)",
+    "tp_channel": "how the leader sends steps to workers: shm (one machine), dist (torch.distributed); "
+                  "auto picks",
     "tensor_parallel_size": "tensor-parallel ranks",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens)",
@@ -61,6 +73,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="exit with status 1 once the engine died and its requests were failed "
                         "(--no-exit-on-engine-failure: stay up, NOT_SERVING)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_security_flags(serve)
+    add_limit_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -70,7 +84,7 @@ def add_engine_flags(group) -> None:
     for f in dataclasses.fields(EngineConfig):
         names = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, [])]
         kind = _base_type(hints[f.name])
-        help_text = HELP.get(f.name, f"engine option {f.name}")
+        help_text = HELP.get(f.name, f.name.replace("_", " "))  # tests check that every field has one
         if kind is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text)
@@ -91,6 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.service.security import server_credentials
     from kvserve.service.server import ServeSettings, serve
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
@@ -98,14 +113,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve serve: --max-queue must be >= 1, got {args.max_queue}")
     if args.drain_timeout < 0:
         raise SystemExit(f"kvserve serve: --drain-timeout must be >= 0, got {args.drain_timeout}")
-    try:
-        config = engine_config(args)
-    except ValueError as e:
-        raise SystemExit(f"kvserve serve: {e}") from None
     if args.step_timeout <= 0:
         raise SystemExit(f"kvserve serve: --step-timeout must be > 0, got {args.step_timeout}")
-    settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout, args.step_timeout,
-                             args.exit_on_engine_failure, args.log_level)
+    try:
+        config = engine_config(args)
+        settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout,
+                                 step_timeout=args.step_timeout,
+                                 exit_on_engine_failure=args.exit_on_engine_failure,
+                                 log_level=args.log_level,
+                                 security=security_settings(args), limits=stream_limits(args))
+        server_credentials(settings.security)  # unreadable or non-PEM files: refused before loading
+    except ValueError as e:
+        raise SystemExit(f"kvserve serve: {e}") from None
     try:
         return asyncio.run(serve(config, settings))
     except OSError as e:

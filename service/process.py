@@ -23,9 +23,11 @@ class ServerProcess:
     file (``log_text()``), so a chatty server can never block on a full pipe.
     """
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None):
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, client_options: dict | None = None):
+        """``client_options``: ``Client`` keywords for reaching it (TLS credentials, API key)."""
         self.flags = list(flags)
         self.env = env
+        self.client_options = client_options or {}
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         fd, path = tempfile.mkstemp(prefix="kvserve-server-", suffix=".log")
@@ -61,7 +63,7 @@ class ServerProcess:
                 raise TimeoutError(f"server did not listen within {timeout} s:\n{self.log_tail()}")
             else:
                 time.sleep(0.1)
-        with Client(self.target) as client:
+        with Client(self.target, **self.client_options) as client:
             while True:
                 self._check_alive()
                 try:

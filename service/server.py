@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,7 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S, AsyncEngine, EngineState
 from kvserve.engine.config import EngineConfig
 from kvserve.service.health import SERVICE_NAME, Health
+from kvserve.service.limits import StreamLimitInterceptor, StreamLimits
+from kvserve.service.malformed import MalformedRequestInterceptor
 from kvserve.service.reflection import enable_reflection
+from kvserve.service.security import ApiKeyInterceptor, SecuritySettings, server_credentials, warn_if_exposed
 from kvserve.service.servicer import LLMServicer
 from kvserve.v1 import llm_pb2_grpc
 
@@ -55,22 +59,40 @@ class ServeSettings:
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # a silent engine core longer than this is dead
     exit_on_engine_failure: bool = True  # exit 1 once the engine died (else stay up, NOT_SERVING)
     log_level: str = "info"
+    security: SecuritySettings = field(default_factory=SecuritySettings)  # TLS, API key, reflection
+    limits: StreamLimits = field(default_factory=StreamLimits)  # concurrent calls
 
 
-def build_server(engine: AsyncEngine, health: Health) -> grpc.aio.Server:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+def build_server(engine: AsyncEngine, health: Health, settings: ServeSettings | None = None
+                 ) -> grpc.aio.Server:
+    settings = settings or ServeSettings()
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(settings))
     llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    enable_reflection((SERVICE_NAME, health_name), server)
+    if settings.security.reflection:
+        enable_reflection((SERVICE_NAME, health_name), server)
     return server
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on host:port (0 = any free port); returns the port. Fails loudly if it cannot."""
+def interceptors(settings: ServeSettings) -> list[grpc.aio.ServerInterceptor]:
+    """Outermost first: the API key, then the call limits, then the request-bytes check."""
+    chain: list[grpc.aio.ServerInterceptor] = []
+    if settings.security.api_key is not None:
+        chain.append(ApiKeyInterceptor(settings.security.api_key))
+    return [*chain, StreamLimitInterceptor(settings.limits), MalformedRequestInterceptor()]
+
+
+def bind(server: grpc.aio.Server, host: str, port: int,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen on host:port (0 = any free port), over TLS when given ``credentials``; returns
+    the port. Fails loudly if it cannot."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is not None:
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
     except RuntimeError as e:
         raise OSError(f"cannot listen on {address}: {e}") from e
     if bound == 0:
@@ -84,8 +106,9 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
     await health.set_serving(False)
     engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
                          step_timeout=settings.step_timeout, log_level=settings.log_level)
-    server = build_server(engine, health)
-    port = bind(server, settings.host, settings.port)
+    server = build_server(engine, health, settings)
+    port = bind(server, settings.host, settings.port, server_credentials(settings.security))
+    warn_if_exposed(settings.security, settings.host)
     await server.start()
     # printed whatever the log level: scripts and tests read the port from this line
     print(f"kvserve: listening on {settings.host}:{port} (loading model {config.model!r})", file=sys.stderr,
@@ -139,7 +162,11 @@ def _stop_on_signals() -> asyncio.Event:
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
-    log.info("received %s", sig.name)
+    if stop.is_set():  # the second Ctrl-C: the operator wants it gone now, not after the drain
+        log.warning("received %s again: exiting at once, without draining", sig.name)
+        logging.shutdown()
+        os._exit(128 + sig)
+    log.info("received %s: draining (send it again to exit at once)", sig.name)
     stop.set()
 
 

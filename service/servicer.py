@@ -17,8 +17,11 @@ from typing import NoReturn
 import grpc
 
 from kvserve.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from kvserve.engine.generation_defaults import sampling_defaults
 from kvserve.engine.outputs import RequestOutput
 from kvserve.service.errors import status_for
+from kvserve.service.limits import MIN_WATCH_INTERVAL_MS
+from kvserve.service.redact import for_log
 from kvserve.service.responses import CompletionBuilder, stats_response, stream_response
 from kvserve.service.validation import EngineRequest, parse_generate_request
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
@@ -26,7 +29,6 @@ from kvserve.v1 import llm_pb2, llm_pb2_grpc
 log = logging.getLogger("kvserve.service")
 
 DEFAULT_WATCH_INTERVAL_MS = 1000
-MIN_WATCH_INTERVAL_MS = 10
 
 
 class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
@@ -99,7 +101,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             info = self._engine.info
             if info is None:
                 raise EngineUnavailable("the model is still loading")
-            req = parse_generate_request(request, info.vocab_size)
+            req = parse_generate_request(request, info.vocab_size, sampling_defaults(info.config.model))
             stream = await self._engine.generate(req.request_id, req.prompt, req.params, req.messages)
             return req, stream
         except Exception as e:  # noqa: BLE001 - mapped to a status
@@ -117,9 +119,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     async def _fail(self, context, error: BaseException, request_id: str) -> NoReturn:
         code, message = status_for(error)
         if code == grpc.StatusCode.INTERNAL:
-            log.error("request %s failed", request_id or "-", exc_info=error)
+            log.error("request %s failed", for_log(request_id or "-"), exc_info=error)
         else:
-            log.info("request %s ended: %s: %s", request_id or "-", code.name, message)
+            log.info("request %s ended: %s: %s", for_log(request_id or "-"), code.name, for_log(message, 256))
         await context.abort(code, message)
 
     def _log_finished(self, req: EngineRequest, out: RequestOutput, arrival: float) -> None:
@@ -130,11 +132,12 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         log.info(
             "request %s finished: prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
             "ttft_ms=%.1f total_ms=%.1f finish_reason=%s",
-            req.request_id, out.prompt_tokens, out.completion_tokens, out.cached_tokens, ttft, total, reason,
+            for_log(req.request_id), out.prompt_tokens, out.completion_tokens, out.cached_tokens, ttft, total,
+            reason,
         )
 
     def _log_cancelled(self, req: EngineRequest, tokens: int, arrival: float) -> None:
         log.info(
             "request %s cancelled (client cancel or deadline) after %d tokens, %.1f ms; aborting it",
-            req.request_id, tokens, (time.monotonic() - arrival) * 1000,
+            for_log(req.request_id), tokens, (time.monotonic() - arrival) * 1000,
         )

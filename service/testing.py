@@ -2,7 +2,9 @@
 (``pytest_plugins = ["kvserve.service.testing"]``), so that the model is loaded once.
 
 The server runs the default model in float32 (greedy tokens then equal the offline engine's
-in float32) with a small KV cache.
+in float32) with a small KV cache. ``secure_server`` is a second one, started on first use,
+with mutual TLS (certificates made for the session), an API key, no reflection and small
+call limits.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import pytest
 
 from kvserve.service.process import ServerProcess
 
+SECURE_API_KEY = "test-key-not-secret"
+SECURE_LIMITS = {"max_streams": 6, "max_streams_per_connection": 4, "max_watch_streams": 2}
 SHARED_SERVER_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "0.5", "--max-queue", "64")
 # One intra-op thread: the test process and the server share a small machine's cores, and
 # OpenMP threads that wait for a descheduled sibling slow every step. Greedy tokens do not
@@ -25,3 +29,31 @@ def kvserve_server():
         yield server
         rc = server.stop()
     assert rc == 0, f"shared server exited with status {rc}:\n{server.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory) -> dict[str, str]:
+    """PEM files (see ``make_tls_files``): ca, server_cert/key, client_cert/key, rogue_cert/key."""
+    from kvserve.service.tls_testing import make_tls_files
+
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="session")
+def secure_server(tls_files):
+    """Mutual TLS + API key (from the environment, as in production) + no reflection + the
+    small ``SECURE_LIMITS``. ``.client_options`` are the ``Client`` keywords that reach it."""
+    from kvserve.clients import tls_credentials
+
+    limits = [x for name, n in SECURE_LIMITS.items() for x in ("--" + name.replace("_", "-"), str(n))]
+    flags = ("--tls-cert", tls_files["server_cert"], "--tls-key", tls_files["server_key"],
+             "--tls-client-ca", tls_files["ca"], "--no-reflection", "--kv-cache-memory", "0.1", *limits)
+    options = {
+        "credentials": tls_credentials(tls_files["ca"], tls_files["client_cert"], tls_files["client_key"]),
+        "api_key": SECURE_API_KEY,
+    }
+    env = {**TEST_SERVER_ENV, "KVSERVE_API_KEY": SECURE_API_KEY}
+    with ServerProcess(*flags, env=env, client_options=options) as server:
+        yield server
+        rc = server.stop()
+    assert rc == 0, f"secure server exited with status {rc}:\n{server.log_tail()}"

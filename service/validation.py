@@ -23,13 +23,16 @@ class EngineRequest:
     params: SamplingParams
 
 
-def parse_generate_request(req: llm_pb2.GenerateRequest, vocab_size: int) -> EngineRequest:
-    """Check and convert a GenerateRequest; raises ValueError naming the bad field."""
+def parse_generate_request(
+    req: llm_pb2.GenerateRequest, vocab_size: int, sampling_defaults: dict | None = None
+) -> EngineRequest:
+    """Check and convert a GenerateRequest; raises ValueError naming the bad field.
+    ``sampling_defaults`` (the model's recommended sampling) fill the fields the request leaves unset."""
     request_id = req.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
     prompt, messages = _parse_input(req, vocab_size)
-    params = sampling_from_proto(req.sampling).validate(vocab_size)
+    params = sampling_from_proto(req.sampling, sampling_defaults).validate(vocab_size)
     return EngineRequest(request_id, prompt, messages, params)
 
 
@@ -55,9 +58,9 @@ def _parse_input(req: llm_pb2.GenerateRequest, vocab_size: int):
     return None, messages
 
 
-def sampling_from_proto(msg: llm_pb2.SamplingParams) -> SamplingParams:
-    """Fields set in the message override SamplingParams' defaults; unset ones keep them."""
-    kwargs = {}
+def sampling_from_proto(msg: llm_pb2.SamplingParams, defaults: dict | None = None) -> SamplingParams:
+    """Fields set in the message override ``defaults``, then SamplingParams' own defaults."""
+    kwargs = dict(defaults or {})
     for f in msg.DESCRIPTOR.fields:
         if f.is_repeated:
             kwargs[f.name] = list(getattr(msg, f.name))

@@ -130,3 +130,56 @@ def test_hit_rate_counts_tokens():
     run_prefill(bm, make_seq(list(range(9))))
     run_prefill(bm, make_seq(list(range(9))))
     assert bm.query_tokens == 18 and bm.hit_tokens == 8
+
+
+def test_hit_rate_does_not_count_recomputation_after_preemption():
+    bm = BlockManager(8, BS)
+    a = make_seq(list(range(9)))
+    run_prefill(bm, a)
+    assert (bm.query_tokens, bm.hit_tokens) == (9, 0)
+    bm.free(a)  # preempted: the scheduler frees it and counts the preemption
+    a.num_preemptions += 1
+    hits = bm.match_prefix(a)
+    assert len(hits) == 2  # its own blocks are still cached: the recompute is cheap
+    bm.admit(a, hits)
+    assert (bm.query_tokens, bm.hit_tokens) == (9, 0)  # ...but no client asked for them twice
+    assert bm.hit_rate == 0.0
+
+
+def test_collision_guard_checks_the_parent_hash():
+    bm = BlockManager(8, BS)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    c = make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0])
+    run_prefill(bm, a)
+    run_prefill(bm, c)
+    # forge a collision one level down: c's second-block hash now names a's second block,
+    # which holds the same tokens but follows a different first block
+    hc0 = block_hash(None, [9, 9, 9, 9])
+    bm.hash_to_block[block_hash(hc0, [5, 6, 7, 8])] = a.block_table[1]
+    assert bm.match_prefix(make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0])) == c.block_table[:1]
+
+
+def test_surviving_duplicate_block_is_registered_after_eviction():
+    bm = BlockManager(6, BS)
+    a = make_seq(list(range(9)))
+    b = make_seq(list(range(9)))
+    for seq in (a, b):  # both admitted before either published: two copies of each block
+        bm.admit(seq, bm.match_prefix(seq))
+        bm.grow(seq, seq.num_tokens)
+    for seq in (a, b):
+        seq.num_computed_tokens = seq.num_tokens
+        bm.commit(seq)
+    assert bm.match_prefix(make_seq(list(range(9)))) == a.block_table[:2]
+    bm.check_integrity()
+    a_table = list(a.block_table)
+    bm.free(a)
+    other = make_seq([50] * 9)
+    bm.admit(other, [])
+    bm.grow(other, 9)  # takes a's three freed blocks: its copies are evicted
+    assert set(other.block_table) == set(a_table)
+    bm.check_integrity()
+    # b's copies survive and take over the table
+    assert bm.match_prefix(make_seq(list(range(9)))) == b.block_table[:2]
+    bm.free(b)
+    bm.free(other)
+    bm.check_integrity()

@@ -199,6 +199,43 @@ def test_stop_string_cuts_text_and_finishes(llm, fresh):
     assert out.text == base.text[: base.text.index(stop)]
 
 
+def test_stop_string_completed_by_the_last_allowed_token_reports_stop_string(llm, fresh):
+    fresh()
+    prompt = "The alphabet: A, B, C,"
+    first = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (7, 8)]
+    before, whole = (llm.generate([prompt], p, use_tqdm=False)[0].text for p in first)
+    assert whole.startswith(before) and len(whole) > len(before)
+    # the shortest tail of the text that the 8th token completes and that occurs nowhere earlier
+    k = next(k for k in range(1, len(whole) + 1) if whole.find(whole[-k:]) == len(whole) - k)
+    stop = whole[-max(k, len(whole) - len(before)):]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) == 8
+    assert out.finish_reason == FinishReason.STOP_STRING
+    assert out.text == whole[: len(whole) - len(stop)]
+
+
+def test_tiny_temperature_is_greedy_and_tiny_penalties_are_refused(llm, fresh):
+    fresh()
+    greedy = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    tiny = llm.generate(["Hello"], SamplingParams(temperature=1e-38, max_tokens=8), use_tqdm=False)[0]
+    assert tiny.token_ids == greedy.token_ids
+    for bad in (1e-38, 1e38):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            llm.engine.add_request("bad", "Hello", SamplingParams(repetition_penalty=bad))
+    with pytest.raises(ValueError, match="temperature"):
+        llm.engine.add_request("bad", "Hello", SamplingParams(temperature=1e300))
+
+
+def test_prefix_cache_hit_rate_ignores_recomputation_after_preemption(llm, fresh):
+    ids = [llm.tokenizer.encode(p) for p in ("Once upon a time", "The weather today", "def add(a, b):")]
+    fresh(num_kv_blocks=9)  # as in the preemption test: someone must yield and be recomputed
+    llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hit_rate"] == 0.0  # no two prompts share a block
+
+
 def test_seeded_sampling_is_reproducible_in_any_batch(llm, fresh):
     fresh()
     p = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)

@@ -55,3 +55,15 @@ def test_node_client_reads_stats_and_reports_errors(node, kvserve_server):
     assert json.loads(out.stdout)["kv_block_size"] == 16
     out = node("--target", kvserve_server.target, "--temperature", "-1")
     assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "temperature" in out.stderr
+
+
+def test_node_client_speaks_mutual_tls_with_the_api_key(node, secure_server, tls_files):
+    from kvserve.service.testing import SECURE_API_KEY
+
+    tls = ("--target", secure_server.target, "--tls-ca", tls_files["ca"],
+           "--tls-cert", tls_files["client_cert"], "--tls-key", tls_files["client_key"])
+    out = node(*tls, "--api-key", SECURE_API_KEY, "--stats")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["kv_block_size"] == 16
+    out = node(*tls, "--prompt", "Hi", "--max-tokens", "2", "--json")
+    assert out.returncode == 1 and "UNAUTHENTICATED" in out.stderr

@@ -175,3 +175,24 @@ def test_model_input_layout_for_mixed_batch():
     assert inp.slot_mapping[1:] == [b.block_table[0] * BS + i for i in range(4)] + [b.block_table[1] * BS]
     assert inp.logits_indices == [0]  # b's chunk does not reach its end
     assert type(inp).from_bytes(inp.to_bytes()) == inp
+
+
+def test_unset_max_tokens_generates_up_to_max_model_len():
+    s = make(max_model_len=40)
+    a = seq(10, max_tokens=None)
+    s.add(a)
+    while not a.is_finished:
+        step(s)
+    assert a.num_tokens == 40 and a.finish_reason == FinishReason.LENGTH
+    with pytest.raises(ValueError, match="leaves no room for a completion"):
+        s.add(seq(40, max_tokens=None))
+
+
+def test_unset_max_tokens_is_bounded_by_the_whole_kv_cache():
+    s = make(num_blocks=5, max_model_len=256)  # 20 slots
+    a = seq(6, max_tokens=None)
+    s.add(a)
+    while not a.is_finished:
+        step(s)
+    assert a.num_tokens == 20 and a.finish_reason == FinishReason.LENGTH
+    assert s.bm.num_free_blocks == 5

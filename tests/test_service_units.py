@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import pathlib
 
@@ -119,6 +120,9 @@ def _req(**sampling) -> llm_pb2.GenerateRequest:
         (_req(stop_token_ids=[VOCAB]), "stop_token_ids"),
         (_req(logprobs=21), "logprobs"),
         (_req(repetition_penalty=0.0), "repetition_penalty"),
+        (_req(repetition_penalty=1e-38), "repetition_penalty"),
+        (_req(repetition_penalty=1e38), "repetition_penalty"),
+        (_req(temperature=1e300), "temperature"),
         (_req(presence_penalty=3.0), "presence_penalty"),
         (llm_pb2.GenerateRequest(prompt="a", request_id="r" * 300), "request_id"),
     ],
@@ -169,3 +173,20 @@ def test_a_port_in_use_is_an_error_not_a_shared_socket():
             await first.stop(None)
 
     asyncio.run(run())
+
+
+def test_unset_sampling_fields_take_the_models_recommendation(tmp_path):
+    from kvserve.engine.generation_defaults import sampling_defaults
+    from kvserve.service.validation import sampling_from_proto
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "max_length": 20, "top_k": None})
+    )
+    assert sampling_defaults(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.95}
+    assert sampling_defaults("default") == {"temperature": 0.2, "top_p": 0.9}
+    defaults = sampling_defaults("default")
+    p = sampling_from_proto(llm_pb2.SamplingParams(max_tokens=5), defaults)
+    assert (p.temperature, p.top_p, p.max_tokens) == (0.2, 0.9, 5)
+    p = sampling_from_proto(llm_pb2.SamplingParams(temperature=1.0), defaults)  # set wins, even 1.0
+    assert (p.temperature, p.top_p) == (1.0, 0.9)

@@ -5,10 +5,13 @@
 //   node client.js --target 127.0.0.1:50051 --prompt "Write a haiku about the sea." --max-tokens 32
 //   node client.js --json ...    one JSON line per message (what tests read)
 //   node client.js --stats       the Stats RPC
+//   node client.js --tls-ca ca.pem [--tls-cert client.pem --tls-key client.key] ...   TLS / mutual TLS
+//   node client.js --api-key KEY ...   (or KVSERVE_API_KEY) for a server run with --api-key
 //
 // The .proto is loaded at run time (no code generation): ../../proto/kvserve/v1/llm.proto.
 'use strict';
 
+const fs = require('fs');
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
@@ -16,7 +19,10 @@ const protoLoader = require('@grpc/proto-loader');
 const PROTO = path.join(__dirname, '..', '..', 'proto', 'kvserve', 'v1', 'llm.proto');
 
 function parseArgs(argv) {
-  const opts = { target: '127.0.0.1:50051', prompt: 'Hello!', maxTokens: 32, temperature: 0, json: false };
+  const opts = {
+    target: '127.0.0.1:50051', prompt: 'Hello!', maxTokens: 32, temperature: 0, json: false,
+    apiKey: process.env.KVSERVE_API_KEY,
+  };
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i];
     if (a === '--target') opts.target = argv[++i];
@@ -25,6 +31,11 @@ function parseArgs(argv) {
     else if (a === '--temperature') opts.temperature = Number(argv[++i]);
     else if (a === '--json') opts.json = true;
     else if (a === '--stats') opts.stats = true;
+    else if (a === '--tls') opts.tls = true;
+    else if (a === '--tls-ca') opts.tlsCa = argv[++i];
+    else if (a === '--tls-cert') opts.tlsCert = argv[++i];
+    else if (a === '--tls-key') opts.tlsKey = argv[++i];
+    else if (a === '--api-key') opts.apiKey = argv[++i];
     else throw new Error(`unknown argument ${a}`);
   }
   return opts;
@@ -41,8 +52,23 @@ function loadService() {
   return grpc.loadPackageDefinition(definition).kvserve.v1.LLMService;
 }
 
-function stats(client) {
-  client.Stats({}, (err, reply) => {
+// TLS when any --tls* flag is given (the CA file, else the system roots; a client certificate
+// for mutual TLS), plaintext otherwise.
+function credentials(opts) {
+  if (!(opts.tls || opts.tlsCa || opts.tlsCert || opts.tlsKey)) return grpc.credentials.createInsecure();
+  const read = (file) => (file ? fs.readFileSync(file) : null);
+  return grpc.credentials.createSsl(read(opts.tlsCa), read(opts.tlsKey), read(opts.tlsCert));
+}
+
+// The API key travels as call metadata: authorization: Bearer <key>.
+function metadata(opts) {
+  const md = new grpc.Metadata();
+  if (opts.apiKey) md.set('authorization', `Bearer ${opts.apiKey}`);
+  return md;
+}
+
+function stats(client, opts) {
+  client.Stats({}, metadata(opts), (err, reply) => {
     if (err) fail(err);
     console.log(JSON.stringify(reply));
     client.close();
@@ -54,7 +80,7 @@ function stream(client, opts) {
     prompt: opts.prompt,
     sampling: { temperature: opts.temperature, max_tokens: opts.maxTokens },
   };
-  const call = client.Stream(request);
+  const call = client.Stream(request, metadata(opts));
   call.on('data', (msg) => {
     if (opts.json) {
       console.log(JSON.stringify(msg));
@@ -81,8 +107,8 @@ function fail(err) {
 function main() {
   const opts = parseArgs(process.argv.slice(2));
   const LLMService = loadService();
-  const client = new LLMService(opts.target, grpc.credentials.createInsecure());
-  if (opts.stats) stats(client);
+  const client = new LLMService(opts.target, credentials(opts));
+  if (opts.stats) stats(client, opts);
   else stream(client, opts);
 }
 

@@ -1,0 +1,105 @@
+"""The ``kvserve`` command line as a newcomer meets it: no traceback for Ctrl-C, a closed pipe,
+or a negative value; the subcommand's usage for a wrong flag; real help texts; token-level
+``--logprobs`` output; a second Ctrl-C stops the server at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvserve.cli import build_parser
+from kvserve.engine.config import EngineConfig
+from kvserve.service.cli import HELP
+from kvserve.service.testing import TEST_SERVER_ENV
+
+pytest_plugins = ["kvserve.service.testing"]
+
+KVSERVE = [sys.executable, "-m", "kvserve.cli"]
+
+
+def kvserve(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+@pytest.mark.parametrize("flag", ["--max-tokens", "--logprobs", "--seed", "--stop-token-ids"])
+def test_negative_values_for_unsigned_flags_are_usage_errors(flag):
+    out = kvserve("generate", "hi", flag, "-1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"argument {flag}: must be in [0, " in out.stderr
+
+
+def test_a_wrong_flag_shows_the_subcommands_usage():
+    out = kvserve("generate", "hi", "--temprature", "0")
+    assert out.returncode == 2 and out.stderr.startswith("usage: kvserve generate")
+    assert "kvserve generate: error: unrecognized arguments: --temprature" in out.stderr
+
+
+def test_every_engine_option_has_a_help_text():
+    assert [f.name for f in dataclasses.fields(EngineConfig) if f.name not in HELP] == []
+    serve_help = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "engine option" not in serve_help
+
+
+def test_ctrl_c_in_chat_exits_quietly():
+    proc = subprocess.Popen([*KVSERVE, "chat", "--target", "127.0.0.1:9"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)  # waiting at the "> " prompt
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err
+
+
+def test_a_closed_pipe_ends_the_cli_quietly(kvserve_server):
+    proc = subprocess.Popen([*KVSERVE, "stats", "--target", kvserve_server.target, "--watch", "100"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # like `| head -1`
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err
+
+
+def test_logprobs_are_shown_per_token_without_json(kvserve_server):
+    out = kvserve("generate", "The capital of France is", "--target", kvserve_server.target,
+                  "--temperature", "0", "--max-tokens", "3", "--logprobs", "2")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if re.match(r"^\s*\d+ '.*' +-?\d+\.\d{3}\s+top: ", line)]
+    assert len(rows) == 3, out.stdout
+    assert all(len(r.split("top: ")[1].split(", ")) == 2 for r in rows)
+
+
+def test_a_second_ctrl_c_stops_the_server_at_once(tmp_path):
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([*KVSERVE, "serve", "--port", "0", "--dtype", "float32"], stdout=f,
+                                stderr=subprocess.STDOUT, env={**TEST_SERVER_ENV, "PATH": "/usr/bin"})
+    try:
+        end = time.monotonic() + 60
+        while "listening on" not in log.read_text() and time.monotonic() < end:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # drains, which waits for the model still loading
+        time.sleep(0.3)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+        assert rc == 128 + signal.SIGINT, log.read_text()
+        assert time.monotonic() - start < 5.0
+        assert "exiting at once" in log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_unset_sampling_follows_the_bundled_models_recommendation(kvserve_server):
+    from kvserve.clients import Client
+
+    with Client(kvserve_server.target) as c:
+        chat = [{"role": "user", "content": "Name a color."}]
+        plain = c.generate(messages=chat, seed=11, max_tokens=12)
+        recommended = c.generate(messages=chat, seed=11, max_tokens=12, temperature=0.2, top_p=0.9)
+    assert plain.token_ids == recommended.token_ids

@@ -1,0 +1,142 @@
+"""Soak: rounds of mixed abuse against the shared server, all at once - concurrent streams, a
+cancel storm (early cancels and short deadlines), an overload burst beyond --max-queue, and
+oversized prompts in the middle. Every call must end with a status that says what happened
+(no request lost, none INTERNAL/UNKNOWN); afterwards every KV block is free, every queue is
+empty and the server's memory grew by a bounded amount.
+
+``make test`` runs one round (about 20 s); ``make test-slow`` runs ``SLOW_ROUNDS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvserve.clients import AsyncClient, Client
+
+pytest_plugins = ["kvserve.service.testing"]
+
+SLOW_ROUNDS = 30
+RSS_GROWTH_LIMIT_MIB = 256  # after a warm-up round; a per-request leak grows with the rounds
+OK, CANCELLED = grpc.StatusCode.OK, grpc.StatusCode.CANCELLED
+DEADLINE, EXHAUSTED = grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def _outcome(coro) -> grpc.StatusCode:
+    try:
+        result = await coro
+    except grpc.RpcError as e:
+        return e.code()
+    return result if isinstance(result, grpc.StatusCode) else OK
+
+
+async def _stream(c: AsyncClient, prompt: str, max_tokens: int, cancel_after: int | None) -> grpc.StatusCode:
+    """Read a stream to its end (whose message must carry a finish reason), or cancel it by
+    leaving after ``cancel_after`` messages."""
+    stream = c.stream(prompt, temperature=0.8, max_tokens=max_tokens)
+    try:
+        n = 0
+        async for delta in stream:
+            n += 1
+            if delta.finished:
+                assert delta.finish_reason in ("LENGTH", "STOP"), delta
+                return OK
+            if cancel_after is not None and n > cancel_after:
+                return CANCELLED
+    finally:
+        await stream.aclose()  # cancels the call when it has not ended
+    raise AssertionError("stream ended without a finish reason")
+
+
+async def one_round(target: str, rng: random.Random) -> Counter:
+    """Everything at once; returns how many calls ended with each (kind, status)."""
+    async with AsyncClient(target) as c:
+        kinds: list[tuple[str, asyncio.Future]] = []
+
+        def add(kind: str, coro) -> None:
+            kinds.append((kind, asyncio.ensure_future(coro)))
+
+        for i in range(16):
+            add("stream", _outcome(_stream(c, f"Story {i}:", rng.randint(4, 20), None)))
+        for i in range(16):
+            add("cancel", _outcome(_stream(c, f"Poem {i}:", 64, rng.randint(0, 3))))
+        for i in range(8):
+            deadline = rng.uniform(0.05, 0.5)
+            add("deadline", _outcome(c.generate(f"Essay {i}:", max_tokens=64, timeout=deadline)))
+        await asyncio.sleep(0.05)
+        add("oversized", _outcome(c.generate("word " * 60_000, max_tokens=1)))
+        add("oversized", _outcome(c.generate(token_ids=[7] * 9000, max_tokens=1)))
+        for i in range(150):
+            add("burst", _outcome(c.generate(f"Q{i}", max_tokens=1)))
+        results = await asyncio.gather(*(f for _, f in kinds))
+    return Counter((kind, code) for (kind, _), code in zip(kinds, results, strict=True))
+
+
+ALLOWED = {
+    "stream": {OK},
+    "cancel": {OK, CANCELLED},
+    "deadline": {OK, DEADLINE},
+    "oversized": {INVALID},
+    "burst": {OK, EXHAUSTED},
+}
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def settle(target: str, timeout: float = 120.0) -> dict:
+    with Client(target) as c:
+        end = time.monotonic() + timeout
+        while True:
+            s = c.stats()
+            if s["num_running"] == s["num_waiting"] == s["num_queued"] == 0:
+                return s
+            assert time.monotonic() < end, f"server still busy after {timeout} s: {s}"
+            time.sleep(0.05)
+
+
+def soak(server, rounds: int) -> Counter:
+    rng = random.Random(0)
+    total: Counter = Counter()
+    start_rss = None
+    for r in range(rounds + 1):  # round 0 warms up buffers and allocator pools
+        counts = asyncio.run(one_round(server.target, rng))
+        for (kind, code), n in counts.items():
+            assert code in ALLOWED[kind], f"round {r}: {n} {kind} calls ended with {code.name}"
+        total.update(counts)
+        stats = settle(server.target)
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+        if r == 0:
+            start_rss = rss_mib(server.proc.pid)
+    growth = rss_mib(server.proc.pid) - start_rss
+    assert growth < RSS_GROWTH_LIMIT_MIB, f"server RSS grew {growth:.0f} MiB over {rounds} rounds"
+    with Client(server.target) as c:
+        assert c.health() == "SERVING"
+    return total
+
+
+def test_short_soak_leaves_nothing_behind(kvserve_server):
+    total = soak(kvserve_server, rounds=1)
+    print({f"{k}/{c.name}": n for (k, c), n in sorted(total.items(), key=str)})
+    assert total[("oversized", INVALID)] == 4
+    assert sum(n for (kind, _), n in total.items() if kind == "stream") == 32
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="known: the engine's native memory grows ~8 MB per batch of sampled "
+                   "requests with a flat Python object count (in process too, not the service); README")
+def test_long_soak_leaves_nothing_behind(kvserve_server):
+    total = soak(kvserve_server, rounds=SLOW_ROUNDS)
+    assert total[("stream", OK)] == 16 * (SLOW_ROUNDS + 1)
+    print({f"{k}/{c.name}": n for (k, c), n in sorted(total.items(), key=str)})
