@@ -1,243 +1,175 @@
-"""The bridge between asyncio (the gRPC service) and the engine thread.
+"""The service's front-end to the engine-core process, for asyncio code.
 
-One dedicated thread owns the ``LLMEngine`` and is the only code that touches it. Handlers
-on the event loop hand requests over through a thread-safe inbox and read their outputs
-from a per-request ``asyncio.Queue`` that the engine thread feeds with
-``loop.call_soon_threadsafe``. Nothing here blocks the event loop: admission takes a lock
-that the engine thread only holds for a few list operations, never during a model step.
+``AsyncEngine`` starts the engine core in a process of its own (engine/core_client.py) and
+owns everything on the service's side of it: admission, tokenization, the per-request
+streams, and the engine's lifecycle state. Requests are tokenized (chat templates rendered)
+on a small thread pool, never on the event loop; what the handlers produce during one turn
+of the loop goes to the core as one batch (engine/ipc.py), and each step's outputs come back
+as one message, dispatched to the streams in one pass (one wake-up of the loop per step).
 
-Admission: ``max_queue`` bounds the requests admitted but not yet running (the inbox plus
-the scheduler's waiting queue). Beyond it ``generate`` raises ``EngineOverloaded`` at once.
+Admission: ``max_queue`` bounds the requests admitted but not yet running: those being
+tokenized, those sent but not yet seen by the core, and the core's waiting queue. Beyond it
+``generate`` raises ``EngineOverloaded`` at once.
 
-Closing a request's output stream before it finished (the RPC was cancelled or its deadline
-passed) aborts the request in the engine at the start of the next loop iteration, which
-frees its KV blocks. If the engine raises, every request in flight fails with
-``EngineUnavailable`` and the state becomes ``dead``.
+Faults: if the core fails a step, dies (even by SIGKILL) or sends nothing for
+``step_timeout`` seconds (a step that hangs: a stopped tensor-parallel worker), the state
+becomes ``dead``, the core's whole process group is killed, and every request in flight ends
+with ``EngineUnavailable``. Closing a stream before it finished aborts the request in the core.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
 import itertools
 import logging
-import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.core_client import CoreProcess, describe_exit
+from kvserve.engine.engine_state import EngineInfo, EngineOverloaded, EngineState, EngineUnavailable
+from kvserve.engine.ipc import Call, Codec, Failed, NewRequest, Ready, StepDone, ToCore
+from kvserve.engine.prompts import PromptEncoder
+from kvserve.engine.request_stream import RequestStream
 from kvserve.engine.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineInfo", "EngineOverloaded", "EngineState", "EngineUnavailable"]
 
 log = logging.getLogger("kvserve.engine.async")
 
 DEFAULT_MAX_QUEUE = 256
-IDLE_HEALTH_CHECK_S = 1.0  # an idle engine thread wakes this often to check its workers
+DEFAULT_STEP_TIMEOUT_S = 120.0  # a step (or an idle heartbeat) later than this means a stuck core
+SHUTDOWN_GRACE_S = 15.0  # the core's own clean stop (it gives its workers 5 + 5 s)
+EXIT_REPORT_DELAY_S = 0.2  # lets the core's own Failed message win over "it exited"
+TOKENIZER_THREADS = 2
 
 
-class EngineOverloaded(Exception):
-    """The admission queue is full; the caller should retry later."""
-
-
-class EngineUnavailable(Exception):
-    """The engine is loading, draining, stopped or dead."""
-
-
-class EngineState(str, enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"  # finishing what it has, admitting nothing new
-    DEAD = "dead"  # the engine raised; nothing will run again
-    STOPPED = "stopped"
-
-
-@dataclass
-class EngineInfo:
-    """Immutable facts about the loaded engine, readable from any thread."""
-
-    model_name: str
-    vocab_size: int
-    max_model_len: int
-    config: EngineConfig
-
-
-@dataclass
-class _NewRequest:
-    key: str  # unique engine-side id; the client's request_id may repeat
-    prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
-    params: SamplingParams
-    sink: _Sink
-
-
-@dataclass
-class _Call:
-    fn: Callable[[Any], Any]
-    sink: _Sink
-
-
-@dataclass
-class _Work:
-    new: list[_NewRequest] = field(default_factory=list)
-    aborts: list[str] = field(default_factory=list)
-    calls: list[_Call] = field(default_factory=list)
-    abort_all: EngineUnavailable | None = None
-    stop: bool = False
-
-
-class _Sink:
-    """Where the engine thread puts one request's outputs (or one call's result) for the loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def put(self, item: RequestOutput | BaseException | Any) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-class RequestStream:
-    """Async iterator over one request's ``RequestOutput`` deltas, ending after the finished one.
-
-    ``close()`` (also run when the consumer is cancelled while waiting) aborts the request in
-    the engine if it has not finished yet.
-    """
-
-    def __init__(self, bridge: AsyncEngine, key: str, sink: _Sink):
-        self._bridge = bridge
-        self._key = key
-        self._sink = sink
-        self._done = False
-        self._closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            self.close()
-            raise StopAsyncIteration
-        try:
-            item = await self._sink.queue.get()
-        except asyncio.CancelledError:
-            self.close()
-            raise
-        if isinstance(item, BaseException):
-            self._done = True
-            self.close()
-            raise item
-        if item.finished:
-            self._done = True
-        return item
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._bridge._release(self._key, aborted=not self._done)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
+def _fresh_batch() -> ToCore:
+    return ToCore(0, [], [], [])
 
 
 class AsyncEngine:
-    """Runs an ``LLMEngine`` in its own thread and serves it to asyncio code.
+    """The engine core in a child process, served to asyncio code.
 
-    ``engine`` is an ``EngineConfig`` (the model is loaded in the engine thread, so the
-    service can answer health checks while it loads, and ``shutdown`` shuts it down) or an
-    already built ``LLMEngine`` (its owner shuts it down; it must not be used elsewhere
-    while this bridge runs). ``on_state`` is called on the event loop whenever the state changes.
-    """
+    ``on_state`` is called on the event loop whenever the state changes."""
 
     def __init__(
         self,
-        engine: EngineConfig | Any,
+        config: EngineConfig,
         max_queue: int = DEFAULT_MAX_QUEUE,
         on_state: Callable[[EngineState], None] | None = None,
+        step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
+        log_level: str = "info",
     ):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if step_timeout <= 0:
+            raise ValueError(f"step_timeout must be > 0 s, got {step_timeout}")
+        self.config = config
         self.max_queue = max_queue
-        self._source = engine
-        self._owns_engine = isinstance(engine, EngineConfig)
+        self.step_timeout = step_timeout
+        self._log_level = log_level
         self._on_state = on_state
-        self._cond = threading.Condition()
-        self._inbox: deque[_NewRequest] = deque()
-        self._work = _Work()
-        self._in_transit = 0  # taken from the inbox, not yet counted by engine.num_waiting()
-        self._waiting = 0  # engine.num_waiting() as of the engine thread's last look
-        self._rejected = 0
         self._state = EngineState.LOADING
-        self._error: BaseException | None = None
-        self._keys = itertools.count()
-        self._live_keys: set[str] = set()  # loop thread: requests whose stream is open
-        self._idle: asyncio.Event | None = None
-        self._ready: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._error: str | None = None
         self.info: EngineInfo | None = None
+        self._prompts: PromptEncoder | None = None
+        self._codec = Codec()
+        self._core: CoreProcess | None = None
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
+        self._live: dict[str, RequestStream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._batch = _fresh_batch()
+        self._flush_scheduled = False
+        self._seq = 0
+        self._sent: deque[tuple[int, int]] = deque()  # (batch seq, new requests in it), not yet acked
+        self._unacked = 0  # new requests the core has not acknowledged (unsent ones included)
+        self._tokenizing = 0
+        self._core_waiting = 0
+        self._rejected = 0
+        self._tasks: list[asyncio.Task] = []
 
-    # ---- lifecycle (event loop) ---------------------------------------------------------------
+    # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread (it loads the model first when given a config)."""
+        """Start the core process (it loads the model) and load the tokenizer meanwhile."""
         self._loop = asyncio.get_running_loop()
+        self._ready = asyncio.Event()
+        self._dead = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._ready = asyncio.Event()
-        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-        self._thread.start()
+        self._last_heard = self._loop.time()
+        self._core = CoreProcess(self.config, self._log_level)
+        log.info("engine core: pid %d", self._core.pid)
+        self._core.on_exit(self._loop, self._on_core_exit)
+        self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._watch_steps())]
+        self._tokenizer = self._loop.run_in_executor(self._pool, _load_tokenizer, self.config.model)
 
     @property
     def state(self) -> EngineState:
         return self._state
 
     @property
-    def error(self) -> BaseException | None:
+    def error(self) -> str | None:
         return self._error
 
     @property
+    def core_pid(self) -> int | None:
+        return self._core.pid if self._core is not None else None
+
+    @property
     def num_in_flight(self) -> int:
-        return len(self._live_keys)
+        return len(self._live) + self._tokenizing
 
     async def wait_ready(self) -> EngineState:
         """Wait until the model is loaded (or failed to load); returns the state then."""
         await self._ready.wait()
         return self._state
 
+    async def wait_dead(self) -> None:
+        """Return once the engine has failed."""
+        await self._dead.wait()
+
     async def drain(self, timeout: float) -> int:
         """Stop admitting, let requests in flight finish for up to ``timeout`` seconds, then
         abort the rest (their streams raise ``EngineUnavailable``). Returns how many were aborted."""
-        self._set_state(EngineState.DRAINING, only_from=(EngineState.READY, EngineState.LOADING))
+        if self._state in (EngineState.READY, EngineState.LOADING):
+            self._set_state(EngineState.DRAINING)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return 0
         except asyncio.TimeoutError:
             pass
-        left = self.num_in_flight
+        left = len(self._live)
         reason = EngineUnavailable(
             f"server is shutting down: request aborted after the {timeout:g} s drain timeout"
         )
-        with self._cond:
-            self._work.abort_all = reason
-            self._cond.notify()
+        for key in self._fail_streams(reason):
+            self._batch.aborts.append(key)
+        self._schedule_flush()
         return left
 
     async def shutdown(self) -> None:
-        """Stop the engine thread and the engine (idempotent)."""
-        with self._cond:
-            self._work.stop = True
-            self._cond.notify()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        """Fail what is still in flight, stop the core (killing what does not stop), release
+        everything; idempotent."""
+        if self._core is None:
+            return
+        if self._state != EngineState.DEAD:
+            self._set_state(EngineState.STOPPED)
+        self._fail_streams(EngineUnavailable("the engine is stopped"))
+        self._fail_calls(EngineUnavailable("the engine is stopped"))
+        self._ready.set()
+        self._batch.shutdown = True
+        told = self._flush()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        core, self._core = self._core, None
+        await core.stop(SHUTDOWN_GRACE_S if told and self._state != EngineState.DEAD else 0.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # ---- requests (event loop) ----------------------------------------------------------------
+    # ---- requests ---------------------------------------------------------------------------------
     async def generate(
         self,
         request_id: str,
@@ -245,46 +177,56 @@ class AsyncEngine:
         params: SamplingParams,
         messages: list[dict[str, str]] | None = None,
     ) -> RequestStream:
-        """Admit a request and return the stream of its outputs.
+        """Admit, tokenize (off the loop) and submit a request; returns the stream of its outputs.
 
-        Raises ``EngineOverloaded`` when the admission queue is full and ``EngineUnavailable``
-        when not ready; errors found by the engine (``ValueError``) come out of the stream.
-        """
+        Raises ``EngineOverloaded`` when the admission queue is full, ``EngineUnavailable`` when
+        not ready, ``ValueError`` for a prompt the tokenizer or chat template refuses; errors
+        found by the core's ``add_request`` come out of the stream as ``ValueError``."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        key = f"{request_id}#{next(self._keys)}"
-        sink = _Sink(self._loop)
-        req = _NewRequest(key, prompt, messages, params, sink)
-        with self._cond:
-            self._check_admission()
-            self._inbox.append(req)
-            self._cond.notify()
-        self._live_keys.add(key)
+        self._check_admission()
+        self._tokenizing += 1
         self._idle.clear()
-        return RequestStream(self, key, sink)
-
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` in the engine thread between steps and return its result."""
-        sink = _Sink(self._loop)
-        with self._cond:
-            if self._state in (EngineState.LOADING, EngineState.DEAD, EngineState.STOPPED):
-                raise EngineUnavailable(self._unavailable_reason())
-            self._work.calls.append(_Call(fn, sink))
-            self._cond.notify()
-        result = await sink.queue.get()
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        try:
+            ids = await self._loop.run_in_executor(self._pool, self._encode, prompt, messages)
+        finally:
+            self._tokenizing -= 1
+            self._check_idle()
+        if self._state not in (EngineState.READY, EngineState.DRAINING):
+            raise EngineUnavailable(self._unavailable_reason())
+        key = f"{request_id}#{next(self._ids)}"
+        stream = RequestStream(key, self._release)
+        self._live[key] = stream
+        self._idle.clear()
+        self._batch.new.append(NewRequest(key, ids, params))
+        self._unacked += 1
+        self._schedule_flush()
+        return stream
 
     async def stats(self) -> dict:
-        """The engine's stats plus the admission fields (num_queued, max_queue, requests_rejected)."""
-        return await self.call(self._stats_in_thread)
+        """The core's stats plus the admission fields (num_queued, max_queue, requests_rejected)."""
+        if self._state in (EngineState.LOADING, EngineState.DEAD, EngineState.STOPPED):
+            raise EngineUnavailable(self._unavailable_reason())
+        call_id = next(self._ids)
+        future = self._loop.create_future()
+        self._calls[call_id] = future
+        self._batch.calls.append(Call(call_id, "stats"))
+        self._schedule_flush()
+        stats = await future
+        stats.update(num_queued=self._tokenizing + self._unacked, max_queue=self.max_queue,
+                     requests_rejected=self._rejected)
+        return stats
+
+    def _encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
+        """Runs on the tokenizer pool."""
+        if messages is not None:
+            return self._prompts.render_chat(messages)
+        return self._prompts.encode(prompt)
 
     def _check_admission(self) -> None:
-        """Called with the lock held."""
         if self._state != EngineState.READY:
             raise EngineUnavailable(self._unavailable_reason())
-        pending = len(self._inbox) + self._in_transit + self._waiting
+        pending = self._tokenizing + self._unacked + self._core_waiting
         if pending >= self.max_queue:
             self._rejected += 1
             raise EngineOverloaded(
@@ -298,177 +240,151 @@ class AsyncEngine:
         if self._state == EngineState.DRAINING:
             return "server is shutting down (draining); not accepting new requests"
         if self._state == EngineState.DEAD:
-            return f"the engine failed: {self._error!r}"
+            return f"the engine failed: {self._error}"
         return "the engine is stopped"
 
-    def _release(self, key: str, aborted: bool) -> None:
-        """A stream closed (loop thread). An unfinished request is aborted in the engine."""
-        self._live_keys.discard(key)
-        if not self._live_keys:
+    def _release(self, key: str, finished: bool) -> None:
+        """A stream closed. One that had not finished is aborted in the core."""
+        if self._live.pop(key, None) is not None and not finished:
+            self._batch.aborts.append(key)
+            self._schedule_flush()
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self._live and not self._tokenizing:
             self._idle.set()
-        if not aborted:
-            return
-        with self._cond:
-            for i, req in enumerate(self._inbox):
-                if req.key == key:  # never reached the engine
-                    del self._inbox[i]
-                    return
-            self._work.aborts.append(key)
-            self._cond.notify()
 
-    def _set_state(self, state: EngineState, only_from: tuple[EngineState, ...] | None = None) -> None:
-        with self._cond:
-            if only_from is not None and self._state not in only_from:
-                return
-            self._state = state
-        if self._on_state is not None:
-            self._loop.call_soon_threadsafe(self._on_state, state)
+    # ---- to the core: one batch per turn of the loop -------------------------------------------
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
 
-    # ---- the engine thread --------------------------------------------------------------------
-    def _run(self) -> None:
+    def _flush(self) -> bool:
+        """Send the batch gathered so far; False if there was nothing to send or no core took it."""
+        self._flush_scheduled = False
+        batch = self._batch
+        if self._core is None or not (batch.new or batch.aborts or batch.calls or batch.shutdown):
+            return False
+        self._batch = _fresh_batch()
+        self._seq += 1
+        batch.seq = self._seq
+        self._sent.append((self._seq, len(batch.new)))
+        sent = self._core.send(self._codec.encode(batch))
+        if not sent and not batch.shutdown:
+            # only possible before the core connects or after it died: nothing can be served
+            self._fail("the engine core is not connected")
+        return sent
+
+    # ---- from the core ------------------------------------------------------------------------------
+    async def _receive(self) -> None:
         try:
-            engine = self._load()
-        except BaseException as e:  # noqa: BLE001 - any load failure makes the engine dead
-            log.exception("loading the engine failed")
-            self._fail(e)
-            self._fail_pending({}, e)
-            self._loop.call_soon_threadsafe(self._ready.set)
-            return
-        self._set_state(EngineState.READY, only_from=(EngineState.LOADING,))
-        self._loop.call_soon_threadsafe(self._ready.set)
-        live: dict[str, _Sink] = {}
-        error = None
-        try:
-            self._loop_until_stopped(engine, live)
-        except BaseException as e:  # noqa: BLE001 - fail every request, then report
-            log.exception("the engine loop failed")
-            error = e
-            self._fail(e)
-        self._close(engine, live, error)
+            await self._receive_forever()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - without this channel nothing can be served
+            log.exception("reading from the engine core failed")
+            self._fail(f"reading from the engine core failed: {type(e).__name__}: {e}")
 
-    def _load(self):
-        if isinstance(self._source, EngineConfig):
-            from kvserve.engine.llm_engine import LLMEngine
-
-            engine = LLMEngine(self._source)
-        else:
-            engine = self._source
-        cfg = engine.config
-        self.info = EngineInfo(engine.model_name, engine.vocab_size, cfg.max_model_len, cfg)
-        return engine
-
-    def _loop_until_stopped(self, engine, live: dict[str, _Sink]) -> None:
+    async def _receive_forever(self) -> None:
         while True:
-            work = self._next_work(engine)
-            if work.stop:
-                return
-            for c in work.calls:
-                self._run_call(engine, c)
-            if work.abort_all is not None:
-                self._abort_all(engine, live, work.new, work.abort_all)
-                work.new = []
-            for key in work.aborts:
-                if live.pop(key, None) is not None:
-                    engine.abort(key)
-            for req in work.new:
-                self._add(engine, req, live)
-            self._publish_waiting(engine)
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                self._publish_waiting(engine)  # before the outputs wake anyone who then admits more
-                self._deliver(outputs, live)
-                if not engine.is_healthy():
-                    raise RuntimeError("a tensor-parallel worker died")
+            data = await self._core.recv()
+            self._last_heard = self._loop.time()
+            msg = self._codec.decode_from_core(data)
+            if isinstance(msg, StepDone):
+                self._on_step(msg)
+            elif isinstance(msg, Ready):
+                await self._on_ready(msg)
+            elif isinstance(msg, Failed):
+                self._fail(msg.message)
 
-    def _next_work(self, engine) -> _Work:
-        """Sleep until there is something to do; take it all (the inbox moves into ``new``)."""
-        with self._cond:
-            while not (self._inbox or self._has_work() or engine.has_unfinished_requests()):
-                if not self._cond.wait(IDLE_HEALTH_CHECK_S) and not engine.is_healthy():
-                    raise RuntimeError("a tensor-parallel worker died")
-            work, self._work = self._work, _Work(stop=self._work.stop)
-            work.new = list(self._inbox)
-            self._inbox.clear()
-            self._in_transit = len(work.new)
-            return work
+    def _on_step(self, msg: StepDone) -> None:
+        while self._sent and self._sent[0][0] <= msg.acked:
+            self._unacked -= self._sent.popleft()[1]
+        self._core_waiting = msg.num_waiting
+        for r in msg.rejected:
+            stream = self._live.pop(r.key, None)
+            if stream is not None:
+                stream.fail(ValueError(r.message))
+        live = self._live
+        for out in msg.outputs:
+            stream = live.get(out.request_id)
+            if stream is not None:
+                stream.push(out)
+                if out.finished:
+                    del live[out.request_id]
+        for reply in msg.replies:
+            future = self._calls.pop(reply.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(reply.result)
+        self._check_idle()
 
-    def _has_work(self) -> bool:
-        w = self._work
-        return bool(w.aborts or w.calls or w.abort_all or w.stop)
-
-    def _publish_waiting(self, engine) -> None:
-        with self._cond:
-            self._waiting = engine.num_waiting()
-            self._in_transit = 0
-
-    def _add(self, engine, req: _NewRequest, live: dict[str, _Sink]) -> None:
+    async def _on_ready(self, msg: Ready) -> None:
         try:
-            prompt = req.prompt if req.messages is None else engine.apply_chat_template(req.messages)
-            engine.add_request(req.key, prompt, req.params)
-        except ValueError as e:  # the user's mistake: the stream raises it, the engine goes on
-            req.sink.put(e)
+            tokenizer = await self._tokenizer
+        except Exception as e:  # noqa: BLE001 - the service cannot run without it
+            self._fail(f"loading the tokenizer failed: {type(e).__name__}: {e}")
             return
-        live[req.key] = req.sink
+        self.info = EngineInfo(msg.model_name, msg.vocab_size, msg.max_model_len, msg.config)
+        self._prompts = PromptEncoder(tokenizer, msg.vocab_size, msg.max_model_len)
+        self._last_heard = self._loop.time()
+        if self._state == EngineState.LOADING:
+            self._set_state(EngineState.READY)
+        self._ready.set()
 
-    def _deliver(self, outputs: list[RequestOutput], live: dict[str, _Sink]) -> None:
-        for out in outputs:
-            sink = live.pop(out.request_id, None) if out.finished else live.get(out.request_id)
-            if sink is not None:
-                sink.put(out)
+    async def _watch_steps(self) -> None:
+        """Fail the engine when the core stays silent longer than ``step_timeout``."""
+        while True:
+            await asyncio.sleep(min(1.0, self.step_timeout / 4))
+            silent = self._loop.time() - self._last_heard
+            if self._state in (EngineState.READY, EngineState.DRAINING) and silent > self.step_timeout:
+                self._fail(f"the engine core sent nothing for {silent:.1f} s (--step-timeout "
+                           f"{self.step_timeout:g} s): a step is stuck, e.g. on a stopped or hung "
+                           "tensor-parallel worker")
 
-    def _run_call(self, engine, call: _Call) -> None:
-        try:
-            call.sink.put(call.fn(engine))
-        except Exception as e:  # noqa: BLE001 - the caller gets the error
-            call.sink.put(e)
+    def _on_core_exit(self, returncode: int) -> None:
+        if self._core is None or self._state in (EngineState.STOPPED, EngineState.DEAD):
+            return
+        reason = f"the engine-core process (pid {self._core.pid}) {describe_exit(returncode)}"
+        self._loop.call_later(EXIT_REPORT_DELAY_S, self._fail, reason)
 
-    def _stats_in_thread(self, engine) -> dict:
-        stats = engine.stats()
-        with self._cond:
-            stats["num_queued"] = len(self._inbox) + self._in_transit
-            stats["max_queue"] = self.max_queue
-            stats["requests_rejected"] = self._rejected
-        return stats
-
-    def _abort_all(self, engine, live: dict[str, _Sink], new: list[_NewRequest], reason: EngineUnavailable):
-        for req in new:
-            req.sink.put(reason)
-        for key, sink in list(live.items()):
-            engine.abort(key)
-            sink.put(reason)
-        live.clear()
-        if engine.has_unfinished_requests():
-            engine.step()  # hands out the abort outputs; nobody needs them
-
-    def _fail(self, error: BaseException) -> None:
-        """The engine is dead: nothing will be admitted again."""
-        with self._cond:
-            self._error = error
+    # ---- failure ---------------------------------------------------------------------------------------
+    def _fail(self, reason: str) -> None:
+        """The engine is dead: kill the core's group, fail everything in flight, admit nothing."""
+        if self._state in (EngineState.DEAD, EngineState.STOPPED):
+            return
+        log.error("engine failed: %s", reason)
+        self._error = reason
         self._set_state(EngineState.DEAD)
+        if self._core is not None:
+            self._core.kill()
+        error = EngineUnavailable(f"the engine failed: {reason}")
+        self._fail_streams(error)
+        self._fail_calls(error)
+        self._ready.set()
+        self._dead.set()
 
-    def _fail_pending(self, live: dict[str, _Sink], error: BaseException | None) -> None:
-        """Every request and call in flight or queued gets UNAVAILABLE."""
-        with self._cond:
-            pending = [r.sink for r in self._inbox] + [c.sink for c in self._work.calls]
-            self._inbox.clear()
-            self._work.calls.clear()
-        reason = EngineUnavailable(f"the engine failed: {error!r}" if error else "the engine is stopped")
-        for sink in pending + list(live.values()):
-            sink.put(reason)
+    def _fail_streams(self, error: EngineUnavailable) -> list[str]:
+        keys = list(self._live)
+        for stream in self._live.values():
+            stream.fail(error)
+        self._live.clear()
+        self._check_idle()
+        return keys
 
-    def _close(self, engine, live: dict[str, _Sink], error: BaseException | None) -> None:
-        """Fail what is left, abort it in the engine, and shut the engine down if it is ours."""
-        self._fail_pending(live, error)
-        for key in live:
-            with contextlib.suppress(Exception):  # a broken engine may refuse; nothing else to do
-                engine.abort(key)
-        live.clear()
-        if error is None:
-            self._set_state(EngineState.STOPPED, only_from=(EngineState.READY, EngineState.DRAINING))
-        try:
-            if self._owns_engine:
-                engine.shutdown()
-            elif engine.has_unfinished_requests():
-                engine.step()  # hands out the abort outputs, leaving the borrowed engine clean
-        except Exception:  # noqa: BLE001 - stopping anyway
-            log.exception("engine shutdown failed")
+    def _fail_calls(self, error: EngineUnavailable) -> None:
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+
+    def _set_state(self, state: EngineState) -> None:
+        self._state = state
+        if self._on_state is not None:
+            self._on_state(state)
+
+
+def _load_tokenizer(model: str):
+    from kvserve.engine.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(model))

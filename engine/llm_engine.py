@@ -20,13 +20,14 @@ from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.loader import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
+from kvserve.engine.prompts import PromptEncoder
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason, Sequence
 
 log = logging.getLogger("kvserve.engine")
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass
@@ -58,6 +59,7 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
+        self.prompts = PromptEncoder(self.tokenizer, self.vocab_size, config.max_model_len)
         # which row of the runners' persistent block table each running sequence has
         self.block_tables = BlockTableWriter(
             config.max_num_seqs, block_table_width(config.max_model_len, config.block_size)
@@ -71,26 +73,10 @@ class LLMEngine:
 
     # ---- requests in ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("token_ids: must not be empty")
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"token_ids: id {t} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
+        return self.prompts.encode(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if not messages:
-            raise ValueError("messages: must not be empty")
-        for i, m in enumerate(messages):
-            if m.get("role") not in CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role: {m.get('role')!r} is not one of {list(CHAT_ROLES)}")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.prompts.render_chat(messages)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validate and queue a request; raises ValueError naming the field and the limit."""
@@ -120,7 +106,18 @@ class LLMEngine:
         return bool(self.requests or self._aborted)
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._aborted = self._aborted, []
+        """One scheduler + model step; returns every request's delta of this step (the outputs
+        of aborted requests included). If the step raises, the abort outputs are kept for the
+        next call, so no request's final output is lost."""
+        aborted, self._aborted = self._aborted, []
+        try:
+            return aborted + self._step()
+        except BaseException:
+            self._aborted = aborted + self._aborted
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs

@@ -15,7 +15,7 @@ import sys
 import types
 import typing
 
-from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE
+from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
 from kvserve.service.limits import add_limit_flags, stream_limits
 from kvserve.service.security import add_security_flags, security_settings
@@ -66,6 +66,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="most requests admitted but not yet running; beyond it RESOURCE_EXHAUSTED")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted")
+    s.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                   help="seconds the engine core may stay silent (one step, or between idle heartbeats) "
+                        "before the engine is declared dead (a hung or stopped tensor-parallel worker)")
+    s.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit with status 1 once the engine died and its requests were failed "
+                        "(--no-exit-on-engine-failure: stay up, NOT_SERVING)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_security_flags(serve)
     add_limit_flags(serve)
@@ -107,9 +113,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve serve: --max-queue must be >= 1, got {args.max_queue}")
     if args.drain_timeout < 0:
         raise SystemExit(f"kvserve serve: --drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.step_timeout <= 0:
+        raise SystemExit(f"kvserve serve: --step-timeout must be > 0, got {args.step_timeout}")
     try:
         config = engine_config(args)
         settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout,
+                                 step_timeout=args.step_timeout,
+                                 exit_on_engine_failure=args.exit_on_engine_failure,
+                                 log_level=args.log_level,
                                  security=security_settings(args), limits=stream_limits(args))
         server_credentials(settings.security)  # unreadable or non-PEM files: refused before loading
     except ValueError as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvserve.engine.async_engine import EngineOverloaded, EngineUnavailable
+from kvserve.engine.engine_state import EngineOverloaded, EngineUnavailable
 from kvserve.service.redact import STATUS_MESSAGE_CHARS, clip
 
 

@@ -8,7 +8,7 @@ import asyncio
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from kvserve.engine.async_engine import EngineState
+from kvserve.engine.engine_state import EngineState
 from kvserve.v1 import llm_pb2
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name

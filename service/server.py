@@ -1,5 +1,13 @@
 """The gRPC server: LLMService + grpc.health.v1 + reflection on one grpc.aio server, its
-channel options, start-up while the model loads, and the SIGTERM/SIGINT drain."""
+channel options, start-up while the model loads, the SIGTERM/SIGINT drain, and the exit
+when the engine dies.
+
+This process is the front-end: it owns the network, tokenization and admission; the engine
+core (scheduler, model, sampler, detokenizer) runs in a child process that ``AsyncEngine``
+starts (engine/async_engine.py). If the engine dies, the requests in flight end with
+UNAVAILABLE and the server exits with status 1, so a supervisor restarts it
+(``--no-exit-on-engine-failure`` keeps it up, NOT_SERVING, as before).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, AsyncEngine, EngineState
+from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S, AsyncEngine, EngineState
 from kvserve.engine.config import EngineConfig
 from kvserve.service.health import SERVICE_NAME, Health
 from kvserve.service.limits import StreamLimitInterceptor, StreamLimits
@@ -48,6 +56,9 @@ class ServeSettings:
     port: int = 50051
     max_queue: int = DEFAULT_MAX_QUEUE
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # a silent engine core longer than this is dead
+    exit_on_engine_failure: bool = True  # exit 1 once the engine died (else stay up, NOT_SERVING)
+    log_level: str = "info"
     security: SecuritySettings = field(default_factory=SecuritySettings)  # TLS, API key, reflection
     limits: StreamLimits = field(default_factory=StreamLimits)  # concurrent calls
 
@@ -93,7 +104,8 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
     """Run until SIGTERM/SIGINT, then drain; returns the exit status."""
     health = Health()
     await health.set_serving(False)
-    engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state)
+    engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
+                         step_timeout=settings.step_timeout, log_level=settings.log_level)
     server = build_server(engine, health, settings)
     port = bind(server, settings.host, settings.port, server_credentials(settings.security))
     warn_if_exposed(settings.security, settings.host)
@@ -104,7 +116,7 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
     stop = _stop_on_signals()
     engine.start()
     if await _first(engine.wait_ready(), stop.wait()) and engine.state == EngineState.DEAD:
-        log.error("the model failed to load: %r", engine.error)
+        log.error("the model failed to load: %s", engine.error)
         await server.stop(grace=None)
         await engine.shutdown()
         return 1
@@ -112,9 +124,22 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
         info = engine.info
         log.info("ready: model %s, max_model_len %d, max_queue %d", info.model_name, info.max_model_len,
                  settings.max_queue)
+    died = settings.exit_on_engine_failure and not await _first(stop.wait(), engine.wait_dead())
+    if died:
+        return await _exit_after_failure(server, engine, health)
     await stop.wait()
     await _drain(server, engine, health, settings.drain_timeout)
     return 0
+
+
+async def _exit_after_failure(server: grpc.aio.Server, engine: AsyncEngine, health: Health) -> int:
+    """The engine died: its requests already ended with UNAVAILABLE; let those answers go out,
+    then stop with status 1 so that a supervisor restarts the server."""
+    log.error("exiting with status 1: the engine failed (--no-exit-on-engine-failure keeps the server up)")
+    await health.shutdown()
+    await server.stop(grace=2.0)
+    await engine.shutdown()
+    return 1
 
 
 async def _drain(server: grpc.aio.Server, engine: AsyncEngine, health: Health, timeout: float) -> None:

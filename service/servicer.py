@@ -1,8 +1,10 @@
 """The ``kvserve.v1.LLMService`` handlers: Generate, Stream, Stats, WatchStats.
 
-Handlers only produce work for the engine thread (through ``AsyncEngine``) and turn its
-outputs into messages. A cancelled call (client cancel or deadline) cancels the handler's
-task; closing the request's stream then aborts the request in the engine.
+Handlers only produce work for the engine core (through ``AsyncEngine``, which tokenizes
+off the event loop and batches what the handlers produce) and turn its outputs into
+messages; a stream that fell behind gets its waiting deltas as one message. A cancelled call
+(client cancel or deadline) cancels the handler's task; closing the request's stream then
+aborts the request in the engine.
 """
 
 from __future__ import annotations

@@ -59,3 +59,14 @@ def test_a_failing_peer_keeps_kvserves_figures(tiny_llama, monkeypatch, capsys):
     assert figures["kvserve"]["output_tok_s"] > 0
     assert figures["transformers"] == {"error": "RuntimeError: peer out of memory"}
     assert "transformers failed: RuntimeError: peer out of memory" in capsys.readouterr().out
+
+
+def test_serving_benchmark_prints_ratios_and_cpu_per_token(tiny_llama, capsys):
+    from kvserve.benchmarks import serving
+
+    serving.main(["--model", tiny_llama, "--dtype", "float32", "--num-requests", "6", "--concurrency", "3",
+                  "--prompt-len", "8:24", "--output-len", "6", "--token-range", "10:1000"])
+    out = capsys.readouterr().out
+    assert "== service / in-process" in out and "throughput" in out
+    assert out.count("CPU s per 1,000 streamed tokens") == 2
+    assert "host work" in out

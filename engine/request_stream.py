@@ -1,0 +1,106 @@
+"""One request's outputs on the front-end's event loop, coalesced when the reader lags.
+
+The front-end ``push``es each step's delta as it arrives (one wake-up of the reader per step
+at most). The reader takes, at each ``__anext__``, everything that arrived since its last
+read as one ``RequestOutput``: under light load that is each token's own delta; when the
+client or the loop falls behind, the waiting deltas go out together (token ids, text and
+logprobs concatenated in order; finish reason, usage and times from the last one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from kvserve.engine.outputs import RequestOutput
+
+
+class RequestStream:
+    """Async iterator over one request's outputs, ending after the finished one.
+
+    ``close()`` (also run when the reader is cancelled while waiting) calls
+    ``on_close(key, finished)``: the front-end aborts the request if it has not finished.
+    """
+
+    def __init__(self, key: str, on_close: Callable[[str, bool], None]):
+        self.key = key
+        self._on_close = on_close
+        self._pending: list[RequestOutput] = []
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self._finished = False  # the finished output has been pushed
+        self._done = False  # ... and read
+        self._closed = False
+
+    def push(self, out: RequestOutput) -> None:
+        self._pending.append(out)
+        self._finished = out.finished
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (after the outputs that already arrived)."""
+        if self._error is None and not self._finished:
+            self._error = error
+            self._wake()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            self.close()
+            raise StopAsyncIteration
+        while not self._pending and self._error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except asyncio.CancelledError:
+                self.close()
+                raise
+        if not self._pending:
+            self._done = True
+            self.close()
+            raise self._error
+        out = coalesce(self._pending)
+        self._pending = []
+        if out.finished:
+            self._done = True
+        return out
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close(self.key, self._finished)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+
+def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
+    """Several consecutive deltas of one request as one."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outputs),
+        new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        cached_tokens=last.cached_tokens,
+        times=last.times,
+    )
