@@ -50,6 +50,10 @@ HELP = {
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "enforce_eager": "no CUDA graphs",
     "seed": "seed for requests that bring none",
+    "threads": "CPU intra-op threads per rank (default: the CPUs this process may use, after affinity "
+               "and cgroup quota, shared among the tensor-parallel ranks on this machine)",
+    "quantization": "int8 = weight-only int8 projections and LM head on the CPU "
+                    "(default: weights in --dtype)",
 }
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

@@ -74,19 +74,28 @@ def test_logprobs_are_shown_per_token_without_json(kvserve_server):
 
 
 def test_a_second_ctrl_c_stops_the_server_at_once(tmp_path):
+    from kvserve.clients import Client
+
     log = tmp_path / "server.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen([*KVSERVE, "serve", "--port", "0", "--dtype", "float32"], stdout=f,
                                 stderr=subprocess.STDOUT, env={**TEST_SERVER_ENV, "PATH": "/usr/bin"})
     try:
         end = time.monotonic() + 60
-        while "listening on" not in log.read_text() and time.monotonic() < end:
+        while not (m := re.search(r"listening on (\S+:\d+)", log.read_text())) and time.monotonic() < end:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)  # drains, which waits for the model still loading
-        time.sleep(0.3)
-        start = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=30)
+        assert m, log.read_text()
+        with Client(m.group(1)) as c:
+            while c.health() != "SERVING" and time.monotonic() < end:
+                time.sleep(0.1)
+            # a long request in flight, so that the first Ctrl-C's drain has something to wait for
+            stream = c.stream("Once upon a time", max_tokens=4000, ignore_eos=True, temperature=0)
+            next(iter(stream))
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=30)
         assert rc == 128 + signal.SIGINT, log.read_text()
         assert time.monotonic() - start < 5.0
         assert "exiting at once" in log.read_text()

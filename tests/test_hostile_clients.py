@@ -109,7 +109,9 @@ def test_random_bytes_get_a_clear_status(channel, data, method):
     assert code in CLEAR, (code, data)
 
 
-_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-3, 3))
+# no subnormals: the engine flushes denormals in this process (model_runner), which hypothesis refuses
+_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=False),
+                    st.floats(-3, 3, allow_subnormal=False))
 _small_or_huge = st.one_of(st.integers(0, 4), st.integers(2**20, 2**32 - 1))
 # max_tokens always set (small, or so huge it is refused): unset means up to max_model_len
 _max_tokens = st.integers(0, 3) | st.integers(2**20, 2**32 - 1)
