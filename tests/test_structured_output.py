@@ -14,10 +14,11 @@ import re
 
 import jsonschema
 import pytest
+import xgrammar as xgr
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.block_manager import BlockManager
-from kvserve.engine.constraints import MAX_N
+from kvserve.engine.constraints import MAX_N, Constraint
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason
 from kvserve.engine.structured import GrammarCompiler, choice_grammar
@@ -76,18 +77,30 @@ def test_regex_choice_grammar_and_json_object(llm):
     prompt = chat(llm, "Give me one example.")
     cases = [
         (SamplingParams(temperature=0.0, max_tokens=16, regex=DATE), lambda t: re.fullmatch(DATE, t)),
-        (SamplingParams(temperature=0.9, seed=4, max_tokens=24, regex=EMAIL), lambda t: re.fullmatch(EMAIL, t)),
+        (SamplingParams(temperature=0.9, seed=4, max_tokens=24, regex=EMAIL),
+         lambda t: re.fullmatch(EMAIL, t)),
         (SamplingParams(temperature=0.9, seed=5, max_tokens=8, choice=["apple", "banana split", 'say "hi"']),
          lambda t: t in ("apple", "banana split", 'say "hi"')),
         (SamplingParams(temperature=0.0, max_tokens=8, grammar='root ::= ("yes" | "no") "!"'),
          lambda t: t in ("yes!", "no!")),
-        (SamplingParams(temperature=0.0, max_tokens=48, json_object=True),
-         lambda t: isinstance(json.loads(t), dict)),
     ]
-    prompts = [prompt] * (len(cases) - 1) + [chat(llm, "Describe a fruit as JSON.")]
-    outs = llm.generate(prompts, [p for p, _ in cases], use_tqdm=False)
+    outs = llm.generate([prompt] * len(cases), [p for p, _ in cases], use_tqdm=False)
     for out, (_, ok) in zip(outs, cases, strict=True):
         assert out.finish_reason == FinishReason.STOP and ok(out.text), out.text
+    assert_all_blocks_free(llm)
+
+
+def test_json_object_output_is_json_or_a_prefix_of_it(llm):
+    """Free-form JSON may outgrow max_tokens: then the text must still be a viable prefix."""
+    out = llm.generate(chat(llm, "Describe a fruit as JSON."),
+                       SamplingParams(temperature=0.0, max_tokens=32, json_object=True), use_tqdm=False)[0]
+    if out.finish_reason == FinishReason.STOP:
+        assert isinstance(json.loads(out.text), dict), out.text
+    else:
+        assert out.finish_reason == FinishReason.LENGTH and out.text.startswith("{")
+        matcher = xgr.GrammarMatcher(llm.engine.structured.compile(Constraint("json_object", "")))
+        assert matcher.accept_string(out.text), out.text
+        assert not matcher.accept_string("}}"), "a JSON object cannot close twice"
     assert_all_blocks_free(llm)
 
 
@@ -124,8 +137,6 @@ def test_bad_constraint_or_n_is_refused_naming_the_field(llm, params, field):
 
 def test_compiled_grammars_are_cached_by_text(llm):
     compiler = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, llm.engine.eos_token_ids)
-    from kvserve.engine.constraints import Constraint
-
     first = compiler.compile(Constraint("regex", DATE))
     assert compiler.compile(Constraint("regex", DATE)) is first
     assert compiler.compile(Constraint("regex", EMAIL)) is not first
