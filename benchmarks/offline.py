@@ -5,6 +5,8 @@ ignore_eos, seed 0. Prints output tokens/s for kvserve and, with ``--peer hf``, 
 transformers on the same requests in the same run, and the ratio.
 
     python -m kvserve.benchmarks.offline [--num-requests 64] [--peer hf] [--peer-batch 16]
+
+``--json-schema FILE`` measures structured output's cost per step instead (benchmarks/structured.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import torch
 
 from kvserve.benchmarks.peers import load_transformers_model
+from kvserve.benchmarks.structured import run_structured_overhead
 from kvserve.engine import LLM, SamplingParams
 
 
@@ -108,6 +111,8 @@ def main(argv=None) -> None:
         help="hf: transformers generate in padded batches; hf-batch: transformers continuous batching",
     )
     ap.add_argument("--peer-batch", type=int, default=16, help="transformers batch size (padded)")
+    ap.add_argument("--json-schema", metavar="FILE",
+                    help="measure the cost per step of constraining the outputs to this JSON schema")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
 
@@ -124,6 +129,11 @@ def main(argv=None) -> None:
         args.seed,
         vocab=min(10000, llm.engine.vocab_size),
     )
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            run_structured_overhead(llm, f.read(), prompts, outputs, args.temperature, args.quiet)
+        llm.shutdown()
+        return
     total = sum(outputs)
     elapsed = run_kvserve(llm, args, prompts, outputs)
     ours = total / elapsed

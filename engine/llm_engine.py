@@ -197,7 +197,10 @@ class LLMEngine:
         sampling = sched.sampling_seqs
         self.structured.mask_logits(logits, sampling)
         sampled = self.sampler(logits, sampling)
-        self.structured.advance(sampling, sampled.token_ids)
+        for seq in self.structured.advance(sampling, sampled.token_ids):
+            log.warning("request %s: its constraint allows no token of this vocabulary here; aborting "
+                        "it after %d tokens", seq.request_id, seq.num_completion_tokens)
+            self.scheduler.finish(seq, FinishReason.ABORT)
         if self._forks:
             self._fork_prefilled(sampling)
         self.scheduler.postprocess(sched, sampled.token_ids)
@@ -215,8 +218,9 @@ class LLMEngine:
 
     def _emit(self, choice: _Choice, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq, detok = choice.seq, choice.detok
-        # the EOS / stop token that ended the request is reported as a token, not as text
-        ended_by_token = seq.finish_reason == FinishReason.STOP
+        # the EOS / stop token that ended the request is reported as a token, not as text; so is
+        # the token its constraint refused (an ABORT here)
+        ended_by_token = seq.finish_reason in (FinishReason.STOP, FinishReason.ABORT)
         text = "" if ended_by_token else detok.add(token)
         if detok.stopped and not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.STOP_STRING)

@@ -159,15 +159,18 @@ class StructuredOutput:
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
-    def advance(self, seqs: list[Sequence], token_ids: list[int]) -> None:
-        """Feed each constrained row's sampled token to its matcher."""
+    def advance(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Feed each constrained row's sampled token to its matcher. Returns the sequences whose
+        grammar refused it: a dead end, where the mask allowed no token of this vocabulary at all
+        (e.g. a vocabulary that cannot spell the next character the grammar needs)."""
         if not self._matchers:
-            return
+            return []
+        refused = []
         for seq, token in zip(seqs, token_ids, strict=True):
             matcher = self._matchers.get(seq.seq_id)
             if matcher is not None and not matcher.accept_token(token):
-                raise RuntimeError(f"the grammar of sequence {seq.seq_id} refused sampled token {token}, "
-                                   "which its mask allowed")
+                refused.append(seq)
+        return refused
 
     def _bitmask_rows(self, rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:

@@ -87,3 +87,31 @@ def test_bad_constraint_or_n_is_invalid_argument(client, sampling, field):
         client.generate("Hello", max_tokens=4, **sampling)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert field in err.value.details()
+
+
+def test_request_stream_of_n_choices_coalesces_per_choice_and_ends_after_all():
+    import asyncio
+
+    from kvserve.engine.outputs import RequestOutput
+    from kvserve.engine.request_stream import RequestStream
+    from kvserve.engine.sequence import FinishReason, SequenceTimes
+
+    def delta(index: int, tok: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("k", [tok], f"<{tok}>", [], finished, FinishReason.STOP if finished else None,
+                             3, tok, 0, SequenceTimes(), index=index)
+
+    async def run():
+        stream = RequestStream("k", lambda key, finished: None, n=2)
+        for d in (delta(0, 1), delta(1, 2), delta(0, 3, True), delta(1, 4)):
+            stream.push(d)
+        got = [await anext(stream), await anext(stream)]
+        assert not stream.finished
+        stream.push(delta(1, 5, True))
+        got.append(await anext(stream))
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return got
+
+    got = asyncio.run(run())
+    assert [(o.index, o.new_token_ids, o.finished) for o in got] == [
+        (0, [1, 3], True), (1, [2, 4], False), (1, [5], True)]
