@@ -21,6 +21,7 @@ so only rank 0 holds matchers.
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ class StructuredOutput:
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: GrammarCompiler | None = None  # built on first use (about 1 s for the vocabulary)
+        self._compile_lock = threading.Lock()  # the grammar thread and direct callers share the cache
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
         self._compiling: list[_Compiling] = []
         self._matchers: dict[int, xgr.GrammarMatcher] = {}
@@ -108,9 +110,10 @@ class StructuredOutput:
     # ---- compiling, off the engine's loop ---------------------------------------------------------
     def compile(self, c: Constraint) -> xgr.CompiledGrammar:
         """Compile now, in the calling thread (cached)."""
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size, self._stop_token_ids)
-        return self._compiler.compile(c)
+        with self._compile_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size, self._stop_token_ids)
+            return self._compiler.compile(c)
 
     def submit(self, item: object, c: Constraint) -> None:
         """Compile ``c`` on the grammar thread; ``item`` comes back from ``take_compiled``."""
