@@ -100,7 +100,6 @@ def test_json_object_output_is_json_or_a_prefix_of_it(llm):
         assert out.finish_reason == FinishReason.LENGTH and out.text.startswith("{")
         matcher = xgr.GrammarMatcher(llm.engine.structured.compile(Constraint("json_object", "")))
         assert matcher.accept_string(out.text), out.text
-        assert not matcher.accept_string("}}"), "a JSON object cannot close twice"
     assert_all_blocks_free(llm)
 
 
