@@ -158,15 +158,20 @@ def test_n_choices_fork_from_one_prefill_with_own_seeds(llm):
 
 
 def test_n_with_a_constraint_under_preemption(llm):
-    """A KV cache too small for the four choices at once forces preemption: recomputed sequences
+    """A KV cache one block short of the four choices at once forces preemption: recomputed sequences
     keep their matcher state and the forked choices their shared blocks; every output holds."""
-    eng = llm.engine
+    eng, bs = llm.engine, llm.engine.config.block_size
+    prompt = chat(llm, "What day is it?")
+    per_choice = -(-(len(prompt) + 11) // bs)  # a date is 10 tokens, then EOS
+    shared = (len(prompt) - 1) // bs
+    blocks = shared + 4 * (per_choice - shared) - 1  # one short of all four choices at once
+    assert blocks >= per_choice
     saved = eng.block_manager, eng.scheduler
-    eng.block_manager = BlockManager(7, eng.config.block_size, enable_prefix_caching=True)
+    eng.block_manager = BlockManager(blocks, bs, enable_prefix_caching=True)
     eng.scheduler = Scheduler(eng.block_manager, 16, eng.config.max_num_batched_tokens,
                               eng.config.max_model_len, eng.eos_token_ids)
     try:
-        out = llm.generate(chat(llm, "What day is it?"),
+        out = llm.generate(prompt,
                            SamplingParams(temperature=1.0, seed=11, max_tokens=16, regex=DATE, n=4),
                            use_tqdm=False)[0]
         assert eng.scheduler.num_preemptions > 0
