@@ -158,14 +158,15 @@ def test_n_choices_fork_from_one_prefill_with_own_seeds(llm):
 
 
 def test_n_with_a_constraint_under_preemption(llm):
-    """A KV cache one block short of the four choices at once forces preemption: recomputed sequences
+    """A KV cache too small for three of the four choices at once forces preemption: recomputed sequences
     keep their matcher state and the forked choices their shared blocks; every output holds."""
     eng, bs = llm.engine, llm.engine.config.block_size
-    prompt = chat(llm, "What day is it?")
-    per_choice = -(-(len(prompt) + 11) // bs)  # a date is 10 tokens, then EOS
+    question = "What day is it? Tell me the date of today, please, in the usual form with year month and day."
+    prompts = (chat(llm, question[:end]) for end in range(15, len(question) + 1))
+    # the prompt's last block has one free slot: every choice needs a second block of its own
+    prompt = next(p for p in prompts if len(p) % bs == bs - 1)
     shared = (len(prompt) - 1) // bs
-    blocks = shared + 4 * (per_choice - shared) - 1  # one short of all four choices at once
-    assert blocks >= per_choice
+    blocks = shared + 5  # choice 0 and two forks need 6 as soon as they have two tokens
     saved = eng.block_manager, eng.scheduler
     eng.block_manager = BlockManager(blocks, bs, enable_prefix_caching=True)
     eng.scheduler = Scheduler(eng.block_manager, 16, eng.config.max_num_batched_tokens,
