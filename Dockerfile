@@ -5,7 +5,8 @@
 #
 # Two stages. `build` (CUDA devel image: nvcc) makes a virtual environment with torch,
 # flash-attn compiled against that toolkit, kvserve with its gpu extra, and the bundled
-# default model; `runtime` (CUDA runtime image, no compiler) copies that environment.
+# default model; `runtime` (CUDA runtime image, plus the C compiler and Python headers that
+# Triton needs to build its kernel launchers) copies that environment.
 # torch 2.13's PyPI wheels are built for CUDA 13.0, and flash-attn must be compiled with
 # the same CUDA major version as torch: keep CUDA_VERSION on 13.x. Compiling flash-attn
 # takes a long time; FLASH_ATTN_CUDA_ARCHS (80 = A100, 90 = H100/H200) and MAX_JOBS
@@ -41,16 +42,28 @@ RUN pip install ".[gpu]" \
 
 # torch brings its own CUDA libraries; the CUDA base image is for the NVIDIA container
 # runtime's settings (which driver parts to mount) and matching system libraries.
+# Triton compiles a small C launcher for each kernel at its first use (the KV-store kernel runs
+# during start-up): it needs a C compiler, the C library headers and Python.h, so the runtime
+# stage has gcc, libc6-dev and python3-dev. Compiled kernels go to TRITON_CACHE_DIR, on a volume:
+# mount one (docker run -v kvserve-cache:/var/cache/kvserve) and restarts skip the compiles.
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU} AS runtime
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
-    PATH=/opt/venv/bin:$PATH
+    PATH=/opt/venv/bin:$PATH \
+    TRITON_CACHE_DIR=/var/cache/kvserve/triton
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 \
+ && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --create-home --uid 10001 --shell /usr/sbin/nologin kvserve
+ && useradd --create-home --uid 10001 --shell /usr/sbin/nologin kvserve \
+ && mkdir -p "$TRITON_CACHE_DIR" \
+ && chown -R kvserve:kvserve /var/cache/kvserve
 COPY --from=build /opt/venv /opt/venv
-# Non-root; its home holds Triton's kernel cache.
+# What Triton's launcher build needs, checked now rather than at the first request.
+RUN python -c "import os, shutil, sysconfig; assert shutil.which('gcc'), 'no C compiler'; \
+assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')), 'no Python.h'; \
+import triton, kvserve.kernels; print('triton', triton.__version__)"
+VOLUME ["/var/cache/kvserve"]
+# Non-root; it owns the cache volume.
 USER kvserve
 WORKDIR /home/kvserve
 EXPOSE 50051

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# kvserve's GPU checks in one go (issue 5), about 8 minutes on one GPU:
-#   1. kernels     the Triton kernel tests (attention, KV store, fused MoE), compiled for the GPU
+# kvserve's GPU checks in one go, about 3-5 minutes on one GPU and never more than
+# GPU_CHECK_BUDGET_S (default 420 s) for the five steps together:
+#   1. kernels     the Triton kernel tests (attention with split-K decode, KV store, fused MoE)
+#                  compiled for the GPU, and the count of compiled variants over a varied run (no
+#                  recompiles after warm-up)
 #   2. parity      tiny random-weight Llama and Qwen3 models on the GPU (Triton backend) against
-#                  the torch backend on this machine's CPU: logits close, clear greedy choices equal
+#                  the torch backend on this machine's CPU: logits close, clear greedy choices
+#                  equal; no step's metadata or attention waits for the GPU (sync debug mode)
 #   2b. moe        the tiny Qwen3-MoE and Mixtral on the GPU (fused Triton MoE kernel, CUDA graphs)
 #                  against the CPU: logits close, greedy tokens equal; and against transformers
 #   3. graphs      decode CUDA graphs: bucket/padding logic, the ModelRunner's graph path against
@@ -10,33 +14,50 @@
 #                  directories) with CUDA graphs against enforce_eager=True: equal greedy tokens
 #                  (the engine comparison needs CUDA: in a CPU smoke run it is skipped)
 #   4. throughput  nano-vllm's workload (256 requests, prompts and outputs of 100-1024 tokens,
-#                  ignore_eos) on a Qwen3-0.6B-shaped model with random weights, no download;
-#                  transformers on the same requests in the same run when the benchmark offers
-#                  its continuous-batching peer (generate_batch)
-# and one summary table at the end (also written to $OUT/summary.md).
+#                  ignore_eos) on a Qwen3-0.6B-shaped model with random weights, no download
+#   5. peer        optional, only with GPU_CHECK_PEER=1, after the summary of 1-4 is written:
+#                  the same workload with transformers' continuous batching in the same run, for
+#                  the ratio (its own time limit, GPU_CHECK_PEER_S, default 600 s)
+# It ends with one summary table, rewritten after every step so that a run cut short still leaves
+# one. The output folder ($OUT) receives only summary.md and one short log per step (at most the
+# last 200 lines, 1 MiB): at most 7 files. The random model, a path shim and the full logs go to
+# a temporary directory that is removed at exit.
 #
-# Every step is a test or benchmark that also runs on a CPU; here they run on the GPU.
-# Needs torch (CUDA), triton, transformers, safetensors, tokenizers and pytest; no flash-attn,
-# gguf or network. kvserve need not be installed: the repository is put on PYTHONPATH.
+# Needs torch (CUDA), triton, transformers, safetensors, tokenizers, xxhash, numpy, tqdm and
+# pytest; no flash-attn, gguf or network. kvserve need not be installed: the repository is put
+# on PYTHONPATH. The preflight imports every engine module before the first step.
 #
-#   benchmarks/gpu_check.sh                      # on a machine with an NVIDIA GPU
-#   PYTHON=/path/to/python benchmarks/gpu_check.sh
+#   benchmarks/gpu_check.sh                      # on a machine with an NVIDIA GPU: all steps
+#   benchmarks/gpu_check.sh graphs throughput    # only these steps
+#   GPU_CHECK_PEER=1 benchmarks/gpu_check.sh     # and transformers on the same workload, last
+#   PYTHON=/path/to/python OUT=/some/dir benchmarks/gpu_check.sh
 #   GPU_CHECK_ON_CPU=1 benchmarks/gpu_check.sh   # smoke-run the script itself on a CPU, tiny sizes
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 ON_CPU="${GPU_CHECK_ON_CPU:-0}"
+WITH_PEER="${GPU_CHECK_PEER:-0}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-420}"
+PEER_S="${GPU_CHECK_PEER_S:-600}"
+ALL_STEPS=(kernels parity moe graphs throughput)
+if (( $# )); then STEPS=("$@"); else STEPS=("${ALL_STEPS[@]}"); fi
 OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/kvserve-gpu-check.XXXXXX")}"
 mkdir -p "$OUT"
-SHIM="$OUT/pythonpath"
+SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/kvserve-gpu-scratch.XXXXXX")"
+trap 'rm -rf "$SCRATCH"' EXIT
+SHIM="$SCRATCH/pythonpath"
 
 if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
 elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
 else PY=python3
 fi
 
-die() { echo "gpu_check: $*" >&2; exit 2; }
+die() { echo "gpu_check: $*" | tee "$OUT/preflight.log" >&2; exit 2; }
+
+for step in "${STEPS[@]}"; do
+  [[ " ${ALL_STEPS[*]} " == *" $step "* ]] || die "unknown step '$step'; steps: ${ALL_STEPS[*]}"
+done
 
 # ---------------------------------------------------------------- preflight (fails fast)
 CUDA="$("$PY" -c 'import torch; print(torch.__version__, torch.cuda.is_available())' 2>/dev/null)" \
@@ -60,59 +81,92 @@ if ! "$PY" -c "import pytest" 2>/dev/null; then
   done
 fi
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import kvserve.engine, triton, transformers" 2>"$OUT/preflight.log" \
-  || die "cannot import kvserve.engine, triton and transformers: $(tail -1 "$OUT/preflight.log")"
-"$PY" -c "import pytest" 2>/dev/null || die "pytest is missing: install it, or bring this repository's .venv"
+
+# Every third-party package the engine and these steps import (some only lazily, deep inside a
+# step), then every module of kvserve's engine, kernels and benchmarks: all missing ones at once.
+"$PY" - >"$SCRATCH/preflight.log" 2>&1 <<'EOF' || die "preflight: $(tail -n 5 "$SCRATCH/preflight.log")"
+import importlib, pkgutil
+missing = []
+for name in ("torch", "triton", "transformers", "safetensors", "tokenizers", "xxhash", "numpy", "tqdm",
+             "pytest"):
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        missing.append(f"{name} ({type(exc).__name__}: {exc})")
+if not missing:
+    import kvserve.benchmarks, kvserve.engine, kvserve.kernels
+    for pkg in (kvserve.engine, kvserve.kernels, kvserve.benchmarks):
+        for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if mod.name.endswith(".attention_flash"):
+                continue  # optional: flash-attn is not needed here
+            try:
+                importlib.import_module(mod.name)
+            except Exception as exc:
+                missing.append(f"{mod.name} ({type(exc).__name__}: {exc})")
+if missing:
+    raise SystemExit("cannot import: " + "; ".join(missing))
+print("preflight: every import is there")
+EOF
 
 DEVICE_NAME="$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (smoke run)")')"
 VERSIONS="$("$PY" -c 'import torch, triton, transformers as t; print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {t.__version__}")')"
-echo "gpu_check: $DEVICE_NAME; $VERSIONS; logs in $OUT"
+echo "gpu_check: $DEVICE_NAME; $VERSIONS; results in $OUT"
 
 # ---------------------------------------------------------------- steps
 ROWS=()
 FAILED=0
+STARTED=$SECONDS
 
-# run_step NAME TIMEOUT_S COMMAND...: runs COMMAND, logs to $OUT/NAME.log, records a summary row
+write_summary() {
+  {
+    echo "kvserve GPU check, $(date -u +%Y-%m-%d), $DEVICE_NAME ($VERSIONS)"
+    echo
+    echo "| step | result | time | detail |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${ROWS[@]}"
+  } >"$OUT/summary.md"
+}
+
+# run_step NAME LIMIT_S COMMAND...: runs COMMAND (a program) with its output in
+# the scratch log, keeps the log's tail in $OUT, and records a summary row
 run_step() {
   local name="$1" limit="$2"; shift 2
-  local start=$SECONDS status result detail
-  echo "== $name: $*"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local start=$SECONDS status result detail log="$SCRATCH/$name.log"
+  echo "== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" >"$log" 2>&1
   status=$?
   case $status in
     0) result=pass ;;
     124) result="FAIL (timeout ${limit}s)"; FAILED=1 ;;
     *) result="FAIL (exit $status)"; FAILED=1 ;;
   esac
-  detail="$(summarize "$name")"
-  [[ $status -ne 0 ]] && tail -n 30 "$OUT/$name.log"
+  tail -n 200 "$log" | tail -c 1048576 >"$OUT/$name.log"
+  detail="$(summarize "$name" "$log")"
+  [[ $status -ne 0 ]] && tail -n 30 "$log"
   echo "   $result in $((SECONDS - start)) s: $detail"
   ROWS+=("| $name | $result | $((SECONDS - start)) s | $detail |")
+  write_summary
 }
 
-# summarize NAME: one line from a step's log (pytest's tally, or the benchmark's figures)
+# limit_for WANTED_S: the step's own limit, cut to what is left of the budget
+limit_for() {
+  local left=$((BUDGET_S - (SECONDS - STARTED)))
+  (( left < 10 )) && left=10
+  echo $(( $1 < left ? $1 : left ))
+}
+
+# summarize NAME LOG: one line from a step's log (pytest's tally, or the benchmark's figures)
 summarize() {
-  local log="$OUT/$1.log"
-  if [[ "$1" == throughput ]]; then
-    grep -E "^(kvserve|transformers|ratio) " "$log" | sed -E 's/ +/ /g' | paste -sd ';' -
-  elif grep -qE "[0-9]+ (passed|failed|error)" "$log"; then
-    grep -E "[0-9]+ (passed|failed|error)" "$log" | tail -1 | sed -E 's/=//g; s/^ +| +$//g'
+  if [[ "$1" == throughput || "$1" == peer ]]; then
+    grep -E "^(requests=|kvserve |transformers |ratio )" "$2" | sed -E 's/ +/ /g' | paste -sd ';' -
+  elif grep -qE "[0-9]+ (passed|failed|error)" "$2"; then
+    grep -E "[0-9]+ (passed|failed|error)" "$2" | tail -1 | sed -E 's/=//g; s/^ +| +$//g'
   else
-    tail -n 1 "$log"
+    tail -n 1 "$2"
   fi
 }
 
-pytest_step() {
-  local name="$1" limit="$2"; shift 2
-  run_step "$name" "$limit" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "$@"
-}
-
-pytest_step kernels 180 tests/test_kernels.py tests/test_moe.py
-pytest_step parity 180 tests/test_attention_triton.py -k "not graph"
-pytest_step moe 240 tests/test_moe_models.py -k "gpu or logits"
-pytest_step graphs 240 tests/test_cuda_graphs.py tests/test_model_runner_graphs.py \
-  tests/test_attention_triton.py::test_graph_decode_metadata_over_padded_static_buffers_gives_the_same_rows \
-  tests/test_attention_triton.py::test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="")
 
 if [[ "$ON_CPU" == 1 ]]; then
   SHAPE=qwen3-tiny; BENCH=(--num-requests 8 --min-prompt 10 --max-prompt 40 --min-output 4 --max-output 12 --max-num-seqs 8)
@@ -120,20 +174,32 @@ else
   SHAPE=qwen3-0.6b; BENCH=(--num-requests 256 --min-prompt 100 --max-prompt 1024 --min-output 100 --max-output 1024
                            --max-num-seqs 256 --max-num-batched-tokens 16384)
 fi
-PEER=none
-if "$PY" -m kvserve.benchmarks.offline --help 2>/dev/null | grep -q "hf-batch"; then PEER=hf-batch; fi
-run_step model-dir 300 "$PY" -m kvserve.benchmarks.random_model "$SHAPE" "$OUT/$SHAPE"
-run_step throughput 420 "$PY" -m kvserve.benchmarks.offline --model "$OUT/$SHAPE" "${BENCH[@]}" --peer "$PEER" --quiet
+MODEL="$SCRATCH/$SHAPE"
 
-# ---------------------------------------------------------------- summary
-{
-  echo "kvserve GPU check, $(date -u +%Y-%m-%d), $DEVICE_NAME ($VERSIONS)"
-  echo
-  echo "| step | result | time | detail |"
-  echo "|---|---|---|---|"
-  printf '%s\n' "${ROWS[@]}"
-  [[ "$PEER" == none ]] && echo && echo "No transformers peer: kvserve.benchmarks.offline has no --peer hf-batch (generate_batch) yet."
-} >"$OUT/summary.md"
+# bench PEER: a command line for bash -c: the benchmark with PEER as its peer, on the random model
+# (written on first use)
+bench() {
+  printf '[[ -e %q/config.json ]] || %s || exit; %s' "$MODEL" \
+    "$(printf '%q ' "$PY" -m kvserve.benchmarks.random_model "$SHAPE" "$MODEL")" \
+    "$(printf '%q ' "$PY" -m kvserve.benchmarks.offline --model "$MODEL" "${BENCH[@]}" --peer "$1" --quiet)"
+}
+
+for step in "${STEPS[@]}"; do
+  case $step in
+    kernels) run_step kernels "$(limit_for 150)" "${PYTEST[@]}" tests/test_kernels.py tests/test_kernel_variants.py \
+               tests/test_moe.py ;;
+    parity) run_step parity "$(limit_for 90)" "${PYTEST[@]}" tests/test_attention_triton.py -k "not graph" ;;
+    moe) run_step moe "$(limit_for 120)" "${PYTEST[@]}" tests/test_moe_models.py -k "gpu or logits" ;;
+    graphs) run_step graphs "$(limit_for 150)" "${PYTEST[@]}" tests/test_cuda_graphs.py tests/test_model_runner_graphs.py \
+              tests/test_attention_triton.py::test_graph_decode_metadata_over_padded_static_buffers_gives_the_same_rows \
+              tests/test_attention_triton.py::test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode ;;
+    throughput) run_step throughput "$(limit_for 300)" bash -c "$(bench none)" ;;
+  esac
+done
+if [[ "$WITH_PEER" == 1 ]]; then
+  run_step peer "$PEER_S" bash -c "$(bench hf-batch)"
+fi
+
 echo
 cat "$OUT/summary.md"
 exit $FAILED

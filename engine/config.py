@@ -9,6 +9,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own limit when max_model_len is not given
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,20 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    """The one max_model_len rule, used by the engine (scheduler limits) and by every model
+    runner (warm-up, graph tables): the configured value, at most the model's
+    ``max_position_embeddings``; unset, that limit capped at ``DEFAULT_MAX_MODEL_LEN``."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    if config.max_model_len is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings ({limit})"
+        )
+    return config.max_model_len
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from kvserve.engine.layers.attention import AttentionMetadata
-from kvserve.engine.model_input import ModelInput
+from kvserve.engine.model_input import ModelInput, block_table_width
 
 MAX_CAPTURE_SIZE = 512
 GRAPH_BACKENDS = frozenset({"triton", "flash-attn"})  # decode reads only device tensors
@@ -61,11 +61,6 @@ def decode_graphs_enabled(enforce_eager: bool, backend_name: str, device: torch.
     return not enforce_eager and backend_name in GRAPH_BACKENDS and (device.type == "cuda" or test_recorder)
 
 
-def block_table_width(max_model_len: int, block_size: int) -> int:
-    """Columns a block table needs for a sequence of ``max_model_len`` tokens."""
-    return -(-max_model_len // block_size)
-
-
 @dataclass
 class DecodeInputs:
     """One row per sequence of a decode step."""
@@ -87,15 +82,21 @@ class DecodeInputs:
 
 def decode_inputs(inp: ModelInput, pin: bool) -> DecodeInputs:
     """A decode step's rows as host tensors (in pinned memory when ``pin``, so that
-    ``copy_padded`` can copy them to the device without blocking); block tables padded with 0."""
-    width = max((len(table) for table in inp.block_tables), default=0)
-    tables = [table + [0] * (width - len(table)) for table in inp.block_tables]
+    ``copy_padded`` can copy them to the device without blocking); block tables from the runner's
+    persistent array when the step has one, else from the lists padded with 0."""
+    if inp.block_table_array is not None:
+        tables = torch.from_numpy(inp.block_table_array)
+        tables = tables.pin_memory() if pin else tables
+    else:
+        width = max((len(table) for table in inp.block_tables), default=0)
+        padded = [table + [0] * (width - len(table)) for table in inp.block_tables]
+        tables = torch.tensor(padded, dtype=torch.int32, pin_memory=pin).reshape(len(padded), width)
     return DecodeInputs(
         input_ids=torch.tensor(inp.input_ids, dtype=torch.int64, pin_memory=pin),
         positions=torch.tensor(inp.positions, dtype=torch.int64, pin_memory=pin),
         slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, pin_memory=pin),
         seq_lens=torch.tensor(inp.context_lens, dtype=torch.int32, pin_memory=pin),
-        block_tables=torch.tensor(tables, dtype=torch.int32, pin_memory=pin).reshape(len(tables), width),
+        block_tables=tables,
     )
 
 
@@ -205,13 +206,16 @@ class CudaGraphRunner:
         self.graphs: dict[int, Graph] = {}
         self.captured: list[int] = []  # sizes with a graph, ascending
         self.hidden: torch.Tensor | None = None
+        self.pool: Any = None  # the memory pool every graph shares, once the first is captured
 
     @torch.no_grad()
-    def capture(self) -> None:
-        """Warm up and capture every size, largest first so that the smaller graphs reuse
-        the first one's memory pool."""
-        pool = None
-        for size in reversed(self.sizes):
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Warm up and capture ``sizes`` (default: every size), largest first, all in one memory
+        pool so that the smaller graphs reuse the largest one's memory."""
+        sizes = self.sizes if sizes is None else sizes
+        if not set(sizes) <= set(self.sizes):
+            raise ValueError(f"sizes {sorted(set(sizes) - set(self.sizes))} are not among {self.sizes}")
+        for size in sorted(sizes, reverse=True):
             inputs = self.static.rows(size)
             metadata = self.build_metadata(inputs)
             warm = self.forward(inputs.input_ids, inputs.positions, metadata)  # compiles kernels, picks algos
@@ -219,8 +223,9 @@ class CudaGraphRunner:
                 shape = (self.sizes[-1], *warm.shape[1:])
                 self.hidden = torch.empty(shape, dtype=warm.dtype, device=warm.device)
             del warm
-            self.graphs[size] = self.record(self._body(size, inputs, metadata), pool)
-            pool = self.graphs[size].pool() if pool is None else pool
+            self.graphs[size] = self.record(self._body(size, inputs, metadata), self.pool)
+            if self.pool is None:
+                self.pool = self.graphs[size].pool()
         self.captured = sorted(self.graphs)
         if self.static.input_ids.is_cuda:
             torch.cuda.synchronize()
@@ -259,3 +264,4 @@ class CudaGraphRunner:
         self.graphs.clear()
         self.captured = []
         self.hidden = None
+        self.pool = None

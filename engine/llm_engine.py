@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.engine.block_manager import BlockManager
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config import EngineConfig, resolve_max_model_len
 from kvserve.engine.constraints import constraint_of
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.loader import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
-from kvserve.engine.model_input import build_model_input
+from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.prompts import PromptEncoder
 from kvserve.engine.sampling_params import SamplingParams
@@ -30,7 +30,6 @@ from kvserve.engine.structured import StructuredOutput
 
 log = logging.getLogger("kvserve.engine")
 
-DEFAULT_MAX_MODEL_LEN = 8192
 COMPILE_WAIT_S = 0.05  # an idle engine waits this long for a grammar compile before stepping again
 
 
@@ -80,6 +79,10 @@ class LLMEngine:
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self.prompts = PromptEncoder(self.tokenizer, self.vocab_size, config.max_model_len)
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # which row of the runners' persistent block table each running sequence has
+        self.block_tables = BlockTableWriter(
+            config.max_num_seqs, block_table_width(config.max_model_len, config.block_size)
+        )
         self.requests: dict[str, _Request] = {}
         self._choices: dict[int, _Choice] = {}  # by seq_id
         self._forks: dict[int, list[Sequence]] = {}  # choice 0's seq_id -> the choices to fork from it
@@ -192,7 +195,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        inp = build_model_input(sched.scheduled, self.config.block_size)
+        self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
+        inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
         logits = self.executor.execute_model(inp)
         sampling = sched.sampling_seqs
         self.structured.mask_logits(logits, sampling)
@@ -293,11 +297,3 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     return dataclasses.replace(params, seed=params.seed + index)
 
-
-def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-    if config.max_model_len is None:
-        return min(limit, DEFAULT_MAX_MODEL_LEN)
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's limit ({limit})")
-    return config.max_model_len

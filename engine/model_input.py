@@ -1,15 +1,26 @@
-"""What one engine step asks of the model runner, as plain integers.
+"""What one engine step asks of the model runner, as plain integers, and the block table that
+every runner keeps between steps.
 
 The scheduler decides *which* tokens run; ``build_model_input`` lays them out as the flat,
 mixed batch the runner executes: prefill chunks and decode tokens side by side. Being plain
 lists, a ``ModelInput`` travels to tensor-parallel workers without pickling engine objects
 (``to_bytes`` / ``from_bytes`` use JSON, never pickle).
+
+Block tables persist across steps: every runner (each tensor-parallel rank) holds a
+``BlockTableArray``, an int32 array with one row per running sequence, and the engine's
+``BlockTableWriter`` decides which row each sequence has and which of its blocks the runners do
+not hold yet. A step carries only those new blocks (``table_updates``) and each sequence's row
+(``seq_rows``); a decode step usually adds no block at all. The runner then cuts the step's
+block tables out of its array in one gather, and workers receive no full tables.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -18,9 +29,14 @@ class ModelInput:
     positions: list[int]  # position of each of those tokens in its sequence
     query_lens: list[int]  # per sequence: tokens computed this step
     context_lens: list[int]  # per sequence: KV length after this step (cached + new)
-    block_tables: list[list[int]]  # per sequence: its KV block ids
+    block_tables: list[list[int]]  # per sequence: its KV block ids (host planning; not sent to workers)
     slot_mapping: list[int]  # per token: block_id * block_size + offset where its K/V goes; -1 = skip
     logits_indices: list[int]  # flat token indices whose logits are wanted (last token of sampling seqs)
+    # per sequence: its row in the runners' persistent block table; [] = use block_tables alone
+    seq_rows: list[int] = field(default_factory=list)
+    table_updates: list[list[int]] = field(default_factory=list)  # [row, first column, *block ids]
+    # the step's block tables cut from the runner's array, int32 [num_seqs, blocks]; runner-side only
+    block_table_array: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -35,15 +51,74 @@ class ModelInput:
         return all(q == 1 for q in self.query_lens)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        """JSON for a worker: with ``seq_rows`` the block tables travel as updates only."""
+        data = asdict(self)
+        data.pop("block_table_array")
+        if self.seq_rows:
+            data["block_tables"] = []
+        return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ModelInput:
         return cls(**json.loads(data))
 
 
-def build_model_input(scheduled: list, block_size: int) -> ModelInput:
-    """Lay out a scheduler step (``ScheduledSeq`` items, batch order) as one flat batch."""
+def block_table_width(max_model_len: int, block_size: int) -> int:
+    """Columns a block table needs for a sequence of ``max_model_len`` tokens."""
+    return -(-max_model_len // block_size)
+
+
+class BlockTableWriter:
+    """The engine's side of the persistent block table: a row per running sequence (rows of
+    sequences that stopped running are reused) and how many of its blocks the runners hold."""
+
+    def __init__(self, num_rows: int, width: int):
+        self.width = width
+        self._free = list(range(num_rows - 1, -1, -1))  # pop() hands out row 0 first
+        self._rows: dict[int, list[int]] = {}  # seq_id -> [row, blocks the runners hold]
+
+    def retain(self, seq_ids) -> None:
+        """Free the rows of every sequence not in ``seq_ids`` (finished, aborted or preempted)."""
+        keep = set(seq_ids)
+        for seq_id in [s for s in self._rows if s not in keep]:
+            self._free.append(self._rows.pop(seq_id)[0])
+
+    def place(self, seq_id: int, table: list[int]) -> tuple[int, list[int] | None]:
+        """(row, update): the sequence's row, and ``[row, first column, *new block ids]`` for the
+        blocks the runners do not hold yet (None when they hold them all)."""
+        if len(table) > self.width:
+            raise ValueError(f"a block table of {len(table)} blocks exceeds the width {self.width} "
+                             "(max_model_len / block_size)")  # fmt: skip
+        entry = self._rows.get(seq_id)
+        if entry is None:
+            if not self._free:
+                raise RuntimeError("more running sequences than block-table rows (max_num_seqs)")
+            entry = self._rows[seq_id] = [self._free.pop(), 0]
+        row, held = entry
+        if held > len(table):  # tables only grow while a sequence runs; rewrite if not
+            held = 0
+        entry[1] = len(table)
+        return row, ([row, held, *table[held:]] if held < len(table) else None)
+
+
+class BlockTableArray:
+    """A runner's persistent block table: int32 ``[rows, width]``, changed only by updates."""
+
+    def __init__(self, num_rows: int, width: int):
+        self.array = np.zeros((num_rows, width), dtype=np.int32)
+
+    def apply(self, updates: list[list[int]]) -> None:
+        for row, start, *blocks in updates:
+            self.array[row, start : start + len(blocks)] = blocks
+
+    def gather(self, rows: list[int], num_blocks: int) -> np.ndarray:
+        """The first ``num_blocks`` columns of ``rows``, as a new array (one C-level copy)."""
+        return self.array[np.asarray(rows, dtype=np.intp), :num_blocks]
+
+
+def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter | None = None) -> ModelInput:
+    """Lay out a scheduler step (``ScheduledSeq`` items, batch order) as one flat batch; with
+    ``tables``, also each sequence's row in the runners' block table and the blocks they lack."""
     inp = ModelInput([], [], [], [], [], [], [])
     for s in scheduled:
         seq, n = s.seq, s.num_tokens
@@ -59,4 +134,9 @@ def build_model_input(scheduled: list, block_size: int) -> ModelInput:
         inp.block_tables.append(list(table))
         if end == seq.num_tokens:
             inp.logits_indices.append(len(inp.input_ids) - 1)
+        if tables is not None:
+            row, update = tables.place(seq.seq_id, table)
+            inp.seq_rows.append(row)
+            if update is not None:
+                inp.table_updates.append(update)
     return inp

@@ -6,18 +6,23 @@ for. ``prepare_inputs`` turns a step's lists into device tensors and attention m
 eager pass; on CUDA, decode steps replay captured graphs instead (``engine/cuda_graphs.py``).
 
 On CUDA a step's inputs go to the device from pinned host memory without blocking, and nothing
-in a step waits for the device: the one read-back is the sampler's, of the sampled tokens.
+in a step waits for the device: the one read-back is the sampler's, of the sampled tokens. Block
+tables persist in the runner between steps (``model_input.BlockTableArray``); a step brings only
+its sequences' rows and new blocks. On CUDA the KV cache gets what is left once a warm-up has
+measured the largest step, a full-size sampler pass and the decode graphs' memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import mmap
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config import EngineConfig, resolve_max_model_len
 from kvserve.engine.cuda_graphs import (
     CudaGraphRunner,
     Recorder,
@@ -39,12 +44,19 @@ from kvserve.engine.loader import (
     resolve_dtype,
     resolve_model,
 )
-from kvserve.engine.model_input import ModelInput
+from kvserve.engine.model_input import BlockTableArray, ModelInput, block_table_width
 from kvserve.engine.models import build_model
 from kvserve.engine.models.llama import head_dim_of
 from kvserve.engine.parallel import ParallelContext
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sequence import Sequence
+
+log = logging.getLogger("kvserve.engine.model_runner")
 
 GiB = 1 << 30
+# the warm-up's sampler pass turns every stage on, so that its buffers are at their largest
+WARM_UP_SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
+                                  presence_penalty=0.1, frequency_penalty=0.1, logprobs=5, max_tokens=1)
 
 
 @dataclass
@@ -86,26 +98,33 @@ class ModelRunner:
         self.parallel = parallel or ParallelContext()
         self.source = resolve_model(config.model)
         self.hf_config = load_hf_config(self.source)
-        self._check_max_model_len()
+        self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.device = self._pick_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         flush_denormals(self.device)
         self.block_size = config.block_size
         self.graphs: CudaGraphRunner | None = None
-        self.backend = create_attention_backend(config.attention_backend, self.device, config.block_size)
+        self.backend = create_attention_backend(config.attention_backend, self.device, config.block_size,
+                                                self.dtype)
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
         load_weights(self.model, self.source)
         self.vocab_size = self.hf_config.vocab_size
-        self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks())
+        width = block_table_width(self.max_model_len, self.block_size)
+        self.block_tables = BlockTableArray(config.max_num_seqs, width)  # changed by each step's updates
+        self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks(record_graph))
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
-        self.graphs = self._capture_decode_graphs(record_graph)
+        self.graphs = self._new_graph_runner(record_graph)
+        if self.graphs is not None:
+            self.graphs.capture()
 
     # -- execution -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits [len(inp.logits_indices), vocab] (None on ranks other than 0)."""
         flush_denormals(self.device)  # per thread: the engine may step from another thread
+        if inp.seq_rows:
+            self._take_block_tables(inp)
         if self.graphs is not None and self.graphs.fits(inp):
             hidden = self.graphs.replay(decode_inputs(inp, pin=self.device.type == "cuda"))
             logits_indices = to_device(inp.logits_indices, self.device)
@@ -115,6 +134,17 @@ class ModelRunner:
             logits_indices = batch.logits_indices
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         return None if logits is None else logits.float()
+
+    def _take_block_tables(self, inp: ModelInput) -> None:
+        """Apply the step's block-table updates to the persistent array and cut the step's tables
+        out of it; a worker, which receives no lists, also gets them back as lists for host-side
+        planning (the torch backend's)."""
+        self.block_tables.apply(inp.table_updates)
+        width = block_table_width(max(inp.context_lens, default=0), self.block_size)
+        inp.block_table_array = self.block_tables.gather(inp.seq_rows, width)
+        if not inp.block_tables:
+            inp.block_tables = [row[: block_table_width(n, self.block_size)].tolist()
+                                for row, n in zip(inp.block_table_array, inp.context_lens, strict=True)]
 
     def shutdown(self) -> None:
         """Free the graphs, the KV cache and the weights; the runner cannot execute afterwards."""
@@ -128,29 +158,16 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     # -- set-up --------------------------------------------------------------------------
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len or self.hf_config.max_position_embeddings
-
-    def _capture_decode_graphs(self, record_graph: Recorder | None) -> CudaGraphRunner | None:
-        """Decode graphs over the bound KV cache, or None where decode runs eagerly."""
+    def _new_graph_runner(self, record_graph: Recorder | None) -> CudaGraphRunner | None:
+        """A decode-graph runner over the bound KV cache (nothing captured yet), or None where
+        decode runs eagerly."""
         if not decode_graphs_enabled(self.config.enforce_eager, self.backend.name, self.device,
                                      test_recorder=record_graph is not None):
             return None
-        graphs = CudaGraphRunner(
+        return CudaGraphRunner(
             self.model, lambda inputs: decode_metadata(inputs, self.block_size), self.config.max_num_seqs,
             self.max_model_len, self.block_size, self.device, record=record_graph or record_cuda_graph,
         )  # fmt: skip
-        graphs.capture()
-        return graphs
-
-    def _check_max_model_len(self) -> None:
-        limit = self.hf_config.max_position_embeddings
-        if self.config.max_model_len is not None and self.config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len ({self.config.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({limit})"
-            )
 
     def _pick_device(self) -> torch.device:
         device = resolve_device(self.config.device)
@@ -169,11 +186,11 @@ class ModelRunner:
         per_token = self.kv_heads_per_rank * head_dim_of(self.hf_config) * self.dtype.itemsize
         return 2 * self.hf_config.num_hidden_layers * self.block_size * per_token
 
-    def _count_kv_blocks(self) -> int:
+    def _count_kv_blocks(self, record_graph: Recorder | None) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type == "cuda":
-            budget = self._free_gpu_bytes_after_warm_up()
+            budget = self._free_gpu_bytes_after_warm_up(record_graph)
         else:
             budget = int(self.config.kv_cache_memory * GiB)
         blocks = budget // self.kv_block_bytes
@@ -184,21 +201,64 @@ class ModelRunner:
             )
         return blocks
 
-    def _free_gpu_bytes_after_warm_up(self) -> int:
-        """Free GPU memory once the largest step's activations are set aside (measured by running
-        that step over a scratch KV cache just big enough for it)."""
+    def _free_gpu_bytes_after_warm_up(self, record_graph: Recorder | None) -> int:
+        """GPU memory for the KV cache: what ``gpu_memory_utilization`` allows, less what is in use,
+        less the peak of the largest step (its activations, then a sampler pass over
+        ``max_num_seqs`` rows), less what the decode graphs will take. Measured over a scratch KV
+        cache just big enough for that step."""
         warm_up = self._warm_up_input()
         scratch = self._allocate_kv_cache(sum(len(table) for table in warm_up.block_tables))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.execute_model(warm_up)
+        self.sample_full_batch()
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        graphs = self._graph_memory_reserve(record_graph)
         self._unbind_kv_cache()
         del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        return int(total * self.config.gpu_memory_utilization - (total - free) - activations)
+        log.info("KV cache sizing: %.2f GiB for the largest step, %.2f GiB reserved for decode graphs",
+                 activations / GiB, graphs / GiB)
+        return int(total * self.config.gpu_memory_utilization - (total - free) - activations - graphs)
+
+    @torch.inference_mode()
+    def sample_full_batch(self) -> None:
+        """The largest sampler pass a step can ask for: logits of ``max_num_seqs`` rows through the
+        LM head, then every sampling stage (penalties, top-k/p, min-p, seeded and unseeded draws,
+        logprobs). Only rank 0 samples; the other ranks have no logits."""
+        from kvserve.engine.layers.sampler import Sampler
+
+        rows = self.config.max_num_seqs
+        hidden = torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        logits = self.model.compute_logits(hidden)
+        if logits is None:
+            return
+        prompt = list(range(min(64, self.vocab_size)))
+        params = [dataclasses.replace(WARM_UP_SAMPLING, seed=i if i % 2 else None) for i in range(rows)]
+        seqs = [Sequence(f"warm-up-{i}", prompt, p) for i, p in enumerate(params)]
+        Sampler(self.vocab_size, [])(logits.float(), seqs)
+
+    def _graph_memory_reserve(self, record_graph: Recorder | None) -> int:
+        """Device memory the decode graphs will take, measured by capturing, over the bound scratch
+        cache, the largest size (which sets the shared pool, the capture stream's cuBLAS workspace
+        and the graphs' output buffer) and then the smallest (what each further graph adds);
+        the graphs are then dropped and captured for real once the KV cache exists."""
+        graphs = self._new_graph_runner(record_graph)
+        if graphs is None:
+            return 0
+        free = lambda: (torch.cuda.synchronize(self.device), torch.cuda.mem_get_info(self.device)[0])[1]
+        before = free()
+        graphs.capture(graphs.sizes[-1:])
+        after_largest = free()
+        per_graph = 0
+        if len(graphs.sizes) > 1:
+            graphs.capture(graphs.sizes[:1])
+            per_graph = max(0, after_largest - free())
+        graphs.close()
+        torch.cuda.empty_cache()
+        return max(0, before - after_largest) + per_graph * (len(graphs.sizes) - 1)
 
     def _warm_up_input(self) -> ModelInput:
         """The largest prefill one step can hold: ``max_num_batched_tokens`` tokens in sequences

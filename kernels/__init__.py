@@ -5,6 +5,23 @@ before this package is first imported), which is how the tests check them on the
 """
 
 from kvserve.kernels.kv_store import store_kv_cache
-from kvserve.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from kvserve.kernels.paged_attention import (
+    DecodeWorkspace,
+    decode_num_splits,
+    device_sm_count,
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_tile_shape,
+    prefill_work,
+)
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv_cache"]
+__all__ = [
+    "DecodeWorkspace",
+    "decode_num_splits",
+    "device_sm_count",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "prefill_tile_shape",
+    "prefill_work",
+    "store_kv_cache",
+]

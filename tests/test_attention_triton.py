@@ -67,9 +67,15 @@ def paged_caches(dtype=torch.float32, gen: torch.Generator | None = None):
     return [torch.randn(shape, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_layer_matches_torch_layer_over_mixed_steps(dtype):
+SPLIT_CASES = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 64)]
+
+
+@pytest.mark.parametrize(("dtype", "num_sms"), SPLIT_CASES)
+def test_triton_layer_matches_torch_layer_over_mixed_steps(dtype, num_sms):
+    """With 64 SMs the decode step takes the split path (16 splits for 4 sequences x 2 KV heads;
+    at these lengths only the first split holds keys, and the reduce must ignore the empty ones)."""
     backends = {name: create_attention_backend(name, DEVICE, BLOCK_SIZE) for name in ("torch", "triton")}
+    backends["triton"].num_sms = num_sms
     impls = {name: b.create_impl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5) for name, b in backends.items()}
     caches = {name: paged_caches(dtype) for name in backends}
     gen = torch.Generator().manual_seed(0)
@@ -83,6 +89,25 @@ def test_triton_layer_matches_torch_layer_over_mixed_steps(dtype):
         assert (outs["triton"].float() - outs["torch"].float()).abs().max().item() <= tol
         assert torch.equal(caches["triton"][0], caches["torch"][0])
         assert torch.equal(caches["triton"][1], caches["torch"][1])
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host-device synchronisation exists only on a GPU")
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_a_steps_metadata_and_attention_never_wait_for_the_gpu(name):
+    """Every host-to-device copy of a step's metadata goes through pinned memory without blocking;
+    torch's sync debug mode turns any synchronising call into an error."""
+    backend = create_attention_backend(name, DEVICE, BLOCK_SIZE)
+    impl = backend.create_impl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    caches = paged_caches()
+    gen = torch.Generator().manual_seed(0)
+    steps = [(inp, random_qkv(inp.num_tokens, gen)) for inp in three_steps()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for inp, (q, k, v) in steps:
+            impl.forward(q, k, v, *caches, backend.build_metadata(inp, DEVICE))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def graph_inputs(inp: ModelInput, meta):
@@ -173,14 +198,17 @@ def test_tiny_model_on_triton_backend_matches_cpu_torch_backend(architecture):
         assert torch.equal(actual.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
-def test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode():
+@pytest.mark.parametrize("num_sms", [None, 32])
+def test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode(num_sms):
     """CudaGraphRunner over a real model: real CUDA graphs on a GPU; on the CPU a recorder
-    whose replay re-runs the captured body on the same static buffers."""
+    whose replay re-runs the captured body on the same static buffers. With 32 SMs every
+    captured size splits its contexts (2 to 16 splits), through the one shared workspace."""
     from types import SimpleNamespace
 
     from kvserve.engine.cuda_graphs import CudaGraphRunner, record_cuda_graph
 
     backend = create_attention_backend("triton", DEVICE, BLOCK_SIZE)
+    backend.num_sms = num_sms
     model = build_tiny_model(tiny_config("llama"), backend, DEVICE)
     prefill, mixed, decode = three_steps()
     forward_step(model, backend, prefill, DEVICE)
@@ -197,4 +225,5 @@ def test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode():
 
     assert runner.captured == [1, 2, 4, 8] and replayed.shape == eager.shape
     torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
+    assert (backend.workspace is not None) == (num_sms == 32)
     runner.close()

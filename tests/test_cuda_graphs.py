@@ -213,3 +213,15 @@ def test_runner_has_no_graph_for_a_batch_above_the_largest_size():
         runner.replay(decode_batch([1, 2, 3], [[0], [1], [0]]))
     runner.close()
     assert not runner.can_replay(1)
+
+
+def test_capture_of_some_sizes_then_others_shares_the_first_pool():
+    recorder = ReplayingRecorder()
+    runner = CudaGraphRunner(TinyModel(8).forward, build_metadata, 20, 16, 4, "cpu", record=recorder)
+    runner.capture([32])  # what the memory measurement does first: the largest alone
+    runner.capture([1])
+    assert runner.captured == [1, 32] and [p for p, _ in recorder.calls] == [None, runner.pool]
+    with pytest.raises(ValueError, match=r"sizes \[3\] are not among"):
+        runner.capture([3])
+    runner.close()
+    assert runner.pool is None and runner.captured == []

@@ -1,5 +1,6 @@
 """The Dockerfile, checked without a Docker engine: hadolint when it is on PATH, and always a
-parse of its instructions (stages, user, port, health check, command); the HEALTHCHECK's
+parse of its instructions (stages, user, port, health check, command, what Triton needs at run
+time, the kernel cache volume); the HEALTHCHECK's
 command is run against a real gRPC health server."""
 
 import json
@@ -143,3 +144,36 @@ def test_hadolint_finds_no_error():
     command = ["hadolint", "--failure-threshold", "error", str(DOCKERFILE)]
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def runtime_env(parsed) -> dict[str, str]:
+    """The runtime stage's ENV settings (``KEY=value`` pairs, possibly several per instruction)."""
+    env = {}
+    for keyword, args in stages(parsed)[-1]:
+        if keyword == "ENV":
+            env.update(re.findall(r'(\w+)=("[^"]*"|\S+)', args))
+    return env
+
+
+def test_runtime_stage_can_build_tritons_launcher(parsed):
+    """Triton compiles a C launcher per kernel at first use, during start-up: the runtime stage
+    needs a C compiler, the C library's headers and Python.h, and checks them at build time."""
+    runs = " ".join(a for k, a in stages(parsed)[-1] if k == "RUN")
+    installs = re.search(r"apt-get install -y --no-install-recommends ([^&]+)", runs).group(1).split()
+    assert {"gcc", "libc6-dev", "python3-dev"} <= set(installs), installs
+    assert "shutil.which('gcc')" in runs and "Python.h" in runs and "import triton" in runs
+
+
+def test_triton_cache_is_on_a_volume_the_service_user_owns(parsed):
+    runtime = stages(parsed)[-1]
+    cache = runtime_env(parsed)["TRITON_CACHE_DIR"]
+    volumes = [v for k, a in runtime if k == "VOLUME" for v in json.loads(a)]
+    assert any(cache == v or cache.startswith(v.rstrip("/") + "/") for v in volumes), (cache, volumes)
+    runs = " ".join(a for k, a in runtime if k == "RUN")
+    user = [a for k, a in runtime if k == "USER"][-1]
+    volume = next(v for v in volumes if cache.startswith(v))
+    assert f"chown -R {user}:{user} {volume}" in runs, "the cache volume must belong to the service user"
+    keywords = [k for k, _ in runtime]
+    chown_at = next(i for i, (k, a) in enumerate(runtime) if k == "RUN" and "chown" in a)
+    # what a RUN changes under a volume after VOLUME is discarded
+    assert chown_at < keywords.index("VOLUME") < keywords.index("USER")

@@ -18,9 +18,21 @@ if DEVICE == "cpu":
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the dev and gpu extras bring it)")
 
-from kvserve.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache  # noqa: E402
+from kvserve.kernels import (  # noqa: E402
+    DecodeWorkspace,
+    decode_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_work,
+    store_kv_cache,
+)
 from kvserve.kernels.kv_store import _store_kv_kernel  # noqa: E402
-from kvserve.kernels.paged_attention import _paged_attention_kernel  # noqa: E402
+from kvserve.kernels.paged_attention import (  # noqa: E402
+    MAX_SPLITS,
+    _paged_decode_kernel,
+    _paged_prefill_kernel,
+    _reduce_splits_kernel,
+)
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -31,7 +43,7 @@ SHAPES = [(9, 3, 64, 16), (4, 2, 16, 4)]
 def test_kernels_run_in_interpreter_mode_on_cpu():
     if DEVICE == "cpu":
         assert os.environ.get("TRITON_INTERPRET") == "1"
-        assert type(_paged_attention_kernel).__name__ == "InterpretedFunction", (
+        assert type(_paged_decode_kernel).__name__ == "InterpretedFunction", (
             "kvserve.kernels was imported before TRITON_INTERPRET=1 was set; "
             "set it in tests/conftest.py so every test module sees it"
         )
@@ -145,6 +157,55 @@ def test_paged_decode_attention_gives_zeros_for_a_padded_row_with_no_keys():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("block_size", [32, 24])
+def test_split_decode_matches_reference_with_splits_ending_mid_block(block_size, num_splits):
+    """Splits cut the context at multiples of the kernel's key tile (16 here), which fall inside
+    32- and 24-token cache blocks; short contexts leave trailing splits empty; a padded row
+    (seq_len 0) has no keys in any split."""
+    num_heads, kv_heads, head_dim = 4, 2, 16
+    seq_lens = [1, 37, 70, 0, 16]
+    k_cache, v_cache, block_tables, seq_lens_t = paged_inputs(seq_lens, kv_heads, head_dim, block_size,
+                                                              torch.float32)  # fmt: skip
+    block_tables[3] = 0
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, 0.25, num_splits=num_splits)
+
+    cu = torch.arange(len(seq_lens) + 1)
+    expected = reference_attention(q, k_cache, v_cache, cu, seq_lens_t, block_tables, 0.25)
+    assert_close(out, expected, torch.float32)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def test_split_decode_in_bfloat16_through_a_shared_workspace_matches_unsplit():
+    num_heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    seq_lens = [50, 3]
+    k_cache, v_cache, block_tables, seq_lens_t = paged_inputs(seq_lens, kv_heads, head_dim, block_size,
+                                                              torch.bfloat16)  # fmt: skip
+    q = torch.randn(2, num_heads, head_dim, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    q = q.to(DEVICE)
+    workspace = DecodeWorkspace.allocate(8, num_heads, head_dim, q.device)
+    whole = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, 0.125)
+    split = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, 0.125, num_splits=4,
+                                   workspace=workspace)  # fmt: skip
+    assert_close(split, whole.float(), torch.bfloat16)
+    with pytest.raises(ValueError, match="workspace holds 8 rows"):
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, 0.125, num_splits=5,
+                               workspace=workspace)  # fmt: skip
+
+
+def test_decode_splits_only_when_the_batch_leaves_most_sms_idle():
+    assert decode_num_splits(1, 8, 132) == MAX_SPLITS  # 8 programs on 132 SMs
+    assert decode_num_splits(8, 8, 132) == 5  # 64 programs: about two per SM with 5 splits
+    assert decode_num_splits(17, 8, 132) == 1  # 136 programs fill the GPU
+    assert decode_num_splits(4, 2, 1) == 1  # the CPU: never
+    workspace = DecodeWorkspace.for_every_batch(16, 8, 128, 132, torch.device("cpu"))
+    split_rows = [b * n for b in range(1, 600) if (n := decode_num_splits(b, 8, 132)) > 1]
+    assert workspace.rows() == max(split_rows) == 16 * 3
+    assert workspace.out.shape[1:] == (16, 128)
+
+
 # ---------------------------------------------------------------- prefill
 
 
@@ -167,6 +228,32 @@ def test_paged_prefill_attention_matches_reference_for_fresh_cached_and_chunked_
 
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, reference_attention(q, k_cache, v_cache, cu, seq_lens_t, block_tables, scale), dtype)
+
+
+def test_prefill_work_lists_only_real_tiles_longest_first():
+    # three decode rows around a 40-token chunk that continues a 10-token context; 16-token tiles
+    work = prefill_work([1, 40, 1, 1], [5, 50, 9, 2], 16, torch.device("cpu"))
+    assert work.dtype == torch.int32
+    assert work.tolist() == [[1, 2], [1, 1], [1, 0], [2, 0], [0, 0], [3, 0]]
+    assert prefill_work([], [], 16, torch.device("cpu")).shape == (0, 2)
+
+
+def test_prefill_of_one_long_chunk_among_decodes_matches_reference():
+    num_heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    cases = [(6, 1), (45, 37), (3, 1), (9, 1)]  # (context, new tokens)
+    seq_lens = [c for c, _ in cases]
+    q_lens = [n for _, n in cases]
+    k_cache, v_cache, block_tables, seq_lens_t = paged_inputs(seq_lens, kv_heads, head_dim, block_size,
+                                                              torch.float32)  # fmt: skip
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).to(DEVICE)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    work = prefill_work(q_lens, seq_lens, 8, q.device)  # 8 tokens per tile: 4 x 2 heads = 16 rows
+
+    out = paged_prefill_attention(q, k_cache, v_cache, cu, seq_lens_t, block_tables, 0.25, work=work)
+
+    assert work.shape[0] == 3 + 5  # a tile per decode row and five for the chunk, nothing empty
+    expected = reference_attention(q, k_cache, v_cache, cu, seq_lens_t, block_tables, 0.25)
+    assert_close(out, expected, torch.float32)
 
 
 def test_store_then_prefill_equals_causal_attention_on_the_whole_prompt_in_two_chunks():
@@ -240,16 +327,20 @@ def _compile_for_cuda(arch: int) -> None:
                    {"BLOCK_SIZE": 16, "WIDTH": 192, "WIDTH_PAD": 256})  # fmt: skip
     # the default model (9 heads over 3 KV heads, head dim 64) in both dtypes; Qwen3-0.6B (2, 128) in bf16
     shapes = [(dtype, 3, 4, 64) for dtype in ("bf16", "fp32")] + [("bf16", 2, 2, 128)]
+    ints = {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr", "work_ptr")}
+    ints["scale"] = "fp32"
+    parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
     for dtype, group, group_pad, head_dim in shapes:
-        for is_decode in (True, False):
-            types = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-            types.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr")})
-            types["scale"] = "fp32"
-            tokens, rows = (1, 16) if is_decode else (64 // group_pad, 64)
-            consts = {"GROUP": group, "GROUP_PAD": group_pad, "TOKENS_PER_TILE": tokens, "BLOCK_M": rows,
-                      "BLOCK_N": 64, "BLOCK_SIZE": 16, "HEAD_DIM": head_dim, "D_PAD": head_dim,
-                      "IS_DECODE": is_decode, "UPCAST_DOT": False}  # fmt: skip
-            compile_kernel(_paged_attention_kernel, types, consts)
+        types = {**ints, **{n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}}
+        common = {"GROUP": group, "BLOCK_N": 64, "BLOCK_SIZE": 16, "HEAD_DIM": head_dim, "D_PAD": head_dim,
+                  "UPCAST_DOT": False}  # fmt: skip
+        compile_kernel(_paged_prefill_kernel, types,
+                       {**common, "GROUP_PAD": group_pad, "TOKENS_PER_TILE": 64 // group_pad, "BLOCK_M": 64})
+        for split in (False, True):
+            consts = {**common, "BLOCK_M": 16, "SPLIT": split}
+            compile_kernel(_paged_decode_kernel, {**types, **parts}, consts)
+        compile_kernel(_reduce_splits_kernel, {**parts, "out_ptr": f"*{dtype}"},
+                       {"HEAD_DIM": head_dim, "D_PAD": head_dim, "SPLITS_PAD": MAX_SPLITS})
     print(f"sm{arch}")
 
 

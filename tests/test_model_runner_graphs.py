@@ -134,6 +134,37 @@ def test_decode_replays_the_smallest_graph_that_holds_it_with_the_eager_logits(r
     torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-5, rtol=1e-5)
 
 
+def with_rows(inp: ModelInput, writer, seq_ids: list[int]) -> ModelInput:
+    """The step as the engine sends it: rows in the runners' block table plus the new blocks."""
+    for seq_id, table in zip(seq_ids, inp.block_tables, strict=True):
+        row, update = writer.place(seq_id, table)
+        inp.seq_rows.append(row)
+        inp.table_updates += [update] if update else []
+    return inp
+
+
+def test_graph_replay_takes_block_tables_from_the_runners_persistent_array(runners):
+    from kvserve.engine.model_input import BlockTableWriter
+
+    graphed, eager, seqs = runners
+    writer = BlockTableWriter(MAX_NUM_SEQS, 64 // BLOCK)
+    before = sum(replays(graphed).values())
+    for token in (51, 52):  # the second step sends rows only: every block is already there
+        plain = step(seqs[1:4], [[token], [token], [token]])
+        sent = with_rows(step_copy(plain), writer, [1, 2, 3])
+        assert bool(sent.table_updates) == (token == 51)
+        ours, theirs = graphed.execute_model(sent), eager.execute_model(plain)
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        assert sent.block_table_array.tolist() == [t + [0] * (3 - len(t)) for t in plain.block_tables]
+    assert sum(replays(graphed).values()) == before + 2
+
+
+def step_copy(inp: ModelInput) -> ModelInput:
+    names = ("input_ids", "positions", "query_lens", "context_lens", "block_tables", "slot_mapping",
+             "logits_indices")
+    return ModelInput(*(list(getattr(inp, name)) for name in names))
+
+
 def test_graph_path_returns_logits_only_for_the_rows_asked(runners):
     graphed, eager, seqs = runners
     before = sum(replays(graphed).values())
@@ -179,6 +210,51 @@ def test_shutdown_releases_the_graphs(model_dir):
     assert runner.graphs is None and graphs.graphs == {} and graphs.hidden is None
 
 
+def test_a_runner_built_directly_follows_the_engines_max_model_len_rule(model_dir):
+    from types import SimpleNamespace
+
+    from kvserve.engine.config import resolve_max_model_len
+
+    qwen3_0_6b = SimpleNamespace(max_position_embeddings=40960)
+    assert resolve_max_model_len(EngineConfig(), qwen3_0_6b) == 8192  # capped when not given
+    assert resolve_max_model_len(EngineConfig(max_model_len=20000), qwen3_0_6b) == 20000
+    with pytest.raises(ValueError, match=r"\(50000\) exceeds .*max_position_embeddings \(40960\)"):
+        resolve_max_model_len(EngineConfig(max_model_len=50000), qwen3_0_6b)
+    config = runner_config(model_dir, max_model_len=None, max_num_seqs=1)
+    runner = ModelRunner(config, record_graph=Recorder())
+    assert runner.max_model_len == 2048  # the tiny model's own limit, below the cap
+    assert runner.graphs.static.block_tables.shape == (1, 2048 // BLOCK)
+    runner.shutdown()
+
+
+def test_the_warm_up_sampler_pass_runs_every_stage_over_max_num_seqs_rows(model_dir):
+    from kvserve.engine.model_runner import WARM_UP_SAMPLING
+
+    WARM_UP_SAMPLING.validate(10240)
+    assert WARM_UP_SAMPLING.top_p < 1 and WARM_UP_SAMPLING.top_k > 0 and WARM_UP_SAMPLING.logprobs > 0
+    runner = ModelRunner(runner_config(model_dir, max_num_seqs=6, enforce_eager=True))
+    runner.sample_full_batch()  # on CUDA this runs inside the measured warm-up
+    runner.shutdown()
+
+
+@pytest.mark.skipif(not CUDA, reason="GPU memory sizing needs a GPU")
+def test_kv_sizing_leaves_room_for_graphs_sampler_and_the_largest_step(model_dir):
+    """Sized for a utilization 2 GiB above what is in use now, a runner with graphs, after a
+    full-size sampler pass and the largest prefill, stays under that line."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(0.95, (total - free + 2 * 2**30) / total)
+    runner = ModelRunner(runner_config(model_dir, num_kv_blocks=None, max_num_seqs=64, max_model_len=2048,
+                                       max_num_batched_tokens=4096, gpu_memory_utilization=utilization))
+    assert runner.graphs.captured[-1] == 64
+    runner.sample_full_batch()
+    runner.execute_model(runner._warm_up_input())
+    torch.cuda.synchronize()
+    in_use = total - torch.cuda.mem_get_info()[0]
+    runner.shutdown()
+    assert in_use <= utilization * total + 64 * 2**20, (in_use, utilization * total)
+
+
 # ---------------------------------------------------------------- which attention backend runs
 
 
@@ -194,10 +270,19 @@ def importable_flash_attn(monkeypatch):
 
 def test_auto_picks_flash_attn_only_for_block_sizes_it_pages(importable_flash_attn):
     cuda = torch.device("cuda")
-    assert resolve_backend_name("auto", cuda, 256) == "flash-attn"
-    assert resolve_backend_name("auto", cuda, 512) == "flash-attn"
-    assert resolve_backend_name("auto", cuda, 16) == "triton"
-    assert resolve_backend_name("auto", torch.device("cpu"), 256) == "torch"
+    assert resolve_backend_name("auto", cuda, 256, torch.bfloat16) == "flash-attn"
+    assert resolve_backend_name("auto", cuda, 512, torch.float16) == "flash-attn"
+    assert resolve_backend_name("auto", cuda, 16, torch.bfloat16) == "triton"
+    assert resolve_backend_name("auto", torch.device("cpu"), 256, torch.bfloat16) == "torch"
+
+
+def test_auto_never_picks_flash_attn_for_float32(importable_flash_attn):
+    assert resolve_backend_name("auto", torch.device("cuda"), 256, torch.float32) == "triton"
+
+
+def test_explicit_flash_attn_in_float32_names_dtype_and_why(importable_flash_attn):
+    with pytest.raises(ValueError, match=r"dtype float16 or bfloat16 .*no float32 kernels.*dtype=float32"):
+        create_attention_backend("flash-attn", torch.device("cuda"), 256, torch.float32)
 
 
 def test_auto_picks_triton_on_cuda_when_flash_attn_is_missing(monkeypatch):

@@ -25,6 +25,7 @@ import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -64,17 +65,26 @@ class AttentionMetadata:
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Host integers as a tensor on ``device``; on CUDA through pinned memory without blocking, so
-    building a step's inputs never waits for the GPU to finish queued work."""
+    """Host integers (a list, or a numpy array of ``dtype``) as a tensor on ``device``; on CUDA
+    through pinned memory without blocking, so building a step's inputs never waits for the GPU
+    to finish queued work."""
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(values).to(dtype)
+        return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.device) -> dict:
-    """The ``AttentionMetadata`` fields every backend needs, as keyword arguments."""
-    max_blocks = max((len(table) for table in inp.block_tables), default=0)
-    padded_tables = [table + [0] * (max_blocks - len(table)) for table in inp.block_tables]
+    """The ``AttentionMetadata`` fields every backend needs, as keyword arguments. Block tables come
+    from the runner's persistent array when the step has one, else from the padded lists."""
+    if inp.block_table_array is not None:
+        block_tables = to_device(inp.block_table_array, device, torch.int32)
+    else:
+        max_blocks = max((len(table) for table in inp.block_tables), default=0)
+        padded_tables = [table + [0] * (max_blocks - len(table)) for table in inp.block_tables]
+        block_tables = to_device(padded_tables, device, torch.int32).reshape(len(padded_tables), max_blocks)
     query_start = [0]
     for q in inp.query_lens:
         query_start.append(query_start[-1] + q)
@@ -83,9 +93,7 @@ def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.devic
         slot_mapping=to_device(inp.slot_mapping, device),
         query_start_loc=to_device(query_start, device, torch.int32),
         seq_lens=to_device(inp.context_lens, device, torch.int32),
-        block_tables=to_device(padded_tables, device, torch.int32).reshape(
-            len(padded_tables), max_blocks
-        ),
+        block_tables=block_tables,
         max_query_len=max(inp.query_lens, default=0),
         max_seq_len=max(inp.context_lens, default=0),
         num_decode_tokens=sum(1 for q in inp.query_lens if q == 1),
@@ -141,15 +149,19 @@ class Attention(nn.Module):
         return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta)
 
 
-def resolve_backend_name(name: str, device: torch.device, block_size: int) -> str:
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn computes in half precision only
+
+
+def resolve_backend_name(name: str, device: torch.device, block_size: int,
+                         dtype: torch.dtype | None = None) -> str:
     """``auto``: the torch backend on CPU; on CUDA the first of flash-attn (only when
-    ``block_size`` is a multiple of ``FLASH_ATTN_BLOCK_MULTIPLE``), triton, torch that imports."""
+    ``flash_attn_refusal`` has nothing against it), triton, torch that imports."""
     if name != "auto":
         return name
     if device.type != "cuda":
         return "torch"
     for candidate in AUTO_ORDER_CUDA:
-        if candidate == "flash-attn" and not flash_attn_takes(block_size):
+        if candidate == "flash-attn" and flash_attn_refusal(block_size, dtype):
             continue
         try:
             _backend_class(candidate)
@@ -159,20 +171,29 @@ def resolve_backend_name(name: str, device: torch.device, block_size: int) -> st
     return "torch"
 
 
-def flash_attn_takes(block_size: int) -> bool:
-    return block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
-
-
-def create_attention_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
-    """The backend called ``name`` ("auto", "torch", "triton", "flash-attn") for ``device``."""
-    resolved = resolve_backend_name(name, device, block_size)
-    if resolved == "flash-attn" and not flash_attn_takes(block_size):
+def flash_attn_refusal(block_size: int, dtype: torch.dtype | None) -> str | None:
+    """Why flash-attn cannot serve this block size and dtype (None: not known yet, not checked),
+    or None when it can."""
+    if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
         multiple = FLASH_ATTN_BLOCK_MULTIPLE
-        raise ValueError(
-            f"attention_backend 'flash-attn' needs block_size to be a multiple of {multiple} "
-            f"(flash-attn's paged KV limit), got block_size={block_size}; "
-            f"pass --block-size {multiple} or --attention-backend triton"
-        )
+        return (f"needs block_size to be a multiple of {multiple} (flash-attn's paged KV limit), "
+                f"got block_size={block_size}; pass --block-size {multiple} or --attention-backend triton")
+    if dtype is not None and dtype not in FLASH_ATTN_DTYPES:
+        return (f"needs dtype float16 or bfloat16 (flash-attn has no {str(dtype).removeprefix('torch.')} "
+                "kernels), got dtype=" + str(dtype).removeprefix("torch.")
+                + "; pass --dtype bfloat16 or --attention-backend triton")
+    return None
+
+
+def create_attention_backend(name: str, device: torch.device, block_size: int,
+                             dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend called ``name`` ("auto", "torch", "triton", "flash-attn") for ``device``
+    and a model in ``dtype``."""
+    resolved = resolve_backend_name(name, device, block_size, dtype)
+    if resolved == "flash-attn":
+        refusal = flash_attn_refusal(block_size, dtype)
+        if refusal:
+            raise ValueError(f"attention_backend 'flash-attn' {refusal}")
     return _backend_class(resolved)(block_size=block_size)
 
 

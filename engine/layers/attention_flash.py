@@ -6,7 +6,8 @@ so it can be captured in a CUDA graph) and ``flash_attn_varlen_func`` with ``blo
 any step with a longer chunk (its causal mask is aligned bottom-right, which is kvserve's
 position rule: a chunk of q tokens in a context of L attends to keys 0..L-q+j).
 
-flash-attn's paged KV requires a cache block size that is a multiple of 256.
+flash-attn's paged KV requires a cache block size that is a multiple of 256, and flash-attn
+computes in float16 / bfloat16 only (``attention.flash_attn_refusal``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from kvserve.engine.layers.attention import (
-    FLASH_ATTN_BLOCK_MULTIPLE,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
     common_metadata_fields,
+    flash_attn_refusal,
     to_device,
 )
 from kvserve.engine.model_input import ModelInput
@@ -37,13 +38,9 @@ class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
 
     def __init__(self, block_size: int):
-        if not supports_block_size(block_size):
-            raise ValueError(
-                f"the flash-attn backend needs block_size to be a multiple of {FLASH_ATTN_BLOCK_MULTIPLE} "
-                f"(flash-attn's paged KV limit), got {block_size}; "
-                f"pass --block-size {FLASH_ATTN_BLOCK_MULTIPLE} "
-                "or --attention-backend triton"
-            )
+        refusal = flash_attn_refusal(block_size, None)  # the dtype is checked where it is known
+        if refusal:
+            raise ValueError(f"the flash-attn backend {refusal}")
         super().__init__(block_size)
 
     def build_metadata(self, inp: ModelInput, device: torch.device) -> FlashAttentionMetadata:
@@ -57,10 +54,6 @@ class FlashAttentionBackend(AttentionBackend):
 
     def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
         return FlashAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
-
-
-def supports_block_size(block_size: int) -> bool:
-    return block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
 
 
 class FlashAttentionImpl(AttentionImpl):

@@ -22,6 +22,7 @@ from kvserve.engine.layers.attention import (
     AttentionImpl,
     AttentionMetadata,
     common_metadata_fields,
+    to_device,
 )
 from kvserve.engine.model_input import ModelInput
 
@@ -69,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta = TorchAttentionMetadata(**common_metadata_fields(inp, self.block_size, device))
         if any(slot < 0 for slot in inp.slot_mapping):
             keep = [i for i, slot in enumerate(inp.slot_mapping) if slot >= 0]
-            meta.store_tokens = torch.tensor(keep, dtype=torch.int64, device=device)
+            meta.store_tokens = to_device(keep, device)
             meta.store_slots = meta.slot_mapping.index_select(0, meta.store_tokens)
         starts = list(itertools.accumulate(inp.query_lens, initial=0))  # host-side: no device sync
         decode_seqs = [i for i, q in enumerate(inp.query_lens) if q == 1]
@@ -105,12 +106,12 @@ class TorchAttentionBackend(AttentionBackend):
         for i in seqs:
             table = self._context_blocks(inp, i)
             flat_blocks += table + [0] * (max_blocks - len(table))
-        lens_t = torch.tensor(lens, device=device)
+        lens_t = to_device(lens, device)
         is_pad = torch.arange(padded_len, device=device)[None, None, :] >= lens_t[:, None, None]
         key_bias = torch.zeros(is_pad.shape, device=device).masked_fill_(is_pad, float("-inf"))
         return DecodeGroup(
-            tokens=torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device),
-            gather_blocks=torch.tensor(flat_blocks, dtype=torch.int64, device=device),
+            tokens=to_device([starts[i] for i in seqs], device),
+            gather_blocks=to_device(flat_blocks, device),
             key_bias=key_bias,
             num_seqs=len(seqs),
             padded_len=padded_len,
@@ -120,7 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
         q_len, ctx = inp.query_lens[seq], inp.context_lens[seq]
         plan = PrefillPlan(start, start + q_len, ctx, None, None)
         if ctx > q_len:  # earlier tokens (prefix hit or earlier chunk) are only in the cache
-            plan.blocks = torch.tensor(self._context_blocks(inp, seq), dtype=torch.int64, device=device)
+            plan.blocks = to_device(self._context_blocks(inp, seq), device)
             rows = torch.arange(q_len, device=device)[:, None] + (ctx - q_len)
             plan.mask = torch.arange(ctx, device=device)[None, :] <= rows
         return plan
