@@ -195,7 +195,7 @@ class AsyncEngine:
         if self._state not in (EngineState.READY, EngineState.DRAINING):
             raise EngineUnavailable(self._unavailable_reason())
         key = f"{request_id}#{next(self._ids)}"
-        stream = RequestStream(key, self._release)
+        stream = RequestStream(key, self._release, params.n)
         self._live[key] = stream
         self._idle.clear()
         self._batch.new.append(NewRequest(key, ids, params))
@@ -311,7 +311,7 @@ class AsyncEngine:
             stream = live.get(out.request_id)
             if stream is not None:
                 stream.push(out)
-                if out.finished:
+                if stream.finished:
                     del live[out.request_id]
         for reply in msg.replies:
             future = self._calls.pop(reply.call_id, None)

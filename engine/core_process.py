@@ -51,6 +51,7 @@ class EngineCore:
             busy = engine.has_unfinished_requests()
             self._take_inputs(timeout_ms=0 if busy else int(HEARTBEAT_S * 1000))
             outputs = engine.step() if engine.has_unfinished_requests() else []
+            self._rejected += [Rejected(key, message) for key, message in engine.take_rejected()]
             if not engine.is_healthy():
                 raise RuntimeError("a tensor-parallel worker died")
             # one message per turn: a step's outputs, the answers to what came in, or (idle) a heartbeat

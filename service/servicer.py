@@ -39,7 +39,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     async def Generate(self, request: llm_pb2.GenerateRequest, context) -> llm_pb2.GenerateResponse:
         arrival = time.monotonic()
         req, stream = await self._start(request, context)
-        done = CompletionBuilder(req.request_id, arrival)
+        done = CompletionBuilder(req.request_id, arrival, req.params.n)
         error = None
         try:
             async for out in stream:
@@ -47,7 +47,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                 if out.finished:
                     self._log_finished(req, out, arrival)
         except asyncio.CancelledError:
-            self._log_cancelled(req, len(done.response.token_ids), arrival)
+            self._log_cancelled(req, done.num_tokens, arrival)
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             error = e
