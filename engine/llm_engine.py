@@ -181,6 +181,8 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_block_size": self.config.block_size,
             "prefix_cache_hit_rate": self.block_manager.hit_rate,
+            "prefix_cache_queries": self.block_manager.query_tokens,  # prompt tokens looked up
+            "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
             "requests_rejected": 0,

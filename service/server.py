@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S, AsyncEngine, EngineState
 from kvserve.engine.config import EngineConfig
 from kvserve.service.health import SERVICE_NAME, Health
+from kvserve.service.observability import Observability, served_model_name
 from kvserve.service.reflection import enable_reflection
 from kvserve.service.servicer import LLMServicer
 from kvserve.v1 import llm_pb2_grpc
@@ -55,10 +56,12 @@ class ServeSettings:
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # a silent engine core longer than this is dead
     exit_on_engine_failure: bool = True  # exit 1 once the engine died (else stay up, NOT_SERVING)
     log_level: str = "info"
+    metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port (0 = any free port)
+    otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)
 
 
-def build_server(engine: AsyncEngine, health: Health) -> grpc.aio.Server:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+def build_server(engine: AsyncEngine, health: Health, observability: Observability) -> grpc.aio.Server:
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[observability.interceptor])
     llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -84,7 +87,17 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
     await health.set_serving(False)
     engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
                          step_timeout=settings.step_timeout, log_level=settings.log_level)
-    server = build_server(engine, health)
+    observability = Observability.start(served_model_name(config.model), engine.stats, settings.host,
+                                        settings.metrics_port, settings.otlp_endpoint)
+    try:
+        return await _serve(config, settings, engine, health, observability)
+    finally:
+        observability.stop()
+
+
+async def _serve(config: EngineConfig, settings: ServeSettings, engine: AsyncEngine, health: Health,
+                 observability: Observability) -> int:
+    server = build_server(engine, health, observability)
     port = bind(server, settings.host, settings.port)
     await server.start()
     # printed whatever the log level: scripts and tests read the port from this line

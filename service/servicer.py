@@ -15,7 +15,7 @@ from typing import NoReturn
 import grpc
 
 from kvserve.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from kvserve.engine.outputs import RequestOutput
+from kvserve.service.call_telemetry import REQUEST_ID_HEADER, CallTelemetry, current_call
 from kvserve.service.errors import status_for
 from kvserve.service.responses import CompletionBuilder, stats_response, stream_response
 from kvserve.service.validation import EngineRequest, parse_generate_request
@@ -34,17 +34,14 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context) -> llm_pb2.GenerateResponse:
         arrival = time.monotonic()
-        req, stream = await self._start(request, context)
+        call = current_call()
+        req, stream = await self._start(request, context, call, arrival)
         done = CompletionBuilder(req.request_id, arrival)
         error = None
         try:
             async for out in stream:
                 done.add(out)
-                if out.finished:
-                    self._log_finished(req, out, arrival)
-        except asyncio.CancelledError:
-            self._log_cancelled(req, len(done.response.token_ids), arrival)
-            raise
+                call.observe(out)
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             error = e
         finally:
@@ -55,19 +52,14 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     async def Stream(self, request: llm_pb2.GenerateRequest, context):
         arrival = time.monotonic()
-        req, stream = await self._start(request, context)
-        sent = 0
+        call = current_call()
+        req, stream = await self._start(request, context, call, arrival)
         error = None
         try:
             async for out in stream:
                 if out.new_token_ids or out.new_text or out.finished:
-                    sent += len(out.new_token_ids)
+                    call.observe(out)
                     yield stream_response(req.request_id, out, arrival)
-                if out.finished:
-                    self._log_finished(req, out, arrival)
-        except asyncio.CancelledError:
-            self._log_cancelled(req, sent, arrival)
-            raise
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             error = e
         finally:
@@ -91,14 +83,19 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             await asyncio.sleep(interval_ms / 1000.0)
 
     # ---- helpers -----------------------------------------------------------------------------
-    async def _start(self, request: llm_pb2.GenerateRequest, context) -> tuple[EngineRequest, RequestStream]:
-        """Validate and admit; any refusal ends the call with its status."""
+    async def _start(
+        self, request: llm_pb2.GenerateRequest, context, call: CallTelemetry, arrival: float
+    ) -> tuple[EngineRequest, RequestStream]:
+        """Validate and admit; any refusal ends the call with its status. The request id goes
+        back as ``x-request-id`` metadata too."""
         try:
             info = self._engine.info
             if info is None:
                 raise EngineUnavailable("the model is still loading")
-            req = parse_generate_request(request, info.vocab_size)
+            req = parse_generate_request(request, info.vocab_size, call.header_request_id)
             stream = await self._engine.generate(req.request_id, req.prompt, req.params, req.messages)
+            call.admitted(req.request_id, arrival)
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, req.request_id),))
             return req, stream
         except Exception as e:  # noqa: BLE001 - mapped to a status
             error = e
@@ -116,23 +113,4 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         code, message = status_for(error)
         if code == grpc.StatusCode.INTERNAL:
             log.error("request %s failed", request_id or "-", exc_info=error)
-        else:
-            log.info("request %s ended: %s: %s", request_id or "-", code.name, message)
-        await context.abort(code, message)
-
-    def _log_finished(self, req: EngineRequest, out: RequestOutput, arrival: float) -> None:
-        t = out.times
-        ttft = (t.first_token - arrival) * 1000 if t.first_token is not None else float("nan")
-        total = ((t.finished or time.monotonic()) - arrival) * 1000
-        reason = out.finish_reason.name if out.finish_reason is not None else "-"
-        log.info(
-            "request %s finished: prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
-            "ttft_ms=%.1f total_ms=%.1f finish_reason=%s",
-            req.request_id, out.prompt_tokens, out.completion_tokens, out.cached_tokens, ttft, total, reason,
-        )
-
-    def _log_cancelled(self, req: EngineRequest, tokens: int, arrival: float) -> None:
-        log.info(
-            "request %s cancelled (client cancel or deadline) after %d tokens, %.1f ms; aborting it",
-            req.request_id, tokens, (time.monotonic() - arrival) * 1000,
-        )
+        await context.abort(code, message)  # the call's log line (call_telemetry.py) tells the rest

@@ -23,11 +23,15 @@ class EngineRequest:
     params: SamplingParams
 
 
-def parse_generate_request(req: llm_pb2.GenerateRequest, vocab_size: int) -> EngineRequest:
-    """Check and convert a GenerateRequest; raises ValueError naming the bad field."""
-    request_id = req.request_id or uuid.uuid4().hex
+def parse_generate_request(
+    req: llm_pb2.GenerateRequest, vocab_size: int, header_request_id: str | None = None
+) -> EngineRequest:
+    """Check and convert a GenerateRequest; raises ValueError naming the bad field. The request
+    id is the ``request_id`` field, else the call's ``x-request-id`` metadata, else a new one."""
+    request_id = req.request_id or header_request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+        field = "request_id" if req.request_id else "x-request-id"
+        raise ValueError(f"{field}: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
     prompt, messages = _parse_input(req, vocab_size)
     params = sampling_from_proto(req.sampling).validate(vocab_size)
     return EngineRequest(request_id, prompt, messages, params)
