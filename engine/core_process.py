@@ -84,6 +84,8 @@ class EngineCore:
     def _call(self, name: str) -> dict:
         if name == "stats":
             return self.engine.stats()
+        if name == "model_info":
+            return self.engine.model_info()
         raise ValueError(f"unknown engine-core call {name!r}")
 
     def _send_step(self, outputs) -> None:

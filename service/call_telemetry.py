@@ -28,10 +28,12 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.service.metrics import Metrics
 from kvserve.service.responses import timing_of
 from kvserve.service.tracing import Tracing, end_span, monotonic_to_ns
+from kvserve.service.validation import MAX_REQUEST_ID_CHARS
 
 log = logging.getLogger("kvserve.service")
 
 REQUEST_ID_HEADER = "x-request-id"
+MAX_LOGGED_ID_CHARS = MAX_REQUEST_ID_CHARS  # a refused request's id may be longer: cut it
 _CURRENT: contextvars.ContextVar[CallTelemetry | None] = contextvars.ContextVar("kvserve_call", default=None)
 
 
@@ -63,17 +65,24 @@ class CallTelemetry:
         self.span.set_attribute("kvserve.request_id", request_id)
         self.span.add_event("queued")
 
+    def refused(self, request_id: str) -> None:
+        """The request was refused before the engine took it (its log line still names it)."""
+        self.request_id = (request_id or self.header_request_id or "-")[:MAX_LOGGED_ID_CHARS]
+
     def observe(self, out: RequestOutput) -> None:
         """One of the request's outputs is going out to the client."""
         now = time.monotonic()
         metrics = self._telemetry.metrics
-        if out.new_token_ids:
+        n = len(out.new_token_ids)
+        if n:
             if self._last_token_at is None:
                 self._first_token_events(out, now)
+                if metrics is not None and n > 1:  # tokens that went out with the first one
+                    metrics.observe_token_gap(0.0, n - 1)
             elif metrics is not None:
-                metrics.observe_token_gap(now - self._last_token_at, len(out.new_token_ids))
+                metrics.observe_token_gap(now - self._last_token_at, n)
             self._last_token_at = now
-            self._tokens_sent += len(out.new_token_ids)
+            self._tokens_sent += n
         if out.finished:
             self._final = out
             if metrics is not None:

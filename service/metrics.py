@@ -100,7 +100,8 @@ class Metrics:
         self.request_success.labels(m, finish_reason.lower()).inc()
 
     def observe_token_gap(self, seconds: float, tokens: int) -> None:
-        """One output carried ``tokens`` tokens, ``seconds`` after the previous one."""
+        """One output carried ``tokens`` tokens, ``seconds`` after the previous one: each token
+        counts as one gap of ``seconds / tokens`` (every token but a request's first is one gap)."""
         child = self.inter_token_latency.labels(self.model_name)
         for _ in range(tokens):
             child.observe(seconds / tokens)

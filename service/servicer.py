@@ -1,4 +1,4 @@
-"""The ``kvserve.v1.LLMService`` handlers: Generate, Stream, Stats, WatchStats.
+"""The ``kvserve.v1.LLMService`` handlers: Generate, Stream, Stats, WatchStats, Tokenize, ModelInfo.
 
 Handlers only produce work for the engine thread (through ``AsyncEngine``) and turn its
 outputs into messages. A cancelled call (client cancel or deadline) cancels the handler's
@@ -17,8 +17,8 @@ import grpc
 from kvserve.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from kvserve.service.call_telemetry import REQUEST_ID_HEADER, CallTelemetry, current_call
 from kvserve.service.errors import status_for
-from kvserve.service.responses import CompletionBuilder, stats_response, stream_response
-from kvserve.service.validation import EngineRequest, parse_generate_request
+from kvserve.service.responses import CompletionBuilder, model_info_response, stats_response, stream_response
+from kvserve.service.validation import EngineRequest, parse_generate_request, parse_tokenize_request
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 log = logging.getLogger("kvserve.service")
@@ -82,6 +82,21 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             yield await self._snapshot(context)
             await asyncio.sleep(interval_ms / 1000.0)
 
+    async def Tokenize(self, request: llm_pb2.TokenizeRequest, context) -> llm_pb2.TokenizeResponse:
+        try:
+            prompt, messages = parse_tokenize_request(request)
+            ids = await self._engine.tokenize(prompt, messages)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        return llm_pb2.TokenizeResponse(token_ids=ids, count=len(ids))
+
+    async def ModelInfo(self, request: llm_pb2.ModelInfoRequest, context) -> llm_pb2.ModelInfoResponse:
+        try:
+            info = await self._engine.model_info()
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        return model_info_response(info)
+
     # ---- helpers -----------------------------------------------------------------------------
     async def _start(
         self, request: llm_pb2.GenerateRequest, context, call: CallTelemetry, arrival: float
@@ -99,6 +114,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             return req, stream
         except Exception as e:  # noqa: BLE001 - mapped to a status
             error = e
+        call.refused(request.request_id)
         await self._fail(context, error, request.request_id)
 
     async def _snapshot(self, context) -> llm_pb2.StatsResponse:

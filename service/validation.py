@@ -37,7 +37,12 @@ def parse_generate_request(
     return EngineRequest(request_id, prompt, messages, params)
 
 
-def _parse_input(req: llm_pb2.GenerateRequest, vocab_size: int):
+def parse_tokenize_request(req: llm_pb2.TokenizeRequest) -> tuple[str | None, list[dict[str, str]] | None]:
+    """(prompt, messages) of a TokenizeRequest, one of them None; ValueError naming the field."""
+    return _parse_input(req, 0)  # it has no token_ids, the only input that needs the vocabulary
+
+
+def _parse_input(req: llm_pb2.GenerateRequest | llm_pb2.TokenizeRequest, vocab_size: int):
     which = req.WhichOneof("input")
     if which is None:
         raise ValueError("input: give one of prompt, token_ids or messages")
