@@ -95,7 +95,7 @@ class ModelRunner:
         self.backend = create_attention_backend(config.attention_backend, self.device, config.block_size)
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
-        load_weights(self.model, self.source)
+        load_weights(self.model, self.source, show_progress=self.parallel.rank == 0)  # one bar, not N
         self.vocab_size = self.hf_config.vocab_size
         self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks())
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
