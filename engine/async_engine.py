@@ -286,7 +286,9 @@ class AsyncEngine:
         self._seq += 1
         batch.seq = self._seq
         self._sent.append((self._seq, len(batch.new)))
-        self._core.send(self._codec.encode(batch))
+        if not self._core.send(self._codec.encode(batch)) and not batch.shutdown:
+            # only possible before the core connects or after it died: nothing can be served
+            self._fail("the engine core is not connected")
 
     # ---- from the core ------------------------------------------------------------------------------
     async def _receive(self) -> None:

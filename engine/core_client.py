@@ -60,8 +60,14 @@ class CoreProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def send(self, data: bytes) -> None:
-        self._sender.send(data, copy=False)
+    def send(self, data: bytes) -> bool:
+        """Queue ``data`` for the core without blocking; False when no core is connected (it has
+        not started yet, or it died), where a PUSH socket would otherwise block."""
+        try:
+            self._sender.send(data, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
     async def recv(self) -> memoryview:
         frame = await self._receiver.recv(copy=False)
