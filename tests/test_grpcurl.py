@@ -97,6 +97,8 @@ def test_tokenize_and_model_info_calls(grpcurl, kvserve_server):
     tokenized = json.loads(out.stdout)
     with Client(kvserve_server.target) as c:
         done = c.generate("The capital of France is", max_tokens=1)
+        assert c.tokenize("The capital of France is") == tokenized["tokenIds"]
+        via_client = c.model_info()
     assert tokenized["count"] == len(tokenized["tokenIds"]) == done.usage.prompt_tokens
     chat = {"messages": {"messages": [{"role": "user", "content": "Hi"}]}}
     out = grpcurl("kvserve.v1.LLMService/Tokenize", data=chat)
@@ -106,6 +108,7 @@ def test_tokenize_and_model_info_calls(grpcurl, kvserve_server):
     info = json.loads(out.stdout)
     assert info["architecture"] == "LlamaForCausalLM" and info["vocabSize"] == 49152
     assert info["hasChatTemplate"] is True and info["eosTokenIds"] and info["dtype"] == "float32"
+    assert via_client["eos_token_ids"] == info["eosTokenIds"] and via_client["model"] == info["model"]
 
 
 def test_x_request_id_header_names_the_request(grpcurl):
