@@ -63,9 +63,11 @@ def metric_name(name: str) -> str:
 class Metrics:
     """The server's registry: the engine snapshot's series plus what the front-end observes.
 
-    ``snapshot()`` returns the Stats dict, or None while there is none (loading, dead)."""
+    ``snapshot()`` returns the Stats dict, or None while there is none (loading, dead);
+    ``core_pid()`` the engine-core process's pid (None: no series for it)."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], dict | None]):
+    def __init__(self, model_name: str, snapshot: Callable[[], dict | None],
+                 core_pid: Callable[[], int | None] = lambda: None):
         disable_created_metrics()  # no *_created series: vLLM's dashboards do not use them
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -89,7 +91,8 @@ class Metrics:
             metric_name("grpc_server_handled"), "gRPC calls completed, by method and status code.",
             [*labels, "grpc_service", "grpc_method", "grpc_code"], registry=reg)
         reg.register(SnapshotCollector(model_name, snapshot))
-        ProcessCollector(registry=reg)
+        ProcessCollector(registry=reg)  # process_*: the front-end
+        ProcessCollector(namespace="kvserve_engine_core", pid=core_pid, registry=reg)  # its CPU, memory
 
     def observe_request(self, queue_s: float, ttft_s: float | None, e2e_s: float, finish_reason: str) -> None:
         m = self.model_name
@@ -114,7 +117,8 @@ class Metrics:
 class SnapshotCollector(Collector):
     """The engine snapshot's series, read fresh at every scrape."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], dict | None]):
+    def __init__(self, model_name: str, snapshot: Callable[[], dict | None],
+                 core_pid: Callable[[], int | None] = lambda: None):
         self._model = model_name
         self._snapshot = snapshot
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Awaitable, Callable
 
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.service.call_telemetry import Telemetry, TelemetryInterceptor
 from kvserve.service.metrics import Metrics, MetricsServer, snapshot_from_thread
 from kvserve.service.tracing import Tracing, otlp_endpoint, otlp_provider
@@ -37,17 +37,18 @@ class Observability:
     def start(
         cls,
         model_name: str,
-        stats: Callable[[], Awaitable[dict]],
+        engine: AsyncEngine,
         host: str,
         metrics_port: int | None,
         otlp: str | None,
     ) -> Observability:
-        """Call on the server's event loop; ``stats`` is the Stats snapshot coroutine."""
+        """Call on the server's event loop."""
         endpoint = otlp_endpoint(otlp)
         tracing = Tracing(otlp_provider(endpoint) if endpoint else None)
         metrics = server = None
         if metrics_port is not None:
-            metrics = Metrics(model_name, snapshot_from_thread(stats, asyncio.get_running_loop()))
+            snapshot = snapshot_from_thread(engine.stats, asyncio.get_running_loop())
+            metrics = Metrics(model_name, snapshot, lambda: engine.core_pid)
             server = MetricsServer(metrics, host, metrics_port)
             # printed whatever the log level, like the gRPC port: scripts read it
             where = f"[{host}]" if ":" in host else host

@@ -87,7 +87,7 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
     await health.set_serving(False)
     engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
                          step_timeout=settings.step_timeout, log_level=settings.log_level)
-    observability = Observability.start(served_model_name(config.model), engine.stats, settings.host,
+    observability = Observability.start(served_model_name(config.model), engine, settings.host,
                                         settings.metrics_port, settings.otlp_endpoint)
     try:
         return await _serve(config, settings, engine, health, observability)

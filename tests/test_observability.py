@@ -147,6 +147,10 @@ def test_metrics_agree_with_stats_after_a_known_workload(server, stub, workload)
     assert m[("kvserve:inter_token_latency_seconds_count", ())] == generated - len(done)
     e2e = sum(r.timing.total_ms for r in done) / 1000
     assert m[("kvserve:e2e_request_latency_seconds_sum", ())] == pytest.approx(e2e, rel=1e-6)
+    # the engine-core process is a process of its own, with its own CPU time and memory
+    assert m[("kvserve_engine_core_process_cpu_seconds_total", ())] > 0
+    assert m[("kvserve_engine_core_process_resident_memory_bytes", ())] > 0
+    assert m[("process_resident_memory_bytes", ())] > 0
 
 
 def test_metrics_count_grpc_status_by_method_and_code(server, workload):
