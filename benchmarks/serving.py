@@ -13,14 +13,17 @@ Prompts are random token ids (``--token-range``); ``--shared-prefix F`` makes th
 every prompt one common prefix (prefix caching). Every request ignores EOS, so each makes
 exactly its output length. Printed: output tokens/s, requests/s, TTFT, inter-token latency
 (ITL) and end-to-end latency p50/p90/p99, errors by status code, and service / in-process ratios.
+Also the CPU seconds spent per 1,000 streamed tokens: by the server's processes (front-end,
+engine core, workers; when the benchmark started the server) and by the in-process engine,
+and the in-process engine's host time per step beside the model's forward pass.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
+import os
 import random
 import sys
 import time
@@ -127,6 +130,7 @@ def run_in_process(engine, work: list[Request], concurrency: int | None) -> tupl
     traces = [Trace() for _ in work]
     pending = deque(range(len(work)))
     active: set[str] = set()
+    timer = _StepTimer(engine)
     start = time.perf_counter()
     while pending or active:
         now = time.perf_counter()
@@ -139,7 +143,7 @@ def run_in_process(engine, work: list[Request], concurrency: int | None) -> tupl
         if not active:
             time.sleep(max(0.0, start + work[pending[0]].arrival - time.perf_counter()))
             continue
-        outputs = engine.step()
+        outputs = timer.step(len(active))
         now = time.perf_counter()
         for out in outputs:
             tr = traces[int(out.request_id)]
@@ -147,7 +151,68 @@ def run_in_process(engine, work: list[Request], concurrency: int | None) -> tupl
             if out.finished:
                 tr.end = now
                 active.discard(out.request_id)
+    timer.report()
     return traces, time.perf_counter() - start
+
+
+class _StepTimer:
+    """Wall time of each engine step and of its forward pass (``executor.execute_model``); the
+    difference is the host's work per step (scheduling, inputs, sampling, detokenization)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._forward = 0.0
+        self.by_batch: dict[int, list[tuple[float, float]]] = {}
+        run = engine.executor.execute_model
+
+        def timed(inp):
+            t0 = time.perf_counter()
+            out = run(inp)
+            if getattr(out, "device", None) is not None and out.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+            self._forward += time.perf_counter() - t0
+            return out
+
+        engine.executor.execute_model = timed
+
+    def step(self, batch: int):
+        self._forward = 0.0
+        t0 = time.perf_counter()
+        outputs = self._engine.step()
+        self.by_batch.setdefault(batch, []).append((time.perf_counter() - t0, self._forward))
+        return outputs
+
+    def report(self) -> None:
+        del self._engine.executor.execute_model  # the instance attribute: the method is back
+        batch = max(self.by_batch, key=lambda b: (len(self.by_batch[b]), b))
+        steps = sorted(self.by_batch[batch])
+        step_ms, fwd_ms = (1000 * steps[len(steps) // 2][i] for i in (0, 1))
+        print(f"in-process steps at batch {batch} ({len(steps)} of them): median step {step_ms:.2f} ms, "
+              f"its forward pass {fwd_ms:.2f} ms, host work {step_ms - fwd_ms:.2f} ms")
+
+
+def process_tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by ``pid`` and its live descendants (Linux)."""
+    if not os.path.isdir("/proc"):
+        return None
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, (pp, _) in stats.items() if pp == parent and p not in tree]
+        tree.update(kids)
+        frontier.extend(kids)
+    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
 
 
 def _may_admit(req: Request, num_active: int, concurrency: int | None, elapsed: float) -> bool:
@@ -190,6 +255,10 @@ def print_report(name: str, r: dict) -> None:
     for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         p = r[key]
         print(f"{label:5s} ms  p50 {p['p50']:8.1f}  p90 {p['p90']:8.1f}  p99 {p['p99']:8.1f}")
+    if r.get("cpu_s") is not None and r["output_tokens"]:
+        per_k = 1000 * r["cpu_s"] / r["output_tokens"]
+        r["cpu_s_per_1k_tokens"] = per_k
+        print(f"CPU s per 1,000 streamed tokens {per_k:.3f} ({r['cpu_s']:.1f} s in all, {r['cpu_label']})")
 
 
 def print_ratios(service: dict, local: dict) -> dict:
@@ -254,10 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     mode = f"rate {args.request_rate}/s" if args.request_rate else f"concurrency {concurrency}"
     print(f"workload: {len(work)} requests, {mode}, prompt {args.prompt_len}, output {args.output_len}, "
           f"shared prefix {args.shared_prefix}")
-    results = {"service": summarize(*_grpc_phase(args, work, concurrency))}
+    traces, wall_s, cpu_s = _grpc_phase(args, work, concurrency)
+    results = {"service": {**summarize(traces, wall_s), "cpu_s": cpu_s, "cpu_label": "server processes"}}
     print_report("service (gRPC)", results["service"])
     if not args.no_compare:
-        results["in_process"] = summarize(*_local_phase(args, work, concurrency))
+        traces, wall_s, cpu_s = _local_phase(args, work, concurrency)
+        results["in_process"] = {**summarize(traces, wall_s), "cpu_s": cpu_s, "cpu_label": "this process"}
         print_report("in-process engine", results["in_process"])
         results["ratio"] = print_ratios(results["service"], results["in_process"])
     if args.json:
@@ -267,22 +338,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _grpc_phase(args, work, concurrency):
-    with server_target(args, len(work)) as target:
-        return asyncio.run(run_grpc(target, work, concurrency))
-
-
-@contextlib.contextmanager
-def server_target(args, num_requests: int):
-    """``--target``, or a server started for the run (and stopped after it)."""
+    """(traces, wall seconds, server CPU seconds or None when the server is not ours)."""
     if args.target:
-        yield args.target
-        return
+        return (*asyncio.run(run_grpc(args.target, work, concurrency)), None)
     from kvserve.service.process import ServerProcess
 
+    with ServerProcess(*server_flags(args, len(work))) as server:
+        cpu0 = process_tree_cpu_s(server.proc.pid)
+        traces, wall_s = asyncio.run(run_grpc(server.target, work, concurrency))
+        cpu1 = process_tree_cpu_s(server.proc.pid)
+        return traces, wall_s, (cpu1 - cpu0 if cpu0 is not None else None)
+
+
+def server_flags(args, num_requests: int) -> list[str]:
+    """``kvserve serve`` flags for a server started for the run."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_kwargs(args).items()]
-    flags.append(f"--max-queue={max(256, num_requests)}")
-    with ServerProcess(*flags, "--log-level", "warning") as server:
-        yield server.target
+    return [*flags, f"--max-queue={max(256, num_requests)}", "--log-level", "warning"]
 
 
 def _local_phase(args, work, concurrency):
@@ -291,7 +362,9 @@ def _local_phase(args, work, concurrency):
 
     engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     try:
-        return run_in_process(engine, work, concurrency)
+        cpu0 = time.process_time()
+        traces, wall_s = run_in_process(engine, work, concurrency)
+        return traces, wall_s, time.process_time() - cpu0
     finally:
         engine.shutdown()
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 
-from kvserve.benchmarks.serving import Request, print_report, run_grpc, server_target, summarize
+from kvserve.benchmarks.serving import Request, print_report, run_grpc, server_flags, summarize
 
 
 def run_sweep(args: argparse.Namespace, work: list[Request], levels: list[int]) -> int:
@@ -33,3 +34,15 @@ def run_sweep(args: argparse.Namespace, work: list[Request], levels: list[int]) 
         plot_serving_sweep(result, args.plot)
         print(f"figure: {args.plot}")
     return 0
+
+
+@contextlib.contextmanager
+def server_target(args: argparse.Namespace, num_requests: int):
+    """``--target``, or one server started for the whole sweep."""
+    if args.target:
+        yield args.target
+        return
+    from kvserve.service.process import ServerProcess
+
+    with ServerProcess(*server_flags(args, num_requests)) as server:
+        yield server.target

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import multiprocessing as mp
 import queue
 import threading
 import weakref
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from kvserve.engine import distributed as tpd
+from kvserve.engine.child_process import PipeDoorbell
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.loader import load_hf_config, resolve_device, resolve_model
 from kvserve.engine.model_input import ModelInput
@@ -112,7 +112,7 @@ class TensorParallelExecutor:
         tpd.publish_launch(self._store, tpd.Launch(config, max_payload_bytes, timeout_s))
         self._sender: tpd.Sender | None = None  # the dist channel's comes with the groups
         self._workers = self._spawn_local_workers(channel)
-        self._finalizer = weakref.finalize(self, _release, self._workers, self._sender)
+        self._finalizer = weakref.finalize(self, _release, self._workers, self._sender, self._doorbells)
         self._workers.watch(self._on_worker_death)
         self._leader = _LeaderThread(self._heartbeat if channel == "dist" else None, heartbeat_s)
         try:
@@ -129,18 +129,19 @@ class TensorParallelExecutor:
 
     def _spawn_local_workers(self, channel: str) -> WorkerProcesses:
         """Ranks 1..local-1 on this machine (with their shared-memory channel, if it is used)."""
-        ctx = mp.get_context("spawn")
         local = self.tp_size // self.config.nnodes
-        doorbells = [ctx.Semaphore(0) for _ in range(local - 1)] if channel == "shm" else []
+        self._doorbells = [PipeDoorbell() for _ in range(local - 1)] if channel == "shm" else []
         if channel == "shm":
-            self._sender = tpd.ShmSender(doorbells, self.max_payload_bytes, self._timeout_s)
+            self._sender = tpd.ShmSender(self._doorbells, self.max_payload_bytes, self._timeout_s)
         specs = [WorkerSpec(rank, rank, self.config.master_addr, self._store.port, channel,
                             getattr(self._sender, "name", None)) for rank in range(1, local)]
         try:
-            return WorkerProcesses.spawn(ctx, specs, doorbells, self._store)
+            return WorkerProcesses.spawn(specs, self._doorbells, self._store)
         except BaseException:
             if self._sender is not None:
                 self._sender.close()
+            for doorbell in self._doorbells:
+                doorbell.close()
             raise
 
     # ---- the ModelRunner surface --------------------------------------------------------------
@@ -314,8 +315,11 @@ class _LeaderThread:
                     future.set_exception(exc)
 
 
-def _release(workers: WorkerProcesses, sender: tpd.Sender | None) -> None:
-    """Last resort (garbage collection or interpreter exit): no orphans, no leftover segment."""
+def _release(workers: WorkerProcesses, sender: tpd.Sender | None, doorbells: list[PipeDoorbell]) -> None:
+    """After shutdown, or as a last resort (garbage collection or interpreter exit): no orphans,
+    no leftover segment, no open doorbell."""
     workers.reap(grace_s=0)
     if sender is not None:
         sender.close()
+    for doorbell in doorbells:
+        doorbell.close()

@@ -2,19 +2,24 @@
 for its shard, then execute the leader's commands until it says ``shutdown``; and
 ``WorkerProcesses``, the starting process's handle on its workers (spawn, watch, stop).
 
-``worker_main`` is what each worker process runs. The leader spawns the workers of its own
+``worker_main`` is what each worker process runs. The leader starts the workers of its own
 machine; on every further machine of a multi-machine engine, ``run_node`` (also
 ``python -m kvserve.engine.worker --node-rank R --master-addr A --master-port P``) starts that
 machine's workers and waits for them. Workers take the engine config from the leader through
 the rendezvous store, so every rank runs the same config.
 
-A worker never outlives the process that started it: a thread exits the process when the
-parent dies, so a killed leader leaves no orphans behind.
+Each worker is a fresh interpreter (``python -m kvserve.engine.worker --spec JSON ...``, see
+engine/child_process.py), so the caller's main module is never re-imported: ``python -``,
+``python -c`` and scripts without a ``__main__`` guard can start tensor-parallel engines.
+A worker never outlives the process that started it: when the parent dies, its lifeline
+pipe reaches EOF and the worker exits, so a killed leader leaves no orphans behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 
 from kvserve.engine import distributed as tpd
+from kvserve.engine.child_process import Child, Lifeline, PipeDoorbell, watch_lifeline
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
@@ -50,7 +56,6 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, doorbell=None) -> None:
     """Body of a worker process: start, then serve commands until ``shutdown``."""
-    _exit_with_parent()
     store = tpd.connect_store(spec.master_addr, spec.master_port, tpd.DEFAULT_TIMEOUT_S)
     try:
         launch = tpd.fetch_launch(store)
@@ -100,18 +105,6 @@ def pin_device(config: EngineConfig, local_rank: int, local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def _exit_with_parent() -> None:
-    parent = mp.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="kvserve-tp-parent-watch", daemon=True).start()
-
-
 # ---- further machines ---------------------------------------------------------------------------
 def run_node(node_rank: int, master_addr: str, master_port: int, model: str | None = None) -> int:
     """Run machine ``node_rank`` (>= 1) of a multi-machine engine until the leader ends it.
@@ -127,30 +120,38 @@ def run_node(node_rank: int, master_addr: str, master_port: int, model: str | No
     per_node = config.tensor_parallel_size // config.nnodes
     first = node_rank * per_node
     specs = [WorkerSpec(first + i, i, master_addr, master_port, "dist", model=model) for i in range(per_node)]
-    return WorkerProcesses.spawn(mp.get_context("spawn"), specs, [], store).wait_all()
+    return WorkerProcesses.spawn(specs, [], store).wait_all()
 
 
 class WorkerProcesses:
     """The parent's handle on the worker processes it started, by rank: spawn, watch, stop."""
 
-    def __init__(self, procs: dict[int, Any], store: Any):
+    def __init__(self, procs: dict[int, Child], store: Any):
         self._procs = procs
         self.store = store  # where workers leave their fatal errors
+        self._lifeline = Lifeline()  # closed (or gone with this process): the workers exit
         self._stop_watch, self._stop_signal = mp.Pipe(duplex=False)
 
     @classmethod
-    def spawn(cls, ctx: Any, specs: list[WorkerSpec], doorbells: list, store: Any) -> WorkerProcesses:
+    def spawn(cls, specs: list[WorkerSpec], doorbells: list[PipeDoorbell], store: Any) -> WorkerProcesses:
+        """Start one fresh interpreter per spec (with ``doorbells[i]``'s read end, if any)."""
         workers = cls({}, store)
         try:
             for i, spec in enumerate(specs):
-                doorbell = doorbells[i] if doorbells else None
-                proc = ctx.Process(target=worker_main, args=(spec, doorbell), daemon=True,
-                                   name=f"kvserve-tp-worker-{spec.rank}")
-                proc.start()
-                workers._procs[spec.rank] = proc
+                args = ["--spec", json.dumps(dataclasses.asdict(spec)), "--lifeline-fd",
+                        str(workers._lifeline.read_fd)]
+                fds = [workers._lifeline.read_fd]
+                if doorbells:
+                    args += ["--doorbell-fd", str(doorbells[i].read_fd)]
+                    fds.append(doorbells[i].read_fd)
+                workers._procs[spec.rank] = Child("kvserve.engine.worker", args, pass_fds=tuple(fds))
         except BaseException:
             workers.reap(grace_s=0)
             raise
+        finally:
+            workers._lifeline.close_read_end()
+            for doorbell in doorbells:
+                doorbell.close_read_end()
         return workers
 
     @property
@@ -208,6 +209,7 @@ class WorkerProcesses:
                 getattr(proc, stop)()
             for proc in alive:
                 proc.join(2.0)
+        self._lifeline.close()
 
     def wait_all(self) -> int:
         """Wait for every worker; when one fails, stop the others. 0 if all exited cleanly, else
@@ -235,7 +237,23 @@ class WorkerProcesses:
         return f"{what}: {error}" if error else what
 
 
+def spawned_main(argv: list[str]) -> int:
+    """A worker started by ``WorkerProcesses.spawn`` (not a command for people)."""
+    parser = argparse.ArgumentParser(prog="python -m kvserve.engine.worker --spec ...")
+    parser.add_argument("--spec", required=True, help="WorkerSpec as JSON")
+    parser.add_argument("--lifeline-fd", type=int, required=True)
+    parser.add_argument("--doorbell-fd", type=int)
+    args = parser.parse_args(argv)
+    watch_lifeline(args.lifeline_fd, lambda: os._exit(1))
+    doorbell = PipeDoorbell(read_fd=args.doorbell_fd) if args.doorbell_fd is not None else None
+    worker_main(WorkerSpec(**json.loads(args.spec)), doorbell)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--spec":
+        return spawned_main(argv)
     parser = argparse.ArgumentParser(
         prog="python -m kvserve.engine.worker",
         description="Run the tensor-parallel workers of one further machine of a kvserve engine.",

@@ -298,3 +298,40 @@ def test_cli_generate_stream_and_stats(kvserve_server, client):
     assert out.returncode == 0 and json.loads(out.stdout)["kv_block_size"] == 16
     out = _cli("generate", "--target", kvserve_server.target, "--top-p", "2", PROMPTS[0])
     assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "top_p" in out.stderr
+
+
+def test_huge_prompts_do_not_stall_an_unrelated_request(kvserve_server, client):
+    """Defect: a 10 MB prompt was tokenized on the engine thread before its length check and
+    stopped every stream for ~10 s. Now prompts are tokenized off the event loop and the engine,
+    and one too long for any tokenization is refused by its character count."""
+
+    def unrelated_ms() -> float:
+        t0 = time.perf_counter()
+        client.generate(token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
+        return (time.perf_counter() - t0) * 1000
+
+    async def huge_ones(target: str, started: asyncio.Event) -> list:
+        big, long_ok = "x " * 5_000_000, "hello world " * 40_000  # 10 MB; 480 k chars (tokenized)
+        options = [("grpc.max_send_message_length", 1 << 25)]
+        async with grpc.aio.insecure_channel(target, options=options) as ch:
+            stub = llm_pb2_grpc.LLMServiceStub(ch)
+            calls = [stub.Generate(build_request(p, max_tokens=4)) for p in [big] * 4 + [long_ok] * 2]
+            started.set()
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    async def run():
+        started = asyncio.Event()
+        job = asyncio.ensure_future(huge_ones(kvserve_server.target, started))
+        await started.wait()
+        await asyncio.sleep(0.3)  # the huge requests are on their way / being tokenized
+        during = await asyncio.to_thread(unrelated_ms)
+        return during, await job
+
+    alone = min(unrelated_ms() for _ in range(3))
+    during, results = asyncio.run(run())
+    for r in results:
+        assert isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.INVALID_ARGUMENT, r
+    assert all("characters cannot fit max_model_len" in r.details() for r in results[:4])
+    assert all("exceeds max_model_len" in r.details() for r in results[4:])
+    print(f"unrelated request: {alone:.0f} ms alone, {during:.0f} ms beside 4 x 10 MB + 2 x 480 kB prompts")
+    assert during < alone + 3000  # before the fix: ~10 s per 10 MB prompt
