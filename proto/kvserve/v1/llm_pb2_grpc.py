@@ -80,8 +80,10 @@ class LLMServiceServicer:
 
     def Stream(self, request, context):
         """Generates a completion and streams it: one message per new token (text that could be
-        the start of a stop string is held back until it is known not to be). The last message
-        carries finish_reason, usage and timing.
+        the start of a stop string is held back until it is known not to be). When the client
+        (or the server) falls behind, the tokens waiting for this stream go out together as one
+        message (see StreamResponse); under light load every token has its own message at once.
+        The last message carries finish_reason, usage and timing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
