@@ -8,7 +8,6 @@ import logging
 import sys
 
 import pytest
-
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
