@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_sentinels
@@ -246,8 +247,17 @@ def spawned_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     watch_lifeline(args.lifeline_fd, lambda: os._exit(1))
     doorbell = PipeDoorbell(read_fd=args.doorbell_fd) if args.doorbell_fd is not None else None
-    worker_main(WorkerSpec(**json.loads(args.spec)), doorbell)
-    return 0
+    status = 0
+    try:
+        worker_main(WorkerSpec(**json.loads(args.spec)), doorbell)
+    except BaseException:  # noqa: BLE001 - already reported to the leader through the store
+        traceback.print_exc()
+        status = 1
+    # as multiprocessing's children do: skip interpreter finalization, where the process
+    # groups' and the model's destructors can take seconds after the work is done
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def main(argv: list[str] | None = None) -> int:

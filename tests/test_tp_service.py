@@ -39,7 +39,10 @@ def alive(pid: int) -> bool:
 def tp_server():
     from kvserve.service.testing import TEST_SERVER_ENV  # after pytest has loaded it as a plugin
 
-    flags = ("--tp", "3", "--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-seqs", "8")
+    # stays up after the engine died, so that the test can see health NOT_SERVING (the default,
+    # exiting with status 1, is tested in test_service_faults.py)
+    flags = ("--tp", "3", "--dtype", "float32", "--kv-cache-memory", "0.25", "--max-num-seqs", "8",
+             "--no-exit-on-engine-failure")
     with ServerProcess(*flags, env=TEST_SERVER_ENV) as server:
         yield server
 
@@ -55,8 +58,9 @@ def test_tp3_server_gives_the_single_process_servers_greedy_tokens(tp_server, kv
 
 
 def test_killed_worker_fails_the_stream_and_turns_health_not_serving(tp_server):
-    kids = children(tp_server.proc.pid)
-    workers = [p for p in kids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    cmdline = lambda pid: Path(f"/proc/{pid}/cmdline").read_text()  # noqa: E731
+    (core,) = [p for p in children(tp_server.proc.pid) if "kvserve.engine.core_process" in cmdline(p)]
+    workers = [p for p in children(core) if "kvserve.engine.worker" in cmdline(p)]
     assert len(workers) == 2, workers
     with Client(tp_server.target) as client:
         stream = client.stream("Count slowly:", temperature=0, max_tokens=2000, ignore_eos=True)
@@ -74,4 +78,4 @@ def test_killed_worker_fails_the_stream_and_turns_health_not_serving(tp_server):
             client.generate("hi", max_tokens=2)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     tp_server.stop(timeout=60)
-    assert not [p for p in workers if alive(p)], "worker processes outlived the server"
+    assert not [p for p in [core, *workers] if alive(p)], "engine processes outlived the server"
