@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # kvserve's GPU checks in one go (issue 5), about 8 minutes on one GPU:
-#   1. kernels     the Triton kernel tests, compiled for the GPU
+#   1. kernels     the Triton kernel tests (attention, KV store, fused MoE), compiled for the GPU
 #   2. parity      tiny random-weight Llama and Qwen3 models on the GPU (Triton backend) against
 #                  the torch backend on this machine's CPU: logits close, clear greedy choices equal
+#   2b. moe        the tiny Qwen3-MoE and Mixtral on the GPU (fused Triton MoE kernel, CUDA graphs)
+#                  against the CPU: logits close, greedy tokens equal; and against transformers
 #   3. graphs      decode CUDA graphs: bucket/padding logic, the ModelRunner's graph path against
 #                  its eager path, and whole engines (LLM on random Llama- and Qwen3-shaped model
 #                  directories) with CUDA graphs against enforce_eager=True: equal greedy tokens
@@ -105,8 +107,9 @@ pytest_step() {
   run_step "$name" "$limit" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "$@"
 }
 
-pytest_step kernels 180 tests/test_kernels.py
+pytest_step kernels 180 tests/test_kernels.py tests/test_moe.py
 pytest_step parity 180 tests/test_attention_triton.py -k "not graph"
+pytest_step moe 240 tests/test_moe_models.py -k "gpu or logits"
 pytest_step graphs 240 tests/test_cuda_graphs.py tests/test_model_runner_graphs.py \
   tests/test_attention_triton.py::test_graph_decode_metadata_over_padded_static_buffers_gives_the_same_rows \
   tests/test_attention_triton.py::test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode

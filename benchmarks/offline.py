@@ -10,6 +10,7 @@ transformers on the same requests in the same run, and the ratio.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 
@@ -25,6 +26,21 @@ def make_requests(n: int, prompt_range, output_range, seed: int, vocab: int = 10
     prompts = [[rng.randint(0, vocab - 1) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
     outputs = [rng.randint(*output_range) for _ in range(n)]
     return prompts, outputs
+
+
+def active_parameters(hf_config) -> tuple[int, int]:
+    """(all, active per token) matmul weights: a token of a mixture of experts runs ``top_k`` of
+    ``num_experts`` experts. The embedding is a lookup, so it counts only as the LM head."""
+    from kvserve.engine.models import checkpoint_shapes
+
+    share = getattr(hf_config, "num_experts_per_tok", 1) / (getattr(hf_config, "num_experts", 1) or 1)
+    total = active = hf_config.vocab_size * hf_config.hidden_size if hf_config.tie_word_embeddings else 0
+    for name, shape in checkpoint_shapes(hf_config).items():
+        if name.endswith("embed_tokens.weight"):
+            continue
+        total += math.prod(shape)
+        active += math.prod(shape) * (share if ".experts." in name else 1)
+    return total, int(active)
 
 
 def run_kvserve(llm: LLM, args, prompts, outputs) -> float:
@@ -128,6 +144,10 @@ def main(argv=None) -> None:
     elapsed = run_kvserve(llm, args, prompts, outputs)
     ours = total / elapsed
     print(f"requests={args.num_requests} prompt_tokens={sum(map(len, prompts))} output_tokens={total}")
+    total_params, active = active_parameters(llm.engine.executor.hf_config)
+    tokens = sum(map(len, prompts)) + total
+    print(f"matmul weights {total_params / 1e6:.1f}M, {active / 1e6:.1f}M active per token: "
+          f"{2 * active / 1e6:.1f} MFLOP/token, kvserve {2 * active * tokens / elapsed / 1e9:.1f} GFLOP/s")
     print(f"kvserve      {elapsed:8.2f} s  {ours:8.1f} output tok/s  ({llm.stats()['dtype']})")
     if args.peer != "none":
         model = load_hf_peer(llm)

@@ -31,30 +31,61 @@ SHAPES: dict[str, tuple[str, dict]] = {
         vocab_size=10240, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
     )),
+    # mixtures of experts: 8 experts, top-2 (Qwen3-MoE renormalises only with norm_topk_prob)
+    "qwen3-moe-tiny": ("Qwen3MoeForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
+    )),
+    "qwen2-moe-tiny": ("Qwen2MoeForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+    )),
+    "mixtral-tiny": ("MixtralForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        sliding_window=None, tie_word_embeddings=False,
+    )),
+    # Qwen3-30B-A3B's proportions (128 experts, top-8, 32 q / 4 kv heads of 128) scaled down to fit a
+    # laptop: 64 experts, top-8, 8 layers; 189M parameters, 57M active per token (33M of them embeddings)
+    "qwen3-moe-small": ("Qwen3MoeForCausalLM", dict(
+        vocab_size=32000, hidden_size=512, intermediate_size=1536, moe_intermediate_size=192, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, tie_word_embeddings=False,
+    )),
 }  # fmt: skip
+MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "Qwen2MoeForCausalLM": "qwen2_moe",
+               "MixtralForCausalLM": "mixtral"}
 
 
-def make_config(name: str):
-    """The transformers config of the shape called ``name``."""
+def make_config(name: str, **overrides):
+    """The transformers config of the shape called ``name``, with ``overrides`` of its fields."""
     from transformers import AutoConfig
 
     if name not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {name!r}")
     architecture, fields = SHAPES[name]
-    model_type = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[architecture]
-    return AutoConfig.for_model(model_type, architectures=[architecture], **fields)
+    fields = {**fields, **overrides}
+    return AutoConfig.for_model(MODEL_TYPES[architecture], architectures=[architecture], **fields)
 
 
 def write_random_model(name: str, out_dir: str | Path, seed: int = 0,
                        dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the model directory (weights stored in ``dtype``) and return its path."""
+    return write_model_dir(make_config(name), out_dir, seed, dtype)
+
+
+def write_model_dir(config, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A model directory with ``config`` and its seeded random weights (tests vary a named shape)."""
     from safetensors.torch import save_file
 
     from kvserve.engine.models import random_weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = make_config(name)
     config.save_pretrained(out)
     weights = {n: t.to(dtype).contiguous() for n, t in random_weights(config, seed)}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -192,7 +192,14 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
 
 
 def _route(model: nn.Module, name: str) -> tuple[str, object]:
-    """(parameter name, shard id or None) for the checkpoint tensor ``name``."""
+    """(parameter name, shard id or None) for the checkpoint tensor ``name``: a per-expert tensor
+    of a mixture-of-experts model goes to its layer's fused experts with shard (expert, part)."""
+    for checkpoint, ours in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(checkpoint, ours)
+    expert_names = getattr(model, "expert_names", None)
+    routed = expert_names.route(name) if expert_names else None
+    if routed:
+        return routed
     for source, (target, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
         if f".{source}." in name:
             return name.replace(f".{source}.", f".{target}."), shard_id
@@ -202,7 +209,10 @@ def _route(model: nn.Module, name: str) -> tuple[str, object]:
 def _expected_loads(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
     packed = getattr(model, "packed_modules_mapping", {})
     expected = set()
-    for name in params:
+    for name, param in params.items():
+        if hasattr(param, "checkpoint_shards"):  # fused experts: every (expert, part)
+            expected |= {(name, shard) for shard in param.checkpoint_shards}
+            continue
         shards = [shard for target, shard in packed.values() if f".{target}." in name]
         expected |= {(name, shard) for shard in shards} if shards else {(name, None)}
     return expected

@@ -15,15 +15,22 @@ from torch import nn
 
 from kvserve.engine.layers.attention import AttentionBackend, create_attention_backend
 from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from kvserve.engine.layers.moe import FusedExperts
 from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.mixtral import MixtralForCausalLM
 from kvserve.engine.models.qwen2 import Qwen2ForCausalLM
+from kvserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvserve.engine.models.qwen3 import Qwen3ForCausalLM
+from kvserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvserve.engine.parallel import ParallelContext
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 
@@ -44,6 +51,11 @@ def model_class_for(hf_config) -> type[nn.Module]:
 def _refuse_unsupported_features(hf_config, name: str) -> None:
     if "sliding_attention" in (getattr(hf_config, "layer_types", None) or []):
         raise ValueError(f"{name} with sliding-window attention layers is not supported")
+    window = getattr(hf_config, "sliding_window", None)  # Mixtral; Qwen's count only when switched on
+    used = getattr(hf_config, "use_sliding_window", True)
+    if used and window and window < hf_config.max_position_embeddings:
+        raise ValueError(f"{name} with sliding_window={window} (below max_position_embeddings="
+                         f"{hf_config.max_position_embeddings}) is not supported: attention here is global")
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device | str,
@@ -71,12 +83,22 @@ def checkpoint_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     unpacked = {}
     for packed_name, param in model.named_parameters():
         module = model.get_submodule(packed_name.rsplit(".", 1)[0])
+        if isinstance(module, FusedExperts):
+            unpacked.update(module.checkpoint_parts(packed_name, model.expert_names))
+            continue
         parts = _packed_parts(model, packed_name, module)
         if not parts:
             unpacked[packed_name] = tuple(param.shape)
         for name, rows in parts:
             unpacked[name] = (rows, *param.shape[1:])
-    return unpacked
+    return {_checkpoint_name(model, name): shape for name, shape in unpacked.items()}
+
+
+def _checkpoint_name(model: nn.Module, name: str) -> str:
+    """Undo the model's ``checkpoint_renames`` (Mixtral's block_sparse_moe is our mlp)."""
+    for checkpoint, ours in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(ours, checkpoint)
+    return name
 
 
 def _packed_parts(model: nn.Module, packed_name: str, module: nn.Module) -> list[tuple[str, int]]:

@@ -80,10 +80,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_class = LlamaAttention
 
-    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
+    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int = 0):
         super().__init__()
         self.self_attn = self.attention_class(config, backend, parallel)
-        self.mlp = LlamaMLP(config, parallel, bias=getattr(config, "mlp_bias", False))
+        self.mlp = self.make_mlp(config, parallel, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -97,6 +97,10 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def make_mlp(self, config, parallel: ParallelContext, layer_idx: int) -> nn.Module:
+        """The layer's MLP (mixture-of-experts models choose it per layer)."""
+        return LlamaMLP(config, parallel, bias=getattr(config, "mlp_bias", False))
+
 
 class LlamaModel(nn.Module):
     layer_class = LlamaDecoderLayer
@@ -105,7 +109,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.layers = nn.ModuleList(
-            self.layer_class(config, backend, parallel) for _ in range(config.num_hidden_layers)
+            self.layer_class(config, backend, parallel, layer_idx=i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(

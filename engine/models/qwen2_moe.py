@@ -1,0 +1,44 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): the Qwen2 decoder with mixture-of-experts MLPs
+that add a sigmoid-gated shared expert to the routed ones.
+
+Sparse and dense layers follow Qwen3-MoE's rule (``mlp_only_layers``, ``decoder_sparse_step``);
+the q/k/v bias follows ``qkv_bias``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvserve.engine.layers.moe import ExpertNames, SparseMoeBlock
+from kvserve.engine.models.llama import LlamaModel
+from kvserve.engine.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
+from kvserve.engine.models.qwen3_moe import is_sparse_layer
+from kvserve.engine.parallel import ParallelContext
+
+
+class Qwen2MoeAttention(Qwen2Attention):
+    @staticmethod
+    def qkv_bias(config) -> bool:
+        return bool(getattr(config, "qkv_bias", True))
+
+
+class Qwen2MoeDecoderLayer(Qwen2DecoderLayer):
+    attention_class = Qwen2MoeAttention
+
+    def make_mlp(self, config, parallel: ParallelContext, layer_idx: int) -> nn.Module:
+        if not is_sparse_layer(config, layer_idx):
+            return super().make_mlp(config, parallel, layer_idx)
+        return SparseMoeBlock(
+            config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            renormalize=bool(getattr(config, "norm_topk_prob", False)), parallel=parallel,
+            shared_expert_size=config.shared_expert_intermediate_size,
+        )
+
+
+class Qwen2MoeModel(LlamaModel):
+    layer_class = Qwen2MoeDecoderLayer
+
+
+class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+    model_class = Qwen2MoeModel
+    expert_names = ExpertNames("gate_proj", "up_proj", "down_proj")
