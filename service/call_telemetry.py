@@ -107,7 +107,7 @@ class CallTelemetry:
         return self.method.endswith(("/Generate", "/Stream"))
 
     def _log_request(self, code: grpc.StatusCode, details: str | None) -> None:
-        fields = self.request_fields(code)
+        fields = self._request_fields(code)
         rid = fields["request_id"]
         if self._final is not None:
             message = f"request {rid} finished"
@@ -118,7 +118,7 @@ class CallTelemetry:
         self.span.set_attributes(_span_attributes(fields))
         log.info(message, extra={"fields": fields})
 
-    def request_fields(self, code: grpc.StatusCode) -> dict:
+    def _request_fields(self, code: grpc.StatusCode) -> dict:
         """The request's log fields."""
         fields: dict = {"request_id": self.request_id or self.header_request_id or "-",
                         "method": self.method.rsplit("/", 1)[-1], "status": code.name}
