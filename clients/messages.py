@@ -219,6 +219,20 @@ def delta_from_proto(msg: llm_pb2.StreamResponse) -> Delta:
     )
 
 
-def stats_to_dict(msg: llm_pb2.StatsResponse) -> dict:
-    """Every field, zeros included, with native Python numbers (64-bit ints stay ints)."""
-    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+def stats_to_dict(msg: llm_pb2.StatsResponse | llm_pb2.ModelInfoResponse) -> dict:
+    """Every field, zeros included, with native Python numbers (64-bit ints stay ints, repeated
+    fields are lists)."""
+    return {f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name)
+            for f in msg.DESCRIPTOR.fields}
+
+
+def build_tokenize_request(prompt: str | None = None, messages: Iterable[Message] | None = None
+                           ) -> llm_pb2.TokenizeRequest:
+    """A TokenizeRequest from exactly one of prompt / messages."""
+    if (prompt is None) == (messages is None):
+        raise TypeError("give exactly one of prompt, messages")
+    if prompt is not None:
+        return llm_pb2.TokenizeRequest(prompt=prompt)
+    req = llm_pb2.TokenizeRequest()
+    req.messages.messages.extend(_chat_message(m) for m in messages)
+    return req

@@ -67,6 +67,7 @@ class LLMEngine:
         self.executor = create_executor(config)
         self.vocab_size = self.executor.vocab_size
         self.model_name = self.source.name
+        self.architecture = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
         self.block_manager = BlockManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -281,10 +282,25 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_block_size": self.config.block_size,
             "prefix_cache_hit_rate": self.block_manager.hit_rate,
+            "prefix_cache_queries": self.block_manager.query_tokens,  # prompt tokens looked up
+            "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
             "requests_rejected": 0,
             "uptime_s": time.monotonic() - self.started,
+        }
+
+    def model_info(self) -> dict:
+        """Facts about the loaded model (the ModelInfo RPC's fields the engine knows)."""
+        return {
+            "model": self.model_name,
+            "architecture": self.architecture,
+            "max_model_len": self.config.max_model_len,
+            "vocab_size": self.vocab_size,
+            "dtype": str(self.executor.dtype).removeprefix("torch."),
+            "tp_size": self.config.tensor_parallel_size,
+            "eos_token_ids": list(self.eos_token_ids),
+            "kv_block_size": self.config.block_size,
         }
 
     def shutdown(self) -> None:

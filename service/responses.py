@@ -107,5 +107,13 @@ class CompletionBuilder:
 
 def stats_response(stats: dict) -> llm_pb2.StatsResponse:
     """Copy the keys the proto knows (``engine.stats()`` may carry more)."""
-    names = {f.name for f in llm_pb2.StatsResponse.DESCRIPTOR.fields}
-    return llm_pb2.StatsResponse(**{k: v for k, v in stats.items() if k in names})
+    return _message_from(llm_pb2.StatsResponse, stats)
+
+
+def model_info_response(info: dict) -> llm_pb2.ModelInfoResponse:
+    return _message_from(llm_pb2.ModelInfoResponse, info)
+
+
+def _message_from(cls, values: dict):
+    names = {f.name for f in cls.DESCRIPTOR.fields}
+    return cls(**{k: v for k, v in values.items() if k in names})
