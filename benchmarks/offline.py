@@ -9,6 +9,8 @@ requests, and the ratio. The peer is loaded only once kvserve is shut down and i
 and a peer that fails reports its error next to kvserve's figures. ``--json FILE`` writes them.
 
     python -m kvserve.benchmarks.offline [--num-requests 64] [--peer hf] [--peer-batch 16] [--json out.json]
+
+``--json-schema FILE`` measures structured output's cost per step instead (benchmarks/structured.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvserve.benchmarks.ceiling import (
     memory_bandwidth,
 )
 from kvserve.benchmarks.peers import load_transformers_model
+from kvserve.benchmarks.structured import run_structured_overhead
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.loader import load_hf_config
 
@@ -136,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peer-batch", type=int, default=16, help="transformers batch size (padded)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling")
     ap.add_argument("--json", default=None, help="write the figures to this file")
+    ap.add_argument("--json-schema", metavar="FILE",
+                    help="measure the cost per step of constraining the outputs to this JSON schema")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
 
@@ -205,8 +210,25 @@ def run_peer(ours: dict, args) -> dict:
     return {"seconds": seconds, "output_tok_s": sum(outputs) / seconds, "mode": mode}
 
 
-def main(argv=None) -> dict:
+def run_json_schema(args) -> None:
+    """``--json-schema FILE``: the same requests constrained and unconstrained (benchmarks/structured.py)."""
+    llm = LLM(args.model, **engine_options(args))
+    try:
+        prompts, outputs = make_requests(
+            args.num_requests, (args.min_prompt, args.max_prompt), (args.min_output, args.max_output),
+            args.seed, vocab=min(10000, llm.engine.vocab_size),
+        )  # fmt: skip
+        with open(args.json_schema, encoding="utf-8") as f:
+            run_structured_overhead(llm, f.read(), prompts, outputs, args.temperature, args.quiet)
+    finally:
+        llm.shutdown()
+
+
+def main(argv=None) -> dict | None:
     args = parse_args(argv)
+    if args.json_schema:
+        run_json_schema(args)
+        return None
     ours = run_ours(args)
     total = sum(ours["outputs"])
     dtype = str(ours["dtype"]).removeprefix("torch.")

@@ -62,6 +62,17 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo_i, hi_i
 
 
+def parse_levels(text: str) -> list[int]:
+    """"8" or "1,8,32,128": concurrency levels, each >= 1."""
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"expected N or N,N,... with every N >= 1, got {text!r}")
+    return levels
+
+
 def make_workload(args: argparse.Namespace) -> list[Request]:
     rng = random.Random(args.seed)
     lo_tok, hi_tok = args.token_range
@@ -268,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="an already running server (default: start one)")
     p.add_argument("--num-requests", type=int, default=32)
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", type=int, help="requests in flight at once (default 8)")
+    mode.add_argument("--concurrency", type=parse_levels, metavar="N[,N...]",
+                      help="requests in flight at once (default 8); a list (1,8,32,128) runs a sweep "
+                           "over one server, service only")
     mode.add_argument("--request-rate", type=float, help="Poisson arrivals per second instead")
     p.add_argument("--prompt-len", type=parse_range, default=(32, 256), metavar="LO:HI")
     p.add_argument("--output-len", type=parse_range, default=(64, 64), metavar="LO:HI")
@@ -278,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compare", action="store_true", help="skip the in-process run")
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--plot", metavar="FILE.png", help="draw throughput and TTFT/ITL against concurrency")
     e = p.add_argument_group("engine (for the started server and the in-process engine)")
     e.add_argument("--model", default="default")
     e.add_argument("--dtype", default="auto")
@@ -298,8 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not 0.0 <= args.shared_prefix <= 1.0:
         raise SystemExit(f"--shared-prefix must be in [0, 1], got {args.shared_prefix}")
-    concurrency = None if args.request_rate else (args.concurrency or 8)
+    if args.plot and args.request_rate:
+        raise SystemExit("--plot draws a concurrency sweep; it does not go with --request-rate")
     work = make_workload(args)
+    if (args.concurrency and len(args.concurrency) > 1) or args.plot:
+        from kvserve.benchmarks.serving_sweep import run_sweep
+
+        return run_sweep(args, work, args.concurrency or [8])
+    concurrency = None if args.request_rate else (args.concurrency or [8])[0]
     mode = f"rate {args.request_rate}/s" if args.request_rate else f"concurrency {concurrency}"
     print(f"workload: {len(work)} requests, {mode}, prompt {args.prompt_len}, output {args.output_len}, "
           f"shared prefix {args.shared_prefix}")
@@ -323,13 +343,17 @@ def _grpc_phase(args, work, concurrency):
         return (*asyncio.run(run_grpc(args.target, work, concurrency)), None)
     from kvserve.service.process import ServerProcess
 
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_kwargs(args).items()]
-    flags.append(f"--max-queue={max(256, len(work))}")
-    with ServerProcess(*flags, "--log-level", "warning") as server:
+    with ServerProcess(*server_flags(args, len(work))) as server:
         cpu0 = process_tree_cpu_s(server.proc.pid)
         traces, wall_s = asyncio.run(run_grpc(server.target, work, concurrency))
         cpu1 = process_tree_cpu_s(server.proc.pid)
         return traces, wall_s, (cpu1 - cpu0 if cpu0 is not None else None)
+
+
+def server_flags(args, num_requests: int) -> list[str]:
+    """``kvserve serve`` flags for a server started for the run."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_kwargs(args).items()]
+    return [*flags, f"--max-queue={max(256, num_requests)}", "--log-level", "warning"]
 
 
 def _local_phase(args, work, concurrency):

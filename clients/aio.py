@@ -23,6 +23,7 @@ from kvserve.clients.messages import (
     Message,
     auth_metadata,
     build_request,
+    build_tokenize_request,
     completion_from_proto,
     delta_from_proto,
     open_channel,
@@ -69,6 +70,17 @@ class AsyncClient:
                 yield stats_to_dict(msg)
         finally:
             call.cancel()
+
+    async def tokenize(self, prompt: str | None = None, *, messages: Iterable[Message] | None = None,
+                 timeout: float | None = None) -> list[int]:
+        """The token ids ``generate`` would run on for this prompt (text or chat messages)."""
+        req = build_tokenize_request(prompt, messages)
+        return list((await self._stub.Tokenize(req, timeout=self._deadline(timeout))).token_ids)
+
+    async def model_info(self, timeout: float | None = None) -> dict:
+        """The served model: name, architecture, max_model_len, vocab_size, dtype, eos_token_ids, ..."""
+        req = llm_pb2.ModelInfoRequest()
+        return stats_to_dict(await self._stub.ModelInfo(req, timeout=self._deadline(timeout)))
 
     async def health(self, service: str = SERVICE_NAME, timeout: float | None = None) -> str:
         req = health_pb2.HealthCheckRequest(service=service)

@@ -25,6 +25,7 @@ from kvserve.clients.messages import (
     Message,
     auth_metadata,
     build_request,
+    build_tokenize_request,
     completion_from_proto,
     delta_from_proto,
     open_channel,
@@ -75,6 +76,17 @@ class Client:
                 yield stats_to_dict(msg)
         finally:
             call.cancel()
+
+    def tokenize(self, prompt: str | None = None, *, messages: Iterable[Message] | None = None,
+                 timeout: float | None = None) -> list[int]:
+        """The token ids ``generate`` would run on for this prompt (text or chat messages)."""
+        req = build_tokenize_request(prompt, messages)
+        return list((self._stub.Tokenize(req, timeout=self._deadline(timeout))).token_ids)
+
+    def model_info(self, timeout: float | None = None) -> dict:
+        """The served model: name, architecture, max_model_len, vocab_size, dtype, eos_token_ids, ..."""
+        req = llm_pb2.ModelInfoRequest()
+        return stats_to_dict(self._stub.ModelInfo(req, timeout=self._deadline(timeout)))
 
     def health(self, service: str = SERVICE_NAME, timeout: float | None = None) -> str:
         """"SERVING" or "NOT_SERVING" ("" is the whole server, the default is LLMService)."""

@@ -2,7 +2,8 @@
 
 Sampling flags are derived from ``SamplingParams`` in llm.proto, so they never drift from
 the API: ``--temperature``, ``--max-tokens``, ``--stop`` (repeatable), ``--ignore-eos``, ...
-Unset flags leave the server's defaults.
+Unset flags leave the server's defaults. The text of ``--json-schema``, ``--regex`` and
+``--grammar`` may be read from a file: ``--json-schema @schema.json``.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         kind = float if f.cpp_type in _FLOATS else str
         if f.cpp_type in _INT_RANGES:
             kind = _int_in(*_INT_RANGES[f.cpp_type])
+        elif f.cpp_type == FieldDescriptor.CPPTYPE_STRING and not f.is_repeated:
+            kind = _text_or_file  # a schema, regex or grammar: text, or @FILE to read it from a file
         action = "append" if f.is_repeated else "store"
         g.add_argument(flag, dest=name, type=kind, action=action, help=help_text)
 
@@ -124,6 +127,16 @@ def _int_in(lo: int, hi: int):
     return parse
 
 
+def _text_or_file(value: str) -> str:
+    if not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {value[1:]}: {e.strerror}") from None
+
+
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name, None) is not None}
 
@@ -139,10 +152,15 @@ def _generate(client, args: argparse.Namespace) -> int:
         return _generate_with_logprobs(client, args.prompt, sampling, args.stream)
     if not args.stream:
         done = client.generate(args.prompt, **sampling)
-        print(json.dumps(_as_dict(done), indent=2) if args.json else done.text)
+        if args.json:
+            print(json.dumps(_as_dict(done), indent=2))
+        for choice in ([] if args.json else done.choices):
+            if len(done.choices) > 1:
+                print(f"--- choice {choice.index} ({choice.finish_reason}) ---")
+            print(choice.text)
         return 0
     for delta in client.stream(args.prompt, **sampling):
-        if args.json:
+        if args.json or (sampling.get("n") or 1) > 1:  # n > 1: pieces of the choices interleave
             print(json.dumps(_as_dict(delta)), flush=True)
         else:
             print(delta.text, end="", flush=True)

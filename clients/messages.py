@@ -6,6 +6,7 @@ Sampling keywords are the field names of ``SamplingParams`` in llm.proto (``temp
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,8 +79,21 @@ class TokenLogprob:
 
 
 @dataclass
+class Choice:
+    """One of the n completions of a prompt (``sampling`` keyword ``n``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
 class Completion:
-    """A whole completion (``generate``)."""
+    """A whole completion (``generate``); with n > 1 the fields are choice 0's (usage: prompt
+    counted once, completion tokens of all choices), and ``choices`` has every one."""
 
     request_id: str
     text: str
@@ -88,6 +102,7 @@ class Completion:
     usage: Usage
     timing: Timing
     logprobs: list[TokenLogprob]
+    choices: list[Choice] = field(default_factory=list)  # all n completions (one when n = 1)
 
 
 @dataclass
@@ -101,6 +116,7 @@ class Delta:
     finish_reason: str | None = None
     usage: Usage | None = None
     timing: Timing | None = None
+    index: int = 0  # which completion (0 .. n-1) this piece belongs to
 
     @property
     def finished(self) -> bool:
@@ -139,6 +155,8 @@ def sampling_params(**sampling) -> llm_pb2.SamplingParams:
     for name, value in sampling.items():
         if value is None:
             continue
+        if name == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value)  # a schema given as a dict
         if SAMPLING_FIELDS[name].is_repeated:
             getattr(msg, name).extend([value] if isinstance(value, str | int) else value)
         else:
@@ -168,7 +186,13 @@ def _timing(t: llm_pb2.Timing) -> Timing:
     return Timing(t.queue_ms, t.ttft_ms, t.total_ms)
 
 
+def _choice(msg: llm_pb2.Choice | llm_pb2.GenerateResponse, index: int) -> Choice:
+    return Choice(index, msg.text, list(msg.token_ids), finish_reason_name(msg.finish_reason) or "",
+                  _usage(msg.usage), _logprobs(msg.logprobs))
+
+
 def completion_from_proto(msg: llm_pb2.GenerateResponse) -> Completion:
+    choices = [_choice(c, c.index) for c in msg.choices] or [_choice(msg, 0)]
     return Completion(
         request_id=msg.request_id,
         text=msg.text,
@@ -177,6 +201,7 @@ def completion_from_proto(msg: llm_pb2.GenerateResponse) -> Completion:
         usage=_usage(msg.usage),
         timing=_timing(msg.timing),
         logprobs=_logprobs(msg.logprobs),
+        choices=choices,
     )
 
 
@@ -190,9 +215,24 @@ def delta_from_proto(msg: llm_pb2.StreamResponse) -> Delta:
         finish_reason=reason,
         usage=_usage(msg.usage) if reason else None,
         timing=_timing(msg.timing) if reason else None,
+        index=msg.index,
     )
 
 
-def stats_to_dict(msg: llm_pb2.StatsResponse) -> dict:
-    """Every field, zeros included, with native Python numbers (64-bit ints stay ints)."""
-    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+def stats_to_dict(msg: llm_pb2.StatsResponse | llm_pb2.ModelInfoResponse) -> dict:
+    """Every field, zeros included, with native Python numbers (64-bit ints stay ints, repeated
+    fields are lists)."""
+    return {f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name)
+            for f in msg.DESCRIPTOR.fields}
+
+
+def build_tokenize_request(prompt: str | None = None, messages: Iterable[Message] | None = None
+                           ) -> llm_pb2.TokenizeRequest:
+    """A TokenizeRequest from exactly one of prompt / messages."""
+    if (prompt is None) == (messages is None):
+        raise TypeError("give exactly one of prompt, messages")
+    if prompt is not None:
+        return llm_pb2.TokenizeRequest(prompt=prompt)
+    req = llm_pb2.TokenizeRequest()
+    req.messages.messages.extend(_chat_message(m) for m in messages)
+    return req

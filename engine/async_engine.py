@@ -195,7 +195,7 @@ class AsyncEngine:
         if self._state not in (EngineState.READY, EngineState.DRAINING):
             raise EngineUnavailable(self._unavailable_reason())
         key = f"{request_id}#{next(self._ids)}"
-        stream = RequestStream(key, self._release)
+        stream = RequestStream(key, self._release, params.n)
         self._live[key] = stream
         self._idle.clear()
         self._batch.new.append(NewRequest(key, ids, params))
@@ -205,17 +205,34 @@ class AsyncEngine:
 
     async def stats(self) -> dict:
         """The core's stats plus the admission fields (num_queued, max_queue, requests_rejected)."""
+        stats = await self._call_core("stats")
+        stats.update(num_queued=self._tokenizing + self._unacked, max_queue=self.max_queue,
+                     requests_rejected=self._rejected)
+        return stats
+
+    async def model_info(self) -> dict:
+        """The loaded model's facts (``LLMEngine.model_info()``) and whether it has a chat template."""
+        info = await self._call_core("model_info")
+        info["has_chat_template"] = bool(getattr(self._prompts.tokenizer, "chat_template", None))
+        return info
+
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, str]] | None = None) -> list[int]:
+        """The token ids ``generate`` would run on (off the loop); ValueError for a bad prompt."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self._prompts is None:
+            raise EngineUnavailable(self._unavailable_reason())
+        return await self._loop.run_in_executor(self._pool, self._encode, prompt, messages)
+
+    async def _call_core(self, name: str) -> dict:
         if self._state in (EngineState.LOADING, EngineState.DEAD, EngineState.STOPPED):
             raise EngineUnavailable(self._unavailable_reason())
         call_id = next(self._ids)
         future = self._loop.create_future()
         self._calls[call_id] = future
-        self._batch.calls.append(Call(call_id, "stats"))
+        self._batch.calls.append(Call(call_id, name))
         self._schedule_flush()
-        stats = await future
-        stats.update(num_queued=self._tokenizing + self._unacked, max_queue=self.max_queue,
-                     requests_rejected=self._rejected)
-        return stats
+        return await future
 
     def _encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
         """Runs on the tokenizer pool."""
@@ -311,7 +328,7 @@ class AsyncEngine:
             stream = live.get(out.request_id)
             if stream is not None:
                 stream.push(out)
-                if out.finished:
+                if stream.finished:
                     del live[out.request_id]
         for reply in msg.replies:
             future = self._calls.pop(reply.call_id, None)

@@ -26,6 +26,7 @@ import zmq
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.ipc import HEARTBEAT_S, Codec, Failed, Ready, Rejected, Reply, StepDone, ToCore
+from kvserve.service.logs import configure_logging, inherited_log_format
 
 log = logging.getLogger("kvserve.engine.core")
 
@@ -51,6 +52,7 @@ class EngineCore:
             busy = engine.has_unfinished_requests()
             self._take_inputs(timeout_ms=0 if busy else int(HEARTBEAT_S * 1000))
             outputs = engine.step() if engine.has_unfinished_requests() else []
+            self._rejected += [Rejected(key, message) for key, message in engine.take_rejected()]
             if not engine.is_healthy():
                 raise RuntimeError("a tensor-parallel worker died")
             # one message per turn: a step's outputs, the answers to what came in, or (idle) a heartbeat
@@ -83,6 +85,8 @@ class EngineCore:
     def _call(self, name: str) -> dict:
         if name == "stats":
             return self.engine.stats()
+        if name == "model_info":
+            return self.engine.model_info()
         raise ValueError(f"unknown engine-core call {name!r}")
 
     def _send_step(self, outputs) -> None:
@@ -146,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-fd", type=int, help="pipe whose EOF means the front-end died")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    configure_logging(args.log_level, inherited_log_format(), component="core")
     if args.parent_fd is not None:
         exit_with_parent(args.parent_fd)
     return run_core(EngineConfig(**json.loads(args.config)), args.inbox, args.outbox)

@@ -32,7 +32,7 @@ class Call(msgspec.Struct, array_like=True):
     name: str  # one of CALLS
 
 
-CALLS = ("stats",)
+CALLS = ("stats", "model_info")
 
 
 class ToCore(msgspec.Struct, array_like=True):

@@ -30,7 +30,9 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
-        """Run every prompt to completion; results come back in input order."""
+        """Run every prompt to completion; results come back in input order (with ``n`` > 1,
+        each result is choice 0 and its ``choices`` hold all n). A structured-output constraint
+        that does not compile raises ValueError naming its field."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -47,7 +49,7 @@ class LLM:
                 self.engine.add_request(rid, p, sp)
                 order[rid] = i
                 prompt_ids = self.engine.requests[rid].seq.prompt_token_ids
-                results[rid] = CompletionOutput(rid, prompt_ids, "", [], None, [])
+                results[rid] = _empty_result(rid, prompt_ids, sp.n)
             self._run(results, use_tqdm)
         except BaseException:
             for rid in order:
@@ -58,18 +60,25 @@ class LLM:
 
     def _run(self, results: dict[str, CompletionOutput], use_tqdm: bool) -> None:
         bar = tqdm(total=len(results), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        unfinished = {rid: len(r.choices) or 1 for rid, r in results.items()}
         done = 0
         while done < len(results):
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            for _, message in self.engine.take_rejected():
+                raise ValueError(message)
+            for out in outputs:
                 r = results[out.request_id]
+                r = r.choices[out.index] if r.choices else r
                 r.token_ids.extend(out.new_token_ids)
                 r.text += out.new_text
                 r.logprobs.extend(out.new_logprobs)
                 if out.finished:
                     r.finish_reason = out.finish_reason
                     r.cached_tokens = out.cached_tokens
-                    done += 1
-                    bar.update(1)
+                    unfinished[out.request_id] -= 1
+                    if not unfinished[out.request_id]:
+                        done += 1
+                        bar.update(1)
             eng = self.engine
             bar.set_postfix(running=eng.num_running(), waiting=eng.num_waiting(), refresh=False)
         bar.close()
@@ -89,3 +98,11 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _empty_result(request_id: str, prompt_ids: list[int], n: int) -> CompletionOutput:
+    first = CompletionOutput(request_id, prompt_ids, "", [], None, [])
+    if n > 1:
+        first.choices = [first] + [CompletionOutput(request_id, prompt_ids, "", [], None, [], index=i)
+                                   for i in range(1, n)]
+    return first

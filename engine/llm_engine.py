@@ -8,12 +8,14 @@ process, the service's engine thread under gRPC). ``add_request`` validates at t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.config import EngineConfig, resolve_max_model_len
+from kvserve.engine.constraints import constraint_of
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
@@ -24,17 +26,34 @@ from kvserve.engine.prompts import PromptEncoder
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason, Sequence
+from kvserve.engine.structured import StructuredOutput
 
 log = logging.getLogger("kvserve.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192
+COMPILE_WAIT_S = 0.05  # an idle engine waits this long for a grammar compile before stepping again
+
+
+@dataclass
+class _Choice:
+    """One of a request's n completions: a sequence and its detokenizer."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    index: int = 0
 
 
 @dataclass
 class _Request:
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    reported: bool = False  # the final output has been handed out
+    request_id: str
+    choices: list[_Choice]
+    unfinished: int = 0  # choices that have not finished yet
+    to_fork: list[Sequence] = field(default_factory=list)  # choices 1..n-1 until choice 0's prefill
+
+    @property
+    def seq(self) -> Sequence:
+        """Choice 0, the one that is prefilled."""
+        return self.choices[0].seq
 
 
 class LLMEngine:
@@ -48,6 +67,7 @@ class LLMEngine:
         self.executor = create_executor(config)
         self.vocab_size = self.executor.vocab_size
         self.model_name = self.source.name
+        self.architecture = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
         self.block_manager = BlockManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -60,12 +80,16 @@ class LLMEngine:
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self.prompts = PromptEncoder(self.tokenizer, self.vocab_size, config.max_model_len)
+        self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # which row of the runners' persistent block table each running sequence has
         self.block_tables = BlockTableWriter(
             config.max_num_seqs, block_table_width(config.max_model_len, config.block_size)
         )
         self.requests: dict[str, _Request] = {}
+        self._choices: dict[int, _Choice] = {}  # by seq_id
+        self._forks: dict[int, list[Sequence]] = {}  # choice 0's seq_id -> the choices to fork from it
         self._aborted: list[RequestOutput] = []
+        self._rejected: list[tuple[str, str]] = []
         self.started = time.monotonic()
         self.counters = dict.fromkeys(
             ("requests_finished", "requests_aborted", "prompt_tokens_total", "generation_tokens_total"), 0
@@ -79,31 +103,81 @@ class LLMEngine:
         return self.prompts.render_chat(messages)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Validate and queue a request; raises ValueError naming the field and the limit."""
+        """Validate and queue a request; raises ValueError naming the field and the limit.
+
+        A structured-output constraint is compiled on the grammar thread; the request is
+        scheduled once it compiled, or comes out of ``take_rejected`` when it does not."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params.validate(self.vocab_size)
+        constraint = constraint_of(params)
         ids = self.encode_prompt(prompt)
-        seq = Sequence(request_id, ids, params)
-        self.scheduler.add(seq)  # raises when it could never fit
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop)
-        self.requests[request_id] = _Request(seq, detok)
+        seqs = [Sequence(request_id, ids, choice_params(params, i)) for i in range(params.n)]
+        self.scheduler.check_fits(seqs[0])  # raises when it could never fit
+        choices = [_Choice(seq, self._detokenizer(seq), i) for i, seq in enumerate(seqs)]
+        req = _Request(request_id, choices, unfinished=len(choices), to_fork=seqs[1:])
+        self.requests[request_id] = req
+        self._choices.update((c.seq.seq_id, c) for c in choices)
+        if constraint is None:
+            self._schedule(req)
+        else:
+            self.structured.submit(req, constraint)
         self.counters["prompt_tokens_total"] += len(ids)
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        p = seq.params
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens, p.stop)
+
+    def _schedule(self, req: _Request) -> None:
+        """Hand choice 0 to the scheduler; the other choices fork from it after its prefill."""
+        if req.to_fork:
+            self._forks[req.seq.seq_id] = req.to_fork
+        self.scheduler.add(req.seq)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose constraint compiled; reject those whose did not."""
+        idle = not self.scheduler.has_unfinished()
+        for req, grammar in self.structured.take_compiled(COMPILE_WAIT_S if idle else 0.0):
+            if isinstance(grammar, BaseException):
+                self._drop(req)
+                self._rejected.append((req.request_id, str(grammar)))
+                continue
+            for c in req.choices:
+                self.structured.attach(c.seq, grammar)
+            self._schedule(req)
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """(request_id, message) of the requests refused after ``add_request`` (a constraint that
+        does not compile); they produce no output."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def _drop(self, req: _Request) -> None:
+        """Forget a request whose choices have all ended."""
+        self.requests.pop(req.request_id, None)
+        self._forks.pop(req.seq.seq_id, None)
+        for c in req.choices:
+            self._choices.pop(c.seq.seq_id, None)
+            self.structured.detach(c.seq)
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state; its blocks return to the pool now, its final output
         (finish_reason ABORT) comes out of the next ``step``."""
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return False
-        self.scheduler.finish(req.seq, FinishReason.ABORT)
+        self.structured.cancel(req)
+        for c in req.choices:
+            if not c.seq.is_finished:
+                self.scheduler.finish(c.seq, FinishReason.ABORT)
+                self._aborted.append(self._output(c, [], "", [], tail=""))
+        self._drop(req)
         self.counters["requests_aborted"] += 1
-        self._aborted.append(self._output(req, [], "", [], tail=""))
         return True
 
     # ---- the loop -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._aborted)
+        return bool(self.requests or self._aborted or self._rejected)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler + model step; returns every request's delta of this step (the outputs
@@ -118,6 +192,8 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        if self.structured.num_compiling:
+            self._admit_compiled()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
@@ -125,28 +201,47 @@ class LLMEngine:
         inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
         logits = self.executor.execute_model(inp)
         sampling = sched.sampling_seqs
+        self.structured.mask_logits(logits, sampling)
         sampled = self.sampler(logits, sampling)
+        for seq in self.structured.advance(sampling, sampled.token_ids):
+            log.warning("request %s: its constraint allows no token of this vocabulary here; aborting "
+                        "it after %d tokens", seq.request_id, seq.num_completion_tokens)
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        if self._forks:
+            self._fork_prefilled(sampling)
         self.scheduler.postprocess(sched, sampled.token_ids)
         self.counters["generation_tokens_total"] += len(sampling)
         for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
-            outputs.append(self._emit(self.requests[seq.request_id], token, lp))
+            outputs.append(self._emit(self._choices[seq.seq_id], token, lp))
         return outputs
 
-    def _emit(self, req: _Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        seq = req.seq
-        # the EOS / stop token that ended the request is reported as a token, not as text
-        ended_by_token = seq.finish_reason == FinishReason.STOP
-        text = "" if ended_by_token else req.detok.add(token)
-        tail = req.detok.finish() if seq.is_finished and not req.detok.stopped else ""
-        if req.detok.stopped:  # also when this token hit max_tokens: the stop string ended the text
-            self.scheduler.finish(seq, FinishReason.STOP_STRING)
-        if seq.is_finished:
-            del self.requests[seq.request_id]
-            self.counters["requests_finished"] += 1
-        return self._output(req, [token], text, [logprobs] if logprobs else [], tail)
+    def _fork_prefilled(self, sampling: list[Sequence]) -> None:
+        """Fork the other choices of each request whose prompt was prefilled in this step (before
+        ``postprocess``, which may finish choice 0 and free its blocks)."""
+        for seq in sampling:
+            if seq.num_completion_tokens == 0 and seq.seq_id in self._forks:
+                self.scheduler.fork(seq, self._forks.pop(seq.seq_id))
 
-    def _output(self, req: _Request, tokens, text: str, logprobs, tail: str) -> RequestOutput:
-        seq = req.seq
+    def _emit(self, choice: _Choice, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        seq, detok = choice.seq, choice.detok
+        # the EOS / stop token that ended the request is reported as a token, not as text; so is
+        # the token its constraint refused (an ABORT here)
+        ended_by_token = seq.finish_reason in (FinishReason.STOP, FinishReason.ABORT)
+        text = "" if ended_by_token else detok.add(token)
+        if detok.stopped:  # also when this token hit max_tokens: the stop string ended the text
+            self.scheduler.finish(seq, FinishReason.STOP_STRING)
+        tail = detok.finish() if seq.is_finished and not detok.stopped else ""
+        if seq.is_finished:
+            self.structured.detach(seq)
+            request = self.requests[seq.request_id]
+            request.unfinished -= 1
+            if not request.unfinished:
+                self._drop(request)
+                self.counters["requests_finished"] += 1
+        return self._output(choice, [token], text, [logprobs] if logprobs else [], tail)
+
+    def _output(self, choice: _Choice, tokens, text: str, logprobs, tail: str) -> RequestOutput:
+        seq = choice.seq
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -158,11 +253,12 @@ class LLMEngine:
             completion_tokens=seq.num_completion_tokens,
             cached_tokens=seq.num_cached_prompt_tokens or 0,
             times=seq.times,
+            index=choice.index,
         )
 
     # ---- state ----------------------------------------------------------------------------
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + self.structured.num_compiling
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -186,12 +282,35 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_block_size": self.config.block_size,
             "prefix_cache_hit_rate": self.block_manager.hit_rate,
+            "prefix_cache_queries": self.block_manager.query_tokens,  # prompt tokens looked up
+            "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
             "requests_rejected": 0,
             "uptime_s": time.monotonic() - self.started,
         }
 
+    def model_info(self) -> dict:
+        """Facts about the loaded model (the ModelInfo RPC's fields the engine knows)."""
+        return {
+            "model": self.model_name,
+            "architecture": self.architecture,
+            "max_model_len": self.config.max_model_len,
+            "vocab_size": self.vocab_size,
+            "dtype": str(self.executor.dtype).removeprefix("torch."),
+            "tp_size": self.config.tensor_parallel_size,
+            "eos_token_ids": list(self.eos_token_ids),
+            "kv_block_size": self.config.block_size,
+        }
+
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of a request samples with its own seed stream, ``seed + index``."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
 

@@ -124,15 +124,37 @@ def _as_list(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
 
 
-def load_weights(model: nn.Module, src: ModelSource) -> None:
-    """Fill ``model`` from the source's checkpoint (GGUF dequantized to the parameters' dtype)."""
+def load_weights(model: nn.Module, src: ModelSource, show_progress: bool = True) -> None:
+    """Fill ``model`` from the source's checkpoint (GGUF dequantized to the parameters' dtype).
+    ``show_progress``: a progress bar on stderr, shown only when stderr is a terminal."""
     if src.gguf_file:
-        load_named_weights(model, gguf_file.hf_tensors(gguf_file.GGUFFile(src.gguf_path)))
-        return
-    files = sorted(glob.glob(os.path.join(src.path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{src.path} holds no *.safetensors weights")
-    load_named_weights(model, _safetensors_weights(files))
+        gguf = gguf_file.GGUFFile(src.gguf_path)
+        total = sum(1 for name in gguf.tensors if gguf_file.hf_tensor_name(name) is not None)
+        weights = gguf_file.hf_tensors(gguf)
+    else:
+        files = sorted(glob.glob(os.path.join(src.path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"{src.path} holds no *.safetensors weights")
+        total, weights = _safetensors_count(files), _safetensors_weights(files)
+    load_named_weights(model, loading_progress(weights, total, src.name, show_progress))
+
+
+def loading_progress(items: Iterable, total: int, name: str, enabled: bool = True) -> Iterable:
+    """``items`` with a tqdm bar on stderr; quiet when stderr is no terminal (logs, pipes, tests)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(items, total=total, desc=f"loading {name}", unit="tensor", dynamic_ncols=True,
+                disable=None if enabled else True)
+
+
+def _safetensors_count(files: list[str]) -> int:
+    from safetensors import safe_open
+
+    count = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            count += len(f.keys())
+    return count
 
 
 def _safetensors_weights(files: list[str]) -> Iterable[tuple[str, torch.Tensor]]:

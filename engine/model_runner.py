@@ -114,7 +114,7 @@ class ModelRunner:
                                                 self.dtype)
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
-        load_weights(self.model, self.source)
+        load_weights(self.model, self.source, show_progress=self.parallel.rank == 0)  # one bar, not N
         if config.quantization is not None:
             quantize_model(self.model, config.quantization, self.device)
         self.vocab_size = self.hf_config.vocab_size

@@ -29,6 +29,7 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
     times: SequenceTimes  # time.monotonic() stamps: arrival, first_scheduled, first_token, finished
+    index: int = 0  # which of the request's n completions (SamplingParams.n) this delta belongs to
 
 
 @dataclass
@@ -42,3 +43,6 @@ class CompletionOutput:
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprobs]
     cached_tokens: int = 0
+    index: int = 0
+    # all n completions, in index order, when SamplingParams.n > 1 (this object is choice 0)
+    choices: list[CompletionOutput] = field(default_factory=list)

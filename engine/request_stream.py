@@ -4,7 +4,9 @@ The front-end ``push``es each step's delta as it arrives (one wake-up of the rea
 at most). The reader takes, at each ``__anext__``, everything that arrived since its last
 read as one ``RequestOutput``: under light load that is each token's own delta; when the
 client or the loop falls behind, the waiting deltas go out together (token ids, text and
-logprobs concatenated in order; finish reason, usage and times from the last one).
+logprobs concatenated in order; finish reason, usage and times from the last one). A request
+with n completions (SamplingParams.n) has n choices: a read takes one choice's deltas, and the
+stream ends after every choice's finished one.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ class RequestStream:
     ``on_close(key, finished)``: the front-end aborts the request if it has not finished.
     """
 
-    def __init__(self, key: str, on_close: Callable[[str, bool], None]):
+    def __init__(self, key: str, on_close: Callable[[str, bool], None], n: int = 1):
         self.key = key
         self._on_close = on_close
+        self._unfinished = n  # choices whose finished output has not been pushed
         self._pending: list[RequestOutput] = []
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
@@ -34,7 +37,8 @@ class RequestStream:
 
     def push(self, out: RequestOutput) -> None:
         self._pending.append(out)
-        self._finished = out.finished
+        self._unfinished -= out.finished
+        self._finished = self._unfinished == 0
         self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -69,9 +73,10 @@ class RequestStream:
             self._done = True
             self.close()
             raise self._error
-        out = coalesce(self._pending)
-        self._pending = []
-        if out.finished:
+        index = self._pending[0].index
+        out = coalesce([o for o in self._pending if o.index == index])
+        self._pending = [o for o in self._pending if o.index != index]
+        if self._finished and not self._pending:
             self._done = True
         return out
 
@@ -103,4 +108,5 @@ def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
         completion_tokens=last.completion_tokens,
         cached_tokens=last.cached_tokens,
         times=last.times,
+        index=last.index,
     )

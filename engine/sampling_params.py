@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvserve.engine.constraints import check_structured
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -43,6 +45,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]
     logprobs: int = 0  # top-N alternatives per token, 0 = none
     skip_special_tokens: bool = True
+    # structured output, at most one of the five (engine/constraints.py, engine/structured.py)
+    json_schema: str | None = None  # a JSON Schema document
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    grammar: str | None = None  # EBNF / GBNF
+    choice: list[str] = field(default_factory=list)  # exactly one of these strings
+    n: int = 1  # completions of the prompt, [1, MAX_N]; choice i samples with seed + i
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +109,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_structured(self)
         return self
 
 

@@ -146,12 +146,18 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.bm.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
-            if not self.bm.can_admit(seq, hits, n):
-                break
-            self.waiting.popleft()
-            self.bm.admit(seq, hits)
+            if seq.block_table:  # a forked choice: it holds its share of the prompt's blocks already
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not self.bm.can_grow(seq, n):
+                    break
+                self.waiting.popleft()
+            else:
+                hits = self.bm.match_prefix(seq)
+                n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
+                if not self.bm.can_admit(seq, hits, n):
+                    break
+                self.waiting.popleft()
+                self.bm.admit(seq, hits)
             self.bm.grow(seq, n)
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
@@ -159,6 +165,17 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """The other choices of ``parent``'s request (SamplingParams.n), once its prompt's KV is
+        written: each child takes references on the prompt's full blocks and waits at the head of
+        the queue to compute the rest itself, at least the last prompt token, whose logits give
+        its own first token. The prompt is prefilled once whether prefix caching is on or off."""
+        shared = parent.block_table[: (parent.num_prompt_tokens - 1) // self.bm.block_size]
+        for child in reversed(children):
+            self.check_fits(child)
+            self.bm.admit(child, shared)
+            self.waiting.appendleft(child)
 
     # ---- after the model ran ----------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
@@ -198,7 +215,7 @@ class Scheduler:
             return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        else:
+        elif seq in self.waiting:  # else never handed over: still compiling, or a choice not forked yet
             self.waiting.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -11,13 +11,13 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import sys
 import types
 import typing
 
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
 from kvserve.service.limits import add_limit_flags, stream_limits
+from kvserve.service.logs import LOG_FORMATS, configure_logging
 from kvserve.service.security import add_security_flags, security_settings
 
 ALIASES = {"tensor_parallel_size": ["--tp"]}
@@ -55,7 +55,6 @@ HELP = {
     "quantization": "int8 = weight-only int8 projections and LM head on the CPU "
                     "(default: weights in --dtype)",
 }
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -79,6 +78,14 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_security_flags(serve)
     add_limit_flags(serve)
+    s.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="log lines as text, or as JSON objects (one per line) for a log pipeline")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
+                        "default: no metrics endpoint)")
+    s.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry traces to this OTLP/gRPC collector, e.g. http://otel:4317 "
+                        "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; neither: no tracing)")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -112,9 +119,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.service.security import server_credentials
     from kvserve.service.server import ServeSettings, serve
 
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    configure_logging(args.log_level, args.log_format)
     if args.max_queue < 1:
         raise SystemExit(f"kvserve serve: --max-queue must be >= 1, got {args.max_queue}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"kvserve serve: --metrics-port must be in [0, 65535], got {args.metrics_port}")
     if args.drain_timeout < 0:
         raise SystemExit(f"kvserve serve: --drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.step_timeout <= 0:
@@ -124,7 +133,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout,
                                  step_timeout=args.step_timeout,
                                  exit_on_engine_failure=args.exit_on_engine_failure,
-                                 log_level=args.log_level,
+                                 log_level=args.log_level, metrics_port=args.metrics_port,
+                                 otlp_endpoint=args.otlp_endpoint,
                                  security=security_settings(args), limits=stream_limits(args))
         server_credentials(settings.security)  # unreadable or non-PEM files: refused before loading
     except ValueError as e:

@@ -52,6 +52,7 @@ def stream_response(request_id: str, out: RequestOutput, arrival: float) -> llm_
         text=out.new_text,
         token_ids=out.new_token_ids,
         logprobs=logprobs_to_proto(out.new_logprobs),
+        index=out.index,
     )
     if out.finished:
         msg.finish_reason = finish_reason_to_proto(out.finish_reason)
@@ -61,25 +62,58 @@ def stream_response(request_id: str, out: RequestOutput, arrival: float) -> llm_
 
 
 class CompletionBuilder:
-    """Accumulates a request's deltas into one GenerateResponse."""
+    """Accumulates a request's deltas (of its n choices) into one GenerateResponse: choice 0 in
+    the top-level fields, every choice in ``choices`` when n > 1 (see llm.proto)."""
 
-    def __init__(self, request_id: str, arrival: float):
-        self.response = llm_pb2.GenerateResponse(request_id=request_id)
+    def __init__(self, request_id: str, arrival: float, n: int = 1):
+        self._request_id = request_id
         self._arrival = arrival
-        self._text: list[str] = []
+        self._choices = [llm_pb2.Choice(index=i) for i in range(n)]
+        self._text: list[list[str]] = [[] for _ in range(n)]
+        self._times: list[SequenceTimes | None] = [None] * n  # each choice's, once finished
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self._choices)
 
     def add(self, out: RequestOutput) -> None:
-        self._text.append(out.new_text)
-        self.response.token_ids.extend(out.new_token_ids)
-        self.response.logprobs.extend(logprobs_to_proto(out.new_logprobs))
+        choice = self._choices[out.index]
+        self._text[out.index].append(out.new_text)
+        choice.token_ids.extend(out.new_token_ids)
+        choice.logprobs.extend(logprobs_to_proto(out.new_logprobs))
         if out.finished:
-            self.response.text = "".join(self._text)
-            self.response.finish_reason = finish_reason_to_proto(out.finish_reason)
-            self.response.usage.CopyFrom(usage_of(out))
-            self.response.timing.CopyFrom(timing_of(out.times, self._arrival))
+            choice.text = "".join(self._text[out.index])
+            choice.finish_reason = finish_reason_to_proto(out.finish_reason)
+            choice.usage.CopyFrom(usage_of(out))
+            self._times[out.index] = out.times
+
+    @property
+    def response(self) -> llm_pb2.GenerateResponse:
+        first = self._choices[0]
+        msg = llm_pb2.GenerateResponse(
+            request_id=self._request_id, text=first.text, token_ids=first.token_ids,
+            finish_reason=first.finish_reason, logprobs=first.logprobs,
+        )
+        msg.usage.CopyFrom(first.usage)
+        if len(self._choices) > 1:
+            msg.choices.extend(self._choices)
+            msg.usage.completion_tokens = sum(c.usage.completion_tokens for c in self._choices)
+        if all(t is not None for t in self._times):
+            # choice 0 was prefilled: its queue and first-token times are the request's
+            msg.timing.CopyFrom(timing_of(self._times[0], self._arrival))
+            msg.timing.total_ms = max(timing_of(t, self._arrival).total_ms for t in self._times)
+        return msg
 
 
 def stats_response(stats: dict) -> llm_pb2.StatsResponse:
     """Copy the keys the proto knows (``engine.stats()`` may carry more)."""
-    names = {f.name for f in llm_pb2.StatsResponse.DESCRIPTOR.fields}
-    return llm_pb2.StatsResponse(**{k: v for k, v in stats.items() if k in names})
+    return _message_from(llm_pb2.StatsResponse, stats)
+
+
+def model_info_response(info: dict) -> llm_pb2.ModelInfoResponse:
+    return _message_from(llm_pb2.ModelInfoResponse, info)
+
+
+def _message_from(cls, values: dict):
+    names = {f.name for f in cls.DESCRIPTOR.fields}
+    return cls(**{k: v for k, v in values.items() if k in names})

@@ -26,6 +26,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.service.health import SERVICE_NAME, Health
 from kvserve.service.limits import StreamLimitInterceptor, StreamLimits
 from kvserve.service.malformed import MalformedRequestInterceptor
+from kvserve.service.observability import Observability, served_model_name
 from kvserve.service.reflection import enable_reflection
 from kvserve.service.security import ApiKeyInterceptor, SecuritySettings, server_credentials, warn_if_exposed
 from kvserve.service.servicer import LLMServicer
@@ -61,12 +62,16 @@ class ServeSettings:
     log_level: str = "info"
     security: SecuritySettings = field(default_factory=SecuritySettings)  # TLS, API key, reflection
     limits: StreamLimits = field(default_factory=StreamLimits)  # concurrent calls
+    metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port (0 = any free port)
+    otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)
 
 
-def build_server(engine: AsyncEngine, health: Health, settings: ServeSettings | None = None
-                 ) -> grpc.aio.Server:
+def build_server(engine: AsyncEngine, health: Health, observability: Observability,
+                 settings: ServeSettings | None = None) -> grpc.aio.Server:
     settings = settings or ServeSettings()
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors(settings))
+    # telemetry outermost, so that calls refused by auth or limits are counted and traced too
+    server = grpc.aio.server(options=SERVER_OPTIONS,
+                             interceptors=[observability.interceptor, *interceptors(settings)])
     llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -106,7 +111,17 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
     await health.set_serving(False)
     engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
                          step_timeout=settings.step_timeout, log_level=settings.log_level)
-    server = build_server(engine, health, settings)
+    observability = Observability.start(served_model_name(config.model), engine, settings.host,
+                                        settings.metrics_port, settings.otlp_endpoint)
+    try:
+        return await _serve(config, settings, engine, health, observability)
+    finally:
+        observability.stop()
+
+
+async def _serve(config: EngineConfig, settings: ServeSettings, engine: AsyncEngine, health: Health,
+                 observability: Observability) -> int:
+    server = build_server(engine, health, observability, settings)
     port = bind(server, settings.host, settings.port, server_credentials(settings.security))
     warn_if_exposed(settings.security, settings.host)
     await server.start()

@@ -1,4 +1,4 @@
-"""The ``kvserve.v1.LLMService`` handlers: Generate, Stream, Stats, WatchStats.
+"""The ``kvserve.v1.LLMService`` handlers: Generate, Stream, Stats, WatchStats, Tokenize, ModelInfo.
 
 Handlers only produce work for the engine core (through ``AsyncEngine``, which tokenizes
 off the event loop and batches what the handlers produce) and turn its outputs into
@@ -18,12 +18,12 @@ import grpc
 
 from kvserve.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from kvserve.engine.generation_defaults import sampling_defaults
-from kvserve.engine.outputs import RequestOutput
+from kvserve.service.call_telemetry import REQUEST_ID_HEADER, CallTelemetry, current_call
 from kvserve.service.errors import status_for
 from kvserve.service.limits import MIN_WATCH_INTERVAL_MS
 from kvserve.service.redact import for_log
-from kvserve.service.responses import CompletionBuilder, stats_response, stream_response
-from kvserve.service.validation import EngineRequest, parse_generate_request
+from kvserve.service.responses import CompletionBuilder, model_info_response, stats_response, stream_response
+from kvserve.service.validation import EngineRequest, parse_generate_request, parse_tokenize_request
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 log = logging.getLogger("kvserve.service")
@@ -38,17 +38,14 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context) -> llm_pb2.GenerateResponse:
         arrival = time.monotonic()
-        req, stream = await self._start(request, context)
-        done = CompletionBuilder(req.request_id, arrival)
+        call = current_call()
+        req, stream = await self._start(request, context, call, arrival)
+        done = CompletionBuilder(req.request_id, arrival, req.params.n)
         error = None
         try:
             async for out in stream:
                 done.add(out)
-                if out.finished:
-                    self._log_finished(req, out, arrival)
-        except asyncio.CancelledError:
-            self._log_cancelled(req, len(done.response.token_ids), arrival)
-            raise
+                call.observe(out)
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             error = e
         finally:
@@ -59,19 +56,14 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
 
     async def Stream(self, request: llm_pb2.GenerateRequest, context):
         arrival = time.monotonic()
-        req, stream = await self._start(request, context)
-        sent = 0
+        call = current_call()
+        req, stream = await self._start(request, context, call, arrival)
         error = None
         try:
             async for out in stream:
                 if out.new_token_ids or out.new_text or out.finished:
-                    sent += len(out.new_token_ids)
+                    call.observe(out)
                     yield stream_response(req.request_id, out, arrival)
-                if out.finished:
-                    self._log_finished(req, out, arrival)
-        except asyncio.CancelledError:
-            self._log_cancelled(req, sent, arrival)
-            raise
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             error = e
         finally:
@@ -94,18 +86,40 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             yield await self._snapshot(context)
             await asyncio.sleep(interval_ms / 1000.0)
 
+    async def Tokenize(self, request: llm_pb2.TokenizeRequest, context) -> llm_pb2.TokenizeResponse:
+        try:
+            prompt, messages = parse_tokenize_request(request)
+            ids = await self._engine.tokenize(prompt, messages)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        return llm_pb2.TokenizeResponse(token_ids=ids, count=len(ids))
+
+    async def ModelInfo(self, request: llm_pb2.ModelInfoRequest, context) -> llm_pb2.ModelInfoResponse:
+        try:
+            info = await self._engine.model_info()
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        return model_info_response(info)
+
     # ---- helpers -----------------------------------------------------------------------------
-    async def _start(self, request: llm_pb2.GenerateRequest, context) -> tuple[EngineRequest, RequestStream]:
-        """Validate and admit; any refusal ends the call with its status."""
+    async def _start(
+        self, request: llm_pb2.GenerateRequest, context, call: CallTelemetry, arrival: float
+    ) -> tuple[EngineRequest, RequestStream]:
+        """Validate and admit; any refusal ends the call with its status. The request id goes
+        back as ``x-request-id`` metadata too."""
         try:
             info = self._engine.info
             if info is None:
                 raise EngineUnavailable("the model is still loading")
-            req = parse_generate_request(request, info.vocab_size, sampling_defaults(info.config.model))
+            req = parse_generate_request(request, info.vocab_size, sampling_defaults(info.config.model),
+                                         call.header_request_id)
             stream = await self._engine.generate(req.request_id, req.prompt, req.params, req.messages)
+            call.admitted(req.request_id, arrival)
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, req.request_id),))
             return req, stream
         except Exception as e:  # noqa: BLE001 - mapped to a status
             error = e
+        call.refused(request.request_id)
         await self._fail(context, error, request.request_id)
 
     async def _snapshot(self, context) -> llm_pb2.StatsResponse:
@@ -120,24 +134,4 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         code, message = status_for(error)
         if code == grpc.StatusCode.INTERNAL:
             log.error("request %s failed", for_log(request_id or "-"), exc_info=error)
-        else:
-            log.info("request %s ended: %s: %s", for_log(request_id or "-"), code.name, for_log(message, 256))
-        await context.abort(code, message)
-
-    def _log_finished(self, req: EngineRequest, out: RequestOutput, arrival: float) -> None:
-        t = out.times
-        ttft = (t.first_token - arrival) * 1000 if t.first_token is not None else float("nan")
-        total = ((t.finished or time.monotonic()) - arrival) * 1000
-        reason = out.finish_reason.name if out.finish_reason is not None else "-"
-        log.info(
-            "request %s finished: prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
-            "ttft_ms=%.1f total_ms=%.1f finish_reason=%s",
-            for_log(req.request_id), out.prompt_tokens, out.completion_tokens, out.cached_tokens, ttft, total,
-            reason,
-        )
-
-    def _log_cancelled(self, req: EngineRequest, tokens: int, arrival: float) -> None:
-        log.info(
-            "request %s cancelled (client cancel or deadline) after %d tokens, %.1f ms; aborting it",
-            for_log(req.request_id), tokens, (time.monotonic() - arrival) * 1000,
-        )
+        await context.abort(code, message)  # the call's log line (call_telemetry.py) tells the rest

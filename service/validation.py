@@ -24,19 +24,27 @@ class EngineRequest:
 
 
 def parse_generate_request(
-    req: llm_pb2.GenerateRequest, vocab_size: int, sampling_defaults: dict | None = None
+    req: llm_pb2.GenerateRequest, vocab_size: int, sampling_defaults: dict | None = None,
+    header_request_id: str | None = None,
 ) -> EngineRequest:
     """Check and convert a GenerateRequest; raises ValueError naming the bad field.
-    ``sampling_defaults`` (the model's recommended sampling) fill the fields the request leaves unset."""
-    request_id = req.request_id or uuid.uuid4().hex
+    ``sampling_defaults`` (the model's recommended sampling) fill the fields the request leaves unset.
+    The request id is the ``request_id`` field, else the call's ``x-request-id`` metadata, else a new one."""
+    request_id = req.request_id or header_request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+        field = "request_id" if req.request_id else "x-request-id"
+        raise ValueError(f"{field}: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
     prompt, messages = _parse_input(req, vocab_size)
     params = sampling_from_proto(req.sampling, sampling_defaults).validate(vocab_size)
     return EngineRequest(request_id, prompt, messages, params)
 
 
-def _parse_input(req: llm_pb2.GenerateRequest, vocab_size: int):
+def parse_tokenize_request(req: llm_pb2.TokenizeRequest) -> tuple[str | None, list[dict[str, str]] | None]:
+    """(prompt, messages) of a TokenizeRequest, one of them None; ValueError naming the field."""
+    return _parse_input(req, 0)  # it has no token_ids, the only input that needs the vocabulary
+
+
+def _parse_input(req: llm_pb2.GenerateRequest | llm_pb2.TokenizeRequest, vocab_size: int):
     which = req.WhichOneof("input")
     if which is None:
         raise ValueError("input: give one of prompt, token_ids or messages")

@@ -22,8 +22,8 @@ def grpcurl(kvserve_server):
     if not os.access(GRPCURL, os.X_OK):
         pytest.skip(f"no grpcurl binary at {GRPCURL}")
 
-    def run(*args: str, data: dict | None = None) -> subprocess.CompletedProcess:
-        cmd = [GRPCURL, "-plaintext"]
+    def run(*args: str, data: dict | None = None, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        cmd = [GRPCURL, "-plaintext", *flags]
         if data is not None:
             cmd += ["-d", json.dumps(data)]
         cmd += [kvserve_server.target, *args]
@@ -50,7 +50,7 @@ def test_list_shows_the_service_through_reflection(grpcurl):
     services = out.stdout.split()
     assert "kvserve.v1.LLMService" in services and "grpc.health.v1.Health" in services
     methods = grpcurl("list", "kvserve.v1.LLMService").stdout.split()
-    rpcs = ("Generate", "Stats", "Stream", "WatchStats")
+    rpcs = ("Generate", "ModelInfo", "Stats", "Stream", "Tokenize", "WatchStats")
     assert sorted(methods) == [f"kvserve.v1.LLMService.{m}" for m in rpcs]
 
 
@@ -89,3 +89,31 @@ def test_standard_health_check_answers_serving(grpcurl):
         out = grpcurl("grpc.health.v1.Health/Check", data={"service": service})
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == {"status": "SERVING"}
+
+
+def test_tokenize_and_model_info_calls(grpcurl, kvserve_server):
+    out = grpcurl("kvserve.v1.LLMService/Tokenize", data={"prompt": "The capital of France is"})
+    assert out.returncode == 0, out.stderr
+    tokenized = json.loads(out.stdout)
+    with Client(kvserve_server.target) as c:
+        done = c.generate("The capital of France is", max_tokens=1)
+        assert c.tokenize("The capital of France is") == tokenized["tokenIds"]
+        via_client = c.model_info()
+    assert tokenized["count"] == len(tokenized["tokenIds"]) == done.usage.prompt_tokens
+    chat = {"messages": {"messages": [{"role": "user", "content": "Hi"}]}}
+    out = grpcurl("kvserve.v1.LLMService/Tokenize", data=chat)
+    assert out.returncode == 0 and json.loads(out.stdout)["count"] > 1, out.stderr
+    out = grpcurl("kvserve.v1.LLMService/ModelInfo")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["architecture"] == "LlamaForCausalLM" and info["vocabSize"] == 49152
+    assert info["hasChatTemplate"] is True and info["eosTokenIds"] and info["dtype"] == "float32"
+    assert via_client["eos_token_ids"] == info["eosTokenIds"] and via_client["model"] == info["model"]
+
+
+def test_x_request_id_header_names_the_request(grpcurl):
+    out = grpcurl("kvserve.v1.LLMService/Generate", data={"prompt": "Hi", "sampling": {"max_tokens": 1}},
+                  flags=("-H", "x-request-id: grpcurl-7", "-v"))
+    assert out.returncode == 0, out.stderr
+    assert "x-request-id: grpcurl-7" in out.stdout  # echoed as response metadata (-v shows it)
+    assert '"requestId": "grpcurl-7"' in out.stdout

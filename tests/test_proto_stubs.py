@@ -38,7 +38,7 @@ def _without_json_names(fd: descriptor_pb2.FileDescriptorProto) -> descriptor_pb
 def test_grpc_stub_has_every_rpc_of_the_service():
     service = llm_pb2.DESCRIPTOR.services_by_name["LLMService"]
     rpcs = {m.name for m in service.methods}
-    assert rpcs == {"Generate", "Stream", "Stats", "WatchStats"}
+    assert rpcs == {"Generate", "Stream", "Stats", "WatchStats", "Tokenize", "ModelInfo"}
     for name in rpcs:
         assert hasattr(llm_pb2_grpc.LLMServiceServicer, name)
     assert service.methods_by_name["Stream"].server_streaming

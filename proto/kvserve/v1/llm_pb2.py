@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvserve/v1/llm.proto\x12\nkvserve.v1\"\xc7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xce\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"=\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"\xea\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.kvserve.v1.Timing\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\"\xe8\x01\n\x0eStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.kvserve.v1.Timing\"\x0e\n\x0cStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xda\x03\n\rStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x12\n\nnum_queued\x18\x07 \x01(\r\x12\x11\n\tmax_queue\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\n \x01(\r\x12\x15\n\rkv_block_size\x18\x0b \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x04\x12\x19\n\x11requests_finished\x18\x0e \x01(\x04\x12\x18\n\x10requests_aborted\x18\x0f \x01(\x04\x12\x19\n\x11requests_rejected\x18\x10 \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\x11 \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x12 \x01(\x04\x12\x10\n\x08uptime_s\x18\x13 \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x14 \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\x0f\n\x0bSTOP_STRING\x10\x02\x12\n\n\x06LENGTH\x10\x03\x12\t\n\x05\x41\x42ORT\x10\x04\x32\xa0\x02\n\nLLMService\x12\x45\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse\x12\x43\n\x06Stream\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1a.kvserve.v1.StreamResponse0\x01\x12<\n\x05Stats\x12\x18.kvserve.v1.StatsRequest\x1a\x19.kvserve.v1.StatsResponse\x12H\n\nWatchStats\x12\x1d.kvserve.v1.WatchStatsRequest\x1a\x19.kvserve.v1.StatsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvserve/v1/llm.proto\x12\nkvserve.v1\"\xc7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x88\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x18\n\x0bjson_schema\x18\x10 \x01(\tH\r\x88\x01\x01\x12\x18\n\x0bjson_object\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x12\n\x05regex\x18\x12 \x01(\tH\x0f\x88\x01\x01\x12\x14\n\x07grammar\x18\x13 \x01(\tH\x10\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x14 \x03(\t\x12\x0e\n\x01n\x18\x15 \x01(\rH\x11\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_json_schemaB\x0e\n\x0c_json_objectB\x08\n\x06_regexB\n\n\x08_grammarB\x04\n\x02_n\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"=\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"\x8f\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.kvserve.v1.Timing\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12#\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x12.kvserve.v1.Choice\"\xb7\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\"\xf7\x01\n\x0eStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.kvserve.v1.Timing\x12\r\n\x05index\x18\x08 \x01(\r\"\x0e\n\x0cStatsRequest\"(\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xda\x03\n\rStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x12\n\nnum_queued\x18\x07 \x01(\r\x12\x11\n\tmax_queue\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\n \x01(\r\x12\x15\n\rkv_block_size\x18\x0b \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x04\x12\x19\n\x11requests_finished\x18\x0e \x01(\x04\x12\x18\n\x10requests_aborted\x18\x0f \x01(\x04\x12\x19\n\x11requests_rejected\x18\x10 \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\x11 \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x12 \x01(\x04\x12\x10\n\x08uptime_s\x18\x13 \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x14 \x01(\t\"Z\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\x12\n\x10ModelInfoRequest\"\xcc\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x11has_chat_template\x18\x08 \x01(\x08\x12\x15\n\rkv_block_size\x18\t \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\x0f\n\x0bSTOP_STRING\x10\x02\x12\n\n\x06LENGTH\x10\x03\x12\t\n\x05\x41\x42ORT\x10\x04\x32\xb1\x03\n\nLLMService\x12\x45\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse\x12\x43\n\x06Stream\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1a.kvserve.v1.StreamResponse0\x01\x12<\n\x05Stats\x12\x18.kvserve.v1.StatsRequest\x1a\x19.kvserve.v1.StatsResponse\x12H\n\nWatchStats\x12\x1d.kvserve.v1.WatchStatsRequest\x1a\x19.kvserve.v1.StatsResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvserve.v1.TokenizeRequest\x1a\x1c.kvserve.v1.TokenizeResponse\x12H\n\tModelInfo\x12\x1c.kvserve.v1.ModelInfoRequest\x1a\x1d.kvserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.llm_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2250
-  _globals['_FINISHREASON']._serialized_end=2345
+  _globals['_FINISHREASON']._serialized_start=3047
+  _globals['_FINISHREASON']._serialized_end=3142
   _globals['_GENERATEREQUEST']._serialized_start=37
   _globals['_GENERATEREQUEST']._serialized_end=236
   _globals['_TOKENIDS']._serialized_start=238
@@ -42,25 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=322
   _globals['_CHATMESSAGE']._serialized_end=366
   _globals['_SAMPLINGPARAMS']._serialized_start=369
-  _globals['_SAMPLINGPARAMS']._serialized_end=959
-  _globals['_USAGE']._serialized_start=961
-  _globals['_USAGE']._serialized_end=1041
-  _globals['_TIMING']._serialized_start=1043
-  _globals['_TIMING']._serialized_end=1104
-  _globals['_TOPLOGPROB']._serialized_start=1106
-  _globals['_TOPLOGPROB']._serialized_end=1153
-  _globals['_TOKENLOGPROB']._serialized_start=1155
-  _globals['_TOKENLOGPROB']._serialized_end=1241
-  _globals['_GENERATERESPONSE']._serialized_start=1244
-  _globals['_GENERATERESPONSE']._serialized_end=1478
-  _globals['_STREAMRESPONSE']._serialized_start=1481
-  _globals['_STREAMRESPONSE']._serialized_end=1713
-  _globals['_STATSREQUEST']._serialized_start=1715
-  _globals['_STATSREQUEST']._serialized_end=1729
-  _globals['_WATCHSTATSREQUEST']._serialized_start=1731
-  _globals['_WATCHSTATSREQUEST']._serialized_end=1771
-  _globals['_STATSRESPONSE']._serialized_start=1774
-  _globals['_STATSRESPONSE']._serialized_end=2248
-  _globals['_LLMSERVICE']._serialized_start=2348
-  _globals['_LLMSERVICE']._serialized_end=2636
+  _globals['_SAMPLINGPARAMS']._serialized_end=1145
+  _globals['_USAGE']._serialized_start=1147
+  _globals['_USAGE']._serialized_end=1227
+  _globals['_TIMING']._serialized_start=1229
+  _globals['_TIMING']._serialized_end=1290
+  _globals['_TOPLOGPROB']._serialized_start=1292
+  _globals['_TOPLOGPROB']._serialized_end=1339
+  _globals['_TOKENLOGPROB']._serialized_start=1341
+  _globals['_TOKENLOGPROB']._serialized_end=1427
+  _globals['_GENERATERESPONSE']._serialized_start=1430
+  _globals['_GENERATERESPONSE']._serialized_end=1701
+  _globals['_CHOICE']._serialized_start=1704
+  _globals['_CHOICE']._serialized_end=1887
+  _globals['_STREAMRESPONSE']._serialized_start=1890
+  _globals['_STREAMRESPONSE']._serialized_end=2137
+  _globals['_STATSREQUEST']._serialized_start=2139
+  _globals['_STATSREQUEST']._serialized_end=2153
+  _globals['_WATCHSTATSREQUEST']._serialized_start=2155
+  _globals['_WATCHSTATSREQUEST']._serialized_end=2195
+  _globals['_STATSRESPONSE']._serialized_start=2198
+  _globals['_STATSRESPONSE']._serialized_end=2672
+  _globals['_TOKENIZEREQUEST']._serialized_start=2674
+  _globals['_TOKENIZEREQUEST']._serialized_end=2764
+  _globals['_TOKENIZERESPONSE']._serialized_start=2766
+  _globals['_TOKENIZERESPONSE']._serialized_end=2818
+  _globals['_MODELINFOREQUEST']._serialized_start=2820
+  _globals['_MODELINFOREQUEST']._serialized_end=2838
+  _globals['_MODELINFORESPONSE']._serialized_start=2841
+  _globals['_MODELINFORESPONSE']._serialized_end=3045
+  _globals['_LLMSERVICE']._serialized_start=3145
+  _globals['_LLMSERVICE']._serialized_end=3578
 # @@protoc_insertion_point(module_scope)

@@ -55,6 +55,16 @@ class LLMServiceStub:
                 request_serializer=kvserve_dot_v1_dot_llm__pb2.WatchStatsRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_llm__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/kvserve.v1.LLMService/Tokenize',
+                request_serializer=kvserve_dot_v1_dot_llm__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_llm__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.ModelInfo = channel.unary_unary(
+                '/kvserve.v1.LLMService/ModelInfo',
+                request_serializer=kvserve_dot_v1_dot_llm__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_llm__pb2.ModelInfoResponse.FromString,
+                _registered_method=True)
 
 
 class LLMServiceServicer:
@@ -93,6 +103,21 @@ class LLMServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenizes a prompt as Generate would (text with the tokenizer's special tokens, or chat
+        messages rendered with the model's chat template); nothing is generated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelInfo(self, request, context):
+        """Facts about the served model: name, architecture, limits, dtype, EOS ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LLMServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +140,16 @@ def add_LLMServiceServicer_to_server(servicer, server):
                     servicer.WatchStats,
                     request_deserializer=kvserve_dot_v1_dot_llm__pb2.WatchStatsRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_llm__pb2.StatsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=kvserve_dot_v1_dot_llm__pb2.TokenizeRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_llm__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'ModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelInfo,
+                    request_deserializer=kvserve_dot_v1_dot_llm__pb2.ModelInfoRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_llm__pb2.ModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +261,60 @@ class LLMService:
             '/kvserve.v1.LLMService/WatchStats',
             kvserve_dot_v1_dot_llm__pb2.WatchStatsRequest.SerializeToString,
             kvserve_dot_v1_dot_llm__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.LLMService/Tokenize',
+            kvserve_dot_v1_dot_llm__pb2.TokenizeRequest.SerializeToString,
+            kvserve_dot_v1_dot_llm__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.LLMService/ModelInfo',
+            kvserve_dot_v1_dot_llm__pb2.ModelInfoRequest.SerializeToString,
+            kvserve_dot_v1_dot_llm__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
