@@ -75,12 +75,12 @@ class AsyncClient:
                  timeout: float | None = None) -> list[int]:
         """The token ids ``generate`` would run on for this prompt (text or chat messages)."""
         req = build_tokenize_request(prompt, messages)
-        return list((await self._stub.Tokenize(req, timeout=self._deadline(timeout))).token_ids)
+        return list((await self._stub.Tokenize(req, **self._call_options(timeout))).token_ids)
 
     async def model_info(self, timeout: float | None = None) -> dict:
         """The served model: name, architecture, max_model_len, vocab_size, dtype, eos_token_ids, ..."""
         req = llm_pb2.ModelInfoRequest()
-        return stats_to_dict(await self._stub.ModelInfo(req, timeout=self._deadline(timeout)))
+        return stats_to_dict(await self._stub.ModelInfo(req, **self._call_options(timeout)))
 
     async def health(self, service: str = SERVICE_NAME, timeout: float | None = None) -> str:
         req = health_pb2.HealthCheckRequest(service=service)

@@ -81,12 +81,12 @@ class Client:
                  timeout: float | None = None) -> list[int]:
         """The token ids ``generate`` would run on for this prompt (text or chat messages)."""
         req = build_tokenize_request(prompt, messages)
-        return list((self._stub.Tokenize(req, timeout=self._deadline(timeout))).token_ids)
+        return list((self._stub.Tokenize(req, **self._call_options(timeout))).token_ids)
 
     def model_info(self, timeout: float | None = None) -> dict:
         """The served model: name, architecture, max_model_len, vocab_size, dtype, eos_token_ids, ..."""
         req = llm_pb2.ModelInfoRequest()
-        return stats_to_dict(self._stub.ModelInfo(req, timeout=self._deadline(timeout)))
+        return stats_to_dict(self._stub.ModelInfo(req, **self._call_options(timeout)))
 
     def health(self, service: str = SERVICE_NAME, timeout: float | None = None) -> str:
         """"SERVING" or "NOT_SERVING" ("" is the whole server, the default is LLMService)."""

@@ -29,12 +29,10 @@ from kvserve.service.metrics import Metrics
 from kvserve.service.redact import for_log
 from kvserve.service.responses import timing_of
 from kvserve.service.tracing import Tracing, end_span, monotonic_to_ns
-from kvserve.service.validation import MAX_REQUEST_ID_CHARS
 
 log = logging.getLogger("kvserve.service")
 
 REQUEST_ID_HEADER = "x-request-id"
-MAX_LOGGED_ID_CHARS = MAX_REQUEST_ID_CHARS  # a refused request's id may be longer: cut it
 _CURRENT: contextvars.ContextVar[CallTelemetry | None] = contextvars.ContextVar("kvserve_call", default=None)
 
 
@@ -68,7 +66,7 @@ class CallTelemetry:
 
     def refused(self, request_id: str) -> None:
         """The request was refused before the engine took it (its log line still names it)."""
-        self.request_id = (request_id or self.header_request_id or "-")[:MAX_LOGGED_ID_CHARS]
+        self.request_id = request_id or self.header_request_id or "-"  # cut by for_log when logged
 
     def observe(self, out: RequestOutput) -> None:
         """One of the request's outputs is going out to the client."""
@@ -109,7 +107,7 @@ class CallTelemetry:
 
     def _log_request(self, code: grpc.StatusCode, details: str | None) -> None:
         fields = self._request_fields(code)
-        rid = for_log(fields["request_id"])  # client-given: cut and escaped (a newline forges no line)
+        rid = fields["request_id"]
         if self._final is not None:
             message = f"request {rid} finished"
         elif code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -121,7 +119,8 @@ class CallTelemetry:
 
     def _request_fields(self, code: grpc.StatusCode) -> dict:
         """The request's log fields."""
-        fields: dict = {"request_id": self.request_id or self.header_request_id or "-",
+        # client-given: cut and escaped, so a huge id stays short and a newline forges no line
+        fields: dict = {"request_id": for_log(self.request_id or self.header_request_id or "-"),
                         "method": self.method.rsplit("/", 1)[-1], "status": code.name}
         out = self._final
         if out is None:

@@ -115,7 +115,8 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                                          call.header_request_id)
             stream = await self._engine.generate(req.request_id, req.prompt, req.params, req.messages)
             call.admitted(req.request_id, arrival)
-            await context.send_initial_metadata(((REQUEST_ID_HEADER, req.request_id),))
+            if req.request_id.isascii() and req.request_id.isprintable():  # else not a legal metadata value
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, req.request_id),))
             return req, stream
         except Exception as e:  # noqa: BLE001 - mapped to a status
             error = e
