@@ -139,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peer-batch", type=int, default=16, help="transformers batch size (padded)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the machine's ceiling")
     ap.add_argument("--json", default=None, help="write the figures to this file")
+    ap.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="draw kvserve vs the peer vs the ceiling (matplotlib: the plot or dev extra)")
     ap.add_argument("--json-schema", metavar="FILE",
                     help="measure the cost per step of constraining the outputs to this JSON schema")
     ap.add_argument("--quiet", action="store_true")
@@ -267,6 +269,10 @@ def main(argv=None) -> dict | None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    if args.plot:
+        from kvserve.benchmarks.plots import plot_offline
+
+        plot_offline(result, args.plot)
     return result
 
 

@@ -36,12 +36,15 @@ def test_offline_benchmark_prints_throughput_ceiling_and_ratio(tiny_llama, peer,
             "--quiet",
             "--json",
             str(tmp_path / "figures.json"),
+            "--plot",
+            str(tmp_path / "figures.png"),
         ]
     )
     out = capsys.readouterr().out
     assert "kvserve" in out and "output tok/s" in out
     assert "kvserve / ceiling = " in out and "ratio kvserve / transformers" in out
     assert json.loads((tmp_path / "figures.json").read_text()) == json.loads(json.dumps(figures))
+    assert (tmp_path / "figures.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ceiling = figures["ceiling"]
     assert ceiling["seconds"] == pytest.approx(ceiling["prefill_s"] + ceiling["decode_s"])
     assert figures["kvserve_over_ceiling"] > 0 and figures["transformers"]["output_tok_s"] > 0
