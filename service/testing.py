@@ -9,6 +9,8 @@ call limits.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvserve.service.process import ServerProcess
@@ -57,3 +59,15 @@ def secure_server(tls_files):
         yield server
         rc = server.stop()
     assert rc == 0, f"secure server exited with status {rc}:\n{server.log_tail()}"
+
+
+def wait_until_idle(client, timeout: float = 120.0) -> dict:
+    """Stats (from a ``kvserve.clients.Client``) once nothing runs, waits or is queued (aborts are
+    processed within one engine step); fails the test after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        s = client.stats()
+        if s["num_running"] == s["num_waiting"] == s["num_queued"] == 0:
+            return s
+        assert time.monotonic() < end, f"server still busy after {timeout} s: {s}"
+        time.sleep(0.05)

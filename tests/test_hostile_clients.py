@@ -6,14 +6,13 @@ block free."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.clients import Client
+from kvserve.service.testing import wait_until_idle
 from kvserve.v1 import llm_pb2
 
 pytest_plugins = ["kvserve.service.testing"]
@@ -53,17 +52,6 @@ def call_raw(channel: grpc.Channel, method: str, data: bytes) -> grpc.StatusCode
             return grpc.StatusCode.OK
         return e.code()
     return grpc.StatusCode.OK
-
-
-def wait_until_idle(target: str, timeout: float = 120.0) -> dict:
-    with Client(target) as c:
-        end = time.monotonic() + timeout
-        while True:
-            s = c.stats()
-            if s["num_running"] == s["num_waiting"] == s["num_queued"] == 0:
-                return s
-            assert time.monotonic() < end, f"server still busy after {timeout} s: {s}"
-            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -156,7 +144,8 @@ def test_any_generate_request_gets_a_clear_status(channel, request, stream):
 
 
 def test_after_the_fuzzing_every_block_is_free(kvserve_server):
-    stats = wait_until_idle(kvserve_server.target)
+    with Client(kvserve_server.target) as c:
+        stats = wait_until_idle(c)
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     with Client(kvserve_server.target) as c:
         assert c.health() == "SERVING"

@@ -19,6 +19,7 @@ import torch
 from kvserve.clients import AsyncClient, Client
 from kvserve.clients.messages import build_request
 from kvserve.engine import LLM, SamplingParams
+from kvserve.service.testing import wait_until_idle
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 pytest_plugins = ["kvserve.service.testing"]
@@ -46,17 +47,6 @@ def client(kvserve_server):
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-def wait_until_idle(client: Client, timeout: float = 120.0) -> dict:
-    """Stats once nothing runs or waits (aborts are processed within one engine step)."""
-    end = time.monotonic() + timeout
-    while True:
-        s = client.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_queued"] == 0:
-            return s
-        assert time.monotonic() < end, f"server still busy after {timeout} s: {s}"
-        time.sleep(0.05)
 
 
 def test_generate_and_stream_give_the_offline_engines_greedy_tokens(client, offline):

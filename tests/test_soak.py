@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import grpc
 import pytest
 
 from kvserve.clients import AsyncClient, Client
+from kvserve.service.testing import wait_until_idle
 
 pytest_plugins = ["kvserve.service.testing"]
 
@@ -95,17 +95,6 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def settle(target: str, timeout: float = 120.0) -> dict:
-    with Client(target) as c:
-        end = time.monotonic() + timeout
-        while True:
-            s = c.stats()
-            if s["num_running"] == s["num_waiting"] == s["num_queued"] == 0:
-                return s
-            assert time.monotonic() < end, f"server still busy after {timeout} s: {s}"
-            time.sleep(0.05)
-
-
 def soak(server, rounds: int) -> Counter:
     rng = random.Random(0)
     total: Counter = Counter()
@@ -115,7 +104,8 @@ def soak(server, rounds: int) -> Counter:
         for (kind, code), n in counts.items():
             assert code in ALLOWED[kind], f"round {r}: {n} {kind} calls ended with {code.name}"
         total.update(counts)
-        stats = settle(server.target)
+        with Client(server.target) as c:
+            stats = wait_until_idle(c)
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
         if r == 0:
             start_rss = rss_mib(server.proc.pid)
