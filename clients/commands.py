@@ -16,9 +16,7 @@ import sys
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from kvserve.clients.messages import DEFAULT_TARGET, SAMPLING_FIELDS
-
-API_KEY_ENV = "KVSERVE_API_KEY"
+from kvserve.clients.messages import API_KEY_ENV, DEFAULT_TARGET, SAMPLING_FIELDS, api_key_or_env
 
 _FLOATS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
 _INT_RANGES = {  # what the proto field can hold: a flag outside it is a usage error, not a traceback
@@ -91,7 +89,7 @@ def _client(args: argparse.Namespace):
             credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
         except (OSError, ValueError) as e:
             raise SystemExit(f"kvserve: --tls-*: {e}") from None
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = api_key_or_env(args.api_key)
     return Client(args.target, timeout=args.timeout, credentials=credentials, api_key=api_key)
 
 

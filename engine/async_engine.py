@@ -26,8 +26,9 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from kvserve.engine.child_process import describe_exit
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.core_client import CoreProcess, describe_exit
+from kvserve.engine.core_client import CoreProcess
 from kvserve.engine.engine_state import EngineInfo, EngineOverloaded, EngineState, EngineUnavailable
 from kvserve.engine.ipc import Call, Codec, Failed, NewRequest, Ready, StepDone, ToCore
 from kvserve.engine.prompts import PromptEncoder

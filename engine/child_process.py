@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -73,6 +74,16 @@ class Lifeline:
         if self._write_fd is not None:
             os.close(self._write_fd)
             self._write_fd = None
+
+
+def describe_exit(returncode: int) -> str:
+    """How a child ended, for messages: "exited with status 1", "was killed by SIGKILL"."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
 
 
 def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from kvserve.engine.child_process import Lifeline
 from kvserve.engine.config import EngineConfig
 
 
@@ -44,7 +45,8 @@ class CoreProcess:
         self._receiver = self._actx.socket(zmq.PULL)
         self._receiver.setsockopt(zmq.RCVHWM, 0)
         self._receiver.bind(outbox)
-        read_end, self._lifeline = os.pipe()
+        self._lifeline = Lifeline()
+        read_end = self._lifeline.read_fd
         cmd = [sys.executable, "-m", "kvserve.engine.core_process", "--config",
                json.dumps(dataclasses.asdict(config)), "--inbox", inbox, "--outbox", outbox,
                "--parent-fd", str(read_end), "--log-level", log_level]
@@ -54,7 +56,7 @@ class CoreProcess:
             self.close()
             raise
         finally:
-            os.close(read_end)
+            self._lifeline.close_read_end()
 
     @property
     def pid(self) -> int:
@@ -100,20 +102,9 @@ class CoreProcess:
         self.close()
 
     def close(self) -> None:
-        if self._lifeline is not None:
-            os.close(self._lifeline)
-            self._lifeline = None
+        self._lifeline.close()
         self._sender.close(0)
         self._receiver.close(0)
         self._ctx.term()
         self._actx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with status {returncode}"

@@ -20,10 +20,10 @@ import logging
 import os
 import signal
 import sys
-import threading
 
 import zmq
 
+from kvserve.engine.child_process import watch_lifeline
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.ipc import HEARTBEAT_S, Codec, Failed, Ready, Rejected, Reply, StepDone, ToCore
 from kvserve.service.logs import configure_logging, inherited_log_format
@@ -130,17 +130,6 @@ def run_core(config: EngineConfig, inbox_addr: str, outbox_addr: str) -> int:
         ctx.term()
 
 
-def exit_with_parent(fd: int) -> None:
-    """End this process group when the read end ``fd`` reaches EOF (the front-end died)."""
-
-    def watch() -> None:
-        while os.read(fd, 1):
-            pass
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=watch, name="kvserve-core-parent-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvserve.engine.core_process",
                                      description="kvserve's engine-core process (started by the server)")
@@ -152,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.log_level, inherited_log_format(), component="core")
     if args.parent_fd is not None:
-        exit_with_parent(args.parent_fd)
+        watch_lifeline(args.parent_fd, lambda: os.killpg(0, signal.SIGKILL))  # the front-end died
     return run_core(EngineConfig(**json.loads(args.config)), args.inbox, args.outbox)
 
 

@@ -30,7 +30,6 @@ from kvserve.engine.structured import StructuredOutput
 
 log = logging.getLogger("kvserve.engine")
 
-DEFAULT_MAX_MODEL_LEN = 8192
 COMPILE_WAIT_S = 0.05  # an idle engine waits this long for a grammar compile before stepping again
 
 

@@ -172,8 +172,7 @@ class Scheduler:
         the queue to compute the rest itself, at least the last prompt token, whose logits give
         its own first token. The prompt is prefilled once whether prefix caching is on or off."""
         shared = parent.block_table[: (parent.num_prompt_tokens - 1) // self.bm.block_size]
-        for child in reversed(children):
-            self.check_fits(child)
+        for child in reversed(children):  # the parent's prompt and limits: it fits as the parent did
             self.bm.admit(child, shared)
             self.waiting.appendleft(child)
 

@@ -128,15 +128,15 @@ class StructuredOutput:
         to ``wait_s`` for the first one when none has ended yet."""
         if wait_s > 0 and self._compiling and not any(c.future.done() for c in self._compiling):
             wait([c.future for c in self._compiling], timeout=wait_s, return_when=FIRST_COMPLETED)
-        done = [c for c in self._compiling if c.future.done()]
-        self._compiling = [c for c in self._compiling if not c.future.done()]
+        done, pending = [], []
+        for c in self._compiling:  # one done() per item: a compile ending meanwhile is in one list
+            (done if c.future.done() else pending).append(c)
+        self._compiling = pending
         return [(c.item, c.future.exception() or c.future.result()) for c in done]
 
-    def cancel(self, item: object) -> bool:
-        """Forget a submitted item (its request was aborted); True when it was still compiling."""
-        before = len(self._compiling)
+    def cancel(self, item: object) -> None:
+        """Forget a submitted item (its request was aborted)."""
         self._compiling = [c for c in self._compiling if c.item is not item]
-        return len(self._compiling) < before
 
     # ---- matchers ----------------------------------------------------------------------------------
     def attach(self, seq: Sequence, grammar: xgr.CompiledGrammar) -> None:
@@ -144,9 +144,6 @@ class StructuredOutput:
 
     def detach(self, seq: Sequence) -> None:
         self._matchers.pop(seq.seq_id, None)
-
-    def is_constrained(self, seq: Sequence) -> bool:
-        return seq.seq_id in self._matchers
 
     def mask_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Set to -inf, in place, every logit a constrained row's grammar does not allow next."""

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
-import signal
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 from kvserve.engine import distributed as tpd
-from kvserve.engine.child_process import Child, Lifeline, PipeDoorbell, watch_lifeline
+from kvserve.engine.child_process import Child, Lifeline, PipeDoorbell, describe_exit, watch_lifeline
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
@@ -228,12 +227,7 @@ class WorkerProcesses:
         return status
 
     def _describe(self, rank: int, proc: Any) -> str:
-        code = proc.exitcode
-        try:
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        except ValueError:
-            how = f"exited with status {code}"
-        what = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
+        what = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
         error = tpd.reported_error(self.store, rank)
         return f"{what}: {error}" if error else what
 

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kvserve.kernels.paged_attention import upcast_dot
+
 
 @triton.jit
 def _grouped_gemm_kernel(
@@ -136,9 +138,7 @@ def _grouped_gemm(a, w, c, sorted_ids, block_expert, weights, top_k: int, mul_we
         a, w, c, sorted_ids, block_expert, weights, c.shape[0], n, k,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         TOP_K=top_k, NUM_EXPERTS=num_experts, MUL_WEIGHT=mul_weight,
-        # Triton's interpreter multiplies bfloat16 operands of tl.dot as raw 16-bit integers
-        # (triton 3.9); on the CPU, where only the interpreter runs, dot in float32 instead.
-        UPCAST_DOT=a.device.type != "cuda", **tile,
+        UPCAST_DOT=upcast_dot(a.device), **tile,
     )  # fmt: skip
 
 

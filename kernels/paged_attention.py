@@ -278,7 +278,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(q.device),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, D_PAD=_d_pad(head_dim), SPLIT=split,
-        UPCAST_DOT=_upcast_dot(q.device),
+        UPCAST_DOT=upcast_dot(q.device),
     )  # fmt: skip
     if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](
@@ -324,7 +324,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, BLOCK_N=_block_n(q.device), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        D_PAD=_d_pad(head_dim), UPCAST_DOT=_upcast_dot(q.device), **tile,
+        D_PAD=_d_pad(head_dim), UPCAST_DOT=upcast_dot(q.device), **tile,
     )  # fmt: skip
     return out
 
@@ -377,7 +377,7 @@ def _block_n(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
 
 
-def _upcast_dot(device: torch.device) -> bool:
+def upcast_dot(device: torch.device) -> bool:
     # Triton's interpreter multiplies bfloat16 operands of tl.dot as raw 16-bit integers
     # (triton 3.9); on the CPU, where only the interpreter runs, dot in float32 instead.
     return device.type != "cuda"

@@ -117,8 +117,7 @@ class Metrics:
 class SnapshotCollector(Collector):
     """The engine snapshot's series, read fresh at every scrape."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], dict | None],
-                 core_pid: Callable[[], int | None] = lambda: None):
+    def __init__(self, model_name: str, snapshot: Callable[[], dict | None]):
         self._model = model_name
         self._snapshot = snapshot
 

@@ -15,18 +15,17 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
-import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from kvserve.clients.messages import API_KEY_ENV, api_key_or_env
 from kvserve.service.interceptors import guarded, method_service
 
 log = logging.getLogger("kvserve.service")
 
-API_KEY_ENV = "KVSERVE_API_KEY"
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})  # callable without the key
 _BEARER = "bearer "
 
@@ -67,7 +66,7 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def security_settings(args: argparse.Namespace) -> SecuritySettings:
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = api_key_or_env(args.api_key)
     return SecuritySettings(args.tls_cert, args.tls_key, args.tls_client_ca, api_key, args.reflection)
 
 

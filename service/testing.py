@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from kvserve.clients.messages import API_KEY_ENV
 from kvserve.service.process import ServerProcess
 
 SECURE_API_KEY = "test-key-not-secret"
@@ -54,7 +55,7 @@ def secure_server(tls_files):
         "credentials": tls_credentials(tls_files["ca"], tls_files["client_cert"], tls_files["client_key"]),
         "api_key": SECURE_API_KEY,
     }
-    env = {**TEST_SERVER_ENV, "KVSERVE_API_KEY": SECURE_API_KEY}
+    env = {**TEST_SERVER_ENV, API_KEY_ENV: SECURE_API_KEY}
     with ServerProcess(*flags, env=env, client_options=options) as server:
         yield server
         rc = server.stop()

@@ -97,6 +97,17 @@ def test_moe_greedy_tokens_equal_transformers(model_dirs, name):
         assert tokens == out[0, len(prompt):].tolist()
 
 
+def test_qwen2_moe_with_int8_weights_runs_its_shared_expert_through_the_int8_path(model_dirs):
+    llm = LLM(model_dirs["qwen2-moe-tiny"], dtype="float32", device="cpu", quantization="int8")
+    try:
+        shared = llm.engine.executor.model.model.layers[0].mlp.shared_expert
+        assert shared.down_proj.qweight is not None and shared.down_proj.weight.numel() == 0
+        tokens = greedy_tokens(llm, PROMPTS)
+    finally:
+        llm.shutdown()
+    assert all(len(t) == 12 for t in tokens)
+
+
 def test_preemption_chunking_prefix_hits_and_batching_leave_moe_tokens_unchanged(model_dirs):
     path = model_dirs["qwen3-moe-tiny"]
     shared = list(range(300, 348))  # three full blocks shared by the last two prompts

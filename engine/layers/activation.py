@@ -7,7 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation over gate|up halves of the last dimension."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)  # silu's output is a fresh tensor: multiply into it
+
+
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)  # silu's output is a fresh tensor: multiply into it
+        return silu_and_mul(x)

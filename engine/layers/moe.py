@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.layers.activation import SiluAndMul
+from kvserve.engine.layers.activation import SiluAndMul, silu_and_mul
 from kvserve.engine.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -87,8 +87,8 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            gate, up = F.linear(rows[start : start + count], w13[expert]).chunk(2, dim=-1)
-            out_rows[start : start + count] = F.linear(F.silu(gate) * up, w2[expert])
+            hidden = silu_and_mul(F.linear(rows[start : start + count], w13[expert]))
+            out_rows[start : start + count] = F.linear(hidden, w2[expert])
             start += count
     out_rows *= topk_weights.flatten().index_select(0, order).unsqueeze(1)
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
@@ -163,7 +163,7 @@ class SharedExpert(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act(self.gate_up_proj(x)), self.down_proj.weight)
+        return self.down_proj.matmul(self.act(self.gate_up_proj(x)), None)  # no all-reduce: a partial sum
 
 
 class SparseMoeBlock(nn.Module):

@@ -43,7 +43,6 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.seed = seed
         self._rng = random.Random(seed)  # the uniforms of unseeded rows
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:

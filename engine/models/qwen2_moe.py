@@ -41,4 +41,4 @@ class Qwen2MoeModel(LlamaModel):
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     model_class = Qwen2MoeModel
-    expert_names = ExpertNames("gate_proj", "up_proj", "down_proj")
+    expert_names = ExpertNames()

@@ -37,4 +37,4 @@ class Qwen3MoeModel(LlamaModel):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     model_class = Qwen3MoeModel
-    expert_names = ExpertNames("gate_proj", "up_proj", "down_proj")
+    expert_names = ExpertNames()
