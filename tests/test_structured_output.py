@@ -195,3 +195,20 @@ def test_abort_of_a_request_with_forks_and_compiles_pending(llm):
     while eng.has_unfinished_requests():
         eng.step()
     assert_all_blocks_free(llm)
+
+
+def test_constraints_under_tensor_parallelism_give_the_single_process_outputs(llm):
+    """Rank 0 masks and samples; the workers only run the model: TP=3 gives TP=1's outputs."""
+    prompt = chat(llm, "Describe a fruit as JSON.")
+    params = [SamplingParams(temperature=0.0, max_tokens=48, json_schema=json.dumps(SCHEMA)),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=24, regex=EMAIL),
+              SamplingParams(temperature=0.0, max_tokens=8, choice=["apple", "banana split"], n=2)]
+    want = llm.generate([prompt] * 3, params, use_tqdm=False)
+    tp = LLM("default", dtype="float32", max_num_seqs=16, enable_prefix_caching=False, tensor_parallel_size=3)
+    try:
+        got = tp.generate([prompt] * 3, params, use_tqdm=False)
+    finally:
+        tp.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [[c.text for c in o.choices] for o in got] == [[c.text for c in o.choices] for o in want]
+    assert re.fullmatch(EMAIL, got[1].text) or got[1].finish_reason == FinishReason.LENGTH
