@@ -78,24 +78,35 @@ class MatmulCeiling:
         self._head_s: dict[int, float] = {}
 
     def layers_time(self, rows: int) -> float:
-        """Seconds for every layer's projections over ``rows`` tokens."""
+        """Seconds for every layer's projections over ``rows`` tokens (measured once per count)."""
         if rows not in self._layers_s:
-            inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype, device=self.device)
-                      for w in self.layers[0]}
-
-            def run() -> None:
-                for layer in self.layers:
-                    for w in layer:
-                        F.linear(inputs[w.shape[1]], w)
-
-            self._layers_s[rows] = best_time(run, self.device)
+            self._layers_s[rows] = self.measure_layers(rows)
         return self._layers_s[rows]
 
     def lm_head_time(self, rows: int) -> float:
         if rows not in self._head_s:
-            x = torch.randn(rows, self.hidden, dtype=self.dtype, device=self.device)
-            self._head_s[rows] = best_time(lambda: F.linear(x, self.lm_head), self.device)
+            self._head_s[rows] = self.measure_lm_head(rows)
         return self._head_s[rows]
+
+    def measure_layers(self, rows: int) -> float:
+        """``layers_time`` measured afresh: for a caller that interleaves it with its own timings."""
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype, device=self.device)
+                  for w in self.layers[0]}
+
+        def run() -> None:
+            for layer in self.layers:
+                for w in layer:
+                    F.linear(inputs[w.shape[1]], w)
+
+        return best_time(run, self.device)
+
+    def measure_lm_head(self, rows: int) -> float:
+        x = torch.randn(rows, self.hidden, dtype=self.dtype, device=self.device)
+        return best_time(lambda: F.linear(x, self.lm_head), self.device)
+
+    def measure_decode_step(self, rows: int) -> float:
+        """``decode_step_time`` measured afresh."""
+        return self.measure_layers(rows) + self.measure_lm_head(rows)
 
     def decode_step_time(self, batch: int) -> float:
         """A decode step's matmuls: ``batch`` rows through the layers and the LM head."""

@@ -1,18 +1,21 @@
 """Where one step's time goes: a decode step and a prefill chunk next to their matmul-only time.
 
 Decode: ``--batch`` requests with prompts of ``--context`` random tokens are prefilled, then
-``--steps`` decode steps are timed (the whole ``LLMEngine.step``: scheduling, inputs, forward,
-sampling at ``--temperature``), split into the model forward and the sampler, next to the time of
-the same batch's weight multiplications alone (``benchmarks/ceiling.py``).
+``--rounds`` rounds of ``--steps`` decode steps are timed (the whole ``LLMEngine.step``:
+scheduling, inputs, forward, sampling at ``--temperature``), split into the model forward and the
+sampler, each round followed by the time of the same batch's weight multiplications alone
+(``benchmarks/ceiling.py``). Interleaved, both see the same load on a shared machine; the fastest
+round of each is kept.
 
 Prefill: prompts of ``--context`` tokens with ``max_tokens=1``, so every step is a prefill chunk
-of a full token budget; prompt tokens/s next to the matmul rate at that many rows.
+of a full token budget; prompt tokens/s next to the matmul rate at that many rows, interleaved
+the same way.
 
 ``--compete N`` then times the decode steps again with N busy processes (a pure-Python loop
 each) running beside the engine: on a shared CPU a step should slow down no more than in
 proportion to the CPU they take.
 
-    python -m kvserve.benchmarks.profile_step [--batch 48] [--context 300] [--temperature 0.6]
+    python -m kvserve.benchmarks.profile_step [--batch 48] [--context 300] [--temperature 0.6] [--rounds 4]
         [--torch-profile] [--json out.json]
 """
 
@@ -55,24 +58,32 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
-def profile_decode(llm: LLM, args) -> dict:
+def profile_decode(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
+    """Decode steps timed in ``args.rounds`` rounds of ``args.steps``, each round followed by the
+    matmul-only time of the same batch: on a shared machine both see the same load, and the
+    figures kept are each one's fastest round (as ``best_time`` keeps the fastest run)."""
     eng = llm.engine
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 8, ignore_eos=True)
+    max_tokens = args.rounds * args.steps + 8
+    params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(_prompts(args.batch, args.context, min(10000, eng.vocab_size), args.seed)):
         eng.add_request(f"decode-{i}", p, params)
     while any(r.seq.num_completion_tokens == 0 for r in eng.requests.values()):
         eng.step()  # the prefills
     forward, sampler = _Timed(eng.executor.execute_model), _Timed(eng.sampler)
     eng.executor.execute_model, eng.sampler = forward, sampler
+    rounds = []
     try:
         eng.step()  # warm-up at this shape
-        forward.seconds = sampler.seconds = 0.0
         profiler = _profiler(args)
-        t0 = time.perf_counter()
         with profiler:
-            for _ in range(args.steps):
-                eng.step()
-        step_s = (time.perf_counter() - t0) / args.steps
+            for _ in range(args.rounds):
+                forward.seconds = sampler.seconds = 0.0
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    eng.step()
+                step_s = (time.perf_counter() - t0) / args.steps
+                rounds.append((step_s, forward.seconds / args.steps, sampler.seconds / args.steps,
+                               ceiling.measure_decode_step(args.batch)))
     finally:
         del eng.executor.execute_model  # the class's method again
         eng.sampler = sampler.fn
@@ -80,22 +91,32 @@ def profile_decode(llm: LLM, args) -> dict:
         eng.abort(rid)
     eng.step()
     _print_profile(profiler, args)
-    per_step_ms = 1e3 / args.steps
+    step_s, forward_s, sampler_s, _ = min(rounds)
+    matmul_s = min(r[3] for r in rounds)
     return {"batch": args.batch, "context": args.context, "step_ms": step_s * 1e3,
-            "forward_ms": forward.seconds * per_step_ms, "sampler_ms": sampler.seconds * per_step_ms}
+            "forward_ms": forward_s * 1e3, "sampler_ms": sampler_s * 1e3, "matmul_ms": matmul_s * 1e3,
+            "rounds_step_ms": [round(r[0] * 1e3, 2) for r in rounds],
+            "rounds_matmul_ms": [round(r[3] * 1e3, 2) for r in rounds]}
 
 
-def profile_prefill(llm: LLM, args) -> dict:
+def profile_prefill(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
+    """Full-budget prefill chunks (prompts of ``args.context`` tokens, one output token each),
+    one ``generate`` per chunk's worth of prompts, each followed by the matmul-only time of a
+    full budget; the fastest of each is kept."""
     budget = llm.engine.config.max_num_batched_tokens
-    n = max(1, -(-budget * args.prefill_chunks // args.context))
-    prompts = _prompts(n, args.context, min(10000, llm.engine.vocab_size), args.seed + 1)
+    per_chunk = max(1, budget // args.context)
+    vocab = min(10000, llm.engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=1)
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up (its blocks stay cached: other ids below)
-    t0 = time.perf_counter()
-    llm.generate(prompts[1:], params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    tokens = args.context * (n - 1)
-    return {"prompt_tokens": tokens, "tokens_per_s": tokens / seconds, "token_budget": budget}
+    llm.generate(_prompts(1, args.context, vocab, args.seed + 1), params, use_tqdm=False)  # warm-up
+    rates, matmul_rates = [], []
+    for chunk in range(args.prefill_chunks):
+        prompts = _prompts(per_chunk, args.context, vocab, args.seed + 2 + chunk)  # nothing cached
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        rates.append(per_chunk * args.context / (time.perf_counter() - t0))
+        matmul_rates.append(budget / ceiling.measure_layers(budget))
+    return {"prompt_tokens": per_chunk * args.context, "tokens_per_s": max(rates), "token_budget": budget,
+            "matmul_tokens_per_s": max(matmul_rates)}
 
 
 @contextlib.contextmanager
@@ -128,7 +149,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--context", type=int, default=300, help="prompt tokens per request")
-    ap.add_argument("--steps", type=int, default=10, help="decode steps timed")
+    ap.add_argument("--steps", type=int, default=5, help="decode steps per timed round")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="timed rounds, each followed by the matmul-only time")
     ap.add_argument("--prefill-chunks", type=int, default=4, help="full-budget prefill chunks timed")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--temperature", type=float, default=0.6)
@@ -149,24 +172,19 @@ def main(argv=None) -> dict:
               max_num_batched_tokens=max(args.max_num_batched_tokens, args.batch),
               enforce_eager=args.enforce_eager, **options)
     try:
-        decode = profile_decode(llm, args)
-        prefill = profile_prefill(llm, args)
+        dtype = llm.engine.executor.dtype
+        ceiling = MatmulCeiling(load_hf_config(llm.engine.source), dtype, llm.engine.executor.device)
+        decode = profile_decode(llm, args, ceiling)
+        prefill = profile_prefill(llm, args, ceiling)
         if args.compete:
             args.torch_profile = False
             with busy_processes(args.compete):
-                decode["step_ms_beside_busy"] = profile_decode(llm, args)["step_ms"]
+                decode["step_ms_beside_busy"] = profile_decode(llm, args, ceiling)["step_ms"]
             decode["busy_processes"] = args.compete
-        dtype = llm.engine.executor.dtype
-        hf_config = load_hf_config(llm.engine.source)
-        device = llm.engine.executor.device
     finally:
         llm.shutdown()
-    ceiling = MatmulCeiling(hf_config, dtype, device)
-    decode["matmul_ms"] = ceiling.decode_step_time(args.batch) * 1e3
     decode["step_over_matmul"] = decode["step_ms"] / decode["matmul_ms"]
     decode["sampler_share"] = decode["sampler_ms"] / decode["step_ms"]
-    budget = prefill["token_budget"]
-    prefill["matmul_tokens_per_s"] = budget / ceiling.layers_time(budget)
     prefill["share_of_matmul_rate"] = prefill["tokens_per_s"] / prefill["matmul_tokens_per_s"]
     result = {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "decode": decode, "prefill": prefill}

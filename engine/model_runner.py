@@ -45,6 +45,7 @@ from kvserve.engine.loader import (
     resolve_dtype,
     resolve_model,
 )
+from kvserve.engine.malloc import tune_malloc
 from kvserve.engine.model_input import BlockTableArray, ModelInput, block_table_width
 from kvserve.engine.models import build_model
 from kvserve.engine.models.llama import head_dim_of
@@ -107,6 +108,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             local_ranks = config.tensor_parallel_size // config.nnodes
             torch.set_num_threads(intra_op_threads(config.threads, local_ranks))
+            tune_malloc()  # activations reuse heap pages instead of faulting in fresh ones
         flush_denormals(self.device)
         self.block_size = config.block_size
         self.graphs: CudaGraphRunner | None = None

@@ -19,6 +19,7 @@ Per step, ``build_metadata`` plans the work on the host (no device sync later):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ from kvserve.engine.layers.attention import (
     to_device,
 )
 from kvserve.engine.model_input import ModelInput
+from kvserve.kernels.cpu_attention import PagedDecodeKernel, load_kernel
 
 # A decode group is cut where a sequence's context is shorter than this share of the group's
 # longest: below it, padding would cost more than running one more group.
@@ -45,6 +47,17 @@ class DecodeGroup:
     key_bias: torch.Tensor | None  # [1, n, 1, max_blocks * block_size]: 0 for a key, -inf for padding
     num_seqs: int
     padded_len: int
+    cache_rows: torch.Tensor | None = None  # gather_blocks as rows of the [kv_heads * blocks, ...] view
+
+    def rows_in(self, cache: torch.Tensor) -> torch.Tensor:
+        """int64 [kv_heads * n * max_blocks]: for each KV head in turn, this group's blocks as
+        rows of ``cache`` [kv_heads, blocks, block_size, D] seen as [kv_heads * blocks, block_size * D]
+        (computed by the first layer of the step, reused by the others)."""
+        if self.cache_rows is None:
+            kv_heads, num_blocks = cache.shape[:2]
+            heads = torch.arange(kv_heads, device=cache.device)[:, None] * num_blocks
+            self.cache_rows = (heads + self.gather_blocks[None, :]).view(-1)
+        return self.cache_rows
 
 
 @dataclass
@@ -67,8 +80,18 @@ class PrefillPlan:
 class TorchAttentionMetadata(AttentionMetadata):
     store_tokens: torch.Tensor | None = None  # tokens whose slot is not -1; None = every token
     store_slots: torch.Tensor | None = None  # their slots (``slot_mapping`` when None above)
+    decode_seqs: torch.Tensor | None = None  # int32: the decoding sequences (None: no decode)
+    decode_tokens: torch.Tensor | None = None  # int32: where their queries sit in the flat batch
+    plan_decode: Callable[[], DecodePlan] | None = None  # the torch-ops plan, made on first use
     decode: DecodePlan | None = None
     prefills: list[PrefillPlan] = field(default_factory=list)
+
+    def decode_plan(self) -> DecodePlan:
+        """The grouped, padded plan of the torch-ops decode, made once per step by the first
+        layer that needs it (none does when the CPU kernel runs every layer)."""
+        if self.decode is None:
+            self.decode = self.plan_decode()
+        return self.decode
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -86,7 +109,9 @@ class TorchAttentionBackend(AttentionBackend):
         starts = list(itertools.accumulate(inp.query_lens, initial=0))  # host-side: no device sync
         decode_seqs = [i for i, q in enumerate(inp.query_lens) if q == 1]
         if decode_seqs:
-            meta.decode = self._plan_decode(inp, decode_seqs, starts, device)
+            meta.decode_seqs = to_device(decode_seqs, device, torch.int32)
+            meta.decode_tokens = to_device([starts[i] for i in decode_seqs], device, torch.int32)
+            meta.plan_decode = lambda: self._plan_decode(inp, decode_seqs, starts, device)
         meta.prefills = [
             self._plan_prefill(inp, i, starts[i], device) for i, q in enumerate(inp.query_lens) if q > 1
         ]
@@ -161,14 +186,27 @@ class TorchAttentionImpl(AttentionImpl):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta)
-        decode = meta.decode
         out = torch.empty_like(q)
-        if decode is not None:
-            parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g) for g in decode.groups]
-            out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
+        if meta.decode_seqs is not None:
+            kernel = self._kernel_for(q)
+            if kernel is not None:
+                kernel.run(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.decode_seqs,
+                           meta.decode_tokens, out, self.scale)
+            else:
+                decode = meta.decode_plan()
+                parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g)
+                         for g in decode.groups]
+                out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
         for plan in meta.prefills:
             out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
         return out
+
+    def _kernel_for(self, q: torch.Tensor) -> PagedDecodeKernel | None:
+        """The CPU decode kernel when it serves this layer (CPU tensors, its dtypes and shapes)."""
+        if q.device.type != "cpu" or not PagedDecodeKernel.supports(
+                q.dtype, self.num_heads, self.num_kv_heads, self.head_dim):
+            return None
+        return load_kernel()
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: TorchAttentionMetadata) -> None:
@@ -188,8 +226,12 @@ class TorchAttentionImpl(AttentionImpl):
         """
         n, length, kv_heads, d = group.num_seqs, group.padded_len, self.num_kv_heads, self.head_dim
         group_size = self.num_heads // kv_heads
-        keys = k_cache.index_select(1, group.gather_blocks).view(kv_heads * n, length, d)
-        values = v_cache.index_select(1, group.gather_blocks).view(kv_heads * n, length, d)
+        rows_of = group.rows_in(k_cache)
+        # a gather of whole rows of a 2-D view: one memcpy per (head, block), several times
+        # faster than index_select along dim 1 of the 4-D cache
+        row = k_cache.shape[2] * d
+        keys = k_cache.view(-1, row).index_select(0, rows_of).view(kv_heads * n, length, d)
+        values = v_cache.view(-1, row).index_select(0, rows_of).view(kv_heads * n, length, d)
         rows = (q * self.scale).view(n, kv_heads, group_size, d).transpose(0, 1)
         rows = rows.reshape(kv_heads * n, group_size, d)
         scores = torch.bmm(rows, keys.transpose(1, 2)).view(kv_heads, n, group_size, length)
