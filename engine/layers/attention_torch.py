@@ -33,7 +33,7 @@ from kvserve.engine.layers.attention import (
     to_device,
 )
 from kvserve.engine.model_input import ModelInput
-from kvserve.kernels.cpu_attention import PagedDecodeKernel, load_kernel
+from kvserve.kernels.cpu_kernels import CpuKernels, kernels_for
 
 # A decode group is cut where a sequence's context is shorter than this share of the group's
 # longest: below it, padding would cost more than running one more group.
@@ -188,10 +188,10 @@ class TorchAttentionImpl(AttentionImpl):
         self._store(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.decode_seqs is not None:
-            kernel = self._kernel_for(q)
-            if kernel is not None:
-                kernel.run(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.decode_seqs,
-                           meta.decode_tokens, out, self.scale)
+            kernels = self._decode_kernels(q, k_cache, out)
+            if kernels is not None:
+                kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.decode_seqs,
+                                     meta.decode_tokens, out, self.scale)
             else:
                 decode = meta.decode_plan()
                 parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g)
@@ -201,15 +201,18 @@ class TorchAttentionImpl(AttentionImpl):
             out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
         return out
 
-    def _kernel_for(self, q: torch.Tensor) -> PagedDecodeKernel | None:
-        """The CPU decode kernel when it serves this layer (CPU tensors, its dtypes and shapes)."""
-        if q.device.type != "cpu" or not PagedDecodeKernel.supports(
-                q.dtype, self.num_heads, self.num_kv_heads, self.head_dim):
+    def _decode_kernels(self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> CpuKernels | None:
+        """The CPU kernels when their decode attention serves this layer (CPU, dtype, shapes)."""
+        if not CpuKernels.supports_attention(q.dtype, self.num_heads, self.num_kv_heads, self.head_dim):
             return None
-        return load_kernel()
+        return kernels_for(q, cache, out)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: TorchAttentionMetadata) -> None:
+        kernels = kernels_for(k, v, k_cache, v_cache)
+        if kernels is not None:  # one pass over the tokens; slot -1 skipped there
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
         slots = meta.slot_mapping
         if meta.store_tokens is not None:
             k, v, slots = k[meta.store_tokens], v[meta.store_tokens], meta.store_slots

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels.cpu_kernels import DTYPES, kernels_for
+
 
 class RMSNorm(nn.Module):
     """``weight * x / rms(x)``; torch's fused kernel computes in float32 whatever the input dtype."""
@@ -19,6 +21,11 @@ class RMSNorm(nn.Module):
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. The sum is
         written into ``residual``: the decoder layers hand the running residual from one norm to
         the next and never read the old value again."""
+        if self.weight.dtype in DTYPES:  # on the CPU: one fused pass (kernels/csrc/elementwise.c)
+            if residual is None and x.dim() in (2, 3) and (kernels := kernels_for(x)) is not None:
+                return kernels.rms_norm(x, self.weight, self.eps)
+            if residual is not None and x.dim() == 2 and (kernels := kernels_for(x, residual)) is not None:
+                return kernels.rms_norm(x, self.weight, self.eps, residual), residual
         if residual is None:
             return self._normalize(x)
         x = residual.add_(x)

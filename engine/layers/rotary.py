@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from kvserve.kernels.cpu_kernels import kernels_for
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -74,5 +76,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [tokens, heads, head_dim], whose two halves form the complex pairs:
-    ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``, with ``cos``/``sin`` from ``cos_sin``."""
+    ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``, with ``cos``/``sin`` from ``cos_sin``.
+
+    On the CPU the kernel rotates ``x`` in place and returns it: pass a tensor you own (the
+    models pass their fresh q|k projection)."""
+    if (kernels := kernels_for(x, cos, sin)) is not None:
+        return kernels.rotary_(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

@@ -1,5 +1,6 @@
-"""The CPU decode-attention kernel (kernels/csrc/paged_decode.c): against a plain float64 reference,
-inside the torch backend against the torch-ops path it replaces, and its build/fallback rules."""
+"""The CPU kernels (kernels/csrc/): decode attention against a float64 reference and inside the
+torch backend against the torch-ops path it replaces; the fused elementwise kernels against the
+torch ops they replace; the build, cache and fallback rules."""
 
 import logging
 
@@ -9,10 +10,10 @@ import torch
 from kvserve.engine.layers import attention_torch
 from kvserve.engine.layers.attention import create_attention_backend
 from kvserve.engine.model_input import ModelInput
-from kvserve.kernels import cpu_attention
-from kvserve.kernels.cpu_attention import PagedDecodeKernel, load_kernel
+from kvserve.kernels import cpu_kernels
+from kvserve.kernels.cpu_kernels import CpuKernels, load_kernels
 
-KERNEL = load_kernel()
+KERNEL = load_kernels()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler here: the torch-ops path serves")
 
 
@@ -46,7 +47,7 @@ def test_kernel_matches_a_float64_reference(dtype, heads, kv_heads, head_dim):
     seq_ids = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     tokens = torch.tensor([6, 1, 3, 0], dtype=torch.int32)
     out = torch.full_like(q, 7.0)
-    KERNEL.run(q, k_cache, v_cache, tables, lens, seq_ids, tokens, out, head_dim**-0.5)
+    KERNEL.paged_decode(q, k_cache, v_cache, tables, lens, seq_ids, tokens, out, head_dim**-0.5)
     expected = reference(q, k_cache, v_cache, tables, lens, seq_ids, tokens, head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
     for token, want in expected.items():
@@ -62,7 +63,8 @@ def test_one_token_context_returns_its_value():
     q = torch.randn(1, 4, 16)
     out = torch.empty_like(q)
     one = torch.tensor([0], dtype=torch.int32)
-    KERNEL.run(q, k_cache, v_cache, tables, torch.tensor([1], dtype=torch.int32), one, one, out, 0.25)
+    lens = torch.tensor([1], dtype=torch.int32)
+    KERNEL.paged_decode(q, k_cache, v_cache, tables, lens, one, one, out, 0.25)
     assert torch.equal(out[0], v_cache[:, 3, 0].repeat_interleave(2, 0))
 
 
@@ -72,10 +74,11 @@ def test_kernel_refuses_mismatched_layouts():
     one = torch.tensor([0], dtype=torch.int32)
     tables = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="contiguous"):
-        KERNEL.run(q, caches[0].transpose(1, 2), caches[1], tables, one + 1, one, one,
+        KERNEL.paged_decode(q, caches[0].transpose(1, 2), caches[1], tables, one + 1, one, one,
                    torch.empty_like(q), 1.0)
     with pytest.raises(ValueError, match="one dtype"):
-        KERNEL.run(q, *caches, tables, one + 1, one, one, torch.empty_like(q, dtype=torch.bfloat16), 1.0)
+        KERNEL.paged_decode(q, *caches, tables, one + 1, one, one, torch.empty_like(q, dtype=torch.bfloat16),
+                            1.0)
 
 
 def mixed_step(block_size: int) -> ModelInput:
@@ -114,7 +117,7 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(d
 
     with_kernel, meta = run()
     assert meta.decode is None  # the kernel served: the torch-ops plan was never made
-    monkeypatch.setattr(attention_torch, "load_kernel", lambda: None)
+    monkeypatch.setattr(attention_torch, "kernels_for", lambda *tensors: None)
     without, meta = run()
     assert meta.decode is not None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -124,21 +127,101 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(d
 def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING, logger="kvserve.kernels"):
-        assert load_kernel.__wrapped__() is None
+        assert load_kernels.__wrapped__() is None
     assert "no C compiler" in caplog.text
 
 
 def test_switch_off_by_environment(monkeypatch):
-    monkeypatch.setenv(cpu_attention.ENV_SWITCH, "0")
-    assert load_kernel.__wrapped__() is None
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    assert load_kernels.__wrapped__() is None
 
 
 def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    cc = cpu_attention._compiler()
-    first = cpu_attention.build(cc)
+    cc = cpu_kernels._compiler()
+    first = cpu_kernels.build(cc)
     assert first.parent == tmp_path / "kernels"
     mtime = first.stat().st_mtime_ns
-    assert cpu_attention.build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    assert PagedDecodeKernel(first).supports(torch.bfloat16, 9, 3, 64)
-    assert not PagedDecodeKernel.supports(torch.float16, 9, 3, 64)
+    assert cpu_kernels.build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert CpuKernels(first).supports_attention(torch.bfloat16, 9, 3, 64)
+    assert not CpuKernels.supports_attention(torch.float16, 9, 3, 64)
+
+
+# -- the fused elementwise kernels against the torch ops they replace ------------------------------
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 48, 700])  # 700 x 576 runs on several threads
+def test_rms_norm_with_and_without_residual(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = torch.rand(576, generator=gen).to(dtype)
+    plain = KERNEL.rms_norm(x, weight, 1e-5)
+    want = torch.nn.functional.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    assert (plain.float() - want).abs().max().item() < TOL[dtype] * 4
+    res = residual.clone()
+    fused = KERNEL.rms_norm(x, weight, 1e-5, res)
+    summed = residual + x  # rounded to dtype, as the torch path stores it
+    assert torch.equal(res, summed)
+    want = torch.nn.functional.rms_norm(summed.float(), (576,), weight.float(), 1e-5)
+    assert (fused.float() - want).abs().max().item() < TOL[dtype] * 4
+
+
+def test_rms_norm_per_head_over_a_strided_view():
+    """Qwen3's q/k norms: [tokens, heads, D] views into the q|k|v projection."""
+    qkv = torch.randn(5, 3 * 4 * 32)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    weight = torch.rand(32)
+    out = KERNEL.rms_norm(q, weight, 1e-6)
+    assert torch.allclose(out, torch.nn.functional.rms_norm(q, (32,), weight, 1e-6), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    x = (torch.randn(37, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 6).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = KERNEL.silu_and_mul(x).float()
+    assert ((got - want).abs() / (want.abs() + 1)).max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_matches_the_torch_formula(dtype):
+    from kvserve.engine.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
+    positions = torch.tensor([0, 5, 511, 17])
+    cos, sin = rope.cos_sin(positions, dtype)
+    qkv = torch.randn(4, (9 + 3 + 3) * 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    qk = qkv[:, : 12 * 64].view(4, 12, 64)
+    want = torch.addcmul(qk.float() * cos.float(), qk.float().roll(32, dims=-1), sin.float())
+    v_before = qkv[:, 12 * 64 :].clone()
+    got = KERNEL.rotary_(qk, cos, sin)
+    assert got.data_ptr() == qk.data_ptr()
+    assert (got.float() - want).abs().max().item() < TOL[dtype] * 4
+    assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v beside it untouched
+
+
+def test_store_kv_skips_minus_one_and_refuses_slots_past_the_cache():
+    kv_heads, width, num_blocks, block_size = 2, 8, 3, 4
+    k_cache = torch.zeros(kv_heads, num_blocks, block_size, width)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(3, (4 + 2 * kv_heads) * width)
+    k = qkv[:, 4 * width : 6 * width].view(3, kv_heads, width)
+    v = qkv[:, 6 * width :].view(3, kv_heads, width)
+    KERNEL.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 11]))
+    flat_k, flat_v = k_cache.view(kv_heads, -1, width), v_cache.view(kv_heads, -1, width)
+    assert torch.equal(flat_k[:, 5], k[0]) and torch.equal(flat_v[:, 11], v[2])
+    assert int((flat_k.abs().sum(-1) > 0).sum()) == 2 * kv_heads  # token 1 went nowhere
+    with pytest.raises(RuntimeError, match="out of range"):
+        KERNEL.store_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, 12]))
+
+
+def test_kernels_for_answers_none_where_the_kernels_do_not_apply():
+    """float16 and non-CPU tensors keep the torch ops: ``kernels_for`` answers None for them."""
+    assert cpu_kernels.kernels_for(torch.zeros(2, 4, dtype=torch.float16)) is None
+    assert cpu_kernels.kernels_for(torch.zeros(4, 2).t()) is None  # last dim not contiguous
+    assert cpu_kernels.kernels_for(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16)) is None
+    assert cpu_kernels.kernels_for(torch.zeros(2, 4, dtype=torch.bfloat16)) is KERNEL

@@ -1,0 +1,236 @@
+"""The CPU kernels (``csrc/*.c``): built once per machine, called through ctypes.
+
+- ``paged_decode`` (csrc/attention.c): decode attention over the torch backend's head-major paged
+  cache. In torch ops it gathers every sequence's K/V blocks into a padded copy, multiplies in
+  many small batched matmuls and allocates several MiB per layer; the kernel reads each key and
+  value once, in place.
+- ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_`` and ``store_kv``
+  (csrc/elementwise.c): one pass each where eager torch runs several ops, each with its own
+  allocation and thread-pool wake-up.
+
+Why C: small plain C (no torch headers), so a build takes a second or two, with the compiler
+every Linux image has. Build: ``$CC`` or ``cc`` with ``-O3 -march=native -fopenmp``; the shared
+object is cached under ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve``), named by a
+hash of the sources, the flags, the compiler's version and this CPU's feature flags, so a cache
+shared between machines never hands one CPU another's instructions. It links ``libgomp.so.1``,
+the OpenMP runtime torch has already loaded, so both share one thread pool.
+
+``load_kernels()`` returns None, and every caller keeps its torch-ops path, when there is no
+compiler, the build fails (the log says why, once), or ``KVSERVE_CPU_KERNELS=0`` asks for the
+torch-ops path. ``kernels_for(tensor)`` also returns None for tensors the kernels do not take
+(not on the CPU, not float32/bfloat16).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvserve.kernels")
+
+SOURCE_DIR = Path(__file__).with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+ENV_SWITCH = "KVSERVE_CPU_KERNELS"
+MAX_HEAD_DIM = 512  # as in csrc/attention.c
+MAX_GROUP = 64
+MAX_ROW = 16384  # as in csrc/elementwise.c
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
+_I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "paged_decode": [_P, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _F32,
+                     _P, _I64, _I64, _I32, _I32],
+    "rms_norm": [_P, _I64, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _I32, _I32],
+    "silu_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
+    "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
+    "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32],
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve"
+    return Path(root) / "kernels"
+
+
+def sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.c")) + sorted(SOURCE_DIR.glob("*.h"))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def _compiler_version(cc: str) -> str:
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def build(cc: str) -> Path:
+    """The cached shared object for these sources, compiler and CPU (compiled when missing)."""
+    parts = [p.read_bytes() for p in sources()]
+    parts += [" ".join(FLAGS).encode(), _compiler_version(cc).encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        c_files = [str(p) for p in sources() if p.suffix == ".c"]
+        result = subprocess.run([cc, *FLAGS, "-o", str(built), *c_files], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+    return target
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"CPU kernel {name} failed with status {status} "
+                           "(1: a shape or dtype it does not take, 2: out of memory)")
+
+
+class CpuKernels:
+    """The loaded library. Every method takes CPU tensors of one dtype in ``DTYPES`` whose last
+    dimension is contiguous (callers check with ``takes``)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        self._lib = lib
+
+    @staticmethod
+    def takes(*tensors: torch.Tensor) -> bool:
+        """CPU tensors of one supported dtype with a contiguous last dimension."""
+        dtype = tensors[0].dtype
+        return all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors) \
+            and dtype in DTYPES
+
+    @staticmethod
+    def supports_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (dtype in DTYPES and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+                and num_heads // num_kv_heads <= MAX_GROUP)
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
+                     tokens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        """For each i: ``out[tokens[i]]`` = attention of ``q[tokens[i]]`` [heads, D] over the first
+        ``seq_lens[seq_ids[i]]`` keys/values of the blocks in ``block_tables[seq_ids[i]]``.
+
+        q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous; block_tables
+        int32 [S, W]; seq_lens, seq_ids, tokens int32.
+        """
+        kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out, k_cache, v_cache)):
+            raise ValueError("paged_decode: caches must be contiguous, q/out rows contiguous, one dtype "
+                             "throughout")
+        block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        seq_lens, seq_ids, tokens = (t.contiguous() for t in (seq_lens, seq_ids, tokens))
+        _check(self._lib.paged_decode(
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+            block_size, block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+            seq_ids.data_ptr(), tokens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, head_dim, scale,
+            out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], torch.get_num_threads(),
+        ), "paged_decode")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight * r / rms(r)`` over the last dimension, where ``r`` is ``x``, or, with
+        ``residual``, ``residual + x`` — which is written back into ``residual``. ``x`` is 2-D, or
+        3-D when there is no residual (per-head norms)."""
+        width = x.shape[-1]
+        rows = x.reshape(-1, width) if x.dim() == 2 else x
+        outer, inner = rows.shape[0], (rows.shape[1] if rows.dim() == 3 else 1)
+        x_inner = rows.stride(1) if rows.dim() == 3 else 0
+        out = torch.empty(x.shape, dtype=x.dtype)
+        out_inner = out.stride(1) if out.dim() == 3 else 0
+        weight = weight if weight.is_contiguous() else weight.contiguous()
+        res_ptr, res_outer = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        _check(self._lib.rms_norm(
+            rows.data_ptr(), rows.stride(0), x_inner, res_ptr, res_outer, weight.data_ptr(),
+            DTYPES[weight.dtype], out.data_ptr(), out.stride(0), out_inner, outer, inner, width, eps,
+            DTYPES[x.dtype], torch.get_num_threads(),
+        ), "rms_norm")
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[:, :w]) * x[:, w:]`` for 2-D ``x`` of width ``2w``."""
+        rows, width = x.shape[0], x.shape[1] // 2
+        out = torch.empty(rows, width, dtype=x.dtype)
+        _check(self._lib.silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows, width,
+                                      DTYPES[x.dtype], torch.get_num_threads()), "silu_and_mul")
+        return out
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [tokens, heads, D] in place by rows of ``cos``/``sin`` [tokens, 1, D] (sin's
+        first half negated, as ``RotaryEmbedding.cos_sin`` makes them); returns ``x``."""
+        tokens, heads, width = x.shape
+        if cos.stride(0) != sin.stride(0):
+            cos, sin = cos.contiguous(), sin.contiguous()
+        _check(self._lib.rotary(x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, width, cos.data_ptr(),
+                                sin.data_ptr(), cos.stride(0), DTYPES[x.dtype], torch.get_num_threads()),
+               "rotary")
+        return x
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """``cache[h, slots[t]] = src[t, h]`` for K and V into head-major caches seen as
+        [kv_heads, slots, D]; slot -1 is skipped."""
+        tokens, kv_heads, width = k.shape
+        cache_slots = k_cache.numel() // (kv_heads * width)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64):
+            raise ValueError("store_kv: contiguous caches and int64 slots")
+        slots = slots.contiguous()
+        _check(self._lib.store_kv(
+            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),
+            tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, k.element_size(),
+        ), "store_kv (slot out of range)")
+
+
+@functools.cache
+def load_kernels() -> CpuKernels | None:
+    """The kernels, built if needed; None when disabled or unbuildable (logged once)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("%s=0: the CPU path runs torch ops only", ENV_SWITCH)
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler (cc, or $CC) found: the CPU path runs torch ops only (slower)")
+        return None
+    try:
+        return CpuKernels(build(cc))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("building the CPU kernels failed, the CPU path runs torch ops only: %s", exc)
+        return None
+
+
+def kernels_for(*tensors: torch.Tensor) -> CpuKernels | None:
+    """The kernels when they take these tensors (CPU, one dtype of ``DTYPES``, contiguous rows)."""
+    if not CpuKernels.takes(*tensors):
+        return None
+    return load_kernels()

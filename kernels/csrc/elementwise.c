@@ -1,0 +1,118 @@
+/* The per-layer elementwise work of a decoder on the CPU, fused into one pass each:
+ * residual add + RMSNorm, SiLU(gate) * up, rotary embedding in place, and the KV-cache store.
+ *
+ * In eager torch each of these is several ops (RMSNorm alone: add, pow, mean, rsqrt, two
+ * multiplies), each with its own allocation and its own fork/join of the thread pool; at decode
+ * batch sizes that overhead is most of their cost. Here each is one loop over rows, in float32,
+ * rounded to the element type once at the end (the residual sum is rounded before it is
+ * normalized, as the torch path does). Rows run in parallel only when there are enough of them
+ * to pay for waking the threads.
+ *
+ * Built and loaded by kernels/cpu_kernels.py. Strides are in elements; the last dimension is
+ * contiguous everywhere.
+ */
+#include <math.h> /* sqrtf */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define MAX_ROW 16384
+#define PARALLEL_MIN_ELEMENTS (1 << 16) /* below this, one thread: waking others costs more */
+
+static inline const char *at(const void *base, int64_t index, int elem) {
+    return (const char *)base + index * elem;
+}
+
+/* For r in rows (each [outer][inner] pair): with residual, residual[r] += x[r] and the norm is
+ * taken of that sum; out[r] = sum / rms(sum) * weight. */
+int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, int64_t res_outer,
+             const void *weight, int weight_dtype, void *out, int64_t out_outer, int64_t out_inner,
+             int outer, int inner, int width, float eps, int dtype, int num_threads) {
+    if (width > MAX_ROW || (residual != NULL && inner != 1)) return 1;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int rows = outer * inner;
+    float w[MAX_ROW];
+    to_float(weight, weight_dtype, w, width);
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int r = 0; r < rows; ++r) {
+        const int o = r / inner, i = r % inner;
+        float row[MAX_ROW];
+        to_float(at(x, o * x_outer + i * x_inner, elem), dtype, row, width);
+        if (residual != NULL) {
+            float res[MAX_ROW];
+            void *res_row = (char *)residual + o * res_outer * elem;
+            to_float(res_row, dtype, res, width);
+            for (int d = 0; d < width; ++d) row[d] += res[d];
+            from_float(row, 1.f, dtype, res_row, width);
+            to_float(res_row, dtype, row, width); /* the rounded sum, as stored */
+        }
+        float ss = 0.f;
+        for (int d = 0; d < width; ++d) ss += row[d] * row[d];
+        const float inv = 1.f / sqrtf(ss / width + eps);
+        for (int d = 0; d < width; ++d) row[d] *= inv * w[d];
+        from_float(row, 1.f, dtype, (char *)out + (o * out_outer + i * out_inner) * elem, width);
+    }
+    return 0;
+}
+
+/* out[r] = silu(x[r, :width]) * x[r, width:] */
+int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,
+                 int dtype, int num_threads) {
+    if (width > MAX_ROW) return 1;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int r = 0; r < rows; ++r) {
+        float gate[MAX_ROW], up[MAX_ROW];
+        to_float(at(x, r * x_stride, elem), dtype, gate, width);
+        to_float(at(x, r * x_stride + width, elem), dtype, up, width);
+        for (int d = 0; d < width; ++d) gate[d] = gate[d] / (1.f + fast_exp(-gate[d])) * up[d];
+        from_float(gate, 1.f, dtype, (char *)out + r * out_stride * elem, width);
+    }
+    return 0;
+}
+
+/* In place, for every token t and head h of x: the rotate-half rotary embedding with the
+ * token's cos [width] and signed sin [width] rows (sin's first half negated, as the torch path
+ * keeps them): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. */
+int rotary(void *x, int64_t x_token, int64_t x_head, int tokens, int heads, int width, const void *cos,
+           const void *sin, int64_t cs_stride, int dtype, int num_threads) {
+    if (width > MAX_ROW || width % 2) return 1;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4, half = width / 2;
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)tokens * heads * width >= PARALLEL_MIN_ELEMENTS)
+    for (int t = 0; t < tokens; ++t) {
+        float c[MAX_ROW], s[MAX_ROW], row[MAX_ROW], rotated[MAX_ROW];
+        to_float(at(cos, t * cs_stride, elem), dtype, c, width);
+        to_float(at(sin, t * cs_stride, elem), dtype, s, width);
+        for (int h = 0; h < heads; ++h) {
+            char *dst = (char *)x + (t * x_token + h * x_head) * elem;
+            to_float(dst, dtype, row, width);
+            for (int d = 0; d < half; ++d) {
+                rotated[d] = row[d] * c[d] + row[d + half] * s[d];
+                rotated[d + half] = row[d + half] * c[d + half] + row[d] * s[d + half];
+            }
+            from_float(rotated, 1.f, dtype, dst, width);
+        }
+    }
+    return 0;
+}
+
+/* cache[h][slots[t]] = src[t][h] for K and V; caches are [kv_heads][cache_slots][width]; a slot
+ * of -1 is skipped. A plain copy: no conversion. */
+int store_kv(const void *k, int64_t k_token, int64_t k_head, const void *v, int64_t v_token, int64_t v_head,
+             const int64_t *slots, int tokens, int kv_heads, int width, void *k_cache, void *v_cache,
+             int64_t cache_slots, int elem) {
+    const size_t row = (size_t)width * elem;
+    for (int t = 0; t < tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        if (slot >= cache_slots) return 1;
+        for (int h = 0; h < kv_heads; ++h) {
+            const int64_t dst = ((int64_t)h * cache_slots + slot) * width;
+            memcpy((char *)k_cache + dst * elem, at(k, t * k_token + h * k_head, elem), row);
+            memcpy((char *)v_cache + dst * elem, at(v, t * v_token + h * v_head, elem), row);
+        }
+    }
+    return 0;
+}
