@@ -12,10 +12,13 @@ of a full token budget; prompt tokens/s next to the matmul rate at that many row
 thread (robust on a shared machine): everything ``LLMEngine.step`` does besides the model's forward
 pass and LM head (scheduling, block tables, input building, attention planning, sampling, output
 handling, detokenization), plus encoding the step's outputs as the core's ``StepDone`` message, split
-by stage; ``--cprofile N`` also prints the N costliest functions of those steps.
+by stage; ``--core`` steps as the engine-core process does, leaving detokenization to the front-end;
+``--cprofile N`` also prints the N costliest functions of those steps. With ``--threads 1`` the
+thread's CPU time holds all of the step's work. On the tiny model at batch 256 the greedy sampler's
+share is mostly one argmax over [256, vocab] logits: a kernel, device work on a GPU.
 
     python -m kvserve.benchmarks.profile_step --model DIR --dtype float32 --batch 256 --context 200 \
-        --context-spread 100 --steps 50 --host-profile
+        --context-spread 100 --steps 50 --temperature 0 --threads 1 --host-profile [--core]
 
 ``--compete N`` then times the decode steps again with N busy processes (a pure-Python loop
 each) running beside the engine: on a shared CPU a step should slow down no more than in
@@ -106,6 +109,7 @@ def profile_host(llm: LLM, args) -> dict:
     from kvserve.engine.ipc import Codec, StepDone
 
     eng, clock = llm.engine, time.thread_time
+    eng.detokenize = not args.core  # the engine-core process leaves the text to the front-end
     prefill_steps = -(-args.batch * (args.context + args.context_spread) // eng.config.max_num_batched_tokens)
     # no request may finish during the timed steps: they run at batch ``args.batch``
     params = SamplingParams(temperature=args.temperature, max_tokens=prefill_steps + args.steps + 8,
@@ -134,6 +138,7 @@ def profile_host(llm: LLM, args) -> dict:
                 t2 = clock()
                 step_s, encode_s = step_s + t1 - t0, encode_s + t2 - t1
     _abort_all(eng)
+    eng.detokenize = True
     if args.cprofile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     ms = 1e3 / args.steps
@@ -144,7 +149,8 @@ def profile_host(llm: LLM, args) -> dict:
     host_ms = (step_s + encode_s) * ms - forward_ms
     split["other"] = host_ms - sum(split.values())  # output handling, detokenization, the rest
     return {"batch": args.batch, "context": args.context, "context_spread": args.context_spread,
-            "steps": args.steps, "host_ms": host_ms, "forward_cpu_ms": forward_ms, "stages_ms": split}
+            "steps": args.steps, "detokenize": not args.core, "host_ms": host_ms,
+            "forward_cpu_ms": forward_ms, "stages_ms": split}
 
 
 def profile_decode(llm: LLM, args) -> dict:
@@ -229,6 +235,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-rows", type=int, default=15)
     ap.add_argument("--host-profile", action="store_true",
                     help="only measure the host CPU time of a decode step besides the forward pass")
+    ap.add_argument("--core", action="store_true",
+                    help="with --host-profile: step as the engine-core process does, without detokenizing")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="with --host-profile: print cProfile's N costliest functions")
     ap.add_argument("--json", default=None, help="write the figures to this file")
@@ -278,9 +286,10 @@ def _host_main(llm: LLM, args) -> dict:
         llm.shutdown()
     h = result["host"]
     stages = ", ".join(f"{name} {v:.2f}" for name, v in h["stages_ms"].items())
-    print(f"host CPU per decode step, batch {h['batch']}, contexts {h['context']}±{h['context_spread']}, "
-          f"{h['steps']} steps: {h['host_ms']:.2f} ms besides the forward ({h['forward_cpu_ms']:.2f} ms); "
-          f"by stage (ms): {stages}")
+    where = "in process (detokenizing)" if h["detokenize"] else "as the engine core (no detokenizing)"
+    print(f"host CPU per decode step {where}, batch {h['batch']}, contexts "
+          f"{h['context']}±{h['context_spread']}, {h['steps']} steps: {h['host_ms']:.2f} ms besides "
+          f"the forward ({h['forward_cpu_ms']:.2f} ms); by stage (ms): {stages}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
