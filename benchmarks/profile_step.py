@@ -11,6 +11,18 @@ Prefill: prompts of ``--context`` tokens with ``max_tokens=1``, so every step is
 of a full token budget; prompt tokens/s next to the matmul rate at that many rows, interleaved
 the same way.
 
+``--host-profile`` measures instead the host work of a decode step, as CPU time of the stepping
+thread (robust on a shared machine): everything ``LLMEngine.step`` does besides the model's forward
+pass and LM head (scheduling, block tables, input building, attention planning, sampling, output
+handling, detokenization), plus encoding the step's outputs as the core's ``StepDone`` message, split
+by stage; ``--core`` steps as the engine-core process does, leaving detokenization to the front-end;
+``--cprofile N`` also prints the N costliest functions of those steps. With ``--threads 1`` the
+thread's CPU time holds all of the step's work. On the tiny model at batch 256 the greedy sampler's
+share is mostly one argmax over [256, vocab] logits: a kernel, device work on a GPU.
+
+    python -m kvserve.benchmarks.profile_step --model DIR --dtype float32 --batch 256 --context 200 \
+        --context-spread 100 --steps 50 --temperature 0 --threads 1 --host-profile [--core]
+
 ``--compete N`` then times the decode steps again with N busy processes (a pure-Python loop
 each) running beside the engine: on a shared CPU a step should slow down no more than in
 proportion to the CPU they take.
@@ -37,25 +49,111 @@ from kvserve.engine.loader import load_hf_config
 
 
 class _Timed:
-    """Wraps a callable and adds up the seconds spent in it (``reset`` starts over)."""
+    """Wraps a callable and adds up the seconds spent in it, by ``clock`` (wall time by default)."""
 
-    def __init__(self, fn):
-        self.fn, self.seconds = fn, 0.0
+    def __init__(self, fn, clock=time.perf_counter):
+        self.fn, self.seconds, self.clock = fn, 0.0, clock
 
     def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - t0
+            self.seconds += self.clock() - t0
 
     def __getattr__(self, name):
         return getattr(self.fn, name)
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, length: int, vocab: int, seed: int, spread: int = 0) -> list[list[int]]:
+    """``n`` random prompts of ``length`` tokens, or of ``length ± spread`` uniformly."""
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+    lengths = [rng.randint(max(1, length - spread), length + spread) for _ in range(n)]
+    return [[rng.randrange(vocab) for _ in range(k)] for k in lengths]
+
+
+def _prefill_batch(eng, args, params: SamplingParams, tag: str) -> None:
+    """Add ``args.batch`` requests and step until every one has its first token."""
+    vocab = min(10000, eng.vocab_size)
+    for i, p in enumerate(_prompts(args.batch, args.context, vocab, args.seed, args.context_spread)):
+        eng.add_request(f"{tag}-{i}", p, params)
+    while any(r.seq.num_completion_tokens == 0 for r in eng.requests.values()):
+        eng.step()
+
+
+def _abort_all(eng) -> None:
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    eng.step()
+
+
+@contextlib.contextmanager
+def _patched(obj, attr: str, value):
+    """``obj.attr = value`` inside the block; the attribute as it was afterwards."""
+    own = attr in vars(obj)
+    before = getattr(obj, attr)
+    setattr(obj, attr, value)
+    try:
+        yield value
+    finally:
+        if own:
+            setattr(obj, attr, before)
+        else:
+            delattr(obj, attr)  # the class's method again
+
+
+def profile_host(llm: LLM, args) -> dict:
+    """CPU milliseconds of the stepping thread per decode step besides the forward pass (see the
+    module docstring), by stage; ``execute_model`` is the runner's share without the forward."""
+    import cProfile
+    import pstats
+
+    from kvserve.engine import llm_engine
+    from kvserve.engine.ipc import Codec, StepDone
+
+    eng, clock = llm.engine, time.thread_time
+    eng.detokenize = not args.core  # the engine-core process leaves the text to the front-end
+    prefill_steps = -(-args.batch * (args.context + args.context_spread) // eng.config.max_num_batched_tokens)
+    # no request may finish during the timed steps: they run at batch ``args.batch``
+    params = SamplingParams(temperature=args.temperature, max_tokens=prefill_steps + args.steps + 8,
+                            ignore_eos=True)
+    _prefill_batch(eng, args, params, "host")
+    model = eng.executor.model
+    targets = {"forward": (model, "forward"), "compute_logits": (model, "compute_logits"),
+               "schedule": (eng.scheduler, "schedule"),
+               "build_model_input": (llm_engine, "build_model_input"),
+               "execute_model": (eng.executor, "execute_model"), "sampler": (eng, "sampler"),
+               "postprocess": (eng.scheduler, "postprocess")}
+    codec, encode_s, step_s = Codec(), 0.0, 0.0
+    profiler = cProfile.Profile() if args.cprofile else contextlib.nullcontext()
+    with contextlib.ExitStack() as patches:
+        timed = {name: patches.enter_context(_patched(obj, attr, _Timed(getattr(obj, attr), clock)))
+                 for name, (obj, attr) in targets.items()}
+        eng.step()  # warm-up at this shape
+        for t in timed.values():
+            t.seconds = 0.0
+        with profiler:
+            for _ in range(args.steps):
+                t0 = clock()
+                outputs = eng.step()
+                t1 = clock()
+                codec.encode(StepDone(0, 0, outputs))  # what the engine-core process sends per step
+                t2 = clock()
+                step_s, encode_s = step_s + t1 - t0, encode_s + t2 - t1
+    _abort_all(eng)
+    eng.detokenize = True
+    if args.cprofile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+    ms = 1e3 / args.steps
+    split = {name: t.seconds * ms for name, t in timed.items()}
+    forward_ms = split.pop("forward") + split.pop("compute_logits")
+    split["execute_model"] -= forward_ms
+    split["encode_step_done"] = encode_s * ms
+    host_ms = (step_s + encode_s) * ms - forward_ms
+    split["other"] = host_ms - sum(split.values())  # output handling, detokenization, the rest
+    return {"batch": args.batch, "context": args.context, "context_spread": args.context_spread,
+            "steps": args.steps, "detokenize": not args.core, "host_ms": host_ms,
+            "forward_cpu_ms": forward_ms, "stages_ms": split}
 
 
 def profile_decode(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
@@ -65,10 +163,7 @@ def profile_decode(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
     eng = llm.engine
     max_tokens = args.rounds * args.steps + 8
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(_prompts(args.batch, args.context, min(10000, eng.vocab_size), args.seed)):
-        eng.add_request(f"decode-{i}", p, params)
-    while any(r.seq.num_completion_tokens == 0 for r in eng.requests.values()):
-        eng.step()  # the prefills
+    _prefill_batch(eng, args, params, "decode")
     forward, sampler = _Timed(eng.executor.execute_model), _Timed(eng.sampler)
     eng.executor.execute_model, eng.sampler = forward, sampler
     rounds = []
@@ -87,9 +182,7 @@ def profile_decode(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
     finally:
         del eng.executor.execute_model  # the class's method again
         eng.sampler = sampler.fn
-    for rid in list(eng.requests):
-        eng.abort(rid)
-    eng.step()
+    _abort_all(eng)
     _print_profile(profiler, args)
     step_s, forward_s, sampler_s, _ = min(rounds)
     matmul_s = min(r[3] for r in rounds)
@@ -149,7 +242,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--context", type=int, default=300, help="prompt tokens per request")
-    ap.add_argument("--steps", type=int, default=5, help="decode steps per timed round")
+    ap.add_argument("--context-spread", type=int, default=0, help="prompts of context ± this many tokens")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="decode steps per timed round (with --host-profile: steps timed)")
     ap.add_argument("--rounds", type=int, default=4,
                     help="timed rounds, each followed by the matmul-only time")
     ap.add_argument("--prefill-chunks", type=int, default=4, help="full-budget prefill chunks timed")
@@ -162,6 +257,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--compete", type=int, default=0, help="also time decode beside N busy processes")
     ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top ops")
     ap.add_argument("--profile-rows", type=int, default=15)
+    ap.add_argument("--host-profile", action="store_true",
+                    help="only measure the host CPU time of a decode step besides the forward pass")
+    ap.add_argument("--core", action="store_true",
+                    help="with --host-profile: step as the engine-core process does, without detokenizing")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="with --host-profile: print cProfile's N costliest functions")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
 
@@ -171,6 +272,8 @@ def main(argv=None) -> dict:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch, 1),
               max_num_batched_tokens=max(args.max_num_batched_tokens, args.batch),
               enforce_eager=args.enforce_eager, **options)
+    if args.host_profile:
+        return _host_main(llm, args)
     try:
         dtype = llm.engine.executor.dtype
         ceiling = MatmulCeiling(load_hf_config(llm.engine.source), dtype, llm.engine.executor.device)
@@ -189,6 +292,23 @@ def main(argv=None) -> dict:
     result = {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "decode": decode, "prefill": prefill}
     _print_result(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _host_main(llm: LLM, args) -> dict:
+    try:
+        result = {"threads": torch.get_num_threads(), "host": profile_host(llm, args)}
+    finally:
+        llm.shutdown()
+    h = result["host"]
+    stages = ", ".join(f"{name} {v:.2f}" for name, v in h["stages_ms"].items())
+    where = "in process (detokenizing)" if h["detokenize"] else "as the engine core (no detokenizing)"
+    print(f"host CPU per decode step {where}, batch {h['batch']}, contexts "
+          f"{h['context']}±{h['context_spread']}, {h['steps']} steps: {h['host_ms']:.2f} ms besides "
+          f"the forward ({h['forward_cpu_ms']:.2f} ms); by stage (ms): {stages}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,8 +1,9 @@
 """The service's front-end to the engine-core process, for asyncio code.
 
 ``AsyncEngine`` starts the engine core in a process of its own (engine/core_client.py) and
-owns everything on the service's side of it: admission, tokenization, the per-request
-streams, and the engine's lifecycle state. Requests are tokenized (chat templates rendered)
+owns everything on the service's side of it: admission, tokenization, detokenization (with
+stop strings: a choice whose text holds one ends here, and the core is told to stop it), the
+per-request streams, and the engine's lifecycle state. Requests are tokenized (chat templates rendered)
 on a small thread pool, never on the event loop; what the handlers produce during one turn
 of the loop goes to the core as one batch (engine/ipc.py), and each step's outputs come back
 as one message, dispatched to the streams in one pass (one wake-up of the loop per step).
@@ -29,8 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from kvserve.engine.child_process import describe_exit
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.core_client import CoreProcess
+from kvserve.engine.detokenizer import RequestText
 from kvserve.engine.engine_state import EngineInfo, EngineOverloaded, EngineState, EngineUnavailable
-from kvserve.engine.ipc import Call, Codec, Failed, NewRequest, Ready, StepDone, ToCore
+from kvserve.engine.ipc import Call, Codec, Failed, NewRequest, Ready, StepDone, StopChoice, ToCore
 from kvserve.engine.prompts import PromptEncoder
 from kvserve.engine.request_stream import RequestStream
 from kvserve.engine.sampling_params import SamplingParams
@@ -47,7 +49,7 @@ TOKENIZER_THREADS = 2
 
 
 def _fresh_batch() -> ToCore:
-    return ToCore(0, [], [], [])
+    return ToCore(0, [], [], [], [])
 
 
 class AsyncEngine:
@@ -189,14 +191,14 @@ class AsyncEngine:
         self._tokenizing += 1
         self._idle.clear()
         try:
-            ids = await self._loop.run_in_executor(self._pool, self._encode, prompt, messages)
+            ids, text = await self._loop.run_in_executor(self._pool, self._prepare, prompt, messages, params)
         finally:
             self._tokenizing -= 1
             self._check_idle()
         if self._state not in (EngineState.READY, EngineState.DRAINING):
             raise EngineUnavailable(self._unavailable_reason())
         key = f"{request_id}#{next(self._ids)}"
-        stream = RequestStream(key, self._release, params.n)
+        stream = RequestStream(key, self._release, params.n, text)
         self._live[key] = stream
         self._idle.clear()
         self._batch.new.append(NewRequest(key, ids, params))
@@ -241,6 +243,11 @@ class AsyncEngine:
             return self._prompts.render_chat(messages)
         return self._prompts.encode(prompt)
 
+    def _prepare(self, prompt, messages, params: SamplingParams) -> tuple[list[int], RequestText]:
+        """The prompt's ids and the request's detokenizers; runs on the tokenizer pool."""
+        ids = self._encode(prompt, messages)
+        return ids, RequestText(self._prompts.tokenizer, ids, params)
+
     def _check_admission(self) -> None:
         if self._state != EngineState.READY:
             raise EngineUnavailable(self._unavailable_reason())
@@ -282,7 +289,8 @@ class AsyncEngine:
         """Send the batch gathered so far; False if there was nothing to send or no core took it."""
         self._flush_scheduled = False
         batch = self._batch
-        if self._core is None or not (batch.new or batch.aborts or batch.calls or batch.shutdown):
+        if self._core is None or not (batch.new or batch.aborts or batch.calls or batch.stops
+                                      or batch.shutdown):
             return False
         self._batch = _fresh_batch()
         self._seq += 1
@@ -324,13 +332,21 @@ class AsyncEngine:
             stream = self._live.pop(r.key, None)
             if stream is not None:
                 stream.fail(ValueError(r.message))
-        live = self._live
+        live, stops = self._live, self._batch.stops
         for out in msg.outputs:
             stream = live.get(out.request_id)
-            if stream is not None:
-                stream.push(out)
-                if stream.finished:
-                    del live[out.request_id]
+            if stream is None:
+                continue
+            verdict = stream.text.process(out)  # the text; a stop string ends the choice here
+            if verdict is RequestText.DROP:  # a token the core made before it heard of the stop
+                continue
+            if verdict is RequestText.STOPPED:
+                stops.append(StopChoice(out.request_id, out.index))
+            stream.push(out)
+            if stream.finished:
+                del live[out.request_id]
+        if stops:
+            self._schedule_flush()
         for reply in msg.replies:
             future = self._calls.pop(reply.call_id, None)
             if future is not None and not future.done():

@@ -138,18 +138,23 @@ class BlockManager:
             self.hit_tokens += seq.num_computed_tokens
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._num_missing(seq, num_new_tokens) <= self.num_free_blocks
+        return self.missing_blocks(seq, num_new_tokens) <= len(self.free_ids)
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append blocks so that the next ``num_new_tokens`` tokens of ``seq`` have slots."""
-        missing = self._num_missing(seq, num_new_tokens)
-        if missing > self.num_free_blocks:
-            raise RuntimeError(f"out of KV blocks: need {missing}, {self.num_free_blocks} free")
-        for _ in range(missing):
-            seq.block_table.append(self._take_free_block())
+        self.take_blocks(seq, self.missing_blocks(seq, num_new_tokens))
 
-    def _num_missing(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+    def missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks ``seq`` lacks for its next ``num_new_tokens`` tokens."""
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, needed - len(seq.block_table))
+
+    def take_blocks(self, seq: Sequence, count: int) -> None:
+        """Append ``count`` free blocks to ``seq``'s table (``missing_blocks`` says how many)."""
+        if count > len(self.free_ids):
+            raise RuntimeError(f"out of KV blocks: need {count}, {self.num_free_blocks} free")
+        for _ in range(count):
+            seq.block_table.append(self._take_free_block())
 
     def _take_free_block(self) -> int:
         bid, _ = self.free_ids.popitem(last=False)
@@ -180,11 +185,11 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Publish the hashes of blocks whose KV is now fully written (call after a step)."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         start = seq.num_hashed_blocks
+        if full <= start or not self.enable_prefix_caching:  # most steps: no block filled up
+            return
         prev = self.blocks[seq.block_table[start - 1]].hash if start else None
         for i in range(start, full):
             block = self.blocks[seq.block_table[i]]
@@ -193,7 +198,7 @@ class BlockManager:
                 block.hash, block.token_ids, block.parent_hash = block_hash(prev, tokens), tokens, prev
                 self._publish(block)
             prev = block.hash
-        seq.num_hashed_blocks = max(start, full)
+        seq.num_hashed_blocks = full
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks at zero keep their hash for later hits.

@@ -3,9 +3,10 @@
 ``python -m kvserve.engine.core_process --config JSON --inbox ipc://A --outbox ipc://B
 --parent-fd N`` is started by the service's front-end (engine/core_client.py) as a fresh
 interpreter. It loads the engine, says ``Ready``, then loops: take every batch the front-end
-sent (new requests, aborts, calls), run one step, send one ``StepDone`` with every request's
-delta. A request that ``add_request`` refuses fails alone (``Rejected``); an error in a step,
-or a tensor-parallel worker's death, ends the process after a ``Failed`` message.
+sent (new requests, aborts, stop-string stops, calls), run one step, send one ``StepDone`` with
+every request's delta (token ids only: the front-end detokenizes). A request that
+``add_tokenized`` refuses fails alone (``Rejected``); an error in a step, or a tensor-parallel
+worker's death, ends the process after a ``Failed`` message.
 
 The process leads its own process group (its tensor-parallel workers are in it too), so the
 front-end can end all of them with one signal. When the front-end dies, the end of the
@@ -72,11 +73,14 @@ class EngineCore:
     def _apply(self, batch: ToCore) -> None:
         for req in batch.new:
             try:
-                self.engine.add_request(req.key, req.prompt_token_ids, req.params)
+                # the front-end's PromptEncoder checked the ids: they are not walked again here
+                self.engine.add_tokenized(req.key, req.prompt_token_ids, req.params)
             except Exception as e:  # noqa: BLE001 - this request's fault alone; the engine goes on
                 self._rejected.append(Rejected(req.key, str(e) or type(e).__name__))
         for key in batch.aborts:
             self.engine.abort(key)
+        for stop in batch.stops:
+            self.engine.stop_choice(stop.key, stop.index)
         for call in batch.calls:
             self._replies.append(Reply(call.call_id, self._call(call.name)))
         self._acked = batch.seq
@@ -109,7 +113,7 @@ def run_core(config: EngineConfig, inbox_addr: str, outbox_addr: str) -> int:
     try:
         from kvserve.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, detokenize=False)  # the front-end detokenizes
         outbox.send(codec.encode(Ready(engine.model_name, engine.vocab_size, engine.config.max_model_len,
                                        engine.config, os.getpid())))
         EngineCore(engine, inbox, outbox).run()

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from kvserve.engine.layers.attention import AttentionMetadata
-from kvserve.engine.model_input import ModelInput, block_table_width
+from kvserve.engine.model_input import ModelInput, block_table_width, step_block_tables
 
 MAX_CAPTURE_SIZE = 512
 GRAPH_BACKENDS = frozenset({"triton", "flash-attn"})  # decode reads only device tensors
@@ -82,21 +82,15 @@ class DecodeInputs:
 
 def decode_inputs(inp: ModelInput, pin: bool) -> DecodeInputs:
     """A decode step's rows as host tensors (in pinned memory when ``pin``, so that
-    ``copy_padded`` can copy them to the device without blocking); block tables from the runner's
-    persistent array when the step has one, else from the lists padded with 0."""
-    if inp.block_table_array is not None:
-        tables = torch.from_numpy(inp.block_table_array)
-        tables = tables.pin_memory() if pin else tables
-    else:
-        width = max((len(table) for table in inp.block_tables), default=0)
-        padded = [table + [0] * (width - len(table)) for table in inp.block_tables]
-        tables = torch.tensor(padded, dtype=torch.int32, pin_memory=pin).reshape(len(padded), width)
+    ``copy_padded`` can copy them to the device without blocking); the block tables are the step's
+    array (``model_input.step_block_tables``)."""
+    tables = torch.from_numpy(step_block_tables(inp))
     return DecodeInputs(
         input_ids=torch.tensor(inp.input_ids, dtype=torch.int64, pin_memory=pin),
         positions=torch.tensor(inp.positions, dtype=torch.int64, pin_memory=pin),
         slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, pin_memory=pin),
         seq_lens=torch.tensor(inp.context_lens, dtype=torch.int32, pin_memory=pin),
-        block_tables=tables,
+        block_tables=tables.pin_memory() if pin else tables,
     )
 
 
@@ -246,7 +240,7 @@ class CudaGraphRunner:
             inp.num_seqs > 0
             and inp.is_decode_only
             and self.can_replay(inp.num_seqs)
-            and max(len(table) for table in inp.block_tables) <= self.static.block_tables.shape[1]
+            and step_block_tables(inp).shape[1] <= self.static.block_tables.shape[1]
         )
 
     def replay(self, inputs: DecodeInputs) -> torch.Tensor:

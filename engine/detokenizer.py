@@ -1,7 +1,8 @@
 """Incremental detokenization of one request's output, with stop strings.
 
 Owns the text side of a running request: token ids go in one at a time, released text
-comes out. Two things are held back: bytes of a character that is not complete yet
+comes out (``IncrementalDetokenizer``; ``RequestText`` holds one per choice and applies them to
+the engine's token-id deltas). Two things are held back: bytes of a character that is not complete yet
 (tokenizers' ``DecodeStream`` does this, decoding only a small window per token), and text
 that could still be the start of a stop string. When a stop string appears, the text
 before it is released and everything from the stop string on never is.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from kvserve.engine.sequence import FinishReason
 
 # prompt tokens decoded ahead of the output so that the first output token is decoded in
 # context (leading spaces, merges across the boundary); a few are enough
@@ -122,3 +125,45 @@ def stop_prefix_length(text: str, stops: list[str]) -> int:
                 break
             i = text.find(stop[0], i + 1)
     return best
+
+
+class RequestText:
+    """The text side of one request's n choices (SamplingParams.n): a detokenizer each. ``process``
+    fills a step's token-id delta with its text; when a stop string appears it ends the choice
+    there (finished, STOP_STRING, the text cut before the stop string), and deltas of a choice
+    that ended here are dropped after that.
+
+    In process, ``LLMEngine`` runs this right after each step and finishes the sequence at once;
+    under the service the front-end runs it and tells the engine core to stop the choice, as
+    vLLM's V1 front-end does: the core may compute a token or two more, which nobody sees."""
+
+    KEEP, STOPPED, DROP = "keep", "stopped", "drop"
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params):
+        self._detoks = [
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop)
+            for _ in range(params.n)
+        ]
+        self._ended = [False] * params.n
+
+    def process(self, out) -> str:
+        """Set ``out.new_text`` (and end the choice on a stop string); returns KEEP, STOPPED (a stop
+        string ended the choice in this delta: ``out`` says so) or DROP (the choice had ended)."""
+        if self._ended[out.index]:
+            return self.DROP
+        detok = self._detoks[out.index]
+        if not out.new_token_ids:  # an abort's output: nothing more is released
+            self._ended[out.index] = out.finished
+            return self.KEEP
+        # the EOS / stop token that ended the request is reported as a token, not as text; so is the
+        # token its constraint refused (an ABORT)
+        ended_by_token = out.finish_reason in (FinishReason.STOP, FinishReason.ABORT)
+        text = "" if ended_by_token else "".join(detok.add(t) for t in out.new_token_ids)
+        verdict = self.KEEP
+        if detok.stopped:  # also when this token hit max_tokens: the stop string ended the text
+            out.finished, out.finish_reason, verdict = True, FinishReason.STOP_STRING, self.STOPPED
+        elif out.finished:
+            text += detok.finish()
+        out.new_text = text
+        self._ended[out.index] = out.finished
+        return verdict

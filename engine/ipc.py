@@ -27,6 +27,11 @@ class NewRequest(msgspec.Struct, array_like=True):
     params: SamplingParams
 
 
+class StopChoice(msgspec.Struct, array_like=True):
+    key: str
+    index: int  # the choice whose stop string the front-end found (SamplingParams.n)
+
+
 class Call(msgspec.Struct, array_like=True):
     call_id: int
     name: str  # one of CALLS
@@ -40,6 +45,7 @@ class ToCore(msgspec.Struct, array_like=True):
     new: list[NewRequest] = []
     aborts: list[str] = []
     calls: list[Call] = []
+    stops: list[StopChoice] = []
     shutdown: bool = False
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.config import EngineConfig, resolve_max_model_len
-from kvserve.engine.constraints import constraint_of
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.constraints import Constraint, constraint_of
+from kvserve.engine.detokenizer import RequestText
 from kvserve.engine.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.loader import load_generation_eos, load_hf_config, load_tokenizer, resolve_model
@@ -35,10 +35,9 @@ COMPILE_WAIT_S = 0.05  # an idle engine waits this long for a grammar compile be
 
 @dataclass
 class _Choice:
-    """One of a request's n completions: a sequence and its detokenizer."""
+    """One of a request's n completions."""
 
     seq: Sequence
-    detok: IncrementalDetokenizer
     index: int = 0
 
 
@@ -48,6 +47,7 @@ class _Request:
     choices: list[_Choice]
     unfinished: int = 0  # choices that have not finished yet
     to_fork: list[Sequence] = field(default_factory=list)  # choices 1..n-1 until choice 0's prefill
+    text: RequestText | None = None  # the detokenizers, when this engine detokenizes
 
     @property
     def seq(self) -> Sequence:
@@ -56,7 +56,11 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """``detokenize=False`` (the engine-core process) leaves the text to the front-end: outputs carry
+    token ids only, and stop strings end a choice when the front-end calls ``stop_choice``."""
+
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
+        self.detokenize = detokenize
         self.source = resolve_model(config.model)
         hf_config = load_hf_config(self.source)
         config = config.replace(max_model_len=resolve_max_model_len(config, hf_config))
@@ -106,15 +110,29 @@ class LLMEngine:
 
         A structured-output constraint is compiled on the grammar thread; the request is
         scheduled once it compiled, or comes out of ``take_rejected`` when it does not."""
+        constraint = self._check_request(request_id, params)
+        self._queue(request_id, self.encode_prompt(prompt), params, constraint)
+
+    def add_tokenized(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """``add_request`` for a prompt that a ``PromptEncoder`` already produced and checked (the
+        service's front-end does that off the engine core's loop): the ids are not checked again."""
+        constraint = self._check_request(request_id, params)
+        self._queue(request_id, prompt_token_ids, params, constraint)
+
+    def _check_request(self, request_id: str, params: SamplingParams) -> Constraint | None:
+        """Refuse a taken id or bad parameters; returns the request's structured-output constraint."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params.validate(self.vocab_size)
-        constraint = constraint_of(params)
-        ids = self.encode_prompt(prompt)
+        return constraint_of(params)
+
+    def _queue(self, request_id: str, ids: list[int], params: SamplingParams,
+               constraint: Constraint | None) -> None:
         seqs = [Sequence(request_id, ids, choice_params(params, i)) for i in range(params.n)]
         self.scheduler.check_fits(seqs[0])  # raises when it could never fit
-        choices = [_Choice(seq, self._detokenizer(seq), i) for i, seq in enumerate(seqs)]
-        req = _Request(request_id, choices, unfinished=len(choices), to_fork=seqs[1:])
+        choices = [_Choice(seq, i) for i, seq in enumerate(seqs)]
+        text = RequestText(self.tokenizer, ids, params) if self.detokenize else None
+        req = _Request(request_id, choices, unfinished=len(choices), to_fork=seqs[1:], text=text)
         self.requests[request_id] = req
         self._choices.update((c.seq.seq_id, c) for c in choices)
         if constraint is None:
@@ -122,10 +140,6 @@ class LLMEngine:
         else:
             self.structured.submit(req, constraint)
         self.counters["prompt_tokens_total"] += len(ids)
-
-    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
-        p = seq.params
-        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens, p.stop)
 
     def _schedule(self, req: _Request) -> None:
         """Hand choice 0 to the scheduler; the other choices fork from it after its prefill."""
@@ -169,10 +183,19 @@ class LLMEngine:
         for c in req.choices:
             if not c.seq.is_finished:
                 self.scheduler.finish(c.seq, FinishReason.ABORT)
-                self._aborted.append(self._output(c, [], "", [], tail=""))
+                self._aborted.append(self._output(c, [], []))
         self._drop(req)
         self.counters["requests_aborted"] += 1
         return True
+
+    def stop_choice(self, request_id: str, index: int) -> None:
+        """End choice ``index`` of a request, whose stop string the front-end found in its text
+        (finish reason STOP_STRING); the front-end sent its last output, so none comes from here."""
+        req = self.requests.get(request_id)
+        if req is None or req.choices[index].seq.is_finished:  # it ended meanwhile
+            return
+        self.scheduler.finish(req.choices[index].seq, FinishReason.STOP_STRING)
+        self._choice_finished(req, req.choices[index].seq)
 
     # ---- the loop -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -208,7 +231,7 @@ class LLMEngine:
             self.scheduler.finish(seq, FinishReason.ABORT)
         if self._forks:
             self._fork_prefilled(sampling)
-        self.scheduler.postprocess(sched, sampled.token_ids)
+        self.scheduler.postprocess(sched, sampled.token_ids)  # the same sampling_seqs (cached)
         self.counters["generation_tokens_total"] += len(sampling)
         for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
             outputs.append(self._emit(self._choices[seq.seq_id], token, lp))
@@ -222,29 +245,28 @@ class LLMEngine:
                 self.scheduler.fork(seq, self._forks.pop(seq.seq_id))
 
     def _emit(self, choice: _Choice, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        seq, detok = choice.seq, choice.detok
-        # the EOS / stop token that ended the request is reported as a token, not as text; so is
-        # the token its constraint refused (an ABORT here)
-        ended_by_token = seq.finish_reason in (FinishReason.STOP, FinishReason.ABORT)
-        text = "" if ended_by_token else detok.add(token)
-        if detok.stopped:  # also when this token hit max_tokens: the stop string ended the text
-            self.scheduler.finish(seq, FinishReason.STOP_STRING)
-        tail = detok.finish() if seq.is_finished and not detok.stopped else ""
+        seq = choice.seq
+        out = self._output(choice, [token], [logprobs] if logprobs else [])
+        request = self.requests[seq.request_id]
+        if request.text is not None and request.text.process(out) is RequestText.STOPPED:
+            self.scheduler.finish(seq, FinishReason.STOP_STRING)  # ``out`` says so already
         if seq.is_finished:
-            self.structured.detach(seq)
-            request = self.requests[seq.request_id]
-            request.unfinished -= 1
-            if not request.unfinished:
-                self._drop(request)
-                self.counters["requests_finished"] += 1
-        return self._output(choice, [token], text, [logprobs] if logprobs else [], tail)
+            self._choice_finished(request, seq)
+        return out
 
-    def _output(self, choice: _Choice, tokens, text: str, logprobs, tail: str) -> RequestOutput:
+    def _choice_finished(self, request: _Request, seq: Sequence) -> None:
+        self.structured.detach(seq)
+        request.unfinished -= 1
+        if not request.unfinished:
+            self._drop(request)
+            self.counters["requests_finished"] += 1
+
+    def _output(self, choice: _Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         seq = choice.seq
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
-            new_text=text + tail,
+            new_text="",
             new_logprobs=logprobs,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,

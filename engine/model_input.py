@@ -11,13 +11,17 @@ Block tables persist across steps: every runner (each tensor-parallel rank) hold
 ``BlockTableWriter`` decides which row each sequence has and which of its blocks the runners do
 not hold yet. A step carries only those new blocks (``table_updates``) and each sequence's row
 (``seq_rows``); a decode step usually adds no block at all. The runner then cuts the step's
-block tables out of its array in one gather, and workers receive no full tables.
+block tables out of its array in one gather (``BlockTableArray.take``), and that one int32 array,
+padded with block 0, is what every consumer reads (attention metadata, the torch backend's
+planning, CUDA-graph inputs): no per-sequence lists. Inputs built by hand (tests, the runner's
+warm-up) may give ``block_tables`` as lists instead; ``step_block_tables`` pads them into the
+same array.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -29,13 +33,14 @@ class ModelInput:
     positions: list[int]  # position of each of those tokens in its sequence
     query_lens: list[int]  # per sequence: tokens computed this step
     context_lens: list[int]  # per sequence: KV length after this step (cached + new)
-    block_tables: list[list[int]]  # per sequence: its KV block ids (host planning; not sent to workers)
+    block_tables: list[list[int]]  # per sequence: its KV block ids, in inputs built by hand only
     slot_mapping: list[int]  # per token: block_id * block_size + offset where its K/V goes; -1 = skip
     logits_indices: list[int]  # flat token indices whose logits are wanted (last token of sampling seqs)
     # per sequence: its row in the runners' persistent block table; [] = use block_tables alone
     seq_rows: list[int] = field(default_factory=list)
     table_updates: list[list[int]] = field(default_factory=list)  # [row, first column, *block ids]
-    # the step's block tables cut from the runner's array, int32 [num_seqs, blocks]; runner-side only
+    # the step's block tables, int32 [num_seqs, blocks for the longest context], padded with block 0;
+    # set by the runner (cut from its persistent array), or by ``step_block_tables`` from the lists
     block_table_array: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -52,8 +57,7 @@ class ModelInput:
 
     def to_bytes(self) -> bytes:
         """JSON for a worker: with ``seq_rows`` the block tables travel as updates only."""
-        data = asdict(self)
-        data.pop("block_table_array")
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "block_table_array"}
         if self.seq_rows:
             data["block_tables"] = []
         return json.dumps(data, separators=(",", ":")).encode()
@@ -115,28 +119,69 @@ class BlockTableArray:
         """The first ``num_blocks`` columns of ``rows``, as a new array (one C-level copy)."""
         return self.array[np.asarray(rows, dtype=np.intp), :num_blocks]
 
+    def take(self, inp: ModelInput, block_size: int) -> np.ndarray:
+        """Apply the step's updates; return its block tables: its rows, as many columns as the
+        longest context needs, and block 0 past each sequence's own context (a reused row may hold
+        an earlier sequence's blocks there)."""
+        self.apply(inp.table_updates)
+        needed = blocks_for(np.asarray(inp.context_lens, dtype=np.int64), block_size)
+        tables = self.gather(inp.seq_rows, int(needed.max(initial=0)))
+        tables[np.arange(tables.shape[1]) >= needed[:, None]] = 0
+        return tables
+
+
+def blocks_for(num_tokens: np.ndarray, block_size: int) -> np.ndarray:
+    """Blocks holding ``num_tokens`` tokens, elementwise."""
+    return -(-num_tokens // block_size)
+
+
+def pad_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """Lists of block ids as one int32 array, each padded with block 0 to the longest."""
+    width = max(map(len, tables), default=0)
+    padded = np.zeros((len(tables), width), dtype=np.int32)
+    for row, table in zip(padded, tables, strict=True):
+        row[: len(table)] = table
+    return padded
+
+
+def step_block_tables(inp: ModelInput) -> np.ndarray:
+    """The step's block-table array (see ``ModelInput.block_table_array``), made from the lists of
+    a hand-built input on first use."""
+    if inp.block_table_array is None:
+        if len(inp.block_tables) != len(inp.query_lens):
+            raise ValueError(f"{len(inp.query_lens)} sequences but {len(inp.block_tables)} block tables")
+        inp.block_table_array = pad_block_tables(inp.block_tables)
+    return inp.block_table_array
+
 
 def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter | None = None) -> ModelInput:
     """Lay out a scheduler step (``ScheduledSeq`` items, batch order) as one flat batch; with
-    ``tables``, also each sequence's row in the runners' block table and the blocks they lack."""
+    ``tables``, each sequence's row in the runners' block table and the blocks they lack instead
+    of its whole block table."""
     inp = ModelInput([], [], [], [], [], [], [])
+    input_ids, positions, slots, query_lens = inp.input_ids, inp.positions, inp.slot_mapping, inp.query_lens
     for s in scheduled:
         seq, n = s.seq, s.num_tokens
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        start = seq.num_computed_tokens
+        end = start + n
         table = seq.block_table
-        inp.input_ids.extend(seq.token_ids[start:end])
-        inp.positions.extend(range(start, end))
-        inp.slot_mapping.extend(
-            table[p // block_size] * block_size + p % block_size for p in range(start, end)
-        )
-        inp.query_lens.append(n)
+        if n == 1:  # a decode: the common case, kept to a few operations
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_lens.append(n)
         inp.context_lens.append(end)
-        inp.block_tables.append(list(table))
-        if end == seq.num_tokens:
-            inp.logits_indices.append(len(inp.input_ids) - 1)
-        if tables is not None:
-            row, update = tables.place(seq.seq_id, table)
-            inp.seq_rows.append(row)
-            if update is not None:
-                inp.table_updates.append(update)
+        if end == len(seq.token_ids):
+            inp.logits_indices.append(len(input_ids) - 1)
+        if tables is None:
+            inp.block_tables.append(list(table))
+            continue
+        row, update = tables.place(seq.seq_id, table)
+        inp.seq_rows.append(row)
+        if update is not None:
+            inp.table_updates.append(update)
     return inp

@@ -8,8 +8,9 @@ eager pass; on CUDA, decode steps replay captured graphs instead (``engine/cuda_
 On CUDA a step's inputs go to the device from pinned host memory without blocking, and nothing
 in a step waits for the device: the one read-back is the sampler's, of the sampled tokens. Block
 tables persist in the runner between steps (``model_input.BlockTableArray``); a step brings only
-its sequences' rows and new blocks. On CUDA the KV cache gets what is left once a warm-up has
-measured the largest step, a full-size sampler pass and the decode graphs' memory.
+its sequences' rows and new blocks, and the one int32 array cut from it serves every reader. On
+CUDA the KV cache gets what is left once a warm-up has measured the largest step, a full-size
+sampler pass and the decode graphs' memory.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from kvserve.engine.loader import (
     resolve_model,
 )
 from kvserve.engine.malloc import tune_malloc
-from kvserve.engine.model_input import BlockTableArray, ModelInput, block_table_width
+from kvserve.engine.model_input import BlockTableArray, ModelInput, block_table_width, step_block_tables
 from kvserve.engine.models import build_model
 from kvserve.engine.models.llama import head_dim_of
 from kvserve.engine.parallel import ParallelContext
@@ -73,7 +74,7 @@ class PreparedBatch:
 def prepare_inputs(inp: ModelInput, backend: AttentionBackend, device: torch.device) -> PreparedBatch:
     """One step's ``ModelInput`` as device tensors plus the backend's attention metadata."""
     assert len(inp.input_ids) == len(inp.positions) == len(inp.slot_mapping) == sum(inp.query_lens)
-    assert len(inp.query_lens) == len(inp.context_lens) == len(inp.block_tables)
+    assert len(inp.query_lens) == len(inp.context_lens) == len(step_block_tables(inp))
     return PreparedBatch(
         input_ids=to_device(inp.input_ids, device),
         positions=to_device(inp.positions, device),
@@ -133,8 +134,8 @@ class ModelRunner:
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits [len(inp.logits_indices), vocab] (None on ranks other than 0)."""
         flush_denormals(self.device)  # per thread: the engine may step from another thread
-        if inp.seq_rows:
-            self._take_block_tables(inp)
+        if inp.seq_rows:  # the step's block tables, cut from this runner's persistent array
+            inp.block_table_array = self.block_tables.take(inp, self.block_size)
         if self.graphs is not None and self.graphs.fits(inp):
             hidden = self.graphs.replay(decode_inputs(inp, pin=self.device.type == "cuda"))
             logits_indices = to_device(inp.logits_indices, self.device)
@@ -144,17 +145,6 @@ class ModelRunner:
             logits_indices = batch.logits_indices
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         return None if logits is None else logits.float()
-
-    def _take_block_tables(self, inp: ModelInput) -> None:
-        """Apply the step's block-table updates to the persistent array and cut the step's tables
-        out of it; a worker, which receives no lists, also gets them back as lists for host-side
-        planning (the torch backend's)."""
-        self.block_tables.apply(inp.table_updates)
-        width = block_table_width(max(inp.context_lens, default=0), self.block_size)
-        inp.block_table_array = self.block_tables.gather(inp.seq_rows, width)
-        if not inp.block_tables:
-            inp.block_tables = [row[: block_table_width(n, self.block_size)].tolist()
-                                for row, n in zip(inp.block_table_array, inp.context_lens, strict=True)]
 
     def shutdown(self) -> None:
         """Free the graphs, the KV cache and the weights; the runner cannot execute afterwards."""

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvserve.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from kvserve.engine.detokenizer import RequestText
 
 
 class RequestStream:
@@ -24,8 +28,10 @@ class RequestStream:
     ``on_close(key, finished)``: the front-end aborts the request if it has not finished.
     """
 
-    def __init__(self, key: str, on_close: Callable[[str, bool], None], n: int = 1):
+    def __init__(self, key: str, on_close: Callable[[str, bool], None], n: int = 1,
+                 text: RequestText | None = None):
         self.key = key
+        self.text = text  # the request's detokenizers (the front-end's), which fill each delta's text
         self._on_close = on_close
         self._unfinished = n  # choices whose finished output has not been pushed
         self._pending: list[RequestOutput] = []

@@ -15,12 +15,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens whose KV is computed in this step
@@ -40,8 +41,9 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
-    @property
+    @cached_property
     def sampling_seqs(self) -> list[Sequence]:
+        """The sequences this step gives a new token, in batch order (read once scheduling is done)."""
         return [s.seq for s in self.scheduled if s.samples]
 
 
@@ -110,22 +112,26 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # decode-phase sequences first, then those still prefilling, each in admission order
-        order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        decoding, prefilling = [], []
+        for seq in self.running:
+            (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
         scheduled: dict[int, ScheduledSeq] = {}
-        for seq in order:
+        running, bm = SequenceStatus.RUNNING, self.bm
+        for seq in decoding + prefilling:
             if budget <= 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not running:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.can_grow(seq, n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            missing = bm.missing_blocks(seq, n)
+            while missing > bm.num_free_blocks:
                 victim = self.running[-1]
                 budget += self._preempt(victim, scheduled, out)
                 if victim is seq:
                     break
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
-            self.bm.grow(seq, n)
+            bm.take_blocks(seq, missing)
             scheduled[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
         out.scheduled.extend(scheduled.values())
@@ -183,12 +189,13 @@ class Scheduler:
         Returns the sampling sequences, in order."""
         sampling = out.sampling_seqs
         assert len(sampling) == len(sampled), (len(sampling), len(sampled))
+        commit = self.bm.commit
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
-            self.bm.commit(s.seq)
+            commit(s.seq)
         now = time.monotonic()
         for seq, token in zip(sampling, sampled, strict=True):
-            seq.append_token(token)
+            seq.token_ids.append(token)
             if seq.times.first_token is None:
                 seq.times.first_token = now
             reason = self._stop_reason(seq, token)
@@ -198,11 +205,14 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
-        if seq.num_completion_tokens >= p.min_tokens and (
+        num_tokens = len(seq.token_ids)
+        completion = num_tokens - seq.num_prompt_tokens
+        if completion >= p.min_tokens and (
             (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
         ):
             return FinishReason.STOP
-        if seq.num_completion_tokens >= self.max_new_tokens(seq) or seq.num_tokens >= self.max_model_len:
+        limit = p.max_tokens if p.max_tokens is not None else self.max_new_tokens(seq)
+        if completion >= limit or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

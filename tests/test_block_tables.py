@@ -72,7 +72,7 @@ def test_workers_receive_rows_and_new_blocks_but_no_full_tables():
         seq.append_token(5)
     decode = build_model_input([ScheduledSeq(s, 1) for s in seqs], 16, writer)
 
-    assert decode.block_tables[3] == seqs[3].block_table and decode.table_updates == []
+    assert decode.block_tables == [] and decode.table_updates == []  # rows only: no lists, no new blocks
     assert len(decode.logits_indices) == 64
     sent = ModelInput.from_bytes(decode.to_bytes())
     assert sent.block_tables == [] and sent.seq_rows == list(range(64))
@@ -80,3 +80,17 @@ def test_workers_receive_rows_and_new_blocks_but_no_full_tables():
     array = BlockTableArray(64, 128)
     array.apply(ModelInput.from_bytes(first.to_bytes()).table_updates)
     assert np.array_equal(array.gather(sent.seq_rows, 63), np.array([s.block_table for s in seqs]))
+
+
+def test_a_steps_tables_are_padded_with_block_0_past_each_context_even_in_a_reused_row():
+    writer, array = BlockTableWriter(2, 8), BlockTableArray(2, 8)
+    array.apply([writer.place(1, [3, 9, 4, 7])[1]])
+    writer.retain([])  # sequence 1 ended; its row still holds [3, 9, 4, 7]
+    inp = ModelInput([0, 0], [4, 20], [1, 1], [5, 21], [], [0, 0], [0, 1])
+    for seq_id, table in ((2, [6, 2]), (3, [5, 1, 8, 11, 12, 13])):
+        row, update = writer.place(seq_id, table)
+        inp.seq_rows.append(row)
+        inp.table_updates.append(update)
+    tables = array.take(inp, block_size=4)
+    assert tables.dtype == np.int32
+    assert tables.tolist() == [[6, 2, 0, 0, 0, 0], [5, 1, 8, 11, 12, 13]]

@@ -188,3 +188,34 @@ def test_stop_helpers():
     assert stop_prefix_length("the end", ["endless", "nd of"]) == 3
     assert stop_prefix_length("aaa", ["aab"]) == 2
     assert stop_prefix_length("abc", ["xyz"]) == 0
+
+
+def _delta(tokens, index=0, finish_reason=None):
+    from kvserve.engine.outputs import RequestOutput
+    from kvserve.engine.sequence import SequenceTimes
+
+    return RequestOutput("r", list(tokens), "", [], finish_reason is not None, finish_reason, 3, 1, 0,
+                         SequenceTimes(), index)
+
+
+def test_request_text_ends_a_choice_at_its_stop_string_and_drops_what_the_core_made_after(tokenizer, prompt):
+    from kvserve.engine.detokenizer import RequestText
+    from kvserve.engine.sampling_params import SamplingParams
+    from kvserve.engine.sequence import FinishReason
+
+    ids = tokenizer.encode("Hello world. Stop here please", add_special_tokens=False)
+    text = RequestText(tokenizer, prompt, SamplingParams(stop=["Stop"], n=2))
+    verdicts, released = [], ""
+    for t in ids:
+        out = _delta([t])
+        verdicts.append(text.process(out))
+        released += out.new_text
+        if verdicts[-1] is RequestText.STOPPED:
+            assert out.finished and out.finish_reason is FinishReason.STOP_STRING
+    assert released == "Hello world. " and RequestText.STOPPED in verdicts
+    assert verdicts[verdicts.index(RequestText.STOPPED) + 1 :] == [RequestText.DROP] * (
+        len(verdicts) - verdicts.index(RequestText.STOPPED) - 1)
+    other = _delta(ids[:2], index=1, finish_reason=FinishReason.LENGTH)  # choice 1 goes on, then ends
+    assert text.process(other) is RequestText.KEEP and other.new_text == "Hello world"
+    eos = _delta([ids[0]], index=0, finish_reason=FinishReason.STOP)
+    assert text.process(eos) is RequestText.DROP

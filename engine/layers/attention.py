@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvserve.engine.model_input import ModelInput
+from kvserve.engine.model_input import ModelInput, step_block_tables
 
 BACKENDS = {
     "torch": "kvserve.engine.layers.attention_torch:TorchAttentionBackend",
@@ -66,39 +66,33 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+
+
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Host integers (a list, or a numpy array of ``dtype``) as a tensor on ``device``; on CUDA
+    """Host numbers (a list, or a numpy array) as a tensor of ``dtype`` on ``device``; on CUDA
     through pinned memory without blocking, so building a step's inputs never waits for the GPU
-    to finish queued work."""
-    if isinstance(values, np.ndarray):
-        host = torch.from_numpy(values).to(dtype)
-        return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    to finish queued work. Lists go through numpy, which reads a list of ints ~3x faster than
+    ``torch.tensor`` does."""
+    if not isinstance(values, np.ndarray):
+        values = np.array(values, dtype=_NUMPY_DTYPES.get(dtype))
+    host = torch.from_numpy(values).to(dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.device) -> dict:
-    """The ``AttentionMetadata`` fields every backend needs, as keyword arguments. Block tables come
-    from the runner's persistent array when the step has one, else from the padded lists."""
-    if inp.block_table_array is not None:
-        block_tables = to_device(inp.block_table_array, device, torch.int32)
-    else:
-        max_blocks = max((len(table) for table in inp.block_tables), default=0)
-        padded_tables = [table + [0] * (max_blocks - len(table)) for table in inp.block_tables]
-        block_tables = to_device(padded_tables, device, torch.int32).reshape(len(padded_tables), max_blocks)
-    query_start = [0]
-    for q in inp.query_lens:
-        query_start.append(query_start[-1] + q)
+    """The ``AttentionMetadata`` fields every backend needs, as keyword arguments."""
+    query_start = np.zeros(len(inp.query_lens) + 1, dtype=np.int32)
+    np.cumsum(inp.query_lens, out=query_start[1:])
     return dict(
         block_size=block_size,
         slot_mapping=to_device(inp.slot_mapping, device),
         query_start_loc=to_device(query_start, device, torch.int32),
         seq_lens=to_device(inp.context_lens, device, torch.int32),
-        block_tables=block_tables,
+        block_tables=to_device(step_block_tables(inp), device, torch.int32),
         max_query_len=max(inp.query_lens, default=0),
         max_seq_len=max(inp.context_lens, default=0),
-        num_decode_tokens=sum(1 for q in inp.query_lens if q == 1),
+        num_decode_tokens=inp.query_lens.count(1),
         query_lens_host=list(inp.query_lens),
         seq_lens_host=list(inp.context_lens),
     )

@@ -18,10 +18,11 @@ Per step, ``build_metadata`` plans the work on the host (no device sync later):
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +33,7 @@ from kvserve.engine.layers.attention import (
     common_metadata_fields,
     to_device,
 )
-from kvserve.engine.model_input import ModelInput
+from kvserve.engine.model_input import ModelInput, blocks_for, step_block_tables
 from kvserve.kernels.cpu_kernels import CpuKernels, kernels_for
 
 # A decode group is cut where a sequence's context is shorter than this share of the group's
@@ -76,6 +77,15 @@ class PrefillPlan:
     mask: torch.Tensor | None  # bool [query_len, context_len]; None = plain causal over new K/V
 
 
+class _HostStep(NamedTuple):
+    """A step's shape as numpy arrays, for planning."""
+
+    query_lens: np.ndarray  # int64 [num_seqs]
+    context_lens: np.ndarray  # int64 [num_seqs]
+    starts: np.ndarray  # int64 [num_seqs + 1]: where each sequence's tokens begin in the flat batch
+    tables: np.ndarray  # int32 [num_seqs, blocks]: the step's block tables, block 0 past each context
+
+
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
     store_tokens: torch.Tensor | None = None  # tokens whose slot is not -1; None = every token
@@ -102,82 +112,82 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, inp: ModelInput, device: torch.device) -> TorchAttentionMetadata:
         meta = TorchAttentionMetadata(**common_metadata_fields(inp, self.block_size, device))
-        if any(slot < 0 for slot in inp.slot_mapping):
-            keep = [i for i, slot in enumerate(inp.slot_mapping) if slot >= 0]
-            meta.store_tokens = to_device(keep, device)
+        slots = np.asarray(inp.slot_mapping, dtype=np.int64)
+        if (slots < 0).any():
+            meta.store_tokens = to_device(np.flatnonzero(slots >= 0), device)
             meta.store_slots = meta.slot_mapping.index_select(0, meta.store_tokens)
-        starts = list(itertools.accumulate(inp.query_lens, initial=0))  # host-side: no device sync
-        decode_seqs = [i for i, q in enumerate(inp.query_lens) if q == 1]
-        if decode_seqs:
+        step = self._host_step(inp)  # host-side numpy: no device sync
+        decode_seqs = np.flatnonzero(step.query_lens == 1)
+        if decode_seqs.size:
             meta.decode_seqs = to_device(decode_seqs, device, torch.int32)
-            meta.decode_tokens = to_device([starts[i] for i in decode_seqs], device, torch.int32)
-            meta.plan_decode = lambda: self._plan_decode(inp, decode_seqs, starts, device)
-        meta.prefills = [
-            self._plan_prefill(inp, i, starts[i], device) for i, q in enumerate(inp.query_lens) if q > 1
-        ]
+            meta.decode_tokens = to_device(step.starts[decode_seqs], device, torch.int32)
+            meta.plan_decode = lambda: self._plan_decode(step, decode_seqs, device)
+        meta.prefills = [self._plan_prefill(step, i, device) for i in np.flatnonzero(step.query_lens > 1)]
         return meta
 
     def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
         return TorchAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
 
-    def _plan_decode(self, inp: ModelInput, seqs: list[int], starts: list[int],
-                     device: torch.device) -> DecodePlan:
-        seqs = sorted(seqs, key=lambda i: -inp.context_lens[i])
-        groups, current = [], [seqs[0]]
-        for i in seqs[1:]:
-            if inp.context_lens[i] < DECODE_GROUP_MIN_FILL * inp.context_lens[current[0]]:
-                groups.append(current)
-                current = []
-            current.append(i)
-        groups.append(current)
-        planned = [self._plan_decode_group(inp, group, starts, device) for group in groups]
+    def _host_step(self, inp: ModelInput) -> _HostStep:
+        query_lens = np.asarray(inp.query_lens, dtype=np.int64)
+        context_lens = np.asarray(inp.context_lens, dtype=np.int64)
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=starts[1:])
+        tables = step_block_tables(inp)
+        if inp.block_tables:  # lists built by hand: they may be short, or longer than their context
+            needed = blocks_for(context_lens, self.block_size)
+            have = np.fromiter(map(len, inp.block_tables), dtype=np.int64, count=len(inp.block_tables))
+            short = np.flatnonzero(have < needed)
+            if short.size:
+                i = int(short[0])
+                raise ValueError(f"sequence {i} has context length {inp.context_lens[i]} but only {have[i]} "
+                                 f"blocks of {self.block_size} in its block table")
+            tables = np.where(np.arange(tables.shape[1]) < needed[:, None], tables, 0).astype(np.int32)
+        return _HostStep(query_lens, context_lens, starts, tables)
+
+    def _plan_decode(self, step: _HostStep, seqs: np.ndarray, device: torch.device) -> DecodePlan:
+        lens = step.context_lens[seqs]
+        order = np.argsort(-lens, kind="stable")  # longest context first
+        seqs, falling = seqs[order], -lens[order]  # ``falling``: ascending negated lengths
+        groups, first = [], 0
+        while first < len(seqs):  # a group ends before the first context below its fill threshold
+            end = int(np.searchsorted(falling, DECODE_GROUP_MIN_FILL * falling[first], side="right"))
+            groups.append(seqs[first : max(end, first + 1)])
+            first = max(end, first + 1)
+        planned = [self._plan_decode_group(step, group, device) for group in groups]
         return DecodePlan(planned, torch.cat([group.tokens for group in planned]))
 
-    def _plan_decode_group(self, inp: ModelInput, seqs: list[int], starts: list[int],
-                           device: torch.device) -> DecodeGroup:
-        lens = [inp.context_lens[i] for i in seqs]
-        max_blocks = -(-max(lens) // self.block_size)
+    def _plan_decode_group(self, step: _HostStep, seqs: np.ndarray, device: torch.device) -> DecodeGroup:
+        lens = step.context_lens[seqs]
+        max_blocks = -(-int(lens.max()) // self.block_size)
         padded_len = max_blocks * self.block_size
-        flat_blocks = []
-        for i in seqs:
-            table = self._context_blocks(inp, i)
-            flat_blocks += table + [0] * (max_blocks - len(table))
+        blocks = step.tables[seqs, :max_blocks]  # block 0 past each context (``_HostStep.tables``)
         key_bias = None
-        if min(lens) < padded_len:
-            lens_t = to_device(lens, device)
-            is_pad = torch.arange(padded_len, device=device)[None, :] >= lens_t[:, None]
-            key_bias = torch.zeros(is_pad.shape, device=device).masked_fill_(is_pad, float("-inf"))
+        if lens.min() < padded_len:
+            is_pad = np.arange(padded_len) >= lens[:, None]
+            key_bias = to_device(np.where(is_pad, np.float32(-np.inf), np.float32(0)), device, torch.float32)
             key_bias = key_bias.view(1, len(seqs), 1, padded_len)
         return DecodeGroup(
-            tokens=to_device([starts[i] for i in seqs], device),
-            gather_blocks=to_device(flat_blocks, device),
+            tokens=to_device(step.starts[seqs], device),
+            gather_blocks=to_device(blocks.reshape(-1), device),
             key_bias=key_bias,
             num_seqs=len(seqs),
             padded_len=padded_len,
         )
 
-    def _plan_prefill(self, inp: ModelInput, seq: int, start: int, device: torch.device) -> PrefillPlan:
-        q_len, ctx = inp.query_lens[seq], inp.context_lens[seq]
+    def _plan_prefill(self, step: _HostStep, seq: int, device: torch.device) -> PrefillPlan:
+        q_len, ctx, start = int(step.query_lens[seq]), int(step.context_lens[seq]), int(step.starts[seq])
         plan = PrefillPlan(start, start + q_len, ctx, None, None, None)
         if ctx > q_len:  # earlier tokens (prefix hit or earlier chunk) are only in the cache
-            table = self._context_blocks(inp, seq)
-            if table == list(range(table[0], table[0] + len(table))):
-                plan.block_range = (table[0], table[0] + len(table))
+            table = step.tables[seq, : -(-ctx // self.block_size)]
+            first = int(table[0])
+            if np.array_equal(table, np.arange(first, first + len(table))):
+                plan.block_range = (first, first + len(table))
             else:
                 plan.blocks = to_device(table, device)
             rows = torch.arange(q_len, device=device)[:, None] + (ctx - q_len)
             plan.mask = torch.arange(ctx, device=device)[None, :] <= rows
         return plan
-
-    def _context_blocks(self, inp: ModelInput, seq: int) -> list[int]:
-        needed = -(-inp.context_lens[seq] // self.block_size)
-        table = inp.block_tables[seq]
-        if len(table) < needed:
-            raise ValueError(
-                f"sequence {seq} has context length {inp.context_lens[seq]} but only {len(table)} "
-                f"blocks of {self.block_size} in its block table"
-            )
-        return table[:needed]
 
 
 class TorchAttentionImpl(AttentionImpl):
