@@ -7,6 +7,8 @@
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_`` and ``store_kv``
   (csrc/elementwise.c): one pass each where eager torch runs several ops, each with its own
   allocation and thread-pool wake-up.
+- ``argmax`` (csrc/elementwise.c): the greedy pick; torch's CPU argmax is not vectorized (2.2 ms
+  for 256 rows of 10,240 logits, where a max over the same rows takes 0.1 ms).
 
 Why C: small plain C (no torch headers), so a build takes a second or two, with the compiler
 every Linux image has. Build: ``$CC`` or ``cc`` with ``-O3 -march=native -fopenmp``; the shared
@@ -54,6 +56,7 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
     "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32],
+    "argmax_rows": [_P, _I64, _I32, _I32, _P, _I32],
 }
 
 
@@ -210,6 +213,15 @@ class CpuKernels:
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),
             tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, k.element_size(),
         ), "store_kv (slot out of range)")
+
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: ``logits.argmax(-1)`` of 2-D float32 logits (first maximum; first NaN)."""
+        rows, width = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        _check(self._lib.argmax_rows(logits.data_ptr(), logits.stride(0), rows, width, out.data_ptr(),
+                                     torch.get_num_threads()), "argmax_rows")
+        return out
 
 
 @functools.cache

@@ -225,3 +225,17 @@ def test_kernels_for_answers_none_where_the_kernels_do_not_apply():
     assert cpu_kernels.kernels_for(torch.zeros(4, 2).t()) is None  # last dim not contiguous
     assert cpu_kernels.kernels_for(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16)) is None
     assert cpu_kernels.kernels_for(torch.zeros(2, 4, dtype=torch.bfloat16)) is KERNEL
+
+
+def test_argmax_is_torchs_first_maximum_with_ties_and_nan():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(300, 10_240, generator=gen)
+    logits[1, [7, 9000]] = 50.0  # a tie: the first wins
+    logits[2] = 0.0  # all equal: index 0
+    logits[3, 4000] = float("nan")  # NaN wins, as in torch
+    logits[4, 10_239] = float("inf")
+    logits[5, :300] = float("-inf")
+    logits[6, [123, 5000]] = torch.tensor([-float("nan"), float("nan")])  # x86 makes negative NaNs
+    assert torch.equal(KERNEL.argmax(logits), logits.argmax(-1))
+    narrow = logits[:, :100]  # rows not contiguous with each other, width below one chunk
+    assert torch.equal(KERNEL.argmax(narrow), narrow.argmax(-1))

@@ -28,6 +28,7 @@ import torch
 
 from kvserve.engine.outputs import TokenLogprobs
 from kvserve.engine.sequence import Sequence
+from kvserve.kernels.cpu_kernels import kernels_for
 
 _MASK64 = (1 << 64) - 1
 # on CPU, top_p first looks for its cutoff among this many largest logits (a full sort is slow)
@@ -64,12 +65,12 @@ class Sampler:
         """[n] token ids: argmax for greedy rows, a random draw for the others."""
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not random_rows:
-            return logits.argmax(dim=-1)  # the common all-greedy batch: no sort, no noise
+            return _argmax(logits)  # the common all-greedy batch: no sort, no noise
         if len(random_rows) == len(seqs):
             return self._sample_random(logits, seqs)
         rows = _to_device(random_rows, torch.long, logits.device)
         sampled = self._sample_random(logits.index_select(0, rows), [seqs[i] for i in random_rows])
-        return logits.argmax(dim=-1).index_copy(0, rows, sampled)
+        return _argmax(logits).index_copy(0, rows, sampled)
 
     # -- logit edits shared by greedy and random rows -------------------------------------
 
@@ -125,6 +126,13 @@ class Sampler:
             seed = s.params.seed
             draws.append(self._rng.random() if seed is None else _row_uniform(seed, s.num_completion_tokens))
         return draws
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit; on the CPU by the vectorized kernel (kernels/cpu_kernels.py)."""
+    if logits.dim() == 2 and (kernels := kernels_for(logits)) is not None and logits.dtype == torch.float32:
+        return kernels.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def _inverse_cdf_draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 /* The per-layer elementwise work of a decoder on the CPU, fused into one pass each:
- * residual add + RMSNorm, SiLU(gate) * up, rotary embedding in place, and the KV-cache store.
+ * residual add + RMSNorm, SiLU(gate) * up, rotary embedding in place, the KV-cache store; and
+ * the sampler's greedy argmax.
  *
  * In eager torch each of these is several ops (RMSNorm alone: add, pow, mean, rsqrt, two
  * multiplies), each with its own allocation and its own fork/join of the thread pool; at decode
@@ -113,6 +114,47 @@ int store_kv(const void *k, int64_t k_token, int64_t k_head, const void *v, int6
             memcpy((char *)k_cache + dst * elem, at(k, t * k_token + h * k_head, elem), row);
             memcpy((char *)v_cache + dst * elem, at(v, t * v_token + h * v_head, elem), row);
         }
+    }
+    return 0;
+}
+
+/* A float's bits as an int32 whose order is the floats' order (-inf < ... < -0 < +0 < ... < +inf):
+ * the largest key is an integer reduction the compiler vectorizes, and exact. */
+static inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
+static inline int is_nan(int32_t bits) { return (bits & 0x7fffffff) > 0x7f800000; }
+
+/* out[r] = the index of the first largest value of row r of float32 logits (of the first NaN when
+ * the row has one, as torch.argmax answers). One vectorized pass keeps each chunk's largest key
+ * and whether it saw a NaN; then only the first chunk holding the row's largest is scanned
+ * element by element (the whole row, for its first NaN, in the rare row that has one). */
+#define ARGMAX_CHUNK 256
+int argmax_rows(const float *x, int64_t stride, int rows, int width, int64_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= 4 * PARALLEL_MIN_ELEMENTS)
+    for (int r = 0; r < rows; ++r) {
+        const int32_t *restrict row = (const int32_t *)(x + r * stride);
+        int32_t best = INT32_MIN;
+        int best_chunk = 0, nan = 0;
+        for (int lo = 0, c = 0; lo < width; lo += ARGMAX_CHUNK, ++c) {
+            const int hi = lo + ARGMAX_CHUNK < width ? lo + ARGMAX_CHUNK : width;
+            int32_t m = INT32_MIN;
+            for (int i = lo; i < hi; ++i) {
+                const int32_t k = order_key(row[i]);
+                m = k > m ? k : m;
+                nan |= is_nan(row[i]);
+            }
+            if (m > best) {
+                best = m;
+                best_chunk = c;
+            }
+        }
+        int64_t index = 0;
+        if (nan) {
+            while (!is_nan(row[index])) ++index;
+        } else {
+            index = (int64_t)best_chunk * ARGMAX_CHUNK;
+            while (order_key(row[index]) != best) ++index;
+        }
+        out[r] = index;
     }
     return 0;
 }
