@@ -73,3 +73,22 @@ def test_serving_benchmark_prints_ratios_and_cpu_per_token(tiny_llama, capsys):
     assert "== service / in-process" in out and "throughput" in out
     assert out.count("CPU s per 1,000 streamed tokens") == 2
     assert "host work" in out
+
+
+def test_profile_step_interleaves_rounds_and_reports_the_ratios(tiny_llama, capsys, tmp_path):
+    from kvserve.benchmarks import profile_step
+
+    out = tmp_path / "step.json"
+    result = profile_step.main(["--model", tiny_llama, "--dtype", "float32", "--batch", "4",
+                                "--context", "24", "--steps", "2", "--rounds", "3", "--prefill-chunks", "2",
+                                "--max-num-batched-tokens", "64", "--json", str(out)])
+    decode, prefill = result["decode"], result["prefill"]
+    assert len(decode["rounds_step_ms"]) == len(decode["rounds_matmul_ms"]) == 3
+    assert decode["step_ms"] == pytest.approx(min(decode["rounds_step_ms"]), abs=0.01)
+    assert decode["step_over_matmul"] == pytest.approx(decode["step_ms"] / decode["matmul_ms"])
+    assert 0 < decode["sampler_ms"] < decode["step_ms"] and 0 < decode["forward_ms"] < decode["step_ms"]
+    share = prefill["tokens_per_s"] / prefill["matmul_tokens_per_s"]
+    assert prefill["share_of_matmul_rate"] == pytest.approx(share)
+    assert json.loads(out.read_text())["decode"]["batch"] == 4
+    printed = capsys.readouterr().out
+    assert "step / matmul" in printed and "of it" in printed
