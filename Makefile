@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.stamp-install
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 
-.PHONY: run test test-slow soak shell lint proto bench clean
+.PHONY: run test test-slow soak shell lint proto bench bench-single clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,18 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m kvserve.benchmarks.offline --peer hf
+
+# One request at a time, bf16 and int8, against llama.cpp (node-llama-cpp, pinned in
+# benchmarks/llamacpp/package-lock.json) on the same GGUF; installs that package once (~700 MB of
+# prebuilt binaries from the npm registry). `make test` never needs it.
+LLAMACPP_STAMP := benchmarks/llamacpp/node_modules/.stamp-ci
+
+$(LLAMACPP_STAMP): benchmarks/llamacpp/package-lock.json
+	npm ci --prefix benchmarks/llamacpp --no-audit --no-fund
+	touch $(LLAMACPP_STAMP)
+
+bench-single: $(STAMP) $(LLAMACPP_STAMP)
+	$(PY) -m kvserve.benchmarks.single_stream --peer llama.cpp
 
 clean:
 	rm -rf $(VENV) *.egg-info build dist .pytest_cache .ruff_cache
