@@ -1,12 +1,12 @@
 """The service's front-end to the engine-core process, for asyncio code.
 
-``AsyncEngine`` starts the engine core in a process of its own (engine/core_client.py) and
-owns everything on the service's side of it: admission, tokenization, detokenization (with
-stop strings: a choice whose text holds one ends here, and the core is told to stop it), the
-per-request streams, and the engine's lifecycle state. Requests are tokenized (chat templates rendered)
-on a small thread pool, never on the event loop; what the handlers produce during one turn
-of the loop goes to the core as one batch (engine/ipc.py), and each step's outputs come back
-as one message, dispatched to the streams in one pass (one wake-up of the loop per step).
+``AsyncEngine`` runs the engine core in a process of its own, through ``CoreClient``
+(engine/core_client.py: the link, one batch per turn of the loop each way), and owns everything
+on the service's side of it: admission, tokenization, detokenization (with stop strings: a
+choice whose text holds one ends here, and the core is told to stop it), the per-request
+streams, and the engine's lifecycle state. Requests are tokenized (chat templates rendered) on
+a small thread pool, never on the event loop; each step's outputs come back as one message,
+dispatched to the streams in one pass (one wake-up of the loop per step).
 
 Admission: ``max_queue`` bounds the requests admitted but not yet running: those being
 tokenized, those sent but not yet seen by the core, and the core's waiting queue. Beyond it
@@ -23,16 +23,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvserve.engine.child_process import describe_exit
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.core_client import CoreProcess
+from kvserve.engine.core_client import CoreClient
 from kvserve.engine.detokenizer import RequestText
 from kvserve.engine.engine_state import EngineInfo, EngineOverloaded, EngineState, EngineUnavailable
-from kvserve.engine.ipc import Call, Codec, Failed, NewRequest, Ready, StepDone, StopChoice, ToCore
+from kvserve.engine.ipc import NewRequest, Ready, StepDone, StopChoice
 from kvserve.engine.prompts import PromptEncoder
 from kvserve.engine.request_stream import RequestStream
 from kvserve.engine.sampling_params import SamplingParams
@@ -43,13 +41,7 @@ log = logging.getLogger("kvserve.engine.async")
 
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_STEP_TIMEOUT_S = 120.0  # a step (or an idle heartbeat) later than this means a stuck core
-SHUTDOWN_GRACE_S = 15.0  # the core's own clean stop (it gives its workers 5 + 5 s)
-EXIT_REPORT_DELAY_S = 0.2  # lets the core's own Failed message win over "it exited"
 TOKENIZER_THREADS = 2
-
-
-def _fresh_batch() -> ToCore:
-    return ToCore(0, [], [], [], [])
 
 
 class AsyncEngine:
@@ -72,27 +64,20 @@ class AsyncEngine:
         self.config = config
         self.max_queue = max_queue
         self.step_timeout = step_timeout
-        self._log_level = log_level
         self._on_state = on_state
         self._state = EngineState.LOADING
         self._error: str | None = None
         self.info: EngineInfo | None = None
         self._prompts: PromptEncoder | None = None
-        self._codec = Codec()
-        self._core: CoreProcess | None = None
+        self._core = CoreClient(config, log_level, step_timeout, on_step=self._on_step,
+                                on_ready=self._on_ready, on_fail=self._fail, watching=self._serving)
+        self._started = False
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
         self._live: dict[str, RequestStream] = {}
-        self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
-        self._batch = _fresh_batch()
-        self._flush_scheduled = False
-        self._seq = 0
-        self._sent: deque[tuple[int, int]] = deque()  # (batch seq, new requests in it), not yet acked
-        self._unacked = 0  # new requests the core has not acknowledged (unsent ones included)
         self._tokenizing = 0
         self._core_waiting = 0
         self._rejected = 0
-        self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -102,11 +87,8 @@ class AsyncEngine:
         self._dead = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._last_heard = self._loop.time()
-        self._core = CoreProcess(self.config, self._log_level)
-        log.info("engine core: pid %d", self._core.pid)
-        self._core.on_exit(self._loop, self._on_core_exit)
-        self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._watch_steps())]
+        self._core.start()
+        self._started = True
         self._tokenizer = self._loop.run_in_executor(self._pool, _load_tokenizer, self.config.model)
 
     @property
@@ -119,7 +101,7 @@ class AsyncEngine:
 
     @property
     def core_pid(self) -> int | None:
-        return self._core.pid if self._core is not None else None
+        return self._core.pid
 
     @property
     def num_in_flight(self) -> int:
@@ -149,27 +131,22 @@ class AsyncEngine:
             f"server is shutting down: request aborted after the {timeout:g} s drain timeout"
         )
         for key in self._fail_streams(reason):
-            self._batch.aborts.append(key)
-        self._schedule_flush()
+            self._core.abort(key)
         return left
 
     async def shutdown(self) -> None:
         """Fail what is still in flight, stop the core (killing what does not stop), release
         everything; idempotent."""
-        if self._core is None:
+        if not self._started:
             return
-        if self._state != EngineState.DEAD:
+        self._started = False
+        dead = self._state == EngineState.DEAD
+        if not dead:
             self._set_state(EngineState.STOPPED)
         self._fail_streams(EngineUnavailable("the engine is stopped"))
-        self._fail_calls(EngineUnavailable("the engine is stopped"))
+        self._core.fail_calls(EngineUnavailable("the engine is stopped"))
         self._ready.set()
-        self._batch.shutdown = True
-        told = self._flush()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        core, self._core = self._core, None
-        await core.stop(SHUTDOWN_GRACE_S if told and self._state != EngineState.DEAD else 0.0)
+        await self._core.close(graceful=not dead)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -201,15 +178,13 @@ class AsyncEngine:
         stream = RequestStream(key, self._release, params.n, text)
         self._live[key] = stream
         self._idle.clear()
-        self._batch.new.append(NewRequest(key, ids, params))
-        self._unacked += 1
-        self._schedule_flush()
+        self._core.add(NewRequest(key, ids, params))
         return stream
 
     async def stats(self) -> dict:
         """The core's stats plus the admission fields (num_queued, max_queue, requests_rejected)."""
         stats = await self._call_core("stats")
-        stats.update(num_queued=self._tokenizing + self._unacked, max_queue=self.max_queue,
+        stats.update(num_queued=self._tokenizing + self._core.unacked, max_queue=self.max_queue,
                      requests_rejected=self._rejected)
         return stats
 
@@ -230,12 +205,7 @@ class AsyncEngine:
     async def _call_core(self, name: str) -> dict:
         if self._state in (EngineState.LOADING, EngineState.DEAD, EngineState.STOPPED):
             raise EngineUnavailable(self._unavailable_reason())
-        call_id = next(self._ids)
-        future = self._loop.create_future()
-        self._calls[call_id] = future
-        self._batch.calls.append(Call(call_id, name))
-        self._schedule_flush()
-        return await future
+        return await self._core.call(name)
 
     def _encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
         """Runs on the tokenizer pool."""
@@ -251,7 +221,7 @@ class AsyncEngine:
     def _check_admission(self) -> None:
         if self._state != EngineState.READY:
             raise EngineUnavailable(self._unavailable_reason())
-        pending = self._tokenizing + self._unacked + self._core_waiting
+        pending = self._tokenizing + self._core.unacked + self._core_waiting
         if pending >= self.max_queue:
             self._rejected += 1
             raise EngineOverloaded(
@@ -271,68 +241,24 @@ class AsyncEngine:
     def _release(self, key: str, finished: bool) -> None:
         """A stream closed. One that had not finished is aborted in the core."""
         if self._live.pop(key, None) is not None and not finished:
-            self._batch.aborts.append(key)
-            self._schedule_flush()
+            self._core.abort(key)
         self._check_idle()
 
     def _check_idle(self) -> None:
         if not self._live and not self._tokenizing:
             self._idle.set()
 
-    # ---- to the core: one batch per turn of the loop -------------------------------------------
-    def _schedule_flush(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> bool:
-        """Send the batch gathered so far; False if there was nothing to send or no core took it."""
-        self._flush_scheduled = False
-        batch = self._batch
-        if self._core is None or not (batch.new or batch.aborts or batch.calls or batch.stops
-                                      or batch.shutdown):
-            return False
-        self._batch = _fresh_batch()
-        self._seq += 1
-        batch.seq = self._seq
-        self._sent.append((self._seq, len(batch.new)))
-        sent = self._core.send(self._codec.encode(batch))
-        if not sent and not batch.shutdown:
-            # only possible before the core connects or after it died: nothing can be served
-            self._fail("the engine core is not connected")
-        return sent
+    def _serving(self) -> bool:
+        return self._state in (EngineState.READY, EngineState.DRAINING)
 
     # ---- from the core ------------------------------------------------------------------------------
-    async def _receive(self) -> None:
-        try:
-            await self._receive_forever()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - without this channel nothing can be served
-            log.exception("reading from the engine core failed")
-            self._fail(f"reading from the engine core failed: {type(e).__name__}: {e}")
-
-    async def _receive_forever(self) -> None:
-        while True:
-            data = await self._core.recv()
-            self._last_heard = self._loop.time()
-            msg = self._codec.decode_from_core(data)
-            if isinstance(msg, StepDone):
-                self._on_step(msg)
-            elif isinstance(msg, Ready):
-                await self._on_ready(msg)
-            elif isinstance(msg, Failed):
-                self._fail(msg.message)
-
     def _on_step(self, msg: StepDone) -> None:
-        while self._sent and self._sent[0][0] <= msg.acked:
-            self._unacked -= self._sent.popleft()[1]
         self._core_waiting = msg.num_waiting
         for r in msg.rejected:
             stream = self._live.pop(r.key, None)
             if stream is not None:
                 stream.fail(ValueError(r.message))
-        live, stops = self._live, self._batch.stops
+        live = self._live
         for out in msg.outputs:
             stream = live.get(out.request_id)
             if stream is None:
@@ -341,16 +267,10 @@ class AsyncEngine:
             if verdict is RequestText.DROP:  # a token the core made before it heard of the stop
                 continue
             if verdict is RequestText.STOPPED:
-                stops.append(StopChoice(out.request_id, out.index))
+                self._core.stop_choice(StopChoice(out.request_id, out.index))
             stream.push(out)
             if stream.finished:
                 del live[out.request_id]
-        if stops:
-            self._schedule_flush()
-        for reply in msg.replies:
-            future = self._calls.pop(reply.call_id, None)
-            if future is not None and not future.done():
-                future.set_result(reply.result)
         self._check_idle()
 
     async def _on_ready(self, msg: Ready) -> None:
@@ -361,26 +281,10 @@ class AsyncEngine:
             return
         self.info = EngineInfo(msg.model_name, msg.vocab_size, msg.max_model_len, msg.config)
         self._prompts = PromptEncoder(tokenizer, msg.vocab_size, msg.max_model_len)
-        self._last_heard = self._loop.time()
+        self._core.heard_now()
         if self._state == EngineState.LOADING:
             self._set_state(EngineState.READY)
         self._ready.set()
-
-    async def _watch_steps(self) -> None:
-        """Fail the engine when the core stays silent longer than ``step_timeout``."""
-        while True:
-            await asyncio.sleep(min(1.0, self.step_timeout / 4))
-            silent = self._loop.time() - self._last_heard
-            if self._state in (EngineState.READY, EngineState.DRAINING) and silent > self.step_timeout:
-                self._fail(f"the engine core sent nothing for {silent:.1f} s (--step-timeout "
-                           f"{self.step_timeout:g} s): a step is stuck, e.g. on a stopped or hung "
-                           "tensor-parallel worker")
-
-    def _on_core_exit(self, returncode: int) -> None:
-        if self._core is None or self._state in (EngineState.STOPPED, EngineState.DEAD):
-            return
-        reason = f"the engine-core process (pid {self._core.pid}) {describe_exit(returncode)}"
-        self._loop.call_later(EXIT_REPORT_DELAY_S, self._fail, reason)
 
     # ---- failure ---------------------------------------------------------------------------------------
     def _fail(self, reason: str) -> None:
@@ -390,11 +294,10 @@ class AsyncEngine:
         log.error("engine failed: %s", reason)
         self._error = reason
         self._set_state(EngineState.DEAD)
-        if self._core is not None:
-            self._core.kill()
+        self._core.kill()
         error = EngineUnavailable(f"the engine failed: {reason}")
         self._fail_streams(error)
-        self._fail_calls(error)
+        self._core.fail_calls(error)
         self._ready.set()
         self._dead.set()
 
@@ -405,12 +308,6 @@ class AsyncEngine:
         self._live.clear()
         self._check_idle()
         return keys
-
-    def _fail_calls(self, error: EngineUnavailable) -> None:
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(error)
-        self._calls.clear()
 
     def _set_state(self, state: EngineState) -> None:
         self._state = state
