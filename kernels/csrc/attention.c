@@ -19,6 +19,9 @@
 
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 64
+#define MAX_ACC_VECTORS 8 /* head dims up to 128 accumulate in registers */
+
+typedef float v16f __attribute__((vector_size(64)));
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2 /* blocks requested ahead of the one being read */
 #endif
@@ -92,10 +95,27 @@ static inline __attribute__((always_inline)) void attend(
         for (int j = 0; j < group; ++j) {
             const float *restrict p = scores + j * ctx + pos0;
             float *restrict aj = acc + j * D;
-            for (int t = 0; t < n; ++t) {
-                const float pt = p[t];
-                const float *restrict vt = blk + t * D;
-                for (int d = 0; d < D; ++d) aj[d] += pt * vt[d];
+            if (D % 16 == 0 && D <= 16 * MAX_ACC_VECTORS) {
+                /* the head's accumulator in registers across the block's tokens (a plain loop keeps
+                 * it in memory: a store-to-load chain per token) */
+                v16f a[MAX_ACC_VECTORS];
+                for (int v = 0; v < D / 16; ++v) memcpy(&a[v], aj + 16 * v, sizeof(v16f));
+                for (int t = 0; t < n; ++t) {
+                    const v16f pt = {p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t],
+                                     p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t]};
+                    for (int v = 0; v < D / 16; ++v) {
+                        v16f x;
+                        memcpy(&x, blk + t * D + 16 * v, sizeof(v16f));
+                        a[v] += pt * x;
+                    }
+                }
+                for (int v = 0; v < D / 16; ++v) memcpy(aj + 16 * v, &a[v], sizeof(v16f));
+            } else {
+                for (int t = 0; t < n; ++t) {
+                    const float pt = p[t];
+                    const float *restrict vt = blk + t * D;
+                    for (int d = 0; d < D; ++d) aj[d] += pt * vt[d];
+                }
             }
         }
     }
