@@ -171,19 +171,21 @@ def _generate(client, args: argparse.Namespace) -> int:
 
 
 def _generate_with_logprobs(client, prompt: str, sampling: dict, stream: bool) -> int:
-    """The text, then one line per token: its text, its log probability and the top
-    alternatives (ids). Streams underneath: each message pairs a token with the text it released."""
-    rows = []
+    """The text, then one line per token: its id, its text, its log probability and the top
+    alternatives (id, text and log probability each)."""
+    text, rows = [], []
     for delta in client.stream(prompt, **sampling):
         if stream:
             print(delta.text, end="", flush=True)
-        rows += [(delta.text if i == 0 else "", lp) for i, lp in enumerate(delta.logprobs)]
+        text.append(delta.text)
+        rows += delta.logprobs
     if not stream:
-        print("".join(text for text, _ in rows), end="")
+        print("".join(text), end="")
     print()
-    for text, lp in rows:
-        top = ", ".join(f"{t}:{v:.3f}" for t, v in lp.top)
-        print(f"{lp.token_id:>7} {text!r:<16} {lp.logprob:8.3f}   top: {top}")
+    print(f"{'id':>7} {'token':<16} {'logprob':>8}   top alternatives")
+    for lp in rows:
+        top = ", ".join(f"{t} {tok!r} {v:.3f}" for (t, v), tok in zip(lp.top, lp.top_tokens, strict=True))
+        print(f"{lp.token_id:>7} {lp.token!r:<16} {lp.logprob:8.3f}   {top}")
     return 0
 
 
