@@ -1,4 +1,4 @@
-"""The client subcommands of ``kvserve``: ``generate``, ``chat``, ``stats``.
+"""The client subcommands of ``kvserve``: ``generate``, ``chat``, ``stats``, ``health``.
 
 Sampling flags are derived from ``SamplingParams`` in llm.proto, so they never drift from
 the API: ``--temperature``, ``--max-tokens``, ``--stop`` (repeatable), ``--ignore-eos``, ...
@@ -16,8 +16,15 @@ import sys
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from kvserve.clients.messages import API_KEY_ENV, DEFAULT_TARGET, SAMPLING_FIELDS, api_key_or_env
+from kvserve.clients.messages import (
+    API_KEY_ENV,
+    DEFAULT_TARGET,
+    SAMPLING_FIELDS,
+    SERVICE_NAME,
+    api_key_or_env,
+)
 
+HEALTH_TIMEOUT_S = 5.0  # a probe answers within its own deadline, never hangs
 _FLOATS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
 _INT_RANGES = {  # what the proto field can hold: a flag outside it is a usage error, not a traceback
     FieldDescriptor.CPPTYPE_INT32: (-(2**31), 2**31 - 1),
@@ -65,11 +72,22 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", type=int, metavar="MS", help="print a snapshot every MS milliseconds")
     p.set_defaults(func=cmd_stats)
 
+    p = sub.add_parser("health", help="a probe: exit 0 if the server answers SERVING, else 1",
+                       description="Ask grpc.health.v1 Check: prints the status; exit status 0 only for "
+                                   "SERVING (NOT_SERVING while the model loads or the server drains). For "
+                                   "a server with TLS, give the same --tls-* flags as any client, or probe "
+                                   "its plaintext `serve --health-port` instead. Health needs no API key.")
+    _add_target(p, default_timeout=HEALTH_TIMEOUT_S)
+    p.add_argument("--service", default=SERVICE_NAME,
+                   help="the service to ask about ('' = the whole server; default %(default)s)")
+    p.set_defaults(func=cmd_health)
 
-def _add_target(p: argparse.ArgumentParser) -> None:
+
+def _add_target(p: argparse.ArgumentParser, default_timeout: float | None = None) -> None:
     p.add_argument("--target", default=os.environ.get("KVSERVE_TARGET", DEFAULT_TARGET),
                    help="server address host:port (env KVSERVE_TARGET; default %(default)s)")
-    p.add_argument("--timeout", type=float, help="deadline in seconds")
+    p.add_argument("--timeout", type=float, default=default_timeout,
+                   help="deadline in seconds" + (" (default %(default)s)" if default_timeout else ""))
     g = p.add_argument_group("connection security")
     g.add_argument("--tls", action="store_true", help="connect over TLS (system CA roots unless --tls-ca)")
     g.add_argument("--tls-ca", metavar="PEM", help="CA that signed the server's certificate (implies --tls)")
@@ -225,6 +243,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
             return _rpc(lambda: _watch(client, args.watch))
         except KeyboardInterrupt:
             return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        return _rpc(lambda: _print_health(client.health(args.service)))
+
+
+def _print_health(status: str) -> int:
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 def _watch(client, interval_ms: int) -> int:

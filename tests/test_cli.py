@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import re
 import signal
 import subprocess
@@ -134,3 +135,18 @@ def test_unset_sampling_follows_the_bundled_models_recommendation(kvserve_server
         plain = c.generate(messages=chat, seed=11, max_tokens=12)
         recommended = c.generate(messages=chat, seed=11, max_tokens=12, temperature=0.2, top_p=0.9)
     assert plain.token_ids == recommended.token_ids
+
+
+@pytest.mark.parametrize(("env", "flags", "message"), [
+    ({"KVSERVE_HEALTH_PORT": "abc"}, [], "$KVSERVE_HEALTH_PORT must be a port number, got 'abc'"),
+    ({}, ["--health-port", "70000"], "--health-port (or $KVSERVE_HEALTH_PORT) must be in [0, 65535]"),
+])
+def test_a_bad_health_port_stops_serve_naming_it(env, flags, message):
+    out = kvserve("serve", *flags, env={**os.environ, **env})
+    assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_health_of_an_unreachable_server_is_one_line_and_status_1():
+    out = kvserve("health", "--target", "127.0.0.1:1", "--timeout", "2")
+    assert out.returncode == 1 and out.stdout == "" and out.stderr.startswith("kvserve: UNAVAILABLE")
+    assert "Traceback" not in out.stderr
