@@ -28,7 +28,10 @@ from kvserve.service.testing import wait_until_idle
 pytest_plugins = ["kvserve.service.testing"]
 
 SLOW_ROUNDS = 30
-RSS_GROWTH_LIMIT_MIB = 64  # outside the KV cache, after a warm-up round; a leak grows with the rounds
+# Outside the KV cache, after a warm-up round. Measured (30 rounds): flat from round 4, swinging
+# between 1509 and 1567 MiB from round to round (the oversized prompts' buffers come and go);
+# the leak this test once found grew ~35 MiB per round, 1 GiB over the long soak.
+RSS_GROWTH_LIMIT_MIB = 128
 OK, CANCELLED = grpc.StatusCode.OK, grpc.StatusCode.CANCELLED
 DEADLINE, EXHAUSTED = grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
