@@ -8,8 +8,10 @@
 # network, mount a certificate and set a key (README "Reliability and security"):
 #   docker run --gpus all -p 50051:50051 -v $PWD/tls:/tls:ro -e KVSERVE_API_KEY=... kvserve \
 #     kvserve serve --host 0.0.0.0 --tls-cert /tls/server.pem --tls-key /tls/server.key --no-reflection
-# (--tls-client-ca for mutual TLS). The HEALTHCHECK below probes over plaintext: with TLS on, run
-# with --no-healthcheck or --health-cmd and a TLS-aware probe. Health never needs the key.
+# (--tls-client-ca for mutual TLS). The HEALTHCHECK works the same with TLS on: KVSERVE_HEALTH_PORT
+# (below) makes any `kvserve serve` also answer grpc.health.v1, and nothing else, in plaintext on
+# port 50052 (not published unless you -p it), and the HEALTHCHECK probes that port. Health never
+# needs the key. To probe the TLS port itself: kvserve health --tls-ca ... (README).
 #
 # Two stages. `build` (CUDA devel image: nvcc) makes a virtual environment with torch,
 # flash-attn compiled against that toolkit, kvserve with its gpu extra, and the bundled
@@ -61,7 +63,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH \
     TRITON_CACHE_DIR=/var/cache/kvserve/triton \
-    KVSERVE_CACHE_DIR=/var/cache/kvserve
+    KVSERVE_CACHE_DIR=/var/cache/kvserve \
+    KVSERVE_HEALTH_PORT=50052
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
@@ -79,7 +82,8 @@ USER kvserve
 WORKDIR /home/kvserve
 EXPOSE 50051
 # Standard grpc.health.v1 check: healthy only while the server answers SERVING (it answers
-# NOT_SERVING while the model loads or the server drains). start-period covers loading.
+# NOT_SERVING while the model loads or the server drains). start-period covers loading. It probes
+# the plaintext health port (KVSERVE_HEALTH_PORT), so it passes whatever TLS the command line sets.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 \
-  CMD ["python", "-c", "import sys, grpc; from grpc_health.v1 import health_pb2 as pb, health_pb2_grpc as rpc; reply = rpc.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(pb.HealthCheckRequest(service=''), timeout=5); sys.exit(0 if reply.status == pb.HealthCheckResponse.SERVING else 1)"]
+  CMD kvserve health --target "127.0.0.1:${KVSERVE_HEALTH_PORT}" --service "" --timeout 5
 CMD ["kvserve", "serve", "--host", "0.0.0.0", "--port", "50051"]

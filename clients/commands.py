@@ -1,4 +1,4 @@
-"""The client subcommands of ``kvserve``: ``generate``, ``chat``, ``stats``.
+"""The client subcommands of ``kvserve``: ``generate``, ``chat``, ``stats``, ``health``.
 
 Sampling flags are derived from ``SamplingParams`` in llm.proto, so they never drift from
 the API: ``--temperature``, ``--max-tokens``, ``--stop`` (repeatable), ``--ignore-eos``, ...
@@ -16,8 +16,15 @@ import sys
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from kvserve.clients.messages import API_KEY_ENV, DEFAULT_TARGET, SAMPLING_FIELDS, api_key_or_env
+from kvserve.clients.messages import (
+    API_KEY_ENV,
+    DEFAULT_TARGET,
+    SAMPLING_FIELDS,
+    SERVICE_NAME,
+    api_key_or_env,
+)
 
+HEALTH_TIMEOUT_S = 5.0  # a probe answers within its own deadline, never hangs
 _FLOATS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
 _INT_RANGES = {  # what the proto field can hold: a flag outside it is a usage error, not a traceback
     FieldDescriptor.CPPTYPE_INT32: (-(2**31), 2**31 - 1),
@@ -65,11 +72,22 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", type=int, metavar="MS", help="print a snapshot every MS milliseconds")
     p.set_defaults(func=cmd_stats)
 
+    p = sub.add_parser("health", help="a probe: exit 0 if the server answers SERVING, else 1",
+                       description="Ask grpc.health.v1 Check: prints the status; exit status 0 only for "
+                                   "SERVING (NOT_SERVING while the model loads or the server drains). For "
+                                   "a server with TLS, give the same --tls-* flags as any client, or probe "
+                                   "its plaintext `serve --health-port` instead. Health needs no API key.")
+    _add_target(p, default_timeout=HEALTH_TIMEOUT_S)
+    p.add_argument("--service", default=SERVICE_NAME,
+                   help="the service to ask about ('' = the whole server; default %(default)s)")
+    p.set_defaults(func=cmd_health)
 
-def _add_target(p: argparse.ArgumentParser) -> None:
+
+def _add_target(p: argparse.ArgumentParser, default_timeout: float | None = None) -> None:
     p.add_argument("--target", default=os.environ.get("KVSERVE_TARGET", DEFAULT_TARGET),
                    help="server address host:port (env KVSERVE_TARGET; default %(default)s)")
-    p.add_argument("--timeout", type=float, help="deadline in seconds")
+    p.add_argument("--timeout", type=float, default=default_timeout,
+                   help="deadline in seconds" + (" (default %(default)s)" if default_timeout else ""))
     g = p.add_argument_group("connection security")
     g.add_argument("--tls", action="store_true", help="connect over TLS (system CA roots unless --tls-ca)")
     g.add_argument("--tls-ca", metavar="PEM", help="CA that signed the server's certificate (implies --tls)")
@@ -171,19 +189,21 @@ def _generate(client, args: argparse.Namespace) -> int:
 
 
 def _generate_with_logprobs(client, prompt: str, sampling: dict, stream: bool) -> int:
-    """The text, then one line per token: its text, its log probability and the top
-    alternatives (ids). Streams underneath: each message pairs a token with the text it released."""
-    rows = []
+    """The text, then one line per token: its id, its text, its log probability and the top
+    alternatives (id, text and log probability each)."""
+    text, rows = [], []
     for delta in client.stream(prompt, **sampling):
         if stream:
             print(delta.text, end="", flush=True)
-        rows += [(delta.text if i == 0 else "", lp) for i, lp in enumerate(delta.logprobs)]
+        text.append(delta.text)
+        rows += delta.logprobs
     if not stream:
-        print("".join(text for text, _ in rows), end="")
+        print("".join(text), end="")
     print()
-    for text, lp in rows:
-        top = ", ".join(f"{t}:{v:.3f}" for t, v in lp.top)
-        print(f"{lp.token_id:>7} {text!r:<16} {lp.logprob:8.3f}   top: {top}")
+    print(f"{'id':>7} {'token':<16} {'logprob':>8}   top alternatives")
+    for lp in rows:
+        top = ", ".join(f"{t} {tok!r} {v:.3f}" for (t, v), tok in zip(lp.top, lp.top_tokens, strict=True))
+        print(f"{lp.token_id:>7} {lp.token!r:<16} {lp.logprob:8.3f}   {top}")
     return 0
 
 
@@ -223,6 +243,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
             return _rpc(lambda: _watch(client, args.watch))
         except KeyboardInterrupt:
             return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        return _rpc(lambda: _print_health(client.health(args.service)))
+
+
+def _print_health(status: str) -> int:
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 def _watch(client, interval_ms: int) -> int:

@@ -84,7 +84,9 @@ class Timing:
 class TokenLogprob:
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    token: str = ""  # the chosen token's text, decoded alone
+    top_tokens: list[str] = field(default_factory=list)  # the text of each entry of ``top``
 
 
 @dataclass
@@ -184,7 +186,8 @@ def finish_reason_name(value: int) -> str | None:
 
 
 def _logprobs(msgs) -> list[TokenLogprob]:
-    return [TokenLogprob(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in msgs]
+    return [TokenLogprob(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top], m.token,
+                         [t.token for t in m.top]) for m in msgs]
 
 
 def _usage(u: llm_pb2.Usage) -> Usage:

@@ -194,6 +194,12 @@ class AsyncEngine:
         info["has_chat_template"] = bool(getattr(self._prompts.tokenizer, "chat_template", None))
         return info
 
+    def token_text(self, token_id: int) -> str:
+        """A token's text decoded alone (for logprobs); the tokenizer is loaded once ready."""
+        if self._prompts is None:
+            raise EngineUnavailable(self._unavailable_reason())
+        return self._prompts.token_text(token_id)
+
     async def tokenize(self, prompt: str | None, messages: list[dict[str, str]] | None = None) -> list[int]:
         """The token ids ``generate`` would run on (off the loop); ValueError for a bad prompt."""
         if (prompt is None) == (messages is None):

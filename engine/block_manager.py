@@ -11,8 +11,14 @@
   the engine's own doing, not a client's repeated prefix.
 - A block's hash is published only by ``commit``, which the engine calls after the step
   that wrote the block's KV, so no request can hit a block whose KV does not exist yet.
-- Freed blocks keep their hash and tokens and go to the tail of the free list; new blocks
-  come from its head (least recently freed first), so a later request can still hit them.
+- New blocks come from the head of the free list. Freed blocks that hold a published hash
+  keep it and go to the tail (least recently freed reused first), so a later request can
+  still hit them. Freed blocks with nothing to hit (a sequence's partial last block, any
+  block with prefix caching off) go to the head: reused most recently freed first, before
+  any block never used. The CPU cache is a lazily zeroed memory map whose pages take memory
+  at first touch, so reusing warm blocks keeps the resident KV at the working set instead of
+  walking through the whole cache; only cached prefixes (which are worth their memory) make
+  it grow towards the configured size.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # insertion order = order of freeing; popping from the front reuses the LRU block
+        # popped from the front: hashless freed blocks (most recent first), never-used blocks,
+        # then blocks holding a cached prefix, least recently freed first
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         # published blocks whose hash another block already holds in hash_to_block
@@ -211,6 +218,8 @@ class BlockManager:
             assert block.ref_count >= 0, block
             if block.ref_count == 0:
                 self.free_ids[bid] = None
+                if block.hash is None:  # nothing to hit: reuse it (warm) before anything else
+                    self.free_ids.move_to_end(bid, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0

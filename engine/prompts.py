@@ -23,6 +23,7 @@ class PromptEncoder:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
         self.max_token_chars = max(longest, MIN_CHARS_PER_TOKEN)
         self.max_prompt_chars = max_model_len * self.max_token_chars
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary id
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Text or token ids -> checked token ids; raises ValueError naming the field."""
@@ -54,6 +55,14 @@ class PromptEncoder:
         except Exception as e:  # noqa: BLE001 - jinja2.TemplateError and whatever a template raises
             raise ValueError(f"messages: the model's chat template failed: {type(e).__name__}: {e}") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, decoded alone with special tokens kept (what logprobs show beside
+        the id). Remembered: the alternatives of one request repeat the same ids often."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _check_chars(self, field: str, chars: int) -> None:
         if chars > self.max_prompt_chars:

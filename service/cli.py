@@ -11,11 +11,13 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import types
 import typing
 
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from kvserve.service.health import HEALTH_PORT_ENV
 from kvserve.service.limits import add_limit_flags, stream_limits
 from kvserve.service.logs import LOG_FORMATS, configure_logging
 from kvserve.service.security import add_security_flags, security_settings
@@ -83,10 +85,25 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
                         "default: no metrics endpoint)")
+    s.add_argument("--health-port", type=int, default=None,
+                   help="also answer grpc.health.v1 (and nothing else) in plaintext on HOST:PORT, for "
+                        "probes that cannot do TLS or mutual TLS (Docker HEALTHCHECK, Kubernetes gRPC "
+                        f"probes; 0: any free port; default: ${HEALTH_PORT_ENV}, else none)")
     s.add_argument("--otlp-endpoint", default=None,
                    help="send OpenTelemetry traces to this OTLP/gRPC collector, e.g. http://otel:4317 "
                         "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; neither: no tracing)")
     serve.set_defaults(func=cmd_serve)
+
+
+def _env_port(name: str) -> int | None:
+    """A port number from the environment (None when unset); a bad value stops ``serve`` naming it."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"kvserve serve: ${name} must be a port number, got {value[:64]!r}") from None
 
 
 def add_engine_flags(group) -> None:
@@ -124,6 +141,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve serve: --max-queue must be >= 1, got {args.max_queue}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise SystemExit(f"kvserve serve: --metrics-port must be in [0, 65535], got {args.metrics_port}")
+    if args.health_port is None:
+        args.health_port = _env_port(HEALTH_PORT_ENV)
+    if args.health_port is not None and not 0 <= args.health_port <= 65535:
+        raise SystemExit(f"kvserve serve: --health-port (or ${HEALTH_PORT_ENV}) must be in [0, 65535], "
+                         f"got {args.health_port}")
     if args.drain_timeout < 0:
         raise SystemExit(f"kvserve serve: --drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.step_timeout <= 0:
@@ -134,6 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  step_timeout=args.step_timeout,
                                  exit_on_engine_failure=args.exit_on_engine_failure,
                                  log_level=args.log_level, metrics_port=args.metrics_port,
+                                 health_port=args.health_port,
                                  otlp_endpoint=args.otlp_endpoint,
                                  security=security_settings(args), limits=stream_limits(args))
         server_credentials(settings.security)  # unreadable or non-PEM files: refused before loading

@@ -13,6 +13,8 @@ from kvserve.v1 import llm_pb2
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 HEALTH_SERVICES = ("", SERVICE_NAME)
+# the default of `kvserve serve --health-port` (the Docker image sets it; its HEALTHCHECK probes it)
+HEALTH_PORT_ENV = "KVSERVE_HEALTH_PORT"
 
 
 class Health:

@@ -14,6 +14,7 @@ from pathlib import Path
 from kvserve.clients.client import Client
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_HEALTH_PORT = re.compile(r"health checks \(.*\) on (\S+):(\d+)")
 
 
 class ServerProcess:
@@ -37,6 +38,14 @@ class ServerProcess:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def health_target(self) -> str:
+        """host:port of the plaintext health port (``--health-port``); LookupError without one."""
+        m = _HEALTH_PORT.search(self.log_text())
+        if m is None:
+            raise LookupError("the server opened no health port (--health-port)")
+        return f"127.0.0.1:{m.group(2)}"
 
     def start(self, timeout: float = 600.0) -> ServerProcess:
         """Start, then wait until it listens and its health check answers SERVING (stopped again

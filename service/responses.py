@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sequence import FinishReason, SequenceTimes
@@ -15,12 +16,16 @@ def finish_reason_to_proto(reason: FinishReason | None) -> int:
     return llm_pb2.FinishReason.Value(reason.name)
 
 
-def logprobs_to_proto(logprobs: list[TokenLogprobs]) -> list[llm_pb2.TokenLogprob]:
+TokenText = Callable[[int], str]  # token id -> its text decoded alone
+
+
+def logprobs_to_proto(logprobs: list[TokenLogprobs], token_text: TokenText) -> list[llm_pb2.TokenLogprob]:
     return [
         llm_pb2.TokenLogprob(
             token_id=lp.token_id,
             logprob=lp.logprob,
-            top=[llm_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            token=token_text(lp.token_id),
+            top=[llm_pb2.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top],
         )
         for lp in logprobs
     ]
@@ -46,12 +51,14 @@ def timing_of(times: SequenceTimes, arrival: float) -> llm_pb2.Timing:
     )
 
 
-def stream_response(request_id: str, out: RequestOutput, arrival: float) -> llm_pb2.StreamResponse:
+def stream_response(
+    request_id: str, out: RequestOutput, arrival: float, token_text: TokenText
+) -> llm_pb2.StreamResponse:
     msg = llm_pb2.StreamResponse(
         request_id=request_id,
         text=out.new_text,
         token_ids=out.new_token_ids,
-        logprobs=logprobs_to_proto(out.new_logprobs),
+        logprobs=logprobs_to_proto(out.new_logprobs, token_text),
         index=out.index,
     )
     if out.finished:
@@ -65,9 +72,10 @@ class CompletionBuilder:
     """Accumulates a request's deltas (of its n choices) into one GenerateResponse: choice 0 in
     the top-level fields, every choice in ``choices`` when n > 1 (see llm.proto)."""
 
-    def __init__(self, request_id: str, arrival: float, n: int = 1):
+    def __init__(self, request_id: str, arrival: float, token_text: TokenText, n: int = 1):
         self._request_id = request_id
         self._arrival = arrival
+        self._token_text = token_text
         self._choices = [llm_pb2.Choice(index=i) for i in range(n)]
         self._text: list[list[str]] = [[] for _ in range(n)]
         self._times: list[SequenceTimes | None] = [None] * n  # each choice's, once finished
@@ -80,7 +88,7 @@ class CompletionBuilder:
         choice = self._choices[out.index]
         self._text[out.index].append(out.new_text)
         choice.token_ids.extend(out.new_token_ids)
-        choice.logprobs.extend(logprobs_to_proto(out.new_logprobs))
+        choice.logprobs.extend(logprobs_to_proto(out.new_logprobs, self._token_text))
         if out.finished:
             choice.text = "".join(self._text[out.index])
             choice.finish_reason = finish_reason_to_proto(out.finish_reason)

@@ -2,6 +2,11 @@
 channel options, start-up while the model loads, the SIGTERM/SIGINT drain, and the exit
 when the engine dies.
 
+With ``--health-port`` a second server answers grpc.health.v1 alone, in plaintext, from the
+same health state: probes that cannot present the server's TLS settings (Docker's
+HEALTHCHECK, Kubernetes' gRPC probes, which never do TLS) still see SERVING / NOT_SERVING,
+while everything else stays behind TLS and the API key. It shows nothing but that status.
+
 This process is the front-end: it owns the network, tokenization and admission; the engine
 core (scheduler, model, sampler, detokenizer) runs in a child process that ``AsyncEngine``
 starts (engine/async_engine.py). If the engine dies, the requests in flight end with
@@ -64,6 +69,7 @@ class ServeSettings:
     limits: StreamLimits = field(default_factory=StreamLimits)  # concurrent calls
     metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port (0 = any free port)
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)
+    health_port: int | None = None  # plaintext grpc.health.v1 alone on host:health_port (0 = any free)
 
 
 def build_server(engine: AsyncEngine, health: Health, observability: Observability,
@@ -77,6 +83,13 @@ def build_server(engine: AsyncEngine, health: Health, observability: Observabili
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     if settings.security.reflection:
         enable_reflection((SERVICE_NAME, health_name), server)
+    return server
+
+
+def build_health_server(health: Health) -> grpc.aio.Server:
+    """grpc.health.v1 and nothing else (no reflection: a prober needs none)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     return server
 
 
@@ -124,10 +137,26 @@ async def _serve(config: EngineConfig, settings: ServeSettings, engine: AsyncEng
     server = build_server(engine, health, observability, settings)
     port = bind(server, settings.host, settings.port, server_credentials(settings.security))
     warn_if_exposed(settings.security, settings.host)
+    health_server = None
+    if settings.health_port is not None:
+        health_server = build_health_server(health)
+        health_port = bind(health_server, settings.host, settings.health_port)
+        await health_server.start()
+        print(f"kvserve: health checks (grpc.health.v1 only, plaintext) on {settings.host}:{health_port}",
+              file=sys.stderr, flush=True)
     await server.start()
     # printed whatever the log level: scripts and tests read the port from this line
     print(f"kvserve: listening on {settings.host}:{port} (loading model {config.model!r})", file=sys.stderr,
           flush=True)
+    try:
+        return await _run_until_stopped(server, engine, health, settings, config)
+    finally:
+        if health_server is not None:
+            await health_server.stop(grace=None)
+
+
+async def _run_until_stopped(server: grpc.aio.Server, engine: AsyncEngine, health: Health,
+                             settings: ServeSettings, config: EngineConfig) -> int:
     stop = _stop_on_signals()
     engine.start()
     if await _first(engine.wait_ready(), stop.wait()) and engine.state == EngineState.DEAD:

@@ -40,7 +40,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         arrival = time.monotonic()
         call = current_call()
         req, stream = await self._start(request, context, call, arrival)
-        done = CompletionBuilder(req.request_id, arrival, req.params.n)
+        done = CompletionBuilder(req.request_id, arrival, self._engine.token_text, req.params.n)
         error = None
         try:
             async for out in stream:
@@ -63,7 +63,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             async for out in stream:
                 if out.new_token_ids or out.new_text or out.finished:
                     call.observe(out)
-                    yield stream_response(req.request_id, out, arrival)
+                    yield stream_response(req.request_id, out, arrival, self._engine.token_text)
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             error = e
         finally:

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from kvserve.clients.messages import API_KEY_ENV
+from kvserve.service.health import HEALTH_PORT_ENV
 from kvserve.service.process import ServerProcess
 
 SECURE_API_KEY = "test-key-not-secret"
@@ -45,7 +46,8 @@ def tls_files(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def secure_server(tls_files):
     """Mutual TLS + API key (from the environment, as in production) + no reflection + the
-    small ``SECURE_LIMITS``. ``.client_options`` are the ``Client`` keywords that reach it."""
+    small ``SECURE_LIMITS``, and a plaintext health port (any free one, from the environment, as
+    the Docker image sets it). ``.client_options`` are the ``Client`` keywords that reach it."""
     from kvserve.clients import tls_credentials
 
     limits = [x for name, n in SECURE_LIMITS.items() for x in ("--" + name.replace("_", "-"), str(n))]
@@ -55,7 +57,7 @@ def secure_server(tls_files):
         "credentials": tls_credentials(tls_files["ca"], tls_files["client_cert"], tls_files["client_key"]),
         "api_key": SECURE_API_KEY,
     }
-    env = {**TEST_SERVER_ENV, API_KEY_ENV: SECURE_API_KEY}
+    env = {**TEST_SERVER_ENV, API_KEY_ENV: SECURE_API_KEY, HEALTH_PORT_ENV: "0"}
     with ServerProcess(*flags, env=env, client_options=options) as server:
         yield server
         rc = server.stop()

@@ -87,15 +87,16 @@ def test_freed_blocks_keep_hash_and_are_reused_lru_first():
     run_prefill(bm, a)
     table = list(a.block_table)
     bm.free(a)  # freed in reverse: suffix first
-    assert list(bm.free_ids)[-3:] == table[::-1]
+    # the hashless partial block goes to the head, the cached blocks to the tail (suffix first)
+    assert list(bm.free_ids) == [table[2], 3, table[1], table[0]]
     # still hittable after free
     b = make_seq(list(range(9)))
     assert bm.match_prefix(b) == table[:2]
-    # a new unrelated sequence takes the never-used block first, then the LRU (a's suffix)
-    c = make_seq([50] * 5)
+    # a new unrelated sequence takes a's hashless block, then the never-used one, then the LRU
+    c = make_seq([50] * 9)
     bm.admit(c, [])
-    bm.grow(c, 5)
-    assert table[0] not in c.block_table and table[2] in c.block_table
+    bm.grow(c, 9)
+    assert c.block_table == [table[2], 3, table[1]]
     # a's prefix block 0 survives: still a hit
     assert bm.match_prefix(make_seq(list(range(5)))) == table[:1]
     bm.check_integrity()
@@ -183,3 +184,20 @@ def test_surviving_duplicate_block_is_registered_after_eviction():
     bm.free(b)
     bm.free(other)
     bm.check_integrity()
+
+
+def test_blocks_with_nothing_cached_are_reused_before_untouched_ones():
+    """The KV cache's pages take memory at first touch: a block that held no cacheable prefix
+    is reused (most recently freed first) before a never-used one, so the memory touched stays
+    at the working set; a block holding a cached prefix is evicted only after both."""
+    for caching in (True, False):
+        bm = BlockManager(64, BS, enable_prefix_caching=caching)
+        touched: set[int] = set()
+        for i in range(50):
+            seq = make_seq([1000 + i] * 6)  # one full block (cached when caching is on), one partial
+            run_prefill(bm, seq)
+            touched.update(seq.block_table)
+            bm.free(seq)
+        # with caching on, each full block is new content that stays cached until needed
+        assert len(touched) == (51 if caching else 2), (caching, len(touched))
+        bm.check_integrity()

@@ -4,7 +4,9 @@ or a negative value; the subcommand's usage for a wrong flag; real help texts; t
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import os
 import re
 import signal
 import subprocess
@@ -64,13 +66,34 @@ def test_a_closed_pipe_ends_the_cli_quietly(kvserve_server):
     assert proc.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err
 
 
-def test_logprobs_are_shown_per_token_without_json(kvserve_server):
+_QUOTED = r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""  # a Python repr of a str
+_LOGPROB_ROW = re.compile(rf"^\s*(\d+) {_QUOTED} +(-?\d+\.\d{{3}})   (.*)$")
+_ALTERNATIVE = re.compile(rf"(\d+) {_QUOTED} (-?\d+\.\d{{3}})")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_shown_per_token_with_text_without_json(kvserve_server, stream):
+    """One row per token: id, the token's text, logprob, then each alternative's id, text and
+    logprob; the tokens' texts put together are the completion."""
     out = kvserve("generate", "The capital of France is", "--target", kvserve_server.target,
-                  "--temperature", "0", "--max-tokens", "3", "--logprobs", "2")
+                  "--temperature", "0", "--max-tokens", "3", "--logprobs", "2",
+                  *(["--stream"] if stream else []))
     assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if re.match(r"^\s*\d+ '.*' +-?\d+\.\d{3}\s+top: ", line)]
+    lines = out.stdout.splitlines()
+    rows = [m for m in map(_LOGPROB_ROW.match, lines) if m]
     assert len(rows) == 3, out.stdout
-    assert all(len(r.split("top: ")[1].split(", ")) == 2 for r in rows)
+    tokens = []
+    for row in rows:
+        token = ast.literal_eval(row[2])
+        alternatives = _ALTERNATIVE.findall(row[4])
+        assert len(alternatives) == 2, row[0]
+        # greedy: the best alternative is the chosen token, with its text
+        assert alternatives[0][:2] == (row[1], row[2]), row[0]
+        assert all(ast.literal_eval(text) for _, text, _ in alternatives), row[0]
+        tokens.append(token)
+    header = re.search(r"^ +id token +logprob   top alternatives$", out.stdout, re.MULTILINE)
+    text = out.stdout[: header.start()].removesuffix("\n")  # the completion, then a newline
+    assert tokens[0].strip() and "".join(tokens) == text, out.stdout
 
 
 def test_a_second_ctrl_c_stops_the_server_at_once(tmp_path):
@@ -112,3 +135,18 @@ def test_unset_sampling_follows_the_bundled_models_recommendation(kvserve_server
         plain = c.generate(messages=chat, seed=11, max_tokens=12)
         recommended = c.generate(messages=chat, seed=11, max_tokens=12, temperature=0.2, top_p=0.9)
     assert plain.token_ids == recommended.token_ids
+
+
+@pytest.mark.parametrize(("env", "flags", "message"), [
+    ({"KVSERVE_HEALTH_PORT": "abc"}, [], "$KVSERVE_HEALTH_PORT must be a port number, got 'abc'"),
+    ({}, ["--health-port", "70000"], "--health-port (or $KVSERVE_HEALTH_PORT) must be in [0, 65535]"),
+])
+def test_a_bad_health_port_stops_serve_naming_it(env, flags, message):
+    out = kvserve("serve", *flags, env={**os.environ, **env})
+    assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_health_of_an_unreachable_server_is_one_line_and_status_1():
+    out = kvserve("health", "--target", "127.0.0.1:1", "--timeout", "2")
+    assert out.returncode == 1 and out.stdout == "" and out.stderr.startswith("kvserve: UNAVAILABLE")
+    assert "Traceback" not in out.stderr

@@ -74,7 +74,8 @@ def test_the_validator_would_catch_a_misspelled_field(deployment):
 
 def test_container_ports_are_the_servers(container, serve_args, deployment):
     assert serve_args.host == "0.0.0.0"  # reachable from other pods
-    assert ports(container) == {"grpc": serve_args.port, "metrics": serve_args.metrics_port}
+    assert ports(container) == {"grpc": serve_args.port, "metrics": serve_args.metrics_port,
+                                "health": serve_args.health_port}
     notes = deployment["spec"]["template"]["metadata"]["annotations"]
     assert notes["prometheus.io/scrape"] == "true"
     assert int(notes["prometheus.io/port"]) == serve_args.metrics_port
@@ -82,9 +83,11 @@ def test_container_ports_are_the_servers(container, serve_args, deployment):
 
 
 def test_probes_use_the_standard_grpc_health_service(container, serve_args):
+    # the plaintext health port: the kubelet's gRPC probe cannot do TLS
+    assert serve_args.health_port not in (None, serve_args.port)
     for name in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = container[name]["grpc"]
-        assert probe["port"] == serve_args.port, name
+        assert probe["port"] == serve_args.health_port, name
         assert probe["service"] in HEALTH_SERVICES, name
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
 

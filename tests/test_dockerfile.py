@@ -1,7 +1,8 @@
 """The Dockerfile, checked without a Docker engine: hadolint when it is on PATH, and always a
 parse of its instructions (stages, user, port, health check, command, what Triton needs at run
 time, the kernel cache volume); the HEALTHCHECK's
-command is run against a real gRPC health server."""
+command is run against a gRPC health server whose status the test sets, and against a real
+kvserve server with mutual TLS and an API key (its plaintext health port)."""
 
 import json
 import re
@@ -19,6 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 PYPROJECT = (ROOT / "pyproject.toml").read_text()
+
+pytest_plugins = ["kvserve.service.testing"]
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -50,10 +53,19 @@ def stages(parsed: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
     return groups
 
 
-def healthcheck_argv(parsed) -> list[str]:
+def healthcheck_command(parsed) -> str:
+    """The HEALTHCHECK's command, in shell form (Docker runs it with /bin/sh -c)."""
     _options, cmd, command = dict(parsed)["HEALTHCHECK"].partition("CMD ")
     assert cmd, "HEALTHCHECK must run a command"
-    return json.loads(command)
+    assert not command.startswith("["), "shell form: the health port comes from the environment"
+    return command
+
+
+def run_healthcheck(parsed, health_port: int | str) -> subprocess.CompletedProcess:
+    """The HEALTHCHECK command as the container runs it: the image's environment, kvserve on PATH."""
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "KVSERVE_HEALTH_PORT": str(health_port)}
+    return subprocess.run(["/bin/sh", "-c", healthcheck_command(parsed)], capture_output=True, text=True,
+                          timeout=60, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +129,27 @@ def health_server():
     server.stop(grace=None)
 
 
+def test_image_sets_the_health_port_the_healthcheck_probes(parsed):
+    runtime_env = " ".join(a for k, a in stages(parsed)[-1] if k == "ENV")
+    assert re.search(r"\bKVSERVE_HEALTH_PORT=50052\b", runtime_env)
+    assert "${KVSERVE_HEALTH_PORT}" in healthcheck_command(parsed)
+
+
 def test_healthcheck_command_passes_only_while_the_server_answers_serving(parsed, health_server):
     servicer, port = health_server
-    argv = healthcheck_argv(parsed)
-    assert argv[:2] == ["python", "-c"] and "127.0.0.1:50051" in argv[2]
-    check = [sys.executable, "-c", argv[2].replace("127.0.0.1:50051", f"127.0.0.1:{port}")]
     codes = health_pb2.HealthCheckResponse
     servicer.set("", codes.SERVING)
-    assert subprocess.run(check, capture_output=True, timeout=60).returncode == 0
+    assert run_healthcheck(parsed, port).returncode == 0
     servicer.set("", codes.NOT_SERVING)
-    assert subprocess.run(check, capture_output=True, timeout=60).returncode != 0
+    assert run_healthcheck(parsed, port).returncode != 0
+
+
+def test_healthcheck_passes_on_a_server_with_mutual_tls(parsed, secure_server):
+    """The server (mutual TLS, API key) got its health port from KVSERVE_HEALTH_PORT as in the
+    image; the HEALTHCHECK's own command, with the port the server reports, says healthy."""
+    port = secure_server.health_target.rsplit(":", 1)[1]
+    probe = run_healthcheck(parsed, port)
+    assert probe.returncode == 0 and probe.stdout == "SERVING\n", probe.stderr
 
 
 def test_dockerignore_keeps_the_venv_out_and_what_the_install_needs_in():

@@ -98,6 +98,40 @@ def test_cli_connects_with_tls_and_the_key(secure_server, tls_files):
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
 
 
+def kvserve_health(*args: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin"}  # no API key: health needs none
+    return subprocess.run([sys.executable, "-m", "kvserve.cli", "health", *args], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def test_health_probe_follows_the_servers_tls(secure_server, tls_files):
+    """`kvserve health` on the mutual-TLS port with the client's TLS flags, and in plaintext on the
+    health port; a plaintext probe of the TLS port fails with a one-line message."""
+    tls = ["--tls-ca", tls_files["ca"], "--tls-cert", tls_files["client_cert"],
+           "--tls-key", tls_files["client_key"]]
+    for args in ([*tls, "--target", secure_server.target], ["--target", secure_server.health_target],
+                 ["--target", secure_server.health_target, "--service", ""]):
+        probe = kvserve_health(*args)
+        assert (probe.returncode, probe.stdout) == (0, "SERVING\n"), (args, probe.stderr)
+    plain = kvserve_health("--target", secure_server.target, "--timeout", "3")
+    assert plain.returncode == 1 and plain.stderr.startswith("kvserve: UNAVAILABLE"), plain.stderr
+    assert "Traceback" not in plain.stderr
+    unknown = kvserve_health("--target", secure_server.health_target, "--service", "no.such.Service")
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+
+
+def test_health_port_answers_health_and_nothing_else(secure_server):
+    with grpc.insecure_channel(secure_server.health_target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        reply = check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stats = llm_pb2_grpc.LLMServiceStub(channel).Stats
+        assert rpc_code(lambda: stats(llm_pb2.StatsRequest(), timeout=10)) == grpc.StatusCode.UNIMPLEMENTED
+        info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        assert rpc_code(lambda: list(info(iter([request]), timeout=10))) == grpc.StatusCode.UNIMPLEMENTED
+
+
 def test_watch_stats_and_connections_have_call_limits(secure_server):
     opts = secure_server.client_options
     with Client(secure_server.target, **opts) as a, Client(secure_server.target, **opts) as b:

@@ -118,6 +118,22 @@ def test_logprobs_give_the_chosen_token_and_top_n(client):
     assert client.generate(PROMPTS[0], temperature=0, max_tokens=5).logprobs == []
 
 
+def test_logprobs_carry_each_tokens_text(client):
+    """The chosen token's and every alternative's text, decoded alone; put together, the chosen
+    tokens' texts are the completion (this model's tokens decode with their spaces)."""
+    from kvserve.engine.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model("default"))
+    got = client.generate(PROMPTS[0], temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    deltas = client.stream(PROMPTS[0], temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    streamed = [lp for d in deltas for lp in d.logprobs]
+    assert got.logprobs == streamed
+    for lp in got.logprobs:
+        assert lp.token == tokenizer.decode([lp.token_id], skip_special_tokens=False)
+        assert lp.top_tokens == [tokenizer.decode([t], skip_special_tokens=False) for t, _ in lp.top]
+    assert "".join(lp.token for lp in got.logprobs) == got.text
+
+
 def test_repeated_prompt_reports_cached_tokens_and_same_output(client):
     prompt = "Here is a long shared system prompt that several requests reuse verbatim. " * 3
     first = client.generate(prompt, temperature=0, max_tokens=8)
