@@ -57,7 +57,9 @@ _SIGNATURES = {
     "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32],
     "argmax_rows": [_P, _I64, _I32, _I32, _P, _I32],
+    "small_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
 }
+SMALL_ROWS = 8  # as in csrc/elementwise.c: small_linear takes at most this many rows
 
 
 def cache_dir() -> Path:
@@ -214,6 +216,19 @@ class CpuKernels:
             tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, k.element_size(),
         ), "store_kv (slot out of range)")
 
+
+    def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for 2-D ``x`` of at most ``SMALL_ROWS`` rows: one pass over
+        the weight, at memory speed."""
+        rows, k_in = x.shape
+        n_out = weight.shape[0]
+        y = torch.empty(rows, n_out, dtype=x.dtype)
+        _check(self._lib.small_linear(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), rows, n_out, k_in,
+            DTYPES[x.dtype], torch.get_num_threads(),
+        ), "small_linear")
+        return y
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [rows]: ``logits.argmax(-1)`` of 2-D float32 logits (first maximum; first NaN)."""

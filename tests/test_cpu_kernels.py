@@ -239,3 +239,32 @@ def test_argmax_is_torchs_first_maximum_with_ties_and_nan():
     assert torch.equal(KERNEL.argmax(logits), logits.argmax(-1))
     narrow = logits[:, :100]  # rows not contiguous with each other, width below one chunk
     assert torch.equal(KERNEL.argmax(narrow), narrow.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_small_linear_matches_f_linear(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1000, generator=gen).to(dtype)  # 1000: two pieces of the K loop
+    weight = torch.randn(777, 1000, generator=gen).to(dtype)
+    bias = torch.randn(777, generator=gen).to(dtype)
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    got = KERNEL.small_linear(x, weight, bias).float()
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]  # 1000-term sums in another order
+    assert ((got - want).abs() / (want.abs() + 1)).max().item() < tol
+    no_bias = KERNEL.small_linear(x, weight, None).float()
+    assert ((no_bias - (want - bias.float())).abs() / (want.abs() + 1)).max().item() < tol
+
+
+def test_one_row_linears_of_a_layer_go_through_the_kernel(monkeypatch):
+    from kvserve.engine.layers import linear as linear_module
+
+    calls = []
+    monkeypatch.setattr(CpuKernels, "small_linear",
+                        lambda self, x, w, b: calls.append(x.shape) or torch.nn.functional.linear(x, w, b))
+    layer = linear_module.ColumnParallelLinear(16, 32, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    layer(torch.randn(1, 16))
+    layer(torch.randn(5, 16))  # more rows: torch's matmul
+    assert calls == [torch.Size([1, 16])]

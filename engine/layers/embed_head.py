@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.layers.linear import linear
 from kvserve.engine.layers.quantization import int8_linear, quantize_int8
 from kvserve.engine.parallel import ParallelContext
 
@@ -60,7 +61,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.qweight is not None:
             logits = int8_linear(hidden_states, self.qweight, self.scales)
         else:
-            logits = F.linear(hidden_states, self.weight)
+            logits = linear(hidden_states, self.weight)
         if self.parallel.size == 1:
             return logits
         logits = self.parallel.gather_last_dim(logits)

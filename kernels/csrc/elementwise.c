@@ -158,3 +158,47 @@ int argmax_rows(const float *x, int64_t stride, int rows, int width, int64_t *ou
     }
     return 0;
 }
+
+/* y[m][n] = x[m] . w[n] (+ bias[n]) for a few rows m: a decode step at small batch is a
+ * matrix-vector product whose cost is reading w once; torch's bfloat16 matmul at one row runs
+ * far below memory speed on the CPU. Each thread takes a range of w's rows; each row of w is
+ * converted to float once, in pieces that stay in L1, and dotted with every row of x (at most
+ * SMALL_ROWS of them, as floats). x, w, y, bias share the element type; w rows contiguous. */
+#define SMALL_ROWS 8
+#define K_PIECE 512
+int small_linear(const void *x, int64_t x_stride, const void *w, int64_t w_stride, const void *bias,
+                 void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype, int num_threads) {
+    if (rows > SMALL_ROWS || rows < 1) return 1;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    float *xf = malloc(sizeof(float) * (size_t)rows * k_in);
+    if (!xf) return 2;
+    for (int m = 0; m < rows; ++m) to_float(at(x, m * x_stride, elem), dtype, xf + (size_t)m * k_in, k_in);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+            for (int n = 0; n < n_out; ++n) {
+                float acc[SMALL_ROWS] = {0};
+                const char *wrow = (const char *)w + (int64_t)n * w_stride * elem;
+                if (n + 1 < n_out) __builtin_prefetch(wrow + w_stride * elem, 0, 1);
+                for (int k0 = 0; k0 < k_in; k0 += K_PIECE) {
+                    const int len = k_in - k0 < K_PIECE ? k_in - k0 : K_PIECE;
+                    float wf[K_PIECE];
+                    to_float(wrow + (int64_t)k0 * elem, dtype, wf, len);
+                    for (int m = 0; m < rows; ++m) {
+                        const float *restrict xm = xf + (size_t)m * k_in + k0;
+                        float s = 0.f;
+                        for (int k = 0; k < len; ++k) s += xm[k] * wf[k];
+                        acc[m] += s;
+                    }
+                }
+                for (int m = 0; m < rows; ++m) {
+                    float v = acc[m];
+                    if (bias != NULL) {
+                        float b;
+                        to_float(at(bias, n, elem), dtype, &b, 1);
+                        v += b;
+                    }
+                    from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * y_stride + n) * elem, 1);
+                }
+            }
+    free(xf);
+    return 0;
+}
