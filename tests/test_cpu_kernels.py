@@ -268,3 +268,28 @@ def test_one_row_linears_of_a_layer_go_through_the_kernel(monkeypatch):
     layer(torch.randn(1, 16))
     layer(torch.randn(5, 16))  # more rows: torch's matmul
     assert calls == [torch.Size([1, 16])]
+
+
+def test_inverse_cdf_draw_picks_the_interval_that_holds_the_target():
+    """Against a float64 cumulative softmax: the same token wherever the target is not within
+    1e-5 of an interval's edge (the kernel's exp differs from torch's in the 7th digit); masked
+    tokens never; u = 0 gives the first allowed token, u close to 1 the last."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 10_000, generator=gen) * 3
+    logits[:, ::3] = float("-inf")  # masked (top-k/top-p/min-p leave -inf)
+    logits[0, :] = float("-inf")
+    logits[0, 7] = 1.0  # one allowed token
+    uniforms = torch.rand(64, generator=gen)
+    uniforms[1], uniforms[2] = 0.0, 1.0 - 2**-24
+    got = KERNEL.inverse_cdf_draw(logits.clone(), uniforms)
+    p = torch.softmax(logits.double(), dim=-1)
+    cdf = p.cumsum(-1)
+    target = uniforms.double().unsqueeze(1)
+    want = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[1] - 1)
+    near_edge = ((cdf - target).abs() < 1e-5).any(-1)
+    assert torch.equal(got[~near_edge], want[~near_edge])
+    assert int((~near_edge).sum()) >= 40  # most rows are compared
+    assert torch.isfinite(logits[torch.arange(64), got]).all()
+    assert got[0] == 7
+    allowed = torch.isfinite(logits[1]).nonzero().flatten()
+    assert got[1] == allowed[0] and got[2] == torch.isfinite(logits[2]).nonzero().flatten()[-1]

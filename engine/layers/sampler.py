@@ -141,7 +141,9 @@ def _inverse_cdf_draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     ``logits`` is the function's own tensor (it is overwritten). exp(-inf) = 0 gives masked
     tokens an empty interval, which the search (first cumulative value above the target) never
     lands in; the target is kept below the total, where float32 rounding of ``u * total`` could
-    otherwise reach it."""
+    otherwise reach it. On the CPU the kernel does the same in one pass and a walk (float64 sums)."""
+    if logits.dim() == 2 and logits.dtype == torch.float32 and (kernels := kernels_for(logits)) is not None:
+        return kernels.inverse_cdf_draw(logits, uniforms.cpu())
     cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -12,7 +12,7 @@
  * Built and loaded by kernels/cpu_kernels.py. Strides are in elements; the last dimension is
  * contiguous everywhere.
  */
-#include <math.h> /* sqrtf */
+#include <math.h> /* sqrtf, INFINITY */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -200,5 +200,63 @@ int small_linear(const void *x, int64_t x_stride, const void *w, int64_t w_strid
                 }
             }
     free(xf);
+    return 0;
+}
+
+/* The sampler's draw, in place over float32 logits: per row, p_i = exp(x_i - max) (masked -inf
+ * entries give 0), and out[r] = the first i whose running sum of p exceeds uniforms[r] * sum(p)
+ * (kept below the sum). Sums in double, chunk by chunk (vectorized); only the chunk that holds
+ * the target is walked element by element. Rows are independent of each other: a seeded row
+ * draws the same token in any batch. */
+#define DRAW_CHUNK 256
+int inverse_cdf_draw(float *logits, int64_t stride, int rows, int width, const float *uniforms, int64_t *out,
+                     int num_threads) {
+    const int chunks = (width + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    double *chunk_sums = malloc(sizeof(double) * (size_t)chunks * rows);
+    if (!chunk_sums) return 2;
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int r = 0; r < rows; ++r) {
+        float *row = logits + r * stride;
+        const int32_t *bits = (const int32_t *)row;
+        double *sums = chunk_sums + (size_t)r * chunks;
+        int32_t key = INT32_MIN;
+        for (int i = 0; i < width; ++i) {
+            const int32_t k = order_key(bits[i]);
+            key = k > key ? k : key;
+        }
+        bits32 top = {.u = (uint32_t)(key ^ ((key >> 31) & 0x7fffffff))};
+        const float m = top.f;
+        if (m == -INFINITY) { /* nothing allowed at all: the torch path would return garbage too */
+            out[r] = 0;
+            continue;
+        }
+        double total = 0.0;
+        for (int c = 0, lo = 0; c < chunks; ++c, lo += DRAW_CHUNK) {
+            const int hi = lo + DRAW_CHUNK < width ? lo + DRAW_CHUNK : width;
+            float s = 0.f;
+            for (int i = lo; i < hi; ++i) {
+                row[i] = fast_exp(row[i] - m);
+                s += row[i];
+            }
+            sums[c] = s;
+            total += s;
+        }
+        double target = (double)uniforms[r] * total;
+        int c = 0;
+        while (c < chunks - 1 && target >= sums[c]) target -= sums[c++];
+        const int lo = c * DRAW_CHUNK, hi = lo + DRAW_CHUNK < width ? lo + DRAW_CHUNK : width;
+        int64_t index = hi - 1;
+        double acc = 0.0;
+        for (int i = lo; i < hi; ++i) {
+            acc += row[i];
+            if (acc > target) {
+                index = i;
+                break;
+            }
+        }
+        while (index > 0 && row[index] == 0.f) --index; /* never a masked token (rounding at the end) */
+        out[r] = index;
+    }
+    free(chunk_sums);
     return 0;
 }
