@@ -136,8 +136,12 @@ class CpuKernels:
     def takes(*tensors: torch.Tensor) -> bool:
         """CPU tensors of one supported dtype with a contiguous last dimension."""
         dtype = tensors[0].dtype
-        return all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors) \
-            and dtype in DTYPES
+        if dtype not in DTYPES:
+            return False
+        for t in tensors:  # a plain loop: this runs several times per layer
+            if not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1:
+                return False
+        return True
 
     @staticmethod
     def supports_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
