@@ -61,6 +61,7 @@ _SIGNATURES = {
     "argmax_rows": [_P, _I64, _I32, _I32, _P, _I32],
     "small_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
+    "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
 }
 SMALL_ROWS = 8  # as in csrc/elementwise.c: small_linear takes at most this many rows
 
@@ -138,7 +139,7 @@ class CpuKernels:
         dtype = tensors[0].dtype
         if dtype not in DTYPES:
             return False
-        for t in tensors:  # a plain loop: this runs several times per layer
+        for t in tensors:  # noqa: SIM110 - a plain loop: all() over a generator costs twice as much
             if not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1:
                 return False
         return True
@@ -235,6 +236,22 @@ class CpuKernels:
             None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), rows, n_out, k_in,
             DTYPES[x.dtype], torch.get_num_threads(),
         ), "small_linear")
+        return y
+
+    def small_linear_int8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """``small_linear`` for an int8 weight [out, in] with one scale per output row (in x's dtype)."""
+        rows, k_in = x.shape
+        n_out = qweight.shape[0]
+        if qweight.dtype != torch.int8 or qweight.stride(1) != 1 or scales.dtype != x.dtype:
+            raise ValueError("small_linear_int8: an int8 weight with contiguous rows, scales in x's dtype")
+        scales = scales.contiguous()
+        y = torch.empty(rows, n_out, dtype=x.dtype)
+        _check(self._lib.small_linear_int8(
+            x.data_ptr(), x.stride(0), qweight.data_ptr(), qweight.stride(0), scales.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), rows, n_out, k_in,
+            DTYPES[x.dtype], torch.get_num_threads(),
+        ), "small_linear_int8")
         return y
 
     def inverse_cdf_draw(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

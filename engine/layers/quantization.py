@@ -4,8 +4,10 @@ After the weights are loaded, every projection (and the LM head) keeps its weigh
 one scale per output row (symmetric, ``scale = max|w| / 127``); activations stay in the serving
 dtype. At a handful of rows a step only streams weights, so reading a byte instead of two per
 weight nearly halves it: those rows go through PyTorch's int8 weight-only kernel
-(``_weight_int8pack_mm``). At more rows the matmul is bound by arithmetic and that kernel is
-slower than the bf16 GEMM, so larger batches multiply by the weight dequantized on the fly.
+(``_weight_int8pack_mm``; one row, a single stream's step, through kernels/cpu_kernels.py's
+``small_linear_int8``, which reads the weight faster). At more rows the matmul is bound by
+arithmetic and that kernel is slower than the bf16 GEMM, so larger batches multiply by the
+weight dequantized on the fly.
 The tied embedding keeps its float table for lookups; the LM head gets its own int8 copy.
 """
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.engine.config import QUANTIZATIONS
+from kvserve.kernels.cpu_kernels import kernels_for
 
 # up to this many rows the int8 kernel beats the bf16 GEMM (measured on AVX-512 with bf16)
 INT8_KERNEL_MAX_ROWS = 8
@@ -32,6 +35,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for W = qweight * scales (row-wise)."""
     rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1 and (kernels := kernels_for(rows, scales)) is not None:
+        y = kernels.small_linear_int8(rows, qweight, scales, bias)  # one row: kernels/cpu_kernels.py
+        return y.view(*x.shape[:-1], qweight.shape[0])
     if rows.shape[0] <= INT8_KERNEL_MAX_ROWS and x.device.type == "cpu":
         y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), qweight, scales)
     else:

@@ -260,3 +260,42 @@ int inverse_cdf_draw(float *logits, int64_t stride, int rows, int width, const f
     free(chunk_sums);
     return 0;
 }
+
+/* small_linear with an int8 weight and one scale per output row (weight-only int8):
+ * y[m][n] = scale[n] * (x[m] . q[n]) (+ bias[n]). Reads one byte per weight. x, scales, bias, y
+ * share the element type. */
+int small_linear_int8(const void *x, int64_t x_stride, const int8_t *q, int64_t q_stride, const void *scales,
+                      const void *bias, void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype,
+                      int num_threads) {
+    if (rows > SMALL_ROWS || rows < 1) return 1;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    float *xf = malloc(sizeof(float) * (size_t)rows * k_in);
+    if (!xf) return 2;
+    for (int m = 0; m < rows; ++m) to_float(at(x, m * x_stride, elem), dtype, xf + (size_t)m * k_in, k_in);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int n = 0; n < n_out; ++n) {
+        float acc[SMALL_ROWS] = {0};
+        const int8_t *qrow = q + (int64_t)n * q_stride;
+        if (n + 1 < n_out) __builtin_prefetch(qrow + q_stride, 0, 1);
+        for (int k0 = 0; k0 < k_in; k0 += K_PIECE) {
+            const int len = k_in - k0 < K_PIECE ? k_in - k0 : K_PIECE;
+            float wf[K_PIECE];
+            for (int k = 0; k < len; ++k) wf[k] = (float)qrow[k0 + k];
+            for (int m = 0; m < rows; ++m) {
+                const float *restrict xm = xf + (size_t)m * k_in + k0;
+                float s = 0.f;
+                for (int k = 0; k < len; ++k) s += xm[k] * wf[k];
+                acc[m] += s;
+            }
+        }
+        float scale, b = 0.f;
+        to_float(at(scales, n, elem), dtype, &scale, 1);
+        if (bias != NULL) to_float(at(bias, n, elem), dtype, &b, 1);
+        for (int m = 0; m < rows; ++m) {
+            const float v = acc[m] * scale + b;
+            from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * y_stride + n) * elem, 1);
+        }
+    }
+    free(xf);
+    return 0;
+}
