@@ -156,18 +156,18 @@ def profile_host(llm: LLM, args) -> dict:
             "forward_cpu_ms": forward_ms, "stages_ms": split}
 
 
-def profile_decode(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
+def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None) -> dict:
     """Decode steps timed in ``args.rounds`` rounds of ``args.steps``, each round followed by the
-    matmul-only time of the same batch: on a shared machine both see the same load, and the
-    figures kept are each one's fastest round (as ``best_time`` keeps the fastest run)."""
+    matmul-only time of the same batch (unless ``ceiling`` is None): on a shared machine both see
+    the same load, and the figures kept are each one's fastest round (as ``best_time`` keeps the
+    fastest run)."""
     eng = llm.engine
     max_tokens = args.rounds * args.steps + 8
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
     _prefill_batch(eng, args, params, "decode")
-    forward, sampler = _Timed(eng.executor.execute_model), _Timed(eng.sampler)
-    eng.executor.execute_model, eng.sampler = forward, sampler
     rounds = []
-    try:
+    with _patched(eng.executor, "execute_model", _Timed(eng.executor.execute_model)) as forward, \
+            _patched(eng, "sampler", _Timed(eng.sampler)) as sampler:
         eng.step()  # warm-up at this shape
         profiler = _profiler(args)
         with profiler:
@@ -177,11 +177,8 @@ def profile_decode(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
                 for _ in range(args.steps):
                     eng.step()
                 step_s = (time.perf_counter() - t0) / args.steps
-                rounds.append((step_s, forward.seconds / args.steps, sampler.seconds / args.steps,
-                               ceiling.measure_decode_step(args.batch)))
-    finally:
-        del eng.executor.execute_model  # the class's method again
-        eng.sampler = sampler.fn
+                matmul_s = ceiling.measure_decode_step(args.batch) if ceiling is not None else float("nan")
+                rounds.append((step_s, forward.seconds / args.steps, sampler.seconds / args.steps, matmul_s))
     _abort_all(eng)
     _print_profile(profiler, args)
     step_s, forward_s, sampler_s, _ = min(rounds)
@@ -282,7 +279,7 @@ def main(argv=None) -> dict:
         if args.compete:
             args.torch_profile = False
             with busy_processes(args.compete):
-                decode["step_ms_beside_busy"] = profile_decode(llm, args, ceiling)["step_ms"]
+                decode["step_ms_beside_busy"] = profile_decode(llm, args, None)["step_ms"]
             decode["busy_processes"] = args.compete
     finally:
         llm.shutdown()

@@ -47,7 +47,6 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-
 ENV_SWITCH = "KVSERVE_CPU_KERNELS"
 MAX_HEAD_DIM = 512  # as in csrc/attention.c
 MAX_GROUP = 64
-MAX_ROW = 16384  # as in csrc/elementwise.c
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -63,7 +62,6 @@ _SIGNATURES = {
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
     "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
 }
-SMALL_ROWS = 8  # as in csrc/elementwise.c: small_linear takes at most this many rows
 
 
 def cache_dir() -> Path:
@@ -126,7 +124,6 @@ class CpuKernels:
     dimension is contiguous (callers check with ``takes``)."""
 
     def __init__(self, path: Path):
-        self.path = path
         lib = ctypes.CDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
@@ -135,12 +132,13 @@ class CpuKernels:
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:
-        """CPU tensors of one supported dtype with a contiguous last dimension."""
+        """CPU tensors of one supported dtype with a contiguous last dimension (None: absent,
+        e.g. no bias)."""
         dtype = tensors[0].dtype
         if dtype not in DTYPES:
             return False
         for t in tensors:  # noqa: SIM110 - a plain loop: all() over a generator costs twice as much
-            if not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1:
+            if t is not None and (not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1):
                 return False
         return True
 
@@ -177,7 +175,7 @@ class CpuKernels:
         ``residual``, ``residual + x`` — which is written back into ``residual``. ``x`` is 2-D, or
         3-D when there is no residual (per-head norms)."""
         width = x.shape[-1]
-        rows = x.reshape(-1, width) if x.dim() == 2 else x
+        rows = x
         outer, inner = rows.shape[0], (rows.shape[1] if rows.dim() == 3 else 1)
         x_inner = rows.stride(1) if rows.dim() == 3 else 0
         out = torch.empty(x.shape, dtype=x.dtype)
@@ -226,8 +224,8 @@ class CpuKernels:
 
 
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for 2-D ``x`` of at most ``SMALL_ROWS`` rows: one pass over
-        the weight, at memory speed."""
+        """``F.linear(x, weight, bias)`` for 2-D ``x`` of at most 8 rows (SMALL_ROWS in the C source):
+        one pass over the weight, at memory speed."""
         rows, k_in = x.shape
         n_out = weight.shape[0]
         y = torch.empty(rows, n_out, dtype=x.dtype)
@@ -243,8 +241,8 @@ class CpuKernels:
         """``small_linear`` for an int8 weight [out, in] with one scale per output row (in x's dtype)."""
         rows, k_in = x.shape
         n_out = qweight.shape[0]
-        if qweight.dtype != torch.int8 or qweight.stride(1) != 1 or scales.dtype != x.dtype:
-            raise ValueError("small_linear_int8: an int8 weight with contiguous rows, scales in x's dtype")
+        if qweight.dtype != torch.int8 or qweight.stride(1) != 1:
+            raise ValueError("small_linear_int8: an int8 weight with contiguous rows")
         scales = scales.contiguous()
         y = torch.empty(rows, n_out, dtype=x.dtype)
         _check(self._lib.small_linear_int8(

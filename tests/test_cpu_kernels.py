@@ -293,3 +293,18 @@ def test_inverse_cdf_draw_picks_the_interval_that_holds_the_target():
     assert got[0] == 7
     allowed = torch.isfinite(logits[1]).nonzero().flatten()
     assert got[1] == allowed[0] and got[2] == torch.isfinite(logits[2]).nonzero().flatten()[-1]
+
+
+def test_rows_wider_than_the_kernels_piece_are_taken_whole():
+    """Qwen2.5-7B's MLP is 18,944 wide: the fused kernels work in pieces, with no width limit."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 2 * 18_944, generator=gen)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.allclose(KERNEL.silu_and_mul(x), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    rows, residual, weight = torch.randn(3, 18_944, generator=gen), torch.randn(3, 18_944, generator=gen), \
+        torch.rand(18_944, generator=gen)
+    res = residual.clone()
+    got = KERNEL.rms_norm(rows, weight, 1e-6, res)
+    assert torch.equal(res, residual + rows)
+    want = torch.nn.functional.rms_norm(residual + rows, (18_944,), weight, 1e-6)
+    assert torch.allclose(got, want, atol=1e-5)

@@ -22,7 +22,6 @@ from kvserve.engine.layers.attention import (
     AttentionImpl,
     AttentionMetadata,
     common_metadata_fields,
-    flash_attn_refusal,
     to_device,
 )
 from kvserve.engine.model_input import ModelInput
@@ -36,12 +35,6 @@ class FlashAttentionMetadata(AttentionMetadata):
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
-
-    def __init__(self, block_size: int):
-        refusal = flash_attn_refusal(block_size, None)  # the dtype is checked where it is known
-        if refusal:
-            raise ValueError(f"the flash-attn backend {refusal}")
-        super().__init__(block_size)
 
     def build_metadata(self, inp: ModelInput, device: torch.device) -> FlashAttentionMetadata:
         cu_seqlens_k = [0]

@@ -193,13 +193,18 @@ class TorchAttentionBackend(AttentionBackend):
 class TorchAttentionImpl(AttentionImpl):
     """Over caches of ``TorchAttentionBackend.kv_cache_shape``: [kv_heads, blocks, block_size, D]."""
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        # whether the CPU decode kernel takes this layer's shapes (the dtype is known per call)
+        self._kernel_shapes = CpuKernels.supports_attention(torch.float32, num_heads, num_kv_heads, head_dim)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
-        self._store(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
+        kernels = kernels_for(q, k, v, k_cache, v_cache, out)  # CPU, one supported dtype: the C kernels
+        self._store(k, v, k_cache, v_cache, meta, kernels)
         if meta.decode_seqs is not None:
-            kernels = self._decode_kernels(q, k_cache, out)
-            if kernels is not None:
+            if kernels is not None and self._kernel_shapes:
                 kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.decode_seqs,
                                      meta.decode_tokens, out, self.scale)
             else:
@@ -211,15 +216,8 @@ class TorchAttentionImpl(AttentionImpl):
             out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
         return out
 
-    def _decode_kernels(self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> CpuKernels | None:
-        """The CPU kernels when their decode attention serves this layer (CPU, dtype, shapes)."""
-        if not CpuKernels.supports_attention(q.dtype, self.num_heads, self.num_kv_heads, self.head_dim):
-            return None
-        return kernels_for(q, cache, out)
-
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: TorchAttentionMetadata) -> None:
-        kernels = kernels_for(k, v, k_cache, v_cache)
+               meta: TorchAttentionMetadata, kernels: CpuKernels | None) -> None:
         if kernels is not None:  # one pass over the tokens; slot -1 skipped there
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return

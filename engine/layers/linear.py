@@ -26,10 +26,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``; on the CPU, one row (a single stream's decode step) goes through the C kernel,
     which reads the weight at memory speed where torch's one-row bfloat16 matmul reads it at
     less than half of that (kernels/cpu_kernels.py ``small_linear``)."""
-    if x.dim() == 2 and x.shape[0] == 1:
-        tensors = (x, weight) if bias is None else (x, weight, bias)
-        if (kernels := kernels_for(*tensors)) is not None:
-            return kernels.small_linear(x, weight, bias)
+    if x.dim() == 2 and x.shape[0] == 1 and (kernels := kernels_for(x, weight, bias)) is not None:
+        return kernels.small_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

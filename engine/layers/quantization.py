@@ -35,7 +35,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for W = qweight * scales (row-wise)."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 1 and (kernels := kernels_for(rows, scales)) is not None:
+    if rows.shape[0] == 1 and (kernels := kernels_for(rows, scales, bias)) is not None:
         y = kernels.small_linear_int8(rows, qweight, scales, bias)  # one row: kernels/cpu_kernels.py
         return y.view(*x.shape[:-1], qweight.shape[0])
     if rows.shape[0] <= INT8_KERNEL_MAX_ROWS and x.device.type == "cpu":

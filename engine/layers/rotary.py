@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from kvserve.kernels.cpu_kernels import kernels_for
+from kvserve.kernels.cpu_kernels import MAX_HEAD_DIM, kernels_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -80,6 +80,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     On the CPU the kernel rotates ``x`` in place and returns it: pass a tensor you own (the
     models pass their fresh q|k projection)."""
-    if (kernels := kernels_for(x, cos, sin)) is not None:
+    if x.shape[-1] <= MAX_HEAD_DIM and (kernels := kernels_for(x, cos, sin)) is not None:
         return kernels.rotary_(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

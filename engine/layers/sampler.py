@@ -130,7 +130,7 @@ class Sampler:
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first largest logit; on the CPU by the vectorized kernel (kernels/cpu_kernels.py)."""
-    if logits.dim() == 2 and (kernels := kernels_for(logits)) is not None and logits.dtype == torch.float32:
+    if logits.dim() == 2 and logits.dtype == torch.float32 and (kernels := kernels_for(logits)) is not None:
         return kernels.argmax(logits)
     return logits.argmax(dim=-1)
 

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "common.h"
 
 #define MAX_HEAD_DIM 512
@@ -140,46 +142,43 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     for (int i = 0; i < num_decodes; ++i)
         max_ctx = seq_lens[seq_ids[i]] > max_ctx ? seq_lens[seq_ids[i]] : max_ctx;
     const int items = num_decodes * num_kv_heads;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    /* every thread's scratch in one allocation, made before the team starts: each thread reaches
+     * the worksharing loop, and a decode step allocates once per layer, not four times a thread */
+    const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
+    const size_t block_len = (size_t)block_size * head_dim, scores_len = (size_t)group * max_ctx;
+    const size_t per_thread = q_len + acc_len + block_len + scores_len;
+    const int threads = num_threads > 0 ? num_threads : 1;
+    float *scratch = malloc(sizeof(float) * per_thread * threads);
+    if (!scratch) return 2;
+#pragma omp parallel num_threads(threads)
     {
-        scratch_t w;
-        w.q = malloc(sizeof(float) * (size_t)group * head_dim);
-        w.acc = malloc(sizeof(float) * ((size_t)group * head_dim + group));
-        w.block = malloc(sizeof(float) * (size_t)block_size * head_dim);
-        w.scores = malloc(sizeof(float) * (size_t)group * max_ctx);
-        if (!w.q || !w.acc || !w.block || !w.scores) {
-            failed = 1;
-        } else {
+        float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
+        const scratch_t w = {mine, mine + q_len, mine + q_len + acc_len, mine + q_len + acc_len + block_len};
 #pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < items; ++item) {
-                const int i = item / num_kv_heads, kv_head = item % num_kv_heads;
-                const int seq = seq_ids[i], ctx = seq_lens[seq];
-                if (ctx <= 0) continue;
-                const int64_t token = tokens[i];
-                const int h0 = kv_head * group;
-                for (int j = 0; j < group; ++j) {
-                    const char *src = (const char *)q + (token * q_token_stride + (h0 + j) * q_head_stride) * elem;
-                    to_float(src, dtype, w.q + j * head_dim, head_dim);
-                    for (int d = 0; d < head_dim; ++d) w.q[j * head_dim + d] *= scale;
-                }
-                const int32_t *table = block_tables + (int64_t)seq * table_stride;
-                if (head_dim == 64)
-                    attend(&cache, table, ctx, kv_head, group, 64, &w);
-                else if (head_dim == 128)
-                    attend(&cache, table, ctx, kv_head, group, 128, &w);
-                else
-                    attend(&cache, table, ctx, kv_head, group, head_dim, &w);
-                for (int j = 0; j < group; ++j) {
-                    char *dst = (char *)out + (token * out_token_stride + (h0 + j) * out_head_stride) * elem;
-                    from_float(w.acc + j * head_dim, w.acc[group * head_dim + j], dtype, dst, head_dim);
-                }
+        for (int item = 0; item < items; ++item) {
+            const int i = item / num_kv_heads, kv_head = item % num_kv_heads;
+            const int seq = seq_ids[i], ctx = seq_lens[seq];
+            if (ctx <= 0) continue;
+            const int64_t token = tokens[i];
+            const int h0 = kv_head * group;
+            for (int j = 0; j < group; ++j) {
+                const char *src = (const char *)q + (token * q_token_stride + (h0 + j) * q_head_stride) * elem;
+                to_float(src, dtype, w.q + j * head_dim, head_dim);
+                for (int d = 0; d < head_dim; ++d) w.q[j * head_dim + d] *= scale;
+            }
+            const int32_t *table = block_tables + (int64_t)seq * table_stride;
+            if (head_dim == 64)
+                attend(&cache, table, ctx, kv_head, group, 64, &w);
+            else if (head_dim == 128)
+                attend(&cache, table, ctx, kv_head, group, 128, &w);
+            else
+                attend(&cache, table, ctx, kv_head, group, head_dim, &w);
+            for (int j = 0; j < group; ++j) {
+                char *dst = (char *)out + (token * out_token_stride + (h0 + j) * out_head_stride) * elem;
+                from_float(w.acc + j * head_dim, w.acc[group * head_dim + j], dtype, dst, head_dim);
             }
         }
-        free(w.q);
-        free(w.acc);
-        free(w.block);
-        free(w.scores);
     }
-    return failed ? 2 : 0;
+    free(scratch);
+    return 0;
 }

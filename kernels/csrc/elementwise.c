@@ -19,7 +19,8 @@
 
 #include "common.h"
 
-#define MAX_ROW 16384
+#define PIECE 1024       /* rows are converted to float this many elements at a time */
+#define MAX_HEAD_ROW 512 /* rotary: the longest head it rotates (the same limit as attention's) */
 #define PARALLEL_MIN_ELEMENTS (1 << 16) /* below this, one thread: waking others costs more */
 
 static inline const char *at(const void *base, int64_t index, int elem) {
@@ -27,49 +28,60 @@ static inline const char *at(const void *base, int64_t index, int elem) {
 }
 
 /* For r in rows (each [outer][inner] pair): with residual, residual[r] += x[r] and the norm is
- * taken of that sum; out[r] = sum / rms(sum) * weight. */
+ * taken of that sum; out[r] = sum / rms(sum) * weight. Rows of any width, in pieces of PIECE: the
+ * first pass forms the (rounded, stored) sum and its sum of squares, the second scales. */
 int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, int64_t res_outer,
              const void *weight, int weight_dtype, void *out, int64_t out_outer, int64_t out_inner,
              int outer, int inner, int width, float eps, int dtype, int num_threads) {
-    if (width > MAX_ROW || (residual != NULL && inner != 1)) return 1;
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    if (residual != NULL && inner != 1) return 1;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4, welem = weight_dtype == DTYPE_BF16 ? 2 : 4;
     const int rows = outer * inner;
-    float w[MAX_ROW];
-    to_float(weight, weight_dtype, w, width);
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= PARALLEL_MIN_ELEMENTS)
     for (int r = 0; r < rows; ++r) {
         const int o = r / inner, i = r % inner;
-        float row[MAX_ROW];
-        to_float(at(x, o * x_outer + i * x_inner, elem), dtype, row, width);
-        if (residual != NULL) {
-            float res[MAX_ROW];
-            void *res_row = (char *)residual + o * res_outer * elem;
-            to_float(res_row, dtype, res, width);
-            for (int d = 0; d < width; ++d) row[d] += res[d];
-            from_float(row, 1.f, dtype, res_row, width);
-            to_float(res_row, dtype, row, width); /* the rounded sum, as stored */
-        }
+        const char *src = at(x, o * x_outer + i * x_inner, elem);
+        char *res_row = residual != NULL ? (char *)residual + o * res_outer * elem : NULL;
+        const char *normed = res_row != NULL ? res_row : src; /* what the norm is taken of */
+        char *dst = (char *)out + (o * out_outer + i * out_inner) * elem;
+        float row[PIECE], other[PIECE];
         float ss = 0.f;
-        for (int d = 0; d < width; ++d) ss += row[d] * row[d];
+        for (int lo = 0; lo < width; lo += PIECE) {
+            const int n = width - lo < PIECE ? width - lo : PIECE;
+            to_float(src + (int64_t)lo * elem, dtype, row, n);
+            if (res_row != NULL) {
+                to_float(res_row + (int64_t)lo * elem, dtype, other, n);
+                for (int d = 0; d < n; ++d) row[d] += other[d];
+                from_float(row, 1.f, dtype, res_row + (int64_t)lo * elem, n);
+                to_float(res_row + (int64_t)lo * elem, dtype, row, n); /* the rounded sum, as stored */
+            }
+            for (int d = 0; d < n; ++d) ss += row[d] * row[d];
+        }
         const float inv = 1.f / sqrtf(ss / width + eps);
-        for (int d = 0; d < width; ++d) row[d] *= inv * w[d];
-        from_float(row, 1.f, dtype, (char *)out + (o * out_outer + i * out_inner) * elem, width);
+        for (int lo = 0; lo < width; lo += PIECE) {
+            const int n = width - lo < PIECE ? width - lo : PIECE;
+            to_float(normed + (int64_t)lo * elem, dtype, row, n);
+            to_float(at(weight, lo, welem), weight_dtype, other, n);
+            for (int d = 0; d < n; ++d) row[d] *= inv * other[d];
+            from_float(row, 1.f, dtype, dst + (int64_t)lo * elem, n);
+        }
     }
     return 0;
 }
 
-/* out[r] = silu(x[r, :width]) * x[r, width:] */
+/* out[r] = silu(x[r, :width]) * x[r, width:], for any width, in pieces of PIECE */
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,
                  int dtype, int num_threads) {
-    if (width > MAX_ROW) return 1;
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= PARALLEL_MIN_ELEMENTS)
     for (int r = 0; r < rows; ++r) {
-        float gate[MAX_ROW], up[MAX_ROW];
-        to_float(at(x, r * x_stride, elem), dtype, gate, width);
-        to_float(at(x, r * x_stride + width, elem), dtype, up, width);
-        for (int d = 0; d < width; ++d) gate[d] = gate[d] / (1.f + fast_exp(-gate[d])) * up[d];
-        from_float(gate, 1.f, dtype, (char *)out + r * out_stride * elem, width);
+        for (int lo = 0; lo < width; lo += PIECE) {
+            const int n = width - lo < PIECE ? width - lo : PIECE;
+            float gate[PIECE], up[PIECE];
+            to_float(at(x, r * x_stride + lo, elem), dtype, gate, n);
+            to_float(at(x, r * x_stride + width + lo, elem), dtype, up, n);
+            for (int d = 0; d < n; ++d) gate[d] = gate[d] / (1.f + fast_exp(-gate[d])) * up[d];
+            from_float(gate, 1.f, dtype, (char *)out + (r * out_stride + lo) * elem, n);
+        }
     }
     return 0;
 }
@@ -79,11 +91,11 @@ int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride,
  * keeps them): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. */
 int rotary(void *x, int64_t x_token, int64_t x_head, int tokens, int heads, int width, const void *cos,
            const void *sin, int64_t cs_stride, int dtype, int num_threads) {
-    if (width > MAX_ROW || width % 2) return 1;
+    if (width > MAX_HEAD_ROW || width % 2) return 1;
     const int elem = dtype == DTYPE_BF16 ? 2 : 4, half = width / 2;
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)tokens * heads * width >= PARALLEL_MIN_ELEMENTS)
     for (int t = 0; t < tokens; ++t) {
-        float c[MAX_ROW], s[MAX_ROW], row[MAX_ROW], rotated[MAX_ROW];
+        float c[MAX_HEAD_ROW], s[MAX_HEAD_ROW], row[MAX_HEAD_ROW], rotated[MAX_HEAD_ROW];
         to_float(at(cos, t * cs_stride, elem), dtype, c, width);
         to_float(at(sin, t * cs_stride, elem), dtype, s, width);
         for (int h = 0; h < heads; ++h) {
@@ -166,41 +178,62 @@ int argmax_rows(const float *x, int64_t stride, int rows, int width, int64_t *ou
  * SMALL_ROWS of them, as floats). x, w, y, bias share the element type; w rows contiguous. */
 #define SMALL_ROWS 8
 #define K_PIECE 512
-int small_linear(const void *x, int64_t x_stride, const void *w, int64_t w_stride, const void *bias,
-                 void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype, int num_threads) {
+
+/* The body of small_linear and small_linear_int8: the weight is of x's type (int8 = 0) or int8
+ * with one scale per row, in x's type (int8 = 1). */
+static inline __attribute__((always_inline)) int linear_rows(
+        const void *x, int64_t x_stride, const void *w, int64_t w_stride, int int8, const void *scales,
+        const void *bias, void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype, int num_threads) {
     if (rows > SMALL_ROWS || rows < 1) return 1;
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4, welem = int8 ? 1 : elem;
     float *xf = malloc(sizeof(float) * (size_t)rows * k_in);
     if (!xf) return 2;
     for (int m = 0; m < rows; ++m) to_float(at(x, m * x_stride, elem), dtype, xf + (size_t)m * k_in, k_in);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-            for (int n = 0; n < n_out; ++n) {
-                float acc[SMALL_ROWS] = {0};
-                const char *wrow = (const char *)w + (int64_t)n * w_stride * elem;
-                if (n + 1 < n_out) __builtin_prefetch(wrow + w_stride * elem, 0, 1);
-                for (int k0 = 0; k0 < k_in; k0 += K_PIECE) {
-                    const int len = k_in - k0 < K_PIECE ? k_in - k0 : K_PIECE;
-                    float wf[K_PIECE];
-                    to_float(wrow + (int64_t)k0 * elem, dtype, wf, len);
-                    for (int m = 0; m < rows; ++m) {
-                        const float *restrict xm = xf + (size_t)m * k_in + k0;
-                        float s = 0.f;
-                        for (int k = 0; k < len; ++k) s += xm[k] * wf[k];
-                        acc[m] += s;
-                    }
-                }
-                for (int m = 0; m < rows; ++m) {
-                    float v = acc[m];
-                    if (bias != NULL) {
-                        float b;
-                        to_float(at(bias, n, elem), dtype, &b, 1);
-                        v += b;
-                    }
-                    from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * y_stride + n) * elem, 1);
-                }
+    for (int n = 0; n < n_out; ++n) {
+        float acc[SMALL_ROWS] = {0};
+        const char *wrow = (const char *)w + (int64_t)n * w_stride * welem;
+        if (n + 1 < n_out) __builtin_prefetch(wrow + w_stride * welem, 0, 1);
+        for (int k0 = 0; k0 < k_in; k0 += K_PIECE) {
+            const int len = k_in - k0 < K_PIECE ? k_in - k0 : K_PIECE;
+            float wf[K_PIECE];
+            if (int8)
+                for (int k = 0; k < len; ++k) wf[k] = (float)((const int8_t *)wrow)[k0 + k];
+            else
+                to_float(wrow + (int64_t)k0 * welem, dtype, wf, len);
+            for (int m = 0; m < rows; ++m) {
+                const float *restrict xm = xf + (size_t)m * k_in + k0;
+                float s = 0.f;
+                for (int k = 0; k < len; ++k) s += xm[k] * wf[k];
+                acc[m] += s;
             }
+        }
+        float scale = 1.f, b = 0.f;
+        if (int8) to_float(at(scales, n, elem), dtype, &scale, 1);
+        if (bias != NULL) to_float(at(bias, n, elem), dtype, &b, 1);
+        for (int m = 0; m < rows; ++m) {
+            const float v = acc[m] * scale + b;
+            from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * y_stride + n) * elem, 1);
+        }
+    }
     free(xf);
     return 0;
+}
+
+int small_linear(const void *x, int64_t x_stride, const void *w, int64_t w_stride, const void *bias,
+                 void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype, int num_threads) {
+    return linear_rows(x, x_stride, w, w_stride, 0, NULL, bias, y, y_stride, rows, n_out, k_in, dtype,
+                       num_threads);
+}
+
+/* small_linear with an int8 weight and one scale per output row (weight-only int8):
+ * y[m][n] = scale[n] * (x[m] . q[n]) (+ bias[n]). Reads one byte per weight. x, scales, bias, y
+ * share the element type. */
+int small_linear_int8(const void *x, int64_t x_stride, const int8_t *q, int64_t q_stride, const void *scales,
+                      const void *bias, void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype,
+                      int num_threads) {
+    return linear_rows(x, x_stride, q, q_stride, 1, scales, bias, y, y_stride, rows, n_out, k_in, dtype,
+                       num_threads);
 }
 
 /* The sampler's draw, in place over float32 logits: per row, p_i = exp(x_i - max) (masked -inf
@@ -261,41 +294,3 @@ int inverse_cdf_draw(float *logits, int64_t stride, int rows, int width, const f
     return 0;
 }
 
-/* small_linear with an int8 weight and one scale per output row (weight-only int8):
- * y[m][n] = scale[n] * (x[m] . q[n]) (+ bias[n]). Reads one byte per weight. x, scales, bias, y
- * share the element type. */
-int small_linear_int8(const void *x, int64_t x_stride, const int8_t *q, int64_t q_stride, const void *scales,
-                      const void *bias, void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype,
-                      int num_threads) {
-    if (rows > SMALL_ROWS || rows < 1) return 1;
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
-    float *xf = malloc(sizeof(float) * (size_t)rows * k_in);
-    if (!xf) return 2;
-    for (int m = 0; m < rows; ++m) to_float(at(x, m * x_stride, elem), dtype, xf + (size_t)m * k_in, k_in);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int n = 0; n < n_out; ++n) {
-        float acc[SMALL_ROWS] = {0};
-        const int8_t *qrow = q + (int64_t)n * q_stride;
-        if (n + 1 < n_out) __builtin_prefetch(qrow + q_stride, 0, 1);
-        for (int k0 = 0; k0 < k_in; k0 += K_PIECE) {
-            const int len = k_in - k0 < K_PIECE ? k_in - k0 : K_PIECE;
-            float wf[K_PIECE];
-            for (int k = 0; k < len; ++k) wf[k] = (float)qrow[k0 + k];
-            for (int m = 0; m < rows; ++m) {
-                const float *restrict xm = xf + (size_t)m * k_in + k0;
-                float s = 0.f;
-                for (int k = 0; k < len; ++k) s += xm[k] * wf[k];
-                acc[m] += s;
-            }
-        }
-        float scale, b = 0.f;
-        to_float(at(scales, n, elem), dtype, &scale, 1);
-        if (bias != NULL) to_float(at(bias, n, elem), dtype, &b, 1);
-        for (int m = 0; m < rows; ++m) {
-            const float v = acc[m] * scale + b;
-            from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * y_stride + n) * elem, 1);
-        }
-    }
-    free(xf);
-    return 0;
-}
