@@ -63,7 +63,6 @@ class AsyncEngine:
             raise ValueError(f"step_timeout must be > 0 s, got {step_timeout}")
         self.config = config
         self.max_queue = max_queue
-        self.step_timeout = step_timeout
         self._on_state = on_state
         self._state = EngineState.LOADING
         self._error: str | None = None
@@ -126,13 +125,13 @@ class AsyncEngine:
             return 0
         except asyncio.TimeoutError:
             pass
-        left = len(self._live)
         reason = EngineUnavailable(
             f"server is shutting down: request aborted after the {timeout:g} s drain timeout"
         )
-        for key in self._fail_streams(reason):
+        keys = self._fail_streams(reason)
+        for key in keys:
             self._core.abort(key)
-        return left
+        return len(keys)
 
     async def shutdown(self) -> None:
         """Fail what is still in flight, stop the core (killing what does not stop), release

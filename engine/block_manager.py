@@ -153,8 +153,7 @@ class BlockManager:
 
     def missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks ``seq`` lacks for its next ``num_new_tokens`` tokens."""
-        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
-        return max(0, needed - len(seq.block_table))
+        return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
 
     def take_blocks(self, seq: Sequence, count: int) -> None:
         """Append ``count`` free blocks to ``seq``'s table (``missing_blocks`` says how many)."""

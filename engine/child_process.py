@@ -53,8 +53,11 @@ class Child:
             self.popen.kill()
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.sentinel)
+        """Release the pidfd (once; the process must be reaped or of no more interest)."""
+        if self.sentinel is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.sentinel)
+            self.sentinel = None
 
 
 class Lifeline:

@@ -26,7 +26,7 @@ import zmq
 
 from kvserve.engine.child_process import watch_lifeline
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.ipc import HEARTBEAT_S, Codec, Failed, Ready, Rejected, Reply, StepDone, ToCore
+from kvserve.engine.ipc import CALLS, HEARTBEAT_S, Codec, Failed, Ready, Rejected, Reply, StepDone, ToCore
 from kvserve.service.logs import configure_logging, inherited_log_format
 
 log = logging.getLogger("kvserve.engine.core")
@@ -87,11 +87,9 @@ class EngineCore:
         self._stop = self._stop or batch.shutdown
 
     def _call(self, name: str) -> dict:
-        if name == "stats":
-            return self.engine.stats()
-        if name == "model_info":
-            return self.engine.model_info()
-        raise ValueError(f"unknown engine-core call {name!r}")
+        if name not in CALLS:
+            raise ValueError(f"unknown engine-core call {name!r}; known: {list(CALLS)}")
+        return getattr(self.engine, name)()
 
     def _send_step(self, outputs) -> None:
         msg = StepDone(self._acked, self.engine.num_waiting(), outputs, self._rejected, self._replies)
@@ -115,7 +113,7 @@ def run_core(config: EngineConfig, inbox_addr: str, outbox_addr: str) -> int:
 
         engine = LLMEngine(config, detokenize=False)  # the front-end detokenizes
         outbox.send(codec.encode(Ready(engine.model_name, engine.vocab_size, engine.config.max_model_len,
-                                       engine.config, os.getpid())))
+                                       engine.config)))
         EngineCore(engine, inbox, outbox).run()
         return 0
     except BaseException as e:  # noqa: BLE001 - reported to the front-end, then the process ends

@@ -319,6 +319,7 @@ def _release(workers: WorkerProcesses, sender: tpd.Sender | None, doorbells: lis
     """After shutdown, or as a last resort (garbage collection or interpreter exit): no orphans,
     no leftover segment, no open doorbell."""
     workers.reap(grace_s=0)
+    workers.close()
     if sender is not None:
         sender.close()
     for doorbell in doorbells:

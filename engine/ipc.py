@@ -54,7 +54,6 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int
     max_model_len: int
     config: EngineConfig  # as resolved by the core (max_model_len filled in)
-    pid: int
 
 
 class Rejected(msgspec.Struct, array_like=True):

@@ -9,9 +9,10 @@ process, the service's engine thread under gRPC). ``add_request`` validates at t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.config import EngineConfig, resolve_max_model_len
@@ -46,7 +47,6 @@ class _Request:
     request_id: str
     choices: list[_Choice]
     unfinished: int = 0  # choices that have not finished yet
-    to_fork: list[Sequence] = field(default_factory=list)  # choices 1..n-1 until choice 0's prefill
     text: RequestText | None = None  # the detokenizers, when this engine detokenizes
 
     @property
@@ -82,7 +82,6 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
-        self.prompts = PromptEncoder(self.tokenizer, self.vocab_size, config.max_model_len)
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # which row of the runners' persistent block table each running sequence has
         self.block_tables = BlockTableWriter(
@@ -99,6 +98,11 @@ class LLMEngine:
         )
 
     # ---- requests in ---------------------------------------------------------------------
+    @functools.cached_property
+    def prompts(self) -> PromptEncoder:
+        """Checks and tokenizes prompts; made at first use (the engine core gets ids already checked)."""
+        return PromptEncoder(self.tokenizer, self.vocab_size, self.config.max_model_len)
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return self.prompts.encode(prompt)
 
@@ -132,7 +136,7 @@ class LLMEngine:
         self.scheduler.check_fits(seqs[0])  # raises when it could never fit
         choices = [_Choice(seq, i) for i, seq in enumerate(seqs)]
         text = RequestText(self.tokenizer, ids, params) if self.detokenize else None
-        req = _Request(request_id, choices, unfinished=len(choices), to_fork=seqs[1:], text=text)
+        req = _Request(request_id, choices, unfinished=len(choices), text=text)
         self.requests[request_id] = req
         self._choices.update((c.seq.seq_id, c) for c in choices)
         if constraint is None:
@@ -143,8 +147,8 @@ class LLMEngine:
 
     def _schedule(self, req: _Request) -> None:
         """Hand choice 0 to the scheduler; the other choices fork from it after its prefill."""
-        if req.to_fork:
-            self._forks[req.seq.seq_id] = req.to_fork
+        if len(req.choices) > 1:  # choices 1..n-1 fork from choice 0 after its prefill
+            self._forks[req.seq.seq_id] = [c.seq for c in req.choices[1:]]
         self.scheduler.add(req.seq)
 
     def _admit_compiled(self) -> None:

@@ -58,18 +58,11 @@ class ModelInput:
     def to_bytes(self) -> bytes:
         """JSON for a worker: with ``seq_rows`` the block tables travel as updates only."""
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "block_table_array"}
-        if self.seq_rows:
-            data["block_tables"] = []
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ModelInput:
         return cls(**json.loads(data))
-
-
-def block_table_width(max_model_len: int, block_size: int) -> int:
-    """Columns a block table needs for a sequence of ``max_model_len`` tokens."""
-    return -(-max_model_len // block_size)
 
 
 class BlockTableWriter:
@@ -130,9 +123,12 @@ class BlockTableArray:
         return tables
 
 
-def blocks_for(num_tokens: np.ndarray, block_size: int) -> np.ndarray:
-    """Blocks holding ``num_tokens`` tokens, elementwise."""
+def blocks_for(num_tokens, block_size: int):
+    """Blocks holding ``num_tokens`` tokens (an int, or a numpy array elementwise)."""
     return -(-num_tokens // block_size)
+
+
+block_table_width = blocks_for  # columns a block table needs for a sequence of that many tokens
 
 
 def pad_block_tables(tables: list[list[int]]) -> np.ndarray:

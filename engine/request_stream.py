@@ -37,25 +37,24 @@ class RequestStream:
         self._pending: list[RequestOutput] = []
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
-        self._finished = False  # the finished output has been pushed
         self._done = False  # ... and read
         self._closed = False
 
     def push(self, out: RequestOutput) -> None:
         self._pending.append(out)
         self._unfinished -= out.finished
-        self._finished = self._unfinished == 0
         self._wake()
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (after the outputs that already arrived)."""
-        if self._error is None and not self._finished:
+        if self._error is None and not self.finished:
             self._error = error
             self._wake()
 
     @property
     def finished(self) -> bool:
-        return self._finished
+        """The finished output of every choice has been pushed."""
+        return self._unfinished == 0
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -82,14 +81,14 @@ class RequestStream:
         index = self._pending[0].index
         out = coalesce([o for o in self._pending if o.index == index])
         self._pending = [o for o in self._pending if o.index != index]
-        if self._finished and not self._pending:
+        if self.finished and not self._pending:
             self._done = True
         return out
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._on_close(self.key, self._finished)
+            self._on_close(self.key, self.finished)
 
     async def __aenter__(self) -> RequestStream:
         return self

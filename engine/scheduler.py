@@ -60,6 +60,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # the most tokens a sequence may reach: max_model_len, and no more than the whole KV cache
+        self.max_seq_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is the preemption victim
@@ -75,15 +77,16 @@ class Scheduler:
         than the whole KV cache holds (a sequence larger than the cache could never run)."""
         if seq.params.max_tokens is not None:
             return seq.params.max_tokens
-        return min(self.max_model_len, self.bm.num_blocks * self.bm.block_size) - seq.num_prompt_tokens
+        return self.max_seq_len - seq.num_prompt_tokens
 
     def check_fits(self, seq: Sequence) -> None:
         """Refuse a request that could never run, rather than let it wait forever."""
-        if seq.params.max_tokens is None and self.max_new_tokens(seq) < 1:
-            room = min(self.max_model_len, self.bm.num_blocks * self.bm.block_size)
+        new = self.max_new_tokens(seq)
+        if seq.params.max_tokens is None and new < 1:
             raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) leaves no room for a completion: "
-                             f"max_model_len ({self.max_model_len}) and the KV cache allow {room} tokens")
-        total = seq.num_prompt_tokens + self.max_new_tokens(seq)
+                             f"max_model_len ({self.max_model_len}) and the KV cache allow "
+                             f"{self.max_seq_len} tokens")
+        total = seq.num_prompt_tokens + new
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {total} "
@@ -211,7 +214,7 @@ class Scheduler:
             (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
         ):
             return FinishReason.STOP
-        limit = p.max_tokens if p.max_tokens is not None else self.max_new_tokens(seq)
+        limit = self.max_new_tokens(seq)
         if completion >= limit or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

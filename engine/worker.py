@@ -120,7 +120,11 @@ def run_node(node_rank: int, master_addr: str, master_port: int, model: str | No
     per_node = config.tensor_parallel_size // config.nnodes
     first = node_rank * per_node
     specs = [WorkerSpec(first + i, i, master_addr, master_port, "dist", model=model) for i in range(per_node)]
-    return WorkerProcesses.spawn(specs, [], store).wait_all()
+    workers = WorkerProcesses.spawn(specs, [], store)
+    try:
+        return workers.wait_all()
+    finally:
+        workers.close()
 
 
 class WorkerProcesses:
@@ -210,6 +214,11 @@ class WorkerProcesses:
             for proc in alive:
                 proc.join(2.0)
         self._lifeline.close()
+
+    def close(self) -> None:
+        """Release the processes' pidfds; after ``reap`` (or ``wait_all``), once nobody waits on them."""
+        for proc in self._procs.values():
+            proc.close()
 
     def wait_all(self) -> int:
         """Wait for every worker; when one fails, stop the others. 0 if all exited cleanly, else
