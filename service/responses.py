@@ -80,10 +80,6 @@ class CompletionBuilder:
         self._text: list[list[str]] = [[] for _ in range(n)]
         self._times: list[SequenceTimes | None] = [None] * n  # each choice's, once finished
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self._choices)
-
     def add(self, out: RequestOutput) -> None:
         choice = self._choices[out.index]
         self._text[out.index].append(out.new_text)

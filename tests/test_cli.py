@@ -44,8 +44,9 @@ def test_a_wrong_flag_shows_the_subcommands_usage():
 
 def test_every_engine_option_has_a_help_text():
     assert [f.name for f in dataclasses.fields(EngineConfig) if f.name not in HELP] == []
-    serve_help = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
-    assert "engine option" not in serve_help
+    serve_help = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+    assert all(" ".join(HELP[f.name].split()).replace("%%", "%") in serve_help
+               for f in dataclasses.fields(EngineConfig))
 
 
 def test_ctrl_c_in_chat_exits_quietly():

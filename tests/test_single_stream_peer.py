@@ -56,11 +56,11 @@ def test_llamacpp_script_rejects_a_bad_request_naming_the_field(default_source):
 
 def test_peer_requests_are_the_kvserve_workload():
     args = SimpleNamespace(num_requests=3, new_tokens=5, seed=7)
-    prompts, outputs = make_requests(3, (32, 128), (5, 5), 7, vocab=10000)
-    requests = single_stream.peer_requests(*single_stream.workload(args, vocab_size=49152))
+    prompts, outputs = single_stream.workload(args, vocab_size=49152)
+    assert outputs == [5, 5, 5] and len(prompts) == 3
+    assert prompts == make_requests(3, (32, 128), (5, 5), 7, vocab=10000)[0]  # the same prompt ids
+    requests = single_stream.peer_requests(prompts, outputs)
     assert requests == {"requests": [{"prompt": p, "max_tokens": 5} for p in prompts]}
-    assert outputs == [5, 5, 5]
-    assert json.loads(json.dumps(requests)) == requests
 
 
 def test_ratio_and_agreement_against_the_peer():
