@@ -25,7 +25,10 @@ share is mostly one argmax over [256, vocab] logits: a kernel, device work on a 
 
 ``--compete N`` then times the decode steps again with N busy processes (a pure-Python loop
 each) running beside the engine: on a shared CPU a step should slow down no more than in
-proportion to the CPU they take.
+proportion to the CPU they take. What they take is measured (their scheduled CPU time from
+``/proc/PID/schedstat`` over each timed round): with ``c`` CPUs and ``b`` CPUs' worth taken, a
+step that uses every CPU alone is left ``c - b`` of them, so the proportional slowdown is
+``c / (c - b)``. The fair-share figure ``(threads + N) / threads`` is printed beside it.
 
     python -m kvserve.benchmarks.profile_step [--batch 48] [--context 300] [--temperature 0.6] [--rounds 4]
         [--torch-profile] [--json out.json]
@@ -46,6 +49,7 @@ import torch
 from kvserve.benchmarks.ceiling import MatmulCeiling
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.loader import load_hf_config
+from kvserve.engine.threads import available_cpus
 
 
 class _Timed:
@@ -156,11 +160,21 @@ def profile_host(llm: LLM, args) -> dict:
             "forward_cpu_ms": forward_ms, "stages_ms": split}
 
 
-def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None) -> dict:
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` have been scheduled for (nanosecond resolution)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
+
+
+def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None, busy_pids: list[int] = ()) -> dict:
     """Decode steps timed in ``args.rounds`` rounds of ``args.steps``, each round followed by the
     matmul-only time of the same batch (unless ``ceiling`` is None): on a shared machine both see
     the same load, and the figures kept are each one's fastest round (as ``best_time`` keeps the
-    fastest run)."""
+    fastest run). With ``busy_pids``, each round also records the CPUs' worth those processes took
+    while it ran; the figure kept is the fastest round's."""
     eng = llm.engine
     max_tokens = args.rounds * args.steps + 8
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
@@ -173,18 +187,25 @@ def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None) -> dict:
         with profiler:
             for _ in range(args.rounds):
                 forward.seconds = sampler.seconds = 0.0
+                busy0, own0 = _cpu_seconds(busy_pids), time.process_time()
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     eng.step()
-                step_s = (time.perf_counter() - t0) / args.steps
+                wall_s = time.perf_counter() - t0
+                own_cpus = (time.process_time() - own0) / wall_s
+                busy_cpus = (_cpu_seconds(busy_pids) - busy0) / wall_s
                 matmul_s = ceiling.measure_decode_step(args.batch) if ceiling is not None else float("nan")
-                rounds.append((step_s, forward.seconds / args.steps, sampler.seconds / args.steps, matmul_s))
+                per_step = 1 / args.steps
+                rounds.append((wall_s * per_step, forward.seconds * per_step, sampler.seconds * per_step,
+                               matmul_s, busy_cpus, own_cpus))
     _abort_all(eng)
     _print_profile(profiler, args)
-    step_s, forward_s, sampler_s, _ = min(rounds)
+    step_s, forward_s, sampler_s, _, busy_cpus, own_cpus = min(rounds)
     matmul_s = min(r[3] for r in rounds)
     return {"batch": args.batch, "context": args.context, "step_ms": step_s * 1e3,
             "forward_ms": forward_s * 1e3, "sampler_ms": sampler_s * 1e3, "matmul_ms": matmul_s * 1e3,
+            "cpus_used": own_cpus, "busy_cpus": busy_cpus,
+            "rounds_busy_cpus": [round(r[4], 3) for r in rounds],
             "rounds_step_ms": [round(r[0] * 1e3, 2) for r in rounds],
             "rounds_matmul_ms": [round(r[3] * 1e3, 2) for r in rounds]}
 
@@ -211,11 +232,11 @@ def profile_prefill(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
 
 @contextlib.contextmanager
 def busy_processes(n: int):
-    """``n`` processes that each keep one CPU busy until the block ends."""
+    """``n`` processes that each keep one CPU busy until the block ends; yields their pids."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
         time.sleep(0.5)  # let them start spinning
-        yield
+        yield [p.pid for p in procs]
     finally:
         for p in procs:
             p.kill()
@@ -278,9 +299,15 @@ def main(argv=None) -> dict:
         prefill = profile_prefill(llm, args, ceiling)
         if args.compete:
             args.torch_profile = False
-            with busy_processes(args.compete):
-                decode["step_ms_beside_busy"] = profile_decode(llm, args, None)["step_ms"]
+            with busy_processes(args.compete) as pids:
+                beside = profile_decode(llm, args, None, pids)
+            decode["step_ms_beside_busy"] = beside["step_ms"]
+            decode["rounds_step_ms_beside_busy"] = beside["rounds_step_ms"]
             decode["busy_processes"] = args.compete
+            decode["busy_cpus"] = beside["busy_cpus"]
+            decode["cpus_used_beside_busy"] = beside["cpus_used"]
+            decode["rounds_busy_cpus"] = beside["rounds_busy_cpus"]
+            decode["cpus"] = available_cpus()
     finally:
         llm.shutdown()
     decode["step_over_matmul"] = decode["step_ms"] / decode["matmul_ms"]
@@ -319,10 +346,17 @@ def _print_result(r: dict) -> None:
           f"(forward {d['forward_ms']:.1f} ms, sampler {d['sampler_ms']:.1f} ms = {d['sampler_share']:.0%}); "
           f"matmul-only {d['matmul_ms']:.1f} ms; step / matmul = {d['step_over_matmul']:.2f}x")
     if "step_ms_beside_busy" in d:
-        n, threads = d["busy_processes"], r["threads"]
+        n, threads, cpus, taken = d["busy_processes"], r["threads"], d["cpus"], d["busy_cpus"]
+        used, used_beside = d["cpus_used"], d["cpus_used_beside_busy"]
+        left = cpus - taken
+        proportional = used / min(used, left) if left > 0 else float("inf")
         print(f"decode step beside {n} busy process(es): {d['step_ms_beside_busy']:.1f} ms = "
-              f"{d['step_ms_beside_busy'] / d['step_ms']:.2f}x alone (in proportion to the CPU they take: "
-              f"{(threads + n) / threads:.2f}x)")
+              f"{d['step_ms_beside_busy'] / d['step_ms']:.2f}x alone. Alone the engine kept {used:.2f} "
+              f"CPUs busy ({used * d['step_ms']:.0f} CPU-ms per step); they took {taken:.2f} of {cpus}, "
+              f"leaving {left:.2f}, so in proportion to the CPU taken: {proportional:.2f}x. Beside them "
+              f"the engine used {used_beside:.2f} CPUs ({used_beside * d['step_ms_beside_busy']:.0f} "
+              f"CPU-ms per step); a fair share among {threads + n} threads would be "
+              f"{(threads + n) / threads:.2f}x")
     print(f"prefill, chunks of {p['token_budget']} tokens: {p['tokens_per_s']:.0f} tokens/s; "
           f"matmul rate {p['matmul_tokens_per_s']:.0f} tokens/s; {p['share_of_matmul_rate']:.0%} of it")
 

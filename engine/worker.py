@@ -39,6 +39,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel import ParallelContext
+from kvserve.engine.threads import intra_op_threads
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,8 @@ def _serve(runner: ModelRunner, receiver: tpd.Receiver) -> None:
 def pin_device(config: EngineConfig, local_rank: int, local_world: int) -> None:
     if config.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
-    else:  # the ranks of one machine share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    else:  # the ranks of one machine share the CPUs it may use (affinity, cgroup quota)
+        torch.set_num_threads(intra_op_threads(config.threads, local_world))
 
 
 # ---- further machines ---------------------------------------------------------------------------
