@@ -33,16 +33,21 @@ def reference(q, k_cache, v_cache, tables, lens, seq_ids, tokens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 96), (6, 1, 32)])
-def test_kernel_matches_a_float64_reference(dtype, heads, kv_heads, head_dim):
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [
+    (9, 3, 64, 16), (4, 4, 128, 16), (16, 2, 128, 16),  # the AVX-512 path: head dims 64/128, groups <= 8
+    (9, 3, 64, 8), (9, 3, 64, 32),  # blocks of half and two of its 16-key groups
+    (8, 2, 96, 16), (6, 1, 32, 16), (10, 1, 64, 16),  # the portable path: other head dims, a group of 10
+])
+def test_kernel_matches_a_float64_reference(dtype, heads, kv_heads, head_dim, block_size):
     """Contexts of 1 token, exactly one block, a partial last block and many blocks; blocks in
     random order; rows of q that are not decodes are left as they were."""
-    gen = torch.Generator().manual_seed(heads * head_dim)
-    block_size, num_blocks = 16, 64
+    gen = torch.Generator().manual_seed(heads * head_dim + block_size)
+    num_blocks = 64 * 16 // block_size
     k_cache, v_cache = (torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
                         for _ in range(2))
     lens = torch.tensor([1, 16, 33, 250, 7], dtype=torch.int32)
-    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:16] for _ in lens]).to(torch.int32)
+    per_seq = num_blocks // 4
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:per_seq] for _ in lens]).to(torch.int32)
     q = torch.randn(7, heads, head_dim, generator=gen).to(dtype)
     seq_ids = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     tokens = torch.tensor([6, 1, 3, 0], dtype=torch.int32)
@@ -55,12 +60,13 @@ def test_kernel_matches_a_float64_reference(dtype, heads, kv_heads, head_dim):
     assert torch.all(out[[2, 4, 5]] == 7.0)
 
 
-def test_one_token_context_returns_its_value():
-    """Softmax over a single key is 1: the output is that value, exactly."""
-    k_cache = torch.randn(2, 4, 8, 16)
-    v_cache = torch.randn(2, 4, 8, 16)
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_one_token_context_returns_its_value(head_dim):
+    """Softmax over a single key is 1: the output is that value, exactly (both paths)."""
+    k_cache = torch.randn(2, 4, 8, head_dim)
+    v_cache = torch.randn(2, 4, 8, head_dim)
     tables = torch.tensor([[3]], dtype=torch.int32)
-    q = torch.randn(1, 4, 16)
+    q = torch.randn(1, 4, head_dim)
     out = torch.empty_like(q)
     one = torch.tensor([0], dtype=torch.int32)
     lens = torch.tensor([1], dtype=torch.int32)

@@ -8,6 +8,12 @@
  * nothing multiplied that does not belong together. Items run in parallel on OpenMP threads (the
  * runtime torch has already loaded: the same libgomp.so.1).
  *
+ * Where the compiler targets AVX-512 (-march=native on such a CPU), head dims 64 and 128 with up
+ * to 8 query heads per KV head take attend_fast: 16 keys' scores per vector (no horizontal sum
+ * per key), bfloat16 keys dotted as stored with AVX512-BF16, the running maximum kept as the
+ * scores come out, and each value row converted once for all the group's heads, whose
+ * accumulators stay in registers. Everything else takes the portable attend().
+ *
  * Element types: float32 and bfloat16 (DTYPE_* below); all arithmetic is in float32.
  * Built and loaded by kernels/cpu_kernels.py.
  */
@@ -123,6 +129,193 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
+/* The portable path for any head dim: the query rows as scaled floats, then attend(). */
+static void attend_any(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
+                       int64_t q_head_bytes, float scale, int group, int head_dim, const scratch_t *w) {
+    for (int j = 0; j < group; ++j) {
+        to_float(q + j * q_head_bytes, c->dtype, w->q + j * head_dim, head_dim);
+        for (int d = 0; d < head_dim; ++d) w->q[j * head_dim + d] *= scale;
+    }
+    if (head_dim == 64)
+        attend(c, table, ctx, kv_head, group, 64, w);
+    else if (head_dim == 128)
+        attend(c, table, ctx, kv_head, group, 128, w);
+    else
+        attend(c, table, ctx, kv_head, group, head_dim, w);
+}
+
+#if defined(__AVX512F__)
+/* The AVX-512 path for head dims 64 and 128 and up to 8 query heads per KV head (every model
+ * here): the scores of 16 keys come out of one vector instead of one horizontal sum per key, the
+ * keys are dotted in bfloat16 pairs where the CPU has AVX512-BF16 (no conversion: products of
+ * bfloat16 values are exact in float32), and the values are converted once per row and
+ * accumulated into every query head's registers at once. */
+#include <immintrin.h>
+#include <math.h> /* INFINITY */
+
+#define FAST_KEYS 16
+
+/* r[i] = the sum of v[i]'s 16 lanes: pairs interleaved and added, then 64-bit halves, then
+ * 128-bit lanes twice (15 adds and 30 shuffles for 16 sums). */
+static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; ++i)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; ++i)
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+/* 16 elements at p (DTYPE_*) as floats */
+static inline __m512 load16(const char *p, int dtype) {
+    if (dtype == DTYPE_BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* The lane-wise partial products of one key row at k with a query (floats qf, or bfloat16 pairs
+ * qh where the CPU dots them directly): summing the lanes gives the score. */
+#if defined(__AVX512BF16__)
+#define QH(j) qh[j]
+static inline __attribute__((always_inline)) __m512 dot_key(const char *k, const __m512 *qf, const __m512bh *qh,
+                                                            int dtype, const int D) {
+    __m512 s = _mm512_setzero_ps();
+    if (dtype == DTYPE_BF16) {
+        for (int v = 0; v < D / 32; ++v) s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(k + v * 64), qh[v]);
+        return s;
+    }
+#else
+#define QH(j) NULL
+static inline __attribute__((always_inline)) __m512 dot_key(const char *k, const __m512 *qf, const void *qh,
+                                                            int dtype, const int D) {
+    (void)qh;
+    __m512 s = _mm512_setzero_ps();
+#endif
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    for (int v = 0; v < D / 16; ++v) s = _mm512_fmadd_ps(load16(k + v * 16 * elem, dtype), qf[v], s);
+    return s;
+}
+
+/* One (sequence, KV head) with G query heads of D dims; q points at the first query head's row
+ * (heads q_head_stride elements apart), unscaled. The scores are scaled as they come out. */
+static inline __attribute__((always_inline)) void attend_fast(
+        const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q, int64_t q_head_bytes,
+        float scale, const int G, const int D, const scratch_t *w) {
+    enum { MAXV = 8 };
+    const int V = D / 16; /* float vectors per row */
+    float *restrict scores = w->scores, *restrict acc = w->acc;
+    const int bs = c->block_size, elem = c->elem;
+    const int64_t head_base = (int64_t)kv_head * c->num_blocks;
+    const int64_t row_bytes = (int64_t)D * elem, block_bytes = bs * row_bytes;
+    const int last = (ctx - 1) / bs;
+    const __m512 vscale = _mm512_set1_ps(scale);
+#if defined(__AVX512BF16__)
+    __m512bh qh[8][MAXV / 2]; /* pairs of bfloat16 as stored */
+    if (c->dtype == DTYPE_BF16)
+        for (int j = 0; j < G; ++j)
+            for (int v = 0; v < V / 2; ++v)
+                qh[j][v] = (__m512bh)_mm512_loadu_si512(q + j * q_head_bytes + v * 64);
+#endif
+    __m512 qf[8][MAXV];
+    for (int j = 0; j < G; ++j)
+        for (int v = 0; v < V; ++v) qf[j][v] = load16(q + j * q_head_bytes + v * 16 * elem, c->dtype);
+
+    __m512 vmax[8]; /* each head's running maximum score, lane-wise */
+    for (int j = 0; j < G; ++j) vmax[j] = _mm512_set1_ps(-INFINITY);
+    for (int b = 0; b < PREFETCH_BLOCKS && b <= last; ++b)
+        prefetch_block(c->k_cache + (head_base + table[b]) * block_bytes, block_bytes);
+    for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
+        const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
+        const int ahead = b + PREFETCH_BLOCKS; /* past the keys: the first values */
+        if (ahead <= last)
+            prefetch_block(c->k_cache + (head_base + table[ahead]) * block_bytes, block_bytes);
+        else if (ahead - last - 1 <= last)
+            prefetch_block(c->v_cache + (head_base + table[ahead - last - 1]) * block_bytes, block_bytes);
+        const char *kb = c->k_cache + (head_base + table[b]) * block_bytes;
+        for (int t0 = 0; t0 < n; t0 += FAST_KEYS) {
+            const int m = n - t0 < FAST_KEYS ? n - t0 : FAST_KEYS;
+            const char *k0 = kb + t0 * row_bytes;
+            for (int j = 0; j < G; ++j) {
+                __m512 part[FAST_KEYS];
+                if (m == FAST_KEYS) {
+#pragma GCC unroll 16
+                    for (int t = 0; t < FAST_KEYS; ++t) part[t] = dot_key(k0 + t * row_bytes, qf[j], QH(j), c->dtype, D);
+                } else {
+                    for (int t = 0; t < FAST_KEYS; ++t)
+                        part[t] = t < m ? dot_key(k0 + t * row_bytes, qf[j], QH(j), c->dtype, D) : _mm512_setzero_ps();
+                }
+                const __m512 sums = _mm512_mul_ps(sum_lanes16(part), vscale);
+                const __mmask16 valid = (__mmask16)((1u << m) - 1u);
+                _mm512_mask_storeu_ps(scores + j * ctx + pos0 + t0, valid, sums);
+                vmax[j] = _mm512_mask_max_ps(vmax[j], valid, vmax[j], sums);
+            }
+        }
+    }
+    /* softmax per query head, in place; 1 / sum kept in acc's tail */
+    for (int j = 0; j < G; ++j) {
+        float *restrict s = scores + j * ctx;
+        const float mx = _mm512_reduce_max_ps(vmax[j]);
+        float sum = 0.f;
+        for (int p = 0; p < ctx; ++p) {
+            s[p] = fast_exp(s[p] - mx);
+            sum += s[p];
+        }
+        acc[G * D + j] = 1.f / sum;
+    }
+    __m512 a[8][MAXV];
+    for (int j = 0; j < G; ++j)
+        for (int v = 0; v < V; ++v) a[j][v] = _mm512_setzero_ps();
+    for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
+        const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
+        if (b + PREFETCH_BLOCKS <= last)
+            prefetch_block(c->v_cache + (head_base + table[b + PREFETCH_BLOCKS]) * block_bytes, block_bytes);
+        const char *vb = c->v_cache + (head_base + table[b]) * block_bytes;
+        for (int t = 0; t < n; ++t) {
+            __m512 row[MAXV];
+            for (int v = 0; v < V; ++v) row[v] = load16(vb + t * row_bytes + v * 16 * elem, c->dtype);
+            for (int j = 0; j < G; ++j) {
+                const __m512 p = _mm512_set1_ps(scores[j * ctx + pos0 + t]);
+                for (int v = 0; v < V; ++v) a[j][v] = _mm512_fmadd_ps(p, row[v], a[j][v]);
+            }
+        }
+    }
+    for (int j = 0; j < G; ++j)
+        for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + j * D + 16 * v, a[j][v]);
+}
+
+#define FAST_CASE(G, D) \
+    case (G) * 1000 + (D): attend_fast(c, table, ctx, kv_head, q, q_head_bytes, scale, G, D, w); return 1;
+
+/* 1 when the fast path took this item (accumulators and 1 / sums in w->acc), else 0 */
+static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
+                                int64_t q_head_bytes, float scale, int group, int head_dim,
+                                const scratch_t *w) {
+    switch (group * 1000 + head_dim) {
+        FAST_CASE(1, 64) FAST_CASE(2, 64) FAST_CASE(3, 64) FAST_CASE(4, 64)
+        FAST_CASE(5, 64) FAST_CASE(6, 64) FAST_CASE(7, 64) FAST_CASE(8, 64)
+        FAST_CASE(1, 128) FAST_CASE(2, 128) FAST_CASE(3, 128) FAST_CASE(4, 128)
+        FAST_CASE(5, 128) FAST_CASE(6, 128) FAST_CASE(7, 128) FAST_CASE(8, 128)
+        default: return 0;
+    }
+}
+#else
+static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
+                                int64_t q_head_bytes, float scale, int group, int head_dim,
+                                const scratch_t *w) {
+    (void)c, (void)table, (void)ctx, (void)kv_head, (void)q, (void)q_head_bytes, (void)scale;
+    (void)group, (void)head_dim, (void)w;
+    return 0;
+}
+#endif
+
 /* For each i: out[tokens[i]] = attention of q[tokens[i]] over the first seq_lens[seq_ids[i]]
  * keys and values in the blocks of block_tables[seq_ids[i]]. Strides are in elements. Returns 0,
  * 1 for shapes it does not take, 2 when scratch memory could not be had. */
@@ -161,18 +354,11 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
             if (ctx <= 0) continue;
             const int64_t token = tokens[i];
             const int h0 = kv_head * group;
-            for (int j = 0; j < group; ++j) {
-                const char *src = (const char *)q + (token * q_token_stride + (h0 + j) * q_head_stride) * elem;
-                to_float(src, dtype, w.q + j * head_dim, head_dim);
-                for (int d = 0; d < head_dim; ++d) w.q[j * head_dim + d] *= scale;
-            }
             const int32_t *table = block_tables + (int64_t)seq * table_stride;
-            if (head_dim == 64)
-                attend(&cache, table, ctx, kv_head, group, 64, &w);
-            else if (head_dim == 128)
-                attend(&cache, table, ctx, kv_head, group, 128, &w);
-            else
-                attend(&cache, table, ctx, kv_head, group, head_dim, &w);
+            const char *q0 = (const char *)q + (token * q_token_stride + h0 * q_head_stride) * elem;
+            if (!attend_fast_dispatch(&cache, table, ctx, kv_head, q0, q_head_stride * elem, scale, group,
+                                      head_dim, &w))
+                attend_any(&cache, table, ctx, kv_head, q0, q_head_stride * elem, scale, group, head_dim, &w);
             for (int j = 0; j < group; ++j) {
                 char *dst = (char *)out + (token * out_token_stride + (h0 + j) * out_head_stride) * elem;
                 from_float(w.acc + j * head_dim, w.acc[group * head_dim + j], dtype, dst, head_dim);
