@@ -1,9 +1,11 @@
 """The CPU kernels (``csrc/*.c``): built once per machine, called through ctypes.
 
-- ``paged_decode`` (csrc/attention.c): decode attention over the torch backend's head-major paged
-  cache. In torch ops it gathers every sequence's K/V blocks into a padded copy, multiplies in
-  many small batched matmuls and allocates several MiB per layer; the kernel reads each key and
-  value once, in place.
+- ``paged_decode`` (csrc/attention.c): attention over the torch backend's head-major paged cache,
+  one query row at a time. In torch ops a decode gathers every sequence's K/V blocks into a padded
+  copy, multiplies in many small batched matmuls and allocates several MiB per layer; the kernel
+  reads each key and value once, in place. Prefill tokens go through it too, each over the keys
+  up to its own position (``ctx_lens``): at prompts of a few hundred tokens that is ~1.8x faster
+  than torch's CPU flash SDPA (which multiplies bfloat16 in float32 GEMMs), and as fast at 2-4k.
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_`` and ``store_kv``
   (csrc/elementwise.c): one pass each where eager torch runs several ops, each with its own
   allocation and thread-pool wake-up.
@@ -51,8 +53,8 @@ MAX_GROUP = 64
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "paged_decode": [_P, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _F32,
-                     _P, _I64, _I64, _I32, _I32],
+    "paged_decode": [_P, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _P, _P, _I32, _I32, _I32, _I32,
+                     _F32, _P, _I64, _I64, _I32, _I32],
     "rms_norm": [_P, _I64, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _I32, _I32],
     "silu_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
     "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
@@ -149,12 +151,15 @@ class CpuKernels:
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
-                     tokens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+                     tokens: torch.Tensor, out: torch.Tensor, scale: float,
+                     ctx_lens: torch.Tensor | None = None) -> None:
         """For each i: ``out[tokens[i]]`` = attention of ``q[tokens[i]]`` [heads, D] over the first
-        ``seq_lens[seq_ids[i]]`` keys/values of the blocks in ``block_tables[seq_ids[i]]``.
+        ``n`` keys/values of the blocks in ``block_tables[seq_ids[i]]``, where ``n`` is
+        ``ctx_lens[i]`` when given (prefill tokens, each up to its own position), else
+        ``seq_lens[seq_ids[i]]`` (decodes).
 
         q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous; block_tables
-        int32 [S, W]; seq_lens, seq_ids, tokens int32.
+        int32 [S, W]; seq_lens, seq_ids, tokens, ctx_lens int32.
         """
         kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out, k_cache, v_cache)):
@@ -162,10 +167,15 @@ class CpuKernels:
                              "throughout")
         block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
         seq_lens, seq_ids, tokens = (t.contiguous() for t in (seq_lens, seq_ids, tokens))
+        if ctx_lens is not None:
+            ctx_lens = ctx_lens.contiguous()
+            if ctx_lens.numel() != seq_ids.numel():
+                raise ValueError("paged_decode: one ctx_lens entry per query")
         _check(self._lib.paged_decode(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
             block_size, block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-            seq_ids.data_ptr(), tokens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, head_dim, scale,
+            seq_ids.data_ptr(), tokens.data_ptr(), None if ctx_lens is None else ctx_lens.data_ptr(),
+            seq_ids.numel(), q.shape[1], kv_heads, head_dim, scale,
             out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], torch.get_num_threads(),
         ), "paged_decode")
 

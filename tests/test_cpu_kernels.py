@@ -60,13 +60,14 @@ def test_kernel_matches_a_float64_reference(dtype, heads, kv_heads, head_dim, bl
     assert torch.all(out[[2, 4, 5]] == 7.0)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64])
-def test_one_token_context_returns_its_value(head_dim):
-    """Softmax over a single key is 1: the output is that value, exactly (both paths)."""
-    k_cache = torch.randn(2, 4, 8, head_dim)
-    v_cache = torch.randn(2, 4, 8, head_dim)
+@pytest.mark.parametrize(("head_dim", "dtype"),
+                         [(16, torch.float32), (64, torch.float32), (64, torch.bfloat16)])
+def test_one_token_context_returns_its_value(head_dim, dtype):
+    """Softmax over a single key is 1: the output is that value, exactly (every path)."""
+    k_cache = torch.randn(2, 4, 8, head_dim).to(dtype)
+    v_cache = torch.randn(2, 4, 8, head_dim).to(dtype)
     tables = torch.tensor([[3]], dtype=torch.int32)
-    q = torch.randn(1, 4, head_dim)
+    q = torch.randn(1, 4, head_dim).to(dtype)
     out = torch.empty_like(q)
     one = torch.tensor([0], dtype=torch.int32)
     lens = torch.tensor([1], dtype=torch.int32)
@@ -104,9 +105,12 @@ def mixed_step(block_size: int) -> ModelInput:
     return inp
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])  # the portable and the AVX-512 paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(dtype, monkeypatch):
-    block_size, heads, kv_heads, head_dim = 16, 6, 2, 32
+def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(dtype, head_dim, monkeypatch):
+    """Decodes and prefills (after cached context, and fresh) all go through the kernel, each
+    prefill token over the keys up to its own position; the torch ops (SDPA) agree."""
+    block_size, heads, kv_heads = 16, 6, 2
     backend = create_attention_backend("torch", torch.device("cpu"), block_size)
     impl = backend.create_impl(heads, kv_heads, head_dim, head_dim**-0.5)
     gen = torch.Generator().manual_seed(3)
@@ -123,6 +127,7 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(d
 
     with_kernel, meta = run()
     assert meta.decode is None  # the kernel served: the torch-ops plan was never made
+    assert meta.query_ctx.tolist()[:2] == [37, 5] and meta.query_ctx.tolist()[2:11] == list(range(21, 30))
     monkeypatch.setattr(attention_torch, "kernels_for", lambda *tensors: None)
     without, meta = run()
     assert meta.decode is not None

@@ -14,6 +14,10 @@ Per step, ``build_metadata`` plans the work on the host (no device sync later):
 - every longer chunk is a prefill: with nothing cached before it, it attends causally to its
   own new K/V; otherwise it reads its context from the cache under an offset causal mask, as a
   view when the context's blocks are consecutive (the common case), else through one gather.
+
+Where the CPU kernels take the tensors (kernels/cpu_kernels.py), they serve the whole step
+instead: decodes as above, and with prefills every token of the step as one query over the
+cached keys up to its own position (``query_*`` fields; the step's K/V are stored first).
 """
 
 from __future__ import annotations
@@ -95,6 +99,12 @@ class TorchAttentionMetadata(AttentionMetadata):
     plan_decode: Callable[[], DecodePlan] | None = None  # the torch-ops plan, made on first use
     decode: DecodePlan | None = None
     prefills: list[PrefillPlan] = field(default_factory=list)
+    # with prefills, every token as a query of the CPU kernel (None when a token's K/V is not
+    # stored: the kernel reads keys from the cache): int32 tokens, their sequences, and how many
+    # keys each sees (its position + 1)
+    query_tokens: torch.Tensor | None = None
+    query_seqs: torch.Tensor | None = None
+    query_ctx: torch.Tensor | None = None
 
     def decode_plan(self) -> DecodePlan:
         """The grouped, padded plan of the torch-ops decode, made once per step by the first
@@ -123,6 +133,13 @@ class TorchAttentionBackend(AttentionBackend):
             meta.decode_tokens = to_device(step.starts[decode_seqs], device, torch.int32)
             meta.plan_decode = lambda: self._plan_decode(step, decode_seqs, device)
         meta.prefills = [self._plan_prefill(step, i, device) for i in np.flatnonzero(step.query_lens > 1)]
+        if meta.prefills and meta.store_tokens is None:
+            q_lens = step.query_lens
+            first_pos = np.repeat(step.context_lens - q_lens, q_lens)  # its sequence's first new position
+            offset = np.arange(step.starts[-1]) - np.repeat(step.starts[:-1], q_lens)
+            meta.query_tokens = to_device(np.arange(step.starts[-1]), device, torch.int32)
+            meta.query_seqs = to_device(np.repeat(np.arange(len(q_lens)), q_lens), device, torch.int32)
+            meta.query_ctx = to_device(first_pos + offset + 1, device, torch.int32)
         return meta
 
     def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
@@ -203,6 +220,11 @@ class TorchAttentionImpl(AttentionImpl):
         out = torch.empty_like(q)
         kernels = kernels_for(q, k, v, k_cache, v_cache, out)  # CPU, one supported dtype: the C kernels
         self._store(k, v, k_cache, v_cache, meta, kernels)
+        if kernels is not None and self._kernel_shapes and meta.query_ctx is not None:
+            # prefill and decode tokens alike: each query over the cached keys up to its position
+            kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_seqs,
+                                 meta.query_tokens, out, self.scale, ctx_lens=meta.query_ctx)
+            return out
         if meta.decode_seqs is not None:
             if kernels is not None and self._kernel_shapes:
                 kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.decode_seqs,

@@ -204,6 +204,63 @@ static inline __attribute__((always_inline)) __m512 dot_key(const char *k, const
     return s;
 }
 
+#if defined(__AVX512BF16__)
+/* The values' pass for bfloat16 caches: two keys' weights at a time, rounded to a bfloat16 pair
+ * (as torch's bfloat16 attention rounds its probabilities before multiplying by V), dotted with
+ * the two value rows interleaved, so each instruction does two keys' multiply-adds with no
+ * conversion. Each head's weights are first packed in place over its float scores, which they
+ * replace (they are not read again). The accumulators come out with dims permuted within each
+ * 32 (see the caller). Needs an even block size: pairs never straddle blocks. */
+static inline __attribute__((always_inline)) void values_bf16_pairs(
+        const cache_t *c, const int32_t *table, int ctx, int kv_head, float *scores, const int G, const int D,
+        __m512 (*a)[8]) {
+    const int bs = c->block_size;
+    const int64_t head_base = (int64_t)kv_head * c->num_blocks;
+    const int64_t row_bytes = (int64_t)D * 2, block_bytes = bs * row_bytes;
+    const int last = (ctx - 1) / bs;
+    for (int j = 0; j < G; ++j) {
+        float *s = scores + j * ctx;
+        /* written behind the reads, within the head's own row: ctx weights (and a zero to pair
+         * with an odd last one) in 2 (ctx + 1) <= 4 ctx bytes */
+        uint16_t *packed = (uint16_t *)s;
+        const int padded = ctx + (ctx & 1);
+        for (int p = 0; p < padded; p += 32) {
+            const int left = ctx - p, out = padded - p < 32 ? padded - p : 32;
+            const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);
+            const __mmask16 m1 = left >= 32 ? 0xFFFF : (left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u));
+            const __m512 x0 = _mm512_maskz_loadu_ps(m0, s + p), x1 = _mm512_maskz_loadu_ps(m1, s + p + 16);
+            const __mmask32 store = out == 32 ? 0xFFFFFFFFu : (__mmask32)((1u << out) - 1u);
+            _mm512_mask_storeu_epi16(packed + p, store, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+        }
+    }
+    for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
+        const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
+        if (b + PREFETCH_BLOCKS <= last)
+            prefetch_block(c->v_cache + (head_base + table[b + PREFETCH_BLOCKS]) * block_bytes, block_bytes);
+        const char *vb = c->v_cache + (head_base + table[b]) * block_bytes;
+        for (int t = 0; t < n; t += 2) {
+            __m512i lo[4], hi[4];
+            for (int u = 0; u < D / 32; ++u) {
+                const __m512i x0 = _mm512_loadu_si512(vb + t * row_bytes + u * 64);
+                /* past the context's end the row may hold anything (NaN times a zero weight is NaN) */
+                const __m512i x1 = t + 1 < n ? _mm512_loadu_si512(vb + (t + 1) * row_bytes + u * 64)
+                                             : _mm512_setzero_si512();
+                lo[u] = _mm512_unpacklo_epi16(x0, x1);
+                hi[u] = _mm512_unpackhi_epi16(x0, x1);
+            }
+            for (int j = 0; j < G; ++j) {
+                const uint32_t *pairs = (const uint32_t *)(scores + j * ctx);
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[(pos0 + t) / 2]);
+                for (int u = 0; u < D / 32; ++u) {
+                    a[j][2 * u] = _mm512_dpbf16_ps(a[j][2 * u], (__m512bh)lo[u], w);
+                    a[j][2 * u + 1] = _mm512_dpbf16_ps(a[j][2 * u + 1], (__m512bh)hi[u], w);
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* One (sequence, KV head) with G query heads of D dims; q points at the first query head's row
  * (heads q_head_stride elements apart), unscaled. The scores are scaled as they come out. */
 static inline __attribute__((always_inline)) void attend_fast(
@@ -273,6 +330,24 @@ static inline __attribute__((always_inline)) void attend_fast(
     __m512 a[8][MAXV];
     for (int j = 0; j < G; ++j)
         for (int v = 0; v < V; ++v) a[j][v] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (c->dtype == DTYPE_BF16 && bs % 2 == 0) {
+        values_bf16_pairs(c, table, ctx, kv_head, scores, G, D, a);
+        /* lane 4L + k of a[j][2u] is dim 32u + 8L + k, of a[j][2u + 1] dim 32u + 8L + 4 + k */
+        for (int j = 0; j < G; ++j)
+            for (int u = 0; u < V / 2; ++u) {
+                float lo[16], hi[16];
+                _mm512_storeu_ps(lo, a[j][2 * u]);
+                _mm512_storeu_ps(hi, a[j][2 * u + 1]);
+                for (int L = 0; L < 4; ++L)
+                    for (int k = 0; k < 4; ++k) {
+                        acc[j * D + 32 * u + 8 * L + k] = lo[4 * L + k];
+                        acc[j * D + 32 * u + 8 * L + 4 + k] = hi[4 * L + k];
+                    }
+            }
+        return;
+    }
+#endif
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
         if (b + PREFETCH_BLOCKS <= last)
@@ -316,13 +391,15 @@ static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx,
 }
 #endif
 
-/* For each i: out[tokens[i]] = attention of q[tokens[i]] over the first seq_lens[seq_ids[i]]
- * keys and values in the blocks of block_tables[seq_ids[i]]. Strides are in elements. Returns 0,
- * 1 for shapes it does not take, 2 when scratch memory could not be had. */
+/* For each i: out[tokens[i]] = attention of q[tokens[i]] over the first ctx_i keys and values in
+ * the blocks of block_tables[seq_ids[i]], where ctx_i is ctx_lens[i] when ctx_lens is given (a
+ * prefill's tokens: each sees the keys up to its own position) and seq_lens[seq_ids[i]] when it is
+ * NULL (decodes). Strides are in elements. Returns 0, 1 for shapes it does not take, 2 when
+ * scratch memory could not be had. */
 int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
                  const void *v_cache, int64_t num_blocks, int block_size, const int32_t *block_tables,
                  int64_t table_stride, const int32_t *seq_lens, const int32_t *seq_ids,
-                 const int32_t *tokens, int num_decodes, int num_heads, int num_kv_heads, int head_dim,
+                 const int32_t *tokens, const int32_t *ctx_lens, int num_queries, int num_heads, int num_kv_heads, int head_dim,
                  float scale, void *out, int64_t out_token_stride, int64_t out_head_stride, int dtype,
                  int num_threads) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
@@ -332,9 +409,11 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
     const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype, elem};
     int max_ctx = 1;
-    for (int i = 0; i < num_decodes; ++i)
-        max_ctx = seq_lens[seq_ids[i]] > max_ctx ? seq_lens[seq_ids[i]] : max_ctx;
-    const int items = num_decodes * num_kv_heads;
+    for (int i = 0; i < num_queries; ++i) {
+        const int ctx = ctx_lens ? ctx_lens[i] : seq_lens[seq_ids[i]];
+        max_ctx = ctx > max_ctx ? ctx : max_ctx;
+    }
+    const int items = num_queries * num_kv_heads;
     /* every thread's scratch in one allocation, made before the team starts: each thread reaches
      * the worksharing loop, and a decode step allocates once per layer, not four times a thread */
     const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
@@ -350,7 +429,7 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; ++item) {
             const int i = item / num_kv_heads, kv_head = item % num_kv_heads;
-            const int seq = seq_ids[i], ctx = seq_lens[seq];
+            const int seq = seq_ids[i], ctx = ctx_lens ? ctx_lens[i] : seq_lens[seq];
             if (ctx <= 0) continue;
             const int64_t token = tokens[i];
             const int h0 = kv_head * group;
