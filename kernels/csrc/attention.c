@@ -46,6 +46,30 @@ typedef struct {
     int block_size, dtype, elem;
 } cache_t;
 
+/* Prefetch schedule over one (sequence, KV head): the first blocks of keys before the keys' pass;
+ * while reading keys block b, block b + PREFETCH_BLOCKS (past the keys: the first values); while
+ * reading values block b, block b + PREFETCH_BLOCKS. */
+static inline void prefetch_first_keys(const cache_t *c, const int32_t *table, int64_t head_base,
+                                       int64_t block_bytes, int last) {
+    for (int b = 0; b < PREFETCH_BLOCKS && b <= last; ++b)
+        prefetch_block(c->k_cache + (head_base + table[b]) * block_bytes, block_bytes);
+}
+
+static inline void prefetch_while_keys(const cache_t *c, const int32_t *table, int64_t head_base,
+                                       int64_t block_bytes, int b, int last) {
+    const int ahead = b + PREFETCH_BLOCKS;
+    if (ahead <= last)
+        prefetch_block(c->k_cache + (head_base + table[ahead]) * block_bytes, block_bytes);
+    else if (ahead - last - 1 <= last)
+        prefetch_block(c->v_cache + (head_base + table[ahead - last - 1]) * block_bytes, block_bytes);
+}
+
+static inline void prefetch_while_values(const cache_t *c, const int32_t *table, int64_t head_base,
+                                         int64_t block_bytes, int b, int last) {
+    if (b + PREFETCH_BLOCKS <= last)
+        prefetch_block(c->v_cache + (head_base + table[b + PREFETCH_BLOCKS]) * block_bytes, block_bytes);
+}
+
 /* Per-thread scratch: the query rows, the accumulators, one block as floats, the scores. */
 typedef struct {
     float *q, *acc, *block, *scores;
@@ -61,15 +85,10 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t block_bytes = (int64_t)bs * D * c->elem;
     const int last = (ctx - 1) / bs;
     /* scores[j * ctx + pos] = q_j . k_pos */
-    for (int b = 0; b < PREFETCH_BLOCKS && b <= last; ++b)
-        prefetch_block(c->k_cache + (head_base + table[b]) * block_bytes, block_bytes);
+    prefetch_first_keys(c, table, head_base, block_bytes, last);
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
-        const int ahead = b + PREFETCH_BLOCKS; /* past the keys: the first values */
-        if (ahead <= last)
-            prefetch_block(c->k_cache + (head_base + table[ahead]) * block_bytes, block_bytes);
-        else if (ahead - last - 1 <= last)
-            prefetch_block(c->v_cache + (head_base + table[ahead - last - 1]) * block_bytes, block_bytes);
+        prefetch_while_keys(c, table, head_base, block_bytes, b, last);
         to_float(c->k_cache + (head_base + table[b]) * block_bytes, c->dtype, blk, n * D);
         for (int j = 0; j < group; ++j) {
             const float *restrict qj = qf + j * D;
@@ -97,8 +116,7 @@ static inline __attribute__((always_inline)) void attend(
     memset(acc, 0, sizeof(float) * (size_t)group * D);
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
-        if (b + PREFETCH_BLOCKS <= last)
-            prefetch_block(c->v_cache + (head_base + table[b + PREFETCH_BLOCKS]) * block_bytes, block_bytes);
+        prefetch_while_values(c, table, head_base, block_bytes, b, last);
         to_float(c->v_cache + (head_base + table[b]) * block_bytes, c->dtype, blk, n * D);
         for (int j = 0; j < group; ++j) {
             const float *restrict p = scores + j * ctx + pos0;
@@ -235,8 +253,7 @@ static inline __attribute__((always_inline)) void values_bf16_pairs(
     }
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
-        if (b + PREFETCH_BLOCKS <= last)
-            prefetch_block(c->v_cache + (head_base + table[b + PREFETCH_BLOCKS]) * block_bytes, block_bytes);
+        prefetch_while_values(c, table, head_base, block_bytes, b, last);
         const char *vb = c->v_cache + (head_base + table[b]) * block_bytes;
         for (int t = 0; t < n; t += 2) {
             __m512i lo[4], hi[4];
@@ -287,15 +304,10 @@ static inline __attribute__((always_inline)) void attend_fast(
 
     __m512 vmax[8]; /* each head's running maximum score, lane-wise */
     for (int j = 0; j < G; ++j) vmax[j] = _mm512_set1_ps(-INFINITY);
-    for (int b = 0; b < PREFETCH_BLOCKS && b <= last; ++b)
-        prefetch_block(c->k_cache + (head_base + table[b]) * block_bytes, block_bytes);
+    prefetch_first_keys(c, table, head_base, block_bytes, last);
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
-        const int ahead = b + PREFETCH_BLOCKS; /* past the keys: the first values */
-        if (ahead <= last)
-            prefetch_block(c->k_cache + (head_base + table[ahead]) * block_bytes, block_bytes);
-        else if (ahead - last - 1 <= last)
-            prefetch_block(c->v_cache + (head_base + table[ahead - last - 1]) * block_bytes, block_bytes);
+        prefetch_while_keys(c, table, head_base, block_bytes, b, last);
         const char *kb = c->k_cache + (head_base + table[b]) * block_bytes;
         for (int t0 = 0; t0 < n; t0 += FAST_KEYS) {
             const int m = n - t0 < FAST_KEYS ? n - t0 : FAST_KEYS;
@@ -350,8 +362,7 @@ static inline __attribute__((always_inline)) void attend_fast(
 #endif
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
-        if (b + PREFETCH_BLOCKS <= last)
-            prefetch_block(c->v_cache + (head_base + table[b + PREFETCH_BLOCKS]) * block_bytes, block_bytes);
+        prefetch_while_values(c, table, head_base, block_bytes, b, last);
         const char *vb = c->v_cache + (head_base + table[b]) * block_bytes;
         for (int t = 0; t < n; ++t) {
             __m512 row[MAXV];
