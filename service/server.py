@@ -33,7 +33,7 @@ from kvserve.service.limits import StreamLimitInterceptor, StreamLimits
 from kvserve.service.malformed import MalformedRequestInterceptor
 from kvserve.service.observability import Observability, served_model_name
 from kvserve.service.reflection import enable_reflection
-from kvserve.service.security import ApiKeyInterceptor, SecuritySettings, server_credentials, warn_if_exposed
+from kvserve.service.security import ApiKeyInterceptor, SecuritySettings, warn_if_exposed
 from kvserve.service.servicer import LLMServicer
 from kvserve.v1 import llm_pb2_grpc
 
@@ -118,8 +118,11 @@ def bind(server: grpc.aio.Server, host: str, port: int,
     return bound
 
 
-async def serve(config: EngineConfig, settings: ServeSettings) -> int:
-    """Run until SIGTERM/SIGINT, then drain; returns the exit status."""
+async def serve(config: EngineConfig, settings: ServeSettings,
+                credentials: grpc.ServerCredentials | None) -> int:
+    """Run until SIGTERM/SIGINT, then drain; returns the exit status. ``credentials``: the port's
+    TLS, ``server_credentials(settings.security)`` (None = plaintext), built by the caller so that
+    bad certificate files are refused before the model loads."""
     health = Health()
     await health.set_serving(False)
     engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
@@ -127,15 +130,15 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
     observability = Observability.start(served_model_name(config.model), engine, settings.host,
                                         settings.metrics_port, settings.otlp_endpoint)
     try:
-        return await _serve(config, settings, engine, health, observability)
+        return await _serve(config, settings, credentials, engine, health, observability)
     finally:
         observability.stop()
 
 
-async def _serve(config: EngineConfig, settings: ServeSettings, engine: AsyncEngine, health: Health,
-                 observability: Observability) -> int:
+async def _serve(config: EngineConfig, settings: ServeSettings, credentials: grpc.ServerCredentials | None,
+                 engine: AsyncEngine, health: Health, observability: Observability) -> int:
     server = build_server(engine, health, observability, settings)
-    port = bind(server, settings.host, settings.port, server_credentials(settings.security))
+    port = bind(server, settings.host, settings.port, credentials)
     warn_if_exposed(settings.security, settings.host)
     health_server = None
     if settings.health_port is not None:
