@@ -26,6 +26,7 @@ from opentelemetry import trace
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.service.interceptors import guarded
+from kvserve.service.methods import LLM_SERVICE, method_path, split_method
 from kvserve.service.metrics import Metrics
 from kvserve.service.redact import for_log
 from kvserve.service.responses import timing_of
@@ -34,6 +35,7 @@ from kvserve.service.tracing import Tracing, end_span, monotonic_to_ns
 log = logging.getLogger("kvserve.service")
 
 REQUEST_ID_HEADER = "x-request-id"
+GENERATION_METHODS = frozenset(method_path(LLM_SERVICE, name) for name in ("Generate", "Stream"))
 _CURRENT: contextvars.ContextVar[CallTelemetry | None] = contextvars.ContextVar("kvserve_call", default=None)
 
 
@@ -104,7 +106,7 @@ class CallTelemetry:
             self._log_request(code, details)
 
     def _is_generation(self) -> bool:
-        return self.method.endswith(("/Generate", "/Stream"))
+        return self.method in GENERATION_METHODS
 
     def _log_request(self, code: grpc.StatusCode, details: str | None) -> None:
         fields = self._request_fields(code)
@@ -122,7 +124,7 @@ class CallTelemetry:
         """The request's log fields."""
         # client-given: cut and escaped, so a huge id stays short and a newline forges no line
         fields: dict = {"request_id": for_log(self.request_id or self.header_request_id or "-"),
-                        "method": self.method.rsplit("/", 1)[-1], "status": code.name}
+                        "method": split_method(self.method)[1], "status": code.name}
         out = self._final
         if out is None:
             fields["completion_tokens"] = self._tokens_sent

@@ -41,8 +41,3 @@ def guarded(handler: grpc.RpcMethodHandler | None, guard: Guard) -> grpc.RpcMeth
             return await behavior(checked, context)
 
     return handler._replace(**{kind: wrapped})
-
-
-def method_service(method: str) -> str:
-    """``/grpc.health.v1.Health/Check`` -> ``grpc.health.v1.Health``."""
-    return method.lstrip("/").split("/", 1)[0]
