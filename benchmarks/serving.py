@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
@@ -31,6 +30,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import grpc
+
+from kvserve.benchmarks.procfs import process_tree_cpu_s
 
 ENGINE_FLAGS = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                 "block_size", "max_model_len")
@@ -191,28 +192,6 @@ class _StepTimer:
         step_ms, fwd_ms = (1000 * steps[len(steps) // 2][i] for i in (0, 1))
         print(f"in-process steps at batch {batch} ({len(steps)} of them): median step {step_ms:.2f} ms, "
               f"its forward pass {fwd_ms:.2f} ms, host work {step_ms - fwd_ms:.2f} ms")
-
-
-def process_tree_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) used so far by ``pid`` and its live descendants (Linux)."""
-    if not os.path.isdir("/proc"):
-        return None
-    stats = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        kids = [p for p, (pp, _) in stats.items() if pp == parent and p not in tree]
-        tree.update(kids)
-        frontier.extend(kids)
-    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
 
 
 def _may_admit(req: Request, num_active: int, concurrency: int | None, elapsed: float) -> bool:

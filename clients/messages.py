@@ -143,17 +143,30 @@ def build_request(
     **sampling,
 ) -> llm_pb2.GenerateRequest:
     """A GenerateRequest from exactly one of prompt / token_ids / messages and sampling keywords."""
-    inputs = {"prompt": prompt, "token_ids": token_ids, "messages": messages}
+    req = _with_input(llm_pb2.GenerateRequest(request_id=request_id),
+                      prompt=prompt, token_ids=token_ids, messages=messages)
+    req.sampling.CopyFrom(sampling_params(**sampling))
+    return req
+
+
+def build_tokenize_request(prompt: str | None = None, messages: Iterable[Message] | None = None
+                           ) -> llm_pb2.TokenizeRequest:
+    """A TokenizeRequest from exactly one of prompt / messages."""
+    return _with_input(llm_pb2.TokenizeRequest(), prompt=prompt, messages=messages)
+
+
+def _with_input(req, **inputs):
+    """``req`` with its ``input`` oneof set from the one of ``inputs`` that is not None."""
     given = [name for name, v in inputs.items() if v is not None]
     if len(given) != 1:
-        raise TypeError(f"give exactly one of prompt, token_ids, messages (got {given or 'none'})")
-    req = llm_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
-    if prompt is not None:
-        req.prompt = prompt
-    elif token_ids is not None:
-        req.token_ids.ids.extend(token_ids)
+        raise TypeError(f"give exactly one of {', '.join(inputs)} (got {given or 'none'})")
+    (name,) = given
+    if name == "prompt":
+        req.prompt = inputs[name]
+    elif name == "token_ids":
+        req.token_ids.ids.extend(inputs[name])
     else:
-        req.messages.messages.extend(_chat_message(m) for m in messages)
+        req.messages.messages.extend(_chat_message(m) for m in inputs[name])
     return req
 
 
@@ -204,16 +217,16 @@ def _choice(msg: llm_pb2.Choice | llm_pb2.GenerateResponse, index: int) -> Choic
 
 
 def completion_from_proto(msg: llm_pb2.GenerateResponse) -> Completion:
-    choices = [_choice(c, c.index) for c in msg.choices] or [_choice(msg, 0)]
+    top = _choice(msg, 0)  # the top-level fields: choice 0's (usage: of all choices, see llm.proto)
     return Completion(
         request_id=msg.request_id,
-        text=msg.text,
-        token_ids=list(msg.token_ids),
-        finish_reason=finish_reason_name(msg.finish_reason) or "",
-        usage=_usage(msg.usage),
+        text=top.text,
+        token_ids=top.token_ids,
+        finish_reason=top.finish_reason,
+        usage=top.usage,
         timing=_timing(msg.timing),
-        logprobs=_logprobs(msg.logprobs),
-        choices=choices,
+        logprobs=top.logprobs,
+        choices=[_choice(c, c.index) for c in msg.choices] or [top],
     )
 
 
@@ -237,14 +250,3 @@ def stats_to_dict(msg: llm_pb2.StatsResponse | llm_pb2.ModelInfoResponse) -> dic
     return {f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name)
             for f in msg.DESCRIPTOR.fields}
 
-
-def build_tokenize_request(prompt: str | None = None, messages: Iterable[Message] | None = None
-                           ) -> llm_pb2.TokenizeRequest:
-    """A TokenizeRequest from exactly one of prompt / messages."""
-    if (prompt is None) == (messages is None):
-        raise TypeError("give exactly one of prompt, messages")
-    if prompt is not None:
-        return llm_pb2.TokenizeRequest(prompt=prompt)
-    req = llm_pb2.TokenizeRequest()
-    req.messages.messages.extend(_chat_message(m) for m in messages)
-    return req

@@ -15,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import inspect
+import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
 
 from kvserve.engine.outputs import RequestOutput
+from kvserve.service.interceptors import guarded
+from kvserve.service.methods import LLM_SERVICE, method_path, split_method
 from kvserve.service.metrics import Metrics
 from kvserve.service.redact import for_log
 from kvserve.service.responses import timing_of
@@ -33,6 +35,7 @@ from kvserve.service.tracing import Tracing, end_span, monotonic_to_ns
 log = logging.getLogger("kvserve.service")
 
 REQUEST_ID_HEADER = "x-request-id"
+GENERATION_METHODS = frozenset(method_path(LLM_SERVICE, name) for name in ("Generate", "Stream"))
 _CURRENT: contextvars.ContextVar[CallTelemetry | None] = contextvars.ContextVar("kvserve_call", default=None)
 
 
@@ -103,7 +106,7 @@ class CallTelemetry:
             self._log_request(code, details)
 
     def _is_generation(self) -> bool:
-        return self.method.endswith(("/Generate", "/Stream"))
+        return self.method in GENERATION_METHODS
 
     def _log_request(self, code: grpc.StatusCode, details: str | None) -> None:
         fields = self._request_fields(code)
@@ -121,7 +124,7 @@ class CallTelemetry:
         """The request's log fields."""
         # client-given: cut and escaped, so a huge id stays short and a newline forges no line
         fields: dict = {"request_id": for_log(self.request_id or self.header_request_id or "-"),
-                        "method": self.method.rsplit("/", 1)[-1], "status": code.name}
+                        "method": split_method(self.method)[1], "status": code.name}
         out = self._final
         if out is None:
             fields["completion_tokens"] = self._tokens_sent
@@ -165,13 +168,10 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        return _wrap_handler(handler, lambda context: self._watch(method, context))
+        return guarded(handler, functools.partial(self._watch, handler_call_details.method))
 
-    @contextlib.contextmanager
-    def _watch(self, method: str, context: grpc.aio.ServicerContext) -> Iterator[CallTelemetry]:
+    @contextlib.asynccontextmanager
+    async def _watch(self, method: str, request, context: grpc.aio.ServicerContext) -> AsyncIterator:
         metadata = tuple(context.invocation_metadata() or ())
         header_id = next((v for k, v in metadata if k == REQUEST_ID_HEADER and isinstance(v, str)), None)
         with self._telemetry.tracing.server_span(method, metadata) as span:
@@ -179,7 +179,7 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
             token = _CURRENT.set(call)
             code, details = grpc.StatusCode.OK, None
             try:
-                yield call
+                yield request
                 code, details = context.code() or code, context.details()
             except (asyncio.CancelledError, GeneratorExit):
                 code = _cancel_code(context)
@@ -203,39 +203,3 @@ def _as_status(code) -> grpc.StatusCode:
     if isinstance(code, grpc.StatusCode):
         return code
     return next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
-
-
-def _wrap_handler(handler: grpc.RpcMethodHandler, watch: Callable) -> grpc.RpcMethodHandler:
-    """The same handler, each call run inside ``watch(context)``."""
-    kinds = (
-        ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary),
-        ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_streaming),
-        ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary),
-        ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_streaming),
-    )
-    for attr, make, wrap in kinds:
-        behavior = getattr(handler, attr)
-        if behavior is not None:
-            return make(wrap(behavior, watch), request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)
-    return handler
-
-
-def _wrap_unary(behavior: Callable, watch: Callable) -> Callable:
-    async def wrapped(request, context):
-        with watch(context):
-            return await behavior(request, context)
-
-    return wrapped
-
-
-def _wrap_streaming(behavior: Callable, watch: Callable) -> Callable:
-    if not inspect.isasyncgenfunction(behavior):  # writes with context.write and returns
-        return _wrap_unary(behavior, watch)
-
-    async def wrapped(request, context):
-        with watch(context):
-            async for message in behavior(request, context):
-                yield message
-
-    return wrapped

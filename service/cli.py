@@ -161,11 +161,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  health_port=args.health_port,
                                  otlp_endpoint=args.otlp_endpoint,
                                  security=security_settings(args), limits=stream_limits(args))
-        server_credentials(settings.security)  # unreadable or non-PEM files: refused before loading
+        credentials = server_credentials(settings.security)  # unreadable or non-PEM: refused before loading
     except ValueError as e:
         raise SystemExit(f"kvserve serve: {e}") from None
     try:
-        return asyncio.run(serve(config, settings))
+        return asyncio.run(serve(config, settings, credentials))
     except OSError as e:
         logging.getLogger("kvserve.service").error("%s", e)
         return 1

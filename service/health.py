@@ -8,10 +8,9 @@ import asyncio
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
+from kvserve.clients.messages import SERVICE_NAME
 from kvserve.engine.engine_state import EngineState
-from kvserve.v1 import llm_pb2
 
-SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 HEALTH_SERVICES = ("", SERVICE_NAME)
 # the default of `kvserve serve --health-port` (the Docker image sets it; its HEALTHCHECK probes it)
 HEALTH_PORT_ENV = "KVSERVE_HEALTH_PORT"

@@ -1,10 +1,10 @@
 """Running every call of a ``grpc.aio`` method handler inside a guard.
 
-The server's interceptors (API key, stream limits, malformed requests) each decide something
-per call. ``guarded`` gives back the same handler (same serializers, same streaming kind)
-whose behaviour first enters ``guard(request, context)``, an async context manager that may
-end the call (``await context.abort(...)``), replace the request, and that stays entered until
-the call is over, streams included.
+The server's interceptors (telemetry, API key, stream limits, malformed requests) each do or
+decide something per call. ``guarded`` gives back the same handler (same serializers, same
+streaming kind) whose behaviour first enters ``guard(request, context)``, an async context
+manager that may end the call (``await context.abort(...)``), replace the request, and that
+stays entered until the call is over, streams included.
 """
 
 from __future__ import annotations
@@ -41,8 +41,3 @@ def guarded(handler: grpc.RpcMethodHandler | None, guard: Guard) -> grpc.RpcMeth
             return await behavior(checked, context)
 
     return handler._replace(**{kind: wrapped})
-
-
-def method_service(method: str) -> str:
-    """``/grpc.health.v1.Health/Check`` -> ``grpc.health.v1.Health``."""
-    return method.lstrip("/").split("/", 1)[0]

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import grpc
 
 from kvserve.service.interceptors import guarded
+from kvserve.service.methods import HEALTH_SERVICE, LLM_SERVICE, method_path
 
 MIN_WATCH_INTERVAL_MS = 100
-UNLIMITED_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
-WATCH_METHOD = "/kvserve.v1.LLMService/WatchStats"
+UNLIMITED_METHODS = frozenset({method_path(HEALTH_SERVICE, "Check")})
+WATCH_METHOD = method_path(LLM_SERVICE, "WatchStats")
 
 
 @dataclass(frozen=True)

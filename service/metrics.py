@@ -31,6 +31,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvserve.service.methods import split_method
+
 log = logging.getLogger("kvserve.service.metrics")
 
 PREFIX = "kvserve:"
@@ -127,7 +129,7 @@ class Metrics:
             child.observe(seconds / tokens)
 
     def count_call(self, method: str, code: str) -> None:
-        service, _, name = method.lstrip("/").partition("/")
+        service, name = split_method(method)
         self.grpc_handled.labels(self.model_name, service, name, code).inc()
 
 

@@ -22,11 +22,12 @@ from pathlib import Path
 import grpc
 
 from kvserve.clients.messages import API_KEY_ENV, api_key_or_env
-from kvserve.service.interceptors import guarded, method_service
+from kvserve.service.interceptors import guarded
+from kvserve.service.methods import HEALTH_SERVICE, split_method
 
 log = logging.getLogger("kvserve.service")
 
-OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})  # callable without the key
+OPEN_SERVICES = frozenset({HEALTH_SERVICE.full_name})  # callable without the key
 _BEARER = "bearer "
 
 
@@ -111,7 +112,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if method_service(handler_call_details.method) in OPEN_SERVICES:
+        if split_method(handler_call_details.method)[0] in OPEN_SERVICES:
             return handler
         problem = self._problem(handler_call_details.invocation_metadata or ())
         if problem is None:

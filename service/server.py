@@ -24,16 +24,17 @@ import sys
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S, AsyncEngine, EngineState
 from kvserve.engine.config import EngineConfig
 from kvserve.service.health import SERVICE_NAME, Health
 from kvserve.service.limits import StreamLimitInterceptor, StreamLimits
 from kvserve.service.malformed import MalformedRequestInterceptor
+from kvserve.service.methods import HEALTH_SERVICE
 from kvserve.service.observability import Observability, served_model_name
 from kvserve.service.reflection import enable_reflection
-from kvserve.service.security import ApiKeyInterceptor, SecuritySettings, server_credentials, warn_if_exposed
+from kvserve.service.security import ApiKeyInterceptor, SecuritySettings, warn_if_exposed
 from kvserve.service.servicer import LLMServicer
 from kvserve.v1 import llm_pb2_grpc
 
@@ -80,9 +81,8 @@ def build_server(engine: AsyncEngine, health: Health, observability: Observabili
                              interceptors=[observability.interceptor, *interceptors(settings)])
     llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     if settings.security.reflection:
-        enable_reflection((SERVICE_NAME, health_name), server)
+        enable_reflection((SERVICE_NAME, HEALTH_SERVICE.full_name), server)
     return server
 
 
@@ -118,8 +118,11 @@ def bind(server: grpc.aio.Server, host: str, port: int,
     return bound
 
 
-async def serve(config: EngineConfig, settings: ServeSettings) -> int:
-    """Run until SIGTERM/SIGINT, then drain; returns the exit status."""
+async def serve(config: EngineConfig, settings: ServeSettings,
+                credentials: grpc.ServerCredentials | None) -> int:
+    """Run until SIGTERM/SIGINT, then drain; returns the exit status. ``credentials``: the port's
+    TLS, ``server_credentials(settings.security)`` (None = plaintext), built by the caller so that
+    bad certificate files are refused before the model loads."""
     health = Health()
     await health.set_serving(False)
     engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
@@ -127,15 +130,15 @@ async def serve(config: EngineConfig, settings: ServeSettings) -> int:
     observability = Observability.start(served_model_name(config.model), engine, settings.host,
                                         settings.metrics_port, settings.otlp_endpoint)
     try:
-        return await _serve(config, settings, engine, health, observability)
+        return await _serve(config, settings, credentials, engine, health, observability)
     finally:
         observability.stop()
 
 
-async def _serve(config: EngineConfig, settings: ServeSettings, engine: AsyncEngine, health: Health,
-                 observability: Observability) -> int:
+async def _serve(config: EngineConfig, settings: ServeSettings, credentials: grpc.ServerCredentials | None,
+                 engine: AsyncEngine, health: Health, observability: Observability) -> int:
     server = build_server(engine, health, observability, settings)
-    port = bind(server, settings.host, settings.port, server_credentials(settings.security))
+    port = bind(server, settings.host, settings.port, credentials)
     warn_if_exposed(settings.security, settings.host)
     health_server = None
     if settings.health_port is not None:

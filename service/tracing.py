@@ -27,6 +27,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvserve.service.methods import split_method
+
 ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER_NAME = "kvserve.service"
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -78,10 +80,10 @@ class Tracing:
             with trace.use_span(trace.get_current_span(parent), end_on_exit=False) as span:
                 yield span
             return
-        service, _, name = method.lstrip("/").partition("/")
+        service, name = split_method(method)
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
         with self.tracer.start_as_current_span(
-            method.lstrip("/"), context=parent, kind=SpanKind.SERVER, attributes=attributes,
+            f"{service}/{name}", context=parent, kind=SpanKind.SERVER, attributes=attributes,
             record_exception=False, set_status_on_exception=False,
         ) as span:
             yield span

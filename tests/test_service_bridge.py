@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from kvserve.benchmarks.procfs import alive
 from kvserve.engine.async_engine import AsyncEngine, EngineOverloaded, EngineState, EngineUnavailable
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.sampling_params import SamplingParams
@@ -60,15 +61,6 @@ async def _idle_stats(bridge: AsyncEngine) -> dict:
         if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_queued"] == 0:
             return s
         await asyncio.sleep(0.01)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_admission_counts_requests_not_yet_running_and_closing_aborts_them(tiny_model):
@@ -201,4 +193,4 @@ def test_a_dead_or_stuck_core_fails_every_request_and_leaves_no_process(tiny_mod
     assert all(e.startswith("the engine failed: ") and want in e for e in errors), errors
     assert took < 30
     assert states == [EngineState.READY, EngineState.DEAD]
-    assert not _alive(pid)
+    assert not alive(pid)

@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 
+from kvserve.benchmarks.procfs import alive, children
 from kvserve.clients import Client
 from kvserve.clients.messages import build_request
 from kvserve.service.process import ServerProcess
@@ -38,28 +39,6 @@ def _server(model: str, *flags: str) -> ServerProcess:
 
 def _core_pid(server: ServerProcess) -> int:
     return int(re.search(r"engine core: pid (\d+)", server.log_text()).group(1))
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 async def _streams_after(target: str, n: int, hurt) -> list[grpc.aio.AioRpcError | None]:
@@ -92,7 +71,7 @@ def test_core_killed_mid_stream_fails_streams_and_the_server_exits_1(tiny_model)
     server = _server(tiny_model)
     try:
         core = _core_pid(server)
-        workers = _children(core)
+        workers = children(core)
         assert workers, "the tensor-parallel worker should be a child of the core"
         ends = asyncio.run(asyncio.wait_for(_streams_after(server.target, 3, lambda: os.kill(core, 9)), 60))
         _check_unavailable(ends, "was killed by SIGKILL")
@@ -101,14 +80,14 @@ def test_core_killed_mid_stream_fails_streams_and_the_server_exits_1(tiny_model)
     finally:
         server.stop()
     time.sleep(0.5)
-    assert not any(_alive(p) for p in [core, *workers]), "an engine process outlived the server"
+    assert not any(alive(p) for p in [core, *workers]), "an engine process outlived the server"
 
 
 def test_stopped_worker_trips_the_step_timeout_and_shutdown_kills_it(tiny_model):
     server = _server(tiny_model)
     try:
         core = _core_pid(server)
-        workers = _children(core)
+        workers = children(core)
         stop_worker = lambda: [os.kill(w, signal.SIGSTOP) for w in workers]  # noqa: E731
         t0 = time.monotonic()
         ends = asyncio.run(asyncio.wait_for(_streams_after(server.target, 2, stop_worker), 60))
@@ -119,7 +98,7 @@ def test_stopped_worker_trips_the_step_timeout_and_shutdown_kills_it(tiny_model)
     finally:
         server.stop()
     time.sleep(0.5)
-    assert not any(_alive(p) for p in [core, *workers]), "a stopped worker outlived the server"
+    assert not any(alive(p) for p in [core, *workers]), "a stopped worker outlived the server"
 
 
 def test_without_exit_on_failure_the_server_stays_up_not_serving(tiny_model):

@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvserve.benchmarks.procfs import process_tree
 from kvserve.clients import AsyncClient, Client
 from kvserve.service.testing import wait_until_idle
 
@@ -100,16 +101,6 @@ ALLOWED = {
     "oversized": {INVALID},
     "burst": {OK, EXHAUSTED},
 }
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (the engine core, tensor-parallel workers)."""
-    pids, i = [pid], 0
-    while i < len(pids):
-        for task in Path(f"/proc/{pids[i]}/task").iterdir():
-            pids += [int(c) for c in (task / "children").read_text().split()]
-        i += 1
-    return pids
 
 
 def rss_mib(pid: int) -> tuple[float, float]:

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config
 
+from kvserve.benchmarks.procfs import alive
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.distributed import PayloadTooLargeError
@@ -288,7 +289,7 @@ def test_workers_exit_when_the_leader_is_killed(qwen_model):
         assert len(pids) == 1
         leader.kill()
         leader.wait()
-        while [pid for pid in pids if _running(pid)]:  # each worker notices its parent is gone
+        while [pid for pid in pids if alive(pid)]:  # each worker notices its parent is gone
             time.sleep(0.1)
         while shm_segments() != segments:  # the resource tracker removes what the leader left
             time.sleep(0.1)
@@ -307,15 +308,6 @@ executor = create_executor(EngineConfig(model=sys.argv[1], dtype="float32", devi
 print(*executor.worker_pids, flush=True)
 time.sleep(600)
 """
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie is its new parent's to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_tp_size_that_does_not_divide_the_heads_is_refused_before_any_process_starts():

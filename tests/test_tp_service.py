@@ -6,33 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 
+from kvserve.benchmarks.procfs import alive, children
 from kvserve.clients import Client
 from kvserve.service.process import ServerProcess
 
 pytest_plugins = ["kvserve.service.testing"]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is as good as gone
-        return f.read().split()[2] != "Z"
 
 
 @pytest.fixture(scope="module")

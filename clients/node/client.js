@@ -3,6 +3,7 @@
 //
 //   npm install
 //   node client.js --target 127.0.0.1:50051 --prompt "Write a haiku about the sea." --max-tokens 32
+//   node client.js --logprobs 2 ...   then one line per token: id, text, log probability, top 2
 //   node client.js --json ...    one JSON line per message (what tests read)
 //   node client.js --stats       the Stats RPC
 //   node client.js --tls-ca ca.pem [--tls-cert client.pem --tls-key client.key] ...   TLS / mutual TLS
@@ -29,6 +30,7 @@ function parseArgs(argv) {
     else if (a === '--prompt') opts.prompt = argv[++i];
     else if (a === '--max-tokens') opts.maxTokens = Number(argv[++i]);
     else if (a === '--temperature') opts.temperature = Number(argv[++i]);
+    else if (a === '--logprobs') opts.logprobs = Number(argv[++i]);
     else if (a === '--json') opts.json = true;
     else if (a === '--stats') opts.stats = true;
     else if (a === '--tls') opts.tls = true;
@@ -75,17 +77,31 @@ function stats(client, opts) {
   });
 }
 
+// The table `kvserve generate --logprobs` prints: per token its id, its text (TokenLogprob.token:
+// the token decoded alone, as a JSON string), its log probability and the top alternatives (id,
+// text and log probability each).
+function logprobTable(rows) {
+  const quoted = (token) => JSON.stringify(token);
+  const lines = [`${'id'.padStart(7)} ${'token'.padEnd(16)} ${'logprob'.padStart(8)}   top alternatives`];
+  for (const lp of rows) {
+    const top = lp.top.map((t) => `${t.token_id} ${quoted(t.token)} ${t.logprob.toFixed(3)}`).join(', ');
+    lines.push(`${String(lp.token_id).padStart(7)} ${quoted(lp.token).padEnd(16)} ` +
+      `${lp.logprob.toFixed(3).padStart(8)}   ${top}`);
+  }
+  return lines.join('\n');
+}
+
 function stream(client, opts) {
-  const request = {
-    prompt: opts.prompt,
-    sampling: { temperature: opts.temperature, max_tokens: opts.maxTokens },
-  };
-  const call = client.Stream(request, metadata(opts));
+  const sampling = { temperature: opts.temperature, max_tokens: opts.maxTokens };
+  if (opts.logprobs !== undefined) sampling.logprobs = opts.logprobs;
+  const call = client.Stream({ prompt: opts.prompt, sampling }, metadata(opts));
+  const logprobs = [];
   call.on('data', (msg) => {
     if (opts.json) {
       console.log(JSON.stringify(msg));
     } else {
       process.stdout.write(msg.text);
+      logprobs.push(...msg.logprobs);
       if (msg.finish_reason !== 'FINISH_REASON_UNSPECIFIED') {
         const u = msg.usage;
         const t = msg.timing;
@@ -95,7 +111,10 @@ function stream(client, opts) {
     }
   });
   call.on('error', fail);
-  call.on('end', () => client.close());
+  call.on('end', () => {
+    if (opts.logprobs && !opts.json) console.log(`\n${logprobTable(logprobs)}`);
+    client.close();
+  });
 }
 
 function fail(err) {
