@@ -222,62 +222,6 @@ static inline __attribute__((always_inline)) __m512 dot_key(const char *k, const
     return s;
 }
 
-#if defined(__AVX512BF16__)
-/* The values' pass for bfloat16 caches: two keys' weights at a time, rounded to a bfloat16 pair
- * (as torch's bfloat16 attention rounds its probabilities before multiplying by V), dotted with
- * the two value rows interleaved, so each instruction does two keys' multiply-adds with no
- * conversion. Each head's weights are first packed in place over its float scores, which they
- * replace (they are not read again). The accumulators come out with dims permuted within each
- * 32 (see the caller). Needs an even block size: pairs never straddle blocks. */
-static inline __attribute__((always_inline)) void values_bf16_pairs(
-        const cache_t *c, const int32_t *table, int ctx, int kv_head, float *scores, const int G, const int D,
-        __m512 (*a)[8]) {
-    const int bs = c->block_size;
-    const int64_t head_base = (int64_t)kv_head * c->num_blocks;
-    const int64_t row_bytes = (int64_t)D * 2, block_bytes = bs * row_bytes;
-    const int last = (ctx - 1) / bs;
-    for (int j = 0; j < G; ++j) {
-        float *s = scores + j * ctx;
-        /* written behind the reads, within the head's own row: ctx weights (and a zero to pair
-         * with an odd last one) in 2 (ctx + 1) <= 4 ctx bytes */
-        uint16_t *packed = (uint16_t *)s;
-        const int padded = ctx + (ctx & 1);
-        for (int p = 0; p < padded; p += 32) {
-            const int left = ctx - p, out = padded - p < 32 ? padded - p : 32;
-            const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);
-            const __mmask16 m1 = left >= 32 ? 0xFFFF : (left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u));
-            const __m512 x0 = _mm512_maskz_loadu_ps(m0, s + p), x1 = _mm512_maskz_loadu_ps(m1, s + p + 16);
-            const __mmask32 store = out == 32 ? 0xFFFFFFFFu : (__mmask32)((1u << out) - 1u);
-            _mm512_mask_storeu_epi16(packed + p, store, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-        }
-    }
-    for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
-        const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
-        prefetch_while_values(c, table, head_base, block_bytes, b, last);
-        const char *vb = c->v_cache + (head_base + table[b]) * block_bytes;
-        for (int t = 0; t < n; t += 2) {
-            __m512i lo[4], hi[4];
-            for (int u = 0; u < D / 32; ++u) {
-                const __m512i x0 = _mm512_loadu_si512(vb + t * row_bytes + u * 64);
-                /* past the context's end the row may hold anything (NaN times a zero weight is NaN) */
-                const __m512i x1 = t + 1 < n ? _mm512_loadu_si512(vb + (t + 1) * row_bytes + u * 64)
-                                             : _mm512_setzero_si512();
-                lo[u] = _mm512_unpacklo_epi16(x0, x1);
-                hi[u] = _mm512_unpackhi_epi16(x0, x1);
-            }
-            for (int j = 0; j < G; ++j) {
-                const uint32_t *pairs = (const uint32_t *)(scores + j * ctx);
-                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[(pos0 + t) / 2]);
-                for (int u = 0; u < D / 32; ++u) {
-                    a[j][2 * u] = _mm512_dpbf16_ps(a[j][2 * u], (__m512bh)lo[u], w);
-                    a[j][2 * u + 1] = _mm512_dpbf16_ps(a[j][2 * u + 1], (__m512bh)hi[u], w);
-                }
-            }
-        }
-    }
-}
-#endif
-
 /* One (sequence, KV head) with G query heads of D dims; q points at the first query head's row
  * (heads q_head_stride elements apart), unscaled. The scores are scaled as they come out. */
 static inline __attribute__((always_inline)) void attend_fast(
@@ -342,24 +286,6 @@ static inline __attribute__((always_inline)) void attend_fast(
     __m512 a[8][MAXV];
     for (int j = 0; j < G; ++j)
         for (int v = 0; v < V; ++v) a[j][v] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-    if (c->dtype == DTYPE_BF16 && bs % 2 == 0) {
-        values_bf16_pairs(c, table, ctx, kv_head, scores, G, D, a);
-        /* lane 4L + k of a[j][2u] is dim 32u + 8L + k, of a[j][2u + 1] dim 32u + 8L + 4 + k */
-        for (int j = 0; j < G; ++j)
-            for (int u = 0; u < V / 2; ++u) {
-                float lo[16], hi[16];
-                _mm512_storeu_ps(lo, a[j][2 * u]);
-                _mm512_storeu_ps(hi, a[j][2 * u + 1]);
-                for (int L = 0; L < 4; ++L)
-                    for (int k = 0; k < 4; ++k) {
-                        acc[j * D + 32 * u + 8 * L + k] = lo[4 * L + k];
-                        acc[j * D + 32 * u + 8 * L + 4 + k] = hi[4 * L + k];
-                    }
-            }
-        return;
-    }
-#endif
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
         prefetch_while_values(c, table, head_base, block_bytes, b, last);
