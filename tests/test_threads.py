@@ -72,12 +72,17 @@ def test_runner_runs_with_the_configured_threads_and_restores_them(tiny_qwen2_di
     assert torch.get_num_threads() == before
 
 
-def test_importing_kvserve_makes_openmp_wait_passively():
-    """Set before torch loads the OpenMP runtime; a policy the user chose is kept."""
-    code = "import os, kvserve.engine.llm, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split()[-1] == "PASSIVE"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.split()[-1] == "ACTIVE"
+def test_importing_kvserve_bounds_openmp_spinning():
+    """Set before torch loads the OpenMP runtime; a wait policy or spin count the user chose is kept."""
+    code = ("import os, kvserve.engine.llm, torch; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,
+                             text=True, check=True)
+        return out.stdout.split()[-2:]
+
+    assert run() == ["None", "1000"]
+    assert run(OMP_WAIT_POLICY="PASSIVE") == ["PASSIVE", "None"]
+    assert run(GOMP_SPINCOUNT="50") == ["None", "50"]
