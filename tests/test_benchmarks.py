@@ -81,8 +81,13 @@ def test_profile_step_interleaves_rounds_and_reports_the_ratios(tiny_llama, caps
     out = tmp_path / "step.json"
     result = profile_step.main(["--model", tiny_llama, "--dtype", "float32", "--batch", "4",
                                 "--context", "24", "--steps", "2", "--rounds", "3", "--prefill-chunks", "2",
-                                "--max-num-batched-tokens", "64", "--json", str(out)])
+                                "--max-num-batched-tokens", "64", "--compete", "1", "--json", str(out)])
     decode, prefill = result["decode"], result["prefill"]
+    # the busy process's CPU is measured per round (CPU clocks advance at scheduler ticks: rounds of
+    # a few ms read coarse values; the benchmark's real rounds last ~0.5 s)
+    assert len(decode["rounds_busy_cpus"]) == 3
+    assert round(decode["busy_cpus"], 3) in decode["rounds_busy_cpus"]
+    assert decode["busy_cpus"] >= 0 and decode["cpus_used"] > 0 and decode["step_ms_beside_busy"] > 0
     assert len(decode["rounds_step_ms"]) == len(decode["rounds_matmul_ms"]) == 3
     assert decode["step_ms"] == pytest.approx(min(decode["rounds_step_ms"]), abs=0.01)
     assert decode["step_over_matmul"] == pytest.approx(decode["step_ms"] / decode["matmul_ms"])
@@ -91,4 +96,16 @@ def test_profile_step_interleaves_rounds_and_reports_the_ratios(tiny_llama, caps
     assert prefill["share_of_matmul_rate"] == pytest.approx(share)
     assert json.loads(out.read_text())["decode"]["batch"] == 4
     printed = capsys.readouterr().out
-    assert "step / matmul" in printed and "of it" in printed
+    assert "step / matmul" in printed and "of it" in printed and "in proportion to the CPU taken" in printed
+
+
+def test_attention_benchmark_compares_the_kernel_with_torch(tmp_path):
+    from kvserve.benchmarks import attention_cpu
+
+    result = attention_cpu.main(["--dtype", "float32", "--batch", "3", "--context", "40", "--layers", "2",
+                                 "--prefill", "2x20", "1x33", "--repeats", "1",
+                                 "--json", str(tmp_path / "a.json")])
+    assert result["decode"]["max_abs_diff"] < 1e-4 and result["decode"]["speedup"] > 0
+    assert [(p["prompts"], p["length"]) for p in result["prefill"]] == [(2, 20), (1, 33)]
+    assert all(p["max_abs_diff"] < 1e-4 for p in result["prefill"])
+    assert json.loads((tmp_path / "a.json").read_text())["decode"]["batch"] == 3
