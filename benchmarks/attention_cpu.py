@@ -16,12 +16,12 @@ largest difference between the two outputs is printed beside the ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.benchmarks import write_json
 from kvserve.kernels.cpu_kernels import DTYPES, load_kernels
 
 
@@ -161,9 +161,7 @@ def main(argv=None) -> dict:
     for p in result["prefill"]:
         print(f"prefill, {p['prompts']} x {p['length']} tokens, one layer: kernel {p['kernel_ms']:.2f} ms, "
               f"torch SDPA {p['sdpa_ms']:.2f} ms: {p['speedup']:.2f}x (max |diff| {p['max_abs_diff']:.4f})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return result
 
 

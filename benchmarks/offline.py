@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import random
 import time
 
 import torch
 
+from kvserve.benchmarks import write_json
 from kvserve.benchmarks.ceiling import (
     MatmulCeiling,
     ideal_workload_time,
@@ -266,9 +266,7 @@ def main(argv=None) -> dict | None:
             print(f"transformers {peer['seconds']:8.2f} s  {peer['output_tok_s']:8.1f} output tok/s  "
                   f"({peer['mode']})")
             print(f"ratio kvserve / transformers = {result['kvserve_over_transformers']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     if args.plot:
         from kvserve.benchmarks.plots import plot_offline
 

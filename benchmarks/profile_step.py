@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import time
 
 import torch
 
+from kvserve.benchmarks import write_json
 from kvserve.benchmarks.ceiling import MatmulCeiling
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.loader import load_hf_config
@@ -316,9 +316,7 @@ def main(argv=None) -> dict:
     result = {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "decode": decode, "prefill": prefill}
     _print_result(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return result
 
 
@@ -333,9 +331,7 @@ def _host_main(llm: LLM, args) -> dict:
     print(f"host CPU per decode step {where}, batch {h['batch']}, contexts "
           f"{h['context']}±{h['context_spread']}, {h['steps']} steps: {h['host_ms']:.2f} ms besides "
           f"the forward ({h['forward_cpu_ms']:.2f} ms); by stage (ms): {stages}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return result
 
 

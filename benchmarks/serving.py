@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvserve.benchmarks import write_json
 from kvserve.benchmarks.procfs import process_tree_cpu_s
 
 ENGINE_FLAGS = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
@@ -310,9 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         results["in_process"] = {**summarize(traces, wall_s), "cpu_s": cpu_s, "cpu_label": "this process"}
         print_report("in-process engine", results["in_process"])
         results["ratio"] = print_ratios(results["service"], results["in_process"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "json"}, **results}, f, indent=2)
+    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"}, **results})
     return 0
 
 

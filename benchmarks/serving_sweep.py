@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 
+from kvserve.benchmarks import write_json
 from kvserve.benchmarks.serving import Request, print_report, run_grpc, server_flags, summarize
 
 
@@ -25,9 +25,7 @@ def run_sweep(args: argparse.Namespace, work: list[Request], levels: list[int]) 
             print_report(f"service (gRPC), concurrency {level}", runs[-1])
     result = {"levels": levels, "service": runs, "workload": workload,
               "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     if args.plot:
         from kvserve.benchmarks.plots import plot_serving_sweep
 

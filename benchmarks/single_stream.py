@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.benchmarks import write_json
 from kvserve.benchmarks.offline import make_requests
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.loader import resolve_model
@@ -168,9 +169,7 @@ def main(argv=None) -> dict:
         compare_with_peer(results, peer)
     report(results, peer, skipped)
     figures = {"kvserve": results, "llama.cpp": peer, "peer_skipped": skipped}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_json(args.json, figures)
     return figures
 
 
