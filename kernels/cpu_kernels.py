@@ -53,7 +53,7 @@ MAX_GROUP = 64
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "paged_decode": [_P, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _P, _P, _I32, _I32, _I32, _I32,
+    "paged_decode": [_P, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32,
                      _F32, _P, _I64, _I64, _I32, _I32],
     "rms_norm": [_P, _I64, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _I32, _I32],
     "silu_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
@@ -159,23 +159,24 @@ class CpuKernels:
         ``seq_lens[seq_ids[i]]`` (decodes).
 
         q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous; block_tables
-        int32 [S, W]; seq_lens, seq_ids, tokens, ctx_lens int32.
+        int32 [S, W]; seq_lens, seq_ids, tokens, ctx_lens int32 (``seq_lens`` is read only when
+        ``ctx_lens`` is None).
         """
         kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out, k_cache, v_cache)):
             raise ValueError("paged_decode: caches must be contiguous, q/out rows contiguous, one dtype "
                              "throughout")
         block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-        seq_lens, seq_ids, tokens = (t.contiguous() for t in (seq_lens, seq_ids, tokens))
-        if ctx_lens is not None:
-            ctx_lens = ctx_lens.contiguous()
-            if ctx_lens.numel() != seq_ids.numel():
-                raise ValueError("paged_decode: one ctx_lens entry per query")
+        seq_ids, tokens = seq_ids.contiguous(), tokens.contiguous()
+        if ctx_lens is None:  # decodes: each over its sequence's whole context
+            ctx_lens = seq_lens.index_select(0, seq_ids.long())
+        elif ctx_lens.numel() != seq_ids.numel():
+            raise ValueError("paged_decode: one ctx_lens entry per query")
+        ctx_lens = ctx_lens.contiguous()
         _check(self._lib.paged_decode(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
-            block_size, block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-            seq_ids.data_ptr(), tokens.data_ptr(), None if ctx_lens is None else ctx_lens.data_ptr(),
-            seq_ids.numel(), q.shape[1], kv_heads, head_dim, scale,
+            block_size, block_tables.data_ptr(), block_tables.stride(0), seq_ids.data_ptr(),
+            tokens.data_ptr(), ctx_lens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, head_dim, scale,
             out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], torch.get_num_threads(),
         ), "paged_decode")
 
@@ -233,33 +234,25 @@ class CpuKernels:
         ), "store_kv (slot out of range)")
 
 
-    def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     scales: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for 2-D ``x`` of at most 8 rows (SMALL_ROWS in the C source):
-        one pass over the weight, at memory speed."""
+        one pass over the weight, at memory speed. With ``scales``, ``weight`` is int8 [out, in] with
+        one scale per output row (in x's dtype)."""
         rows, k_in = x.shape
         n_out = weight.shape[0]
         y = torch.empty(rows, n_out, dtype=x.dtype)
-        _check(self._lib.small_linear(
-            x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), rows, n_out, k_in,
-            DTYPES[x.dtype], torch.get_num_threads(),
-        ), "small_linear")
-        return y
-
-    def small_linear_int8(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-        """``small_linear`` for an int8 weight [out, in] with one scale per output row (in x's dtype)."""
-        rows, k_in = x.shape
-        n_out = qweight.shape[0]
-        if qweight.dtype != torch.int8 or qweight.stride(1) != 1:
-            raise ValueError("small_linear_int8: an int8 weight with contiguous rows")
+        bias_ptr = None if bias is None else bias.data_ptr()
+        tail = (y.data_ptr(), y.stride(0), rows, n_out, k_in, DTYPES[x.dtype], torch.get_num_threads())
+        if scales is None:
+            _check(self._lib.small_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                          bias_ptr, *tail), "small_linear")
+            return y
+        if weight.dtype != torch.int8 or weight.stride(1) != 1:
+            raise ValueError("small_linear: an int8 weight with contiguous rows goes with scales")
         scales = scales.contiguous()
-        y = torch.empty(rows, n_out, dtype=x.dtype)
-        _check(self._lib.small_linear_int8(
-            x.data_ptr(), x.stride(0), qweight.data_ptr(), qweight.stride(0), scales.data_ptr(),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), rows, n_out, k_in,
-            DTYPES[x.dtype], torch.get_num_threads(),
-        ), "small_linear_int8")
+        _check(self._lib.small_linear_int8(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                           scales.data_ptr(), bias_ptr, *tail), "small_linear_int8")
         return y
 
     def inverse_cdf_draw(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from kvserve.benchmarks.attention_cpu import step_input
 from kvserve.engine.layers import attention_torch
 from kvserve.engine.layers.attention import create_attention_backend
 from kvserve.engine.model_input import ModelInput
@@ -91,18 +92,7 @@ def test_kernel_refuses_mismatched_layouts():
 def mixed_step(block_size: int) -> ModelInput:
     """A step with two decodes (contexts 37 and 5), a prefill chunk after cached context and a
     fresh prompt, over block tables that are not in order."""
-    inp = ModelInput([], [], [], [], [], [], [])
-    seqs = [([9, 2, 14], 36, 1), ([5], 4, 1), ([7, 1, 3], 20, 9), ([11, 12], 0, 6)]
-    for blocks, cached, n in seqs:
-        positions = list(range(cached, cached + n))
-        inp.input_ids += [1] * n
-        inp.positions += positions
-        inp.slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in positions]
-        inp.query_lens.append(n)
-        inp.context_lens.append(cached + n)
-        inp.block_tables.append(blocks[: -(-(cached + n) // block_size)])
-        inp.logits_indices.append(len(inp.input_ids) - 1)
-    return inp
+    return step_input(block_size, [([9, 2, 14], 36, 1), ([5], 4, 1), ([7, 1, 3], 20, 9), ([11, 12], 0, 6)])
 
 
 @pytest.mark.parametrize("head_dim", [32, 64])  # the portable and the AVX-512 paths

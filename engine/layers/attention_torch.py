@@ -94,14 +94,12 @@ class _HostStep(NamedTuple):
 class TorchAttentionMetadata(AttentionMetadata):
     store_tokens: torch.Tensor | None = None  # tokens whose slot is not -1; None = every token
     store_slots: torch.Tensor | None = None  # their slots (``slot_mapping`` when None above)
-    decode_seqs: torch.Tensor | None = None  # int32: the decoding sequences (None: no decode)
-    decode_tokens: torch.Tensor | None = None  # int32: where their queries sit in the flat batch
-    plan_decode: Callable[[], DecodePlan] | None = None  # the torch-ops plan, made on first use
+    plan_decode: Callable[[], DecodePlan] | None = None  # the torch-ops decode plan, made on first use
     decode: DecodePlan | None = None
     prefills: list[PrefillPlan] = field(default_factory=list)
-    # with prefills, every token as a query of the CPU kernel (None when a token's K/V is not
-    # stored: the kernel reads keys from the cache): int32 tokens, their sequences, and how many
-    # keys each sees (its position + 1)
+    # the CPU kernel's queries: every token when each one's K/V is stored (the kernel reads keys
+    # from the cache), else the decodes only; int32 rows, their sequences, and how many keys each
+    # sees (its position + 1). None: no query for the kernel.
     query_tokens: torch.Tensor | None = None
     query_seqs: torch.Tensor | None = None
     query_ctx: torch.Tensor | None = None
@@ -129,17 +127,17 @@ class TorchAttentionBackend(AttentionBackend):
         step = self._host_step(inp)  # host-side numpy: no device sync
         decode_seqs = np.flatnonzero(step.query_lens == 1)
         if decode_seqs.size:
-            meta.decode_seqs = to_device(decode_seqs, device, torch.int32)
-            meta.decode_tokens = to_device(step.starts[decode_seqs], device, torch.int32)
             meta.plan_decode = lambda: self._plan_decode(step, decode_seqs, device)
         meta.prefills = [self._plan_prefill(step, i, device) for i in np.flatnonzero(step.query_lens > 1)]
-        if meta.prefills and meta.store_tokens is None:
-            q_lens = step.query_lens
-            first_pos = np.repeat(step.context_lens - q_lens, q_lens)  # its sequence's first new position
-            offset = np.arange(step.starts[-1]) - np.repeat(step.starts[:-1], q_lens)
-            meta.query_tokens = to_device(np.arange(step.starts[-1]), device, torch.int32)
-            meta.query_seqs = to_device(np.repeat(np.arange(len(q_lens)), q_lens), device, torch.int32)
-            meta.query_ctx = to_device(first_pos + offset + 1, device, torch.int32)
+        if meta.store_tokens is None:
+            queried = np.arange(step.starts[-1])
+            seq_of = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+        else:
+            queried, seq_of = step.starts[decode_seqs], decode_seqs
+        if queried.size:
+            meta.query_tokens = to_device(queried, device, torch.int32)
+            meta.query_seqs = to_device(seq_of, device, torch.int32)
+            meta.query_ctx = to_device(np.asarray(inp.positions)[queried] + 1, device, torch.int32)
         return meta
 
     def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
@@ -220,20 +218,16 @@ class TorchAttentionImpl(AttentionImpl):
         out = torch.empty_like(q)
         kernels = kernels_for(q, k, v, k_cache, v_cache, out)  # CPU, one supported dtype: the C kernels
         self._store(k, v, k_cache, v_cache, meta, kernels)
-        if kernels is not None and self._kernel_shapes and meta.query_ctx is not None:
+        if kernels is not None and self._kernel_shapes and meta.query_tokens is not None:
             # prefill and decode tokens alike: each query over the cached keys up to its position
             kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_seqs,
                                  meta.query_tokens, out, self.scale, ctx_lens=meta.query_ctx)
-            return out
-        if meta.decode_seqs is not None:
-            if kernels is not None and self._kernel_shapes:
-                kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.decode_seqs,
-                                     meta.decode_tokens, out, self.scale)
-            else:
-                decode = meta.decode_plan()
-                parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g)
-                         for g in decode.groups]
-                out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
+            if meta.store_tokens is None:
+                return out  # every token was a query
+        elif meta.plan_decode is not None:
+            decode = meta.decode_plan()
+            parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g) for g in decode.groups]
+            out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
         for plan in meta.prefills:
             out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
         return out

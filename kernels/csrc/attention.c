@@ -70,6 +70,17 @@ static inline void prefetch_while_values(const cache_t *c, const int32_t *table,
         prefetch_block(c->v_cache + (head_base + table[b + PREFETCH_BLOCKS]) * block_bytes, block_bytes);
 }
 
+/* s[p] = exp(s[p] - max) for the ctx scores of one head; returns their sum (the softmax's
+ * denominator). */
+static inline float exp_in_place(float *restrict s, int ctx, float max) {
+    float sum = 0.f;
+    for (int p = 0; p < ctx; ++p) {
+        s[p] = fast_exp(s[p] - max);
+        sum += s[p];
+    }
+    return sum;
+}
+
 /* Per-thread scratch: the query rows, the accumulators, one block as floats, the scores. */
 typedef struct {
     float *q, *acc, *block, *scores;
@@ -106,12 +117,7 @@ static inline __attribute__((always_inline)) void attend(
         float *restrict s = scores + j * ctx;
         float m = s[0];
         for (int p = 1; p < ctx; ++p) m = s[p] > m ? s[p] : m;
-        float sum = 0.f;
-        for (int p = 0; p < ctx; ++p) {
-            s[p] = fast_exp(s[p] - m);
-            sum += s[p];
-        }
-        acc[group * D + j] = 1.f / sum;
+        acc[group * D + j] = 1.f / exp_in_place(s, ctx, m);
     }
     memset(acc, 0, sizeof(float) * (size_t)group * D);
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
@@ -242,9 +248,12 @@ static inline __attribute__((always_inline)) void attend_fast(
             for (int v = 0; v < V / 2; ++v)
                 qh[j][v] = (__m512bh)_mm512_loadu_si512(q + j * q_head_bytes + v * 64);
 #endif
-    __m512 qf[8][MAXV];
-    for (int j = 0; j < G; ++j)
-        for (int v = 0; v < V; ++v) qf[j][v] = load16(q + j * q_head_bytes + v * 16 * elem, c->dtype);
+    __m512 qf[8][MAXV]; /* as floats: read by dot_key unless it dots bfloat16 pairs */
+#if defined(__AVX512BF16__)
+    if (c->dtype != DTYPE_BF16)
+#endif
+        for (int j = 0; j < G; ++j)
+            for (int v = 0; v < V; ++v) qf[j][v] = load16(q + j * q_head_bytes + v * 16 * elem, c->dtype);
 
     __m512 vmax[8]; /* each head's running maximum score, lane-wise */
     for (int j = 0; j < G; ++j) vmax[j] = _mm512_set1_ps(-INFINITY);
@@ -275,13 +284,7 @@ static inline __attribute__((always_inline)) void attend_fast(
     /* softmax per query head, in place; 1 / sum kept in acc's tail */
     for (int j = 0; j < G; ++j) {
         float *restrict s = scores + j * ctx;
-        const float mx = _mm512_reduce_max_ps(vmax[j]);
-        float sum = 0.f;
-        for (int p = 0; p < ctx; ++p) {
-            s[p] = fast_exp(s[p] - mx);
-            sum += s[p];
-        }
-        acc[G * D + j] = 1.f / sum;
+        acc[G * D + j] = 1.f / exp_in_place(s, ctx, _mm512_reduce_max_ps(vmax[j]));
     }
     __m512 a[8][MAXV];
     for (int j = 0; j < G; ++j)
@@ -328,14 +331,13 @@ static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx,
 }
 #endif
 
-/* For each i: out[tokens[i]] = attention of q[tokens[i]] over the first ctx_i keys and values in
- * the blocks of block_tables[seq_ids[i]], where ctx_i is ctx_lens[i] when ctx_lens is given (a
- * prefill's tokens: each sees the keys up to its own position) and seq_lens[seq_ids[i]] when it is
- * NULL (decodes). Strides are in elements. Returns 0, 1 for shapes it does not take, 2 when
- * scratch memory could not be had. */
+/* For each i: out[tokens[i]] = attention of q[tokens[i]] over the first ctx_lens[i] keys and
+ * values in the blocks of block_tables[seq_ids[i]] (a decode sees its whole context, a prefill
+ * token the keys up to its own position). Strides are in elements. Returns 0, 1 for shapes it does
+ * not take, 2 when scratch memory could not be had. */
 int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
                  const void *v_cache, int64_t num_blocks, int block_size, const int32_t *block_tables,
-                 int64_t table_stride, const int32_t *seq_lens, const int32_t *seq_ids,
+                 int64_t table_stride, const int32_t *seq_ids,
                  const int32_t *tokens, const int32_t *ctx_lens, int num_queries, int num_heads, int num_kv_heads, int head_dim,
                  float scale, void *out, int64_t out_token_stride, int64_t out_head_stride, int dtype,
                  int num_threads) {
@@ -347,8 +349,7 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype, elem};
     int max_ctx = 1;
     for (int i = 0; i < num_queries; ++i) {
-        const int ctx = ctx_lens ? ctx_lens[i] : seq_lens[seq_ids[i]];
-        max_ctx = ctx > max_ctx ? ctx : max_ctx;
+        max_ctx = ctx_lens[i] > max_ctx ? ctx_lens[i] : max_ctx;
     }
     const int items = num_queries * num_kv_heads;
     /* every thread's scratch in one allocation, made before the team starts: each thread reaches
@@ -366,7 +367,7 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; ++item) {
             const int i = item / num_kv_heads, kv_head = item % num_kv_heads;
-            const int seq = seq_ids[i], ctx = ctx_lens ? ctx_lens[i] : seq_lens[seq];
+            const int seq = seq_ids[i], ctx = ctx_lens[i];
             if (ctx <= 0) continue;
             const int64_t token = tokens[i];
             const int h0 = kv_head * group;
