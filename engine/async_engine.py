@@ -171,7 +171,7 @@ class AsyncEngine:
         finally:
             self._tokenizing -= 1
             self._check_idle()
-        if self._state not in (EngineState.READY, EngineState.DRAINING):
+        if not self._serving():
             raise EngineUnavailable(self._unavailable_reason())
         key = f"{request_id}#{next(self._ids)}"
         stream = RequestStream(key, self._release, params.n, text)
@@ -208,7 +208,7 @@ class AsyncEngine:
         return await self._loop.run_in_executor(self._pool, self._encode, prompt, messages)
 
     async def _call_core(self, name: str) -> dict:
-        if self._state in (EngineState.LOADING, EngineState.DEAD, EngineState.STOPPED):
+        if not self._serving():
             raise EngineUnavailable(self._unavailable_reason())
         return await self._core.call(name)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvserve.engine.model_input import blocks_for
 from kvserve.engine.sequence import Sequence
 
 
@@ -80,7 +81,7 @@ class BlockManager:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def check_integrity(self) -> None:
         """Invariants tests can call: refcounts match the free list; the hash table is consistent."""

@@ -215,7 +215,8 @@ class CoreClient:
         self._batch = _fresh_batch()
         self._seq += 1
         batch.seq = self._seq
-        self._sent.append((self._seq, len(batch.new)))
+        if batch.new:  # aborts, stops and calls alone add nothing to ``unacked``
+            self._sent.append((self._seq, len(batch.new)))
         sent = self._process.send(self._codec.encode(batch))
         if not sent and not batch.shutdown:
             # only possible before the core connects or after it died: nothing can be served

@@ -197,7 +197,7 @@ class TensorParallelExecutor:
     # ---- the leader thread's work ---------------------------------------------------------------
     def _start_leader(self) -> int:
         """Rank 0's start-up, mirrored by every worker: groups, runner, handshake."""
-        pin_device(self.config, 0, self.tp_size // self.config.nnodes)
+        pin_device(self.config, 0)
         # join only once every rank is about to: a rank that died first would stall the join
         tpd.wait_for_ranks(self._store, range(1, self.tp_size), lambda: self._closed, self._timeout_s)
         group, control = tpd.init_groups(self._store, 0, self.tp_size,

@@ -20,7 +20,6 @@ Not glibc (musl, macOS): nothing to tune, ``tune_malloc`` returns False.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
@@ -33,12 +32,8 @@ TRIM_THRESHOLD = 1 << 30
 @functools.cache
 def tune_malloc() -> bool:
     """Apply the thresholds above to this process's glibc malloc; True when applied."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+    try:  # the symbols already loaded into this process (libc among them): no ldconfig lookup
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

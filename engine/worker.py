@@ -39,7 +39,6 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel import ParallelContext
-from kvserve.engine.threads import intra_op_threads
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ def _start(spec: WorkerSpec, launch: tpd.Launch, store, doorbell) -> tuple[Model
     """Mirror of the leader's start-up, in the same order: groups, runner, handshake."""
     config = launch.config if spec.model is None else launch.config.replace(model=spec.model)
     world = config.tensor_parallel_size
-    pin_device(config, spec.local_rank, world // config.nnodes)
+    pin_device(config, spec.local_rank)
     tpd.announce_rank(store, spec.rank)
     group, control = tpd.init_groups(store, spec.rank, world, tpd.collective_backend(config.device),
                                      launch.timeout_s)
@@ -99,11 +98,10 @@ def _serve(runner: ModelRunner, receiver: tpd.Receiver) -> None:
             raise RuntimeError(f"unknown tensor-parallel command {cmd.name!r}")
 
 
-def pin_device(config: EngineConfig, local_rank: int, local_world: int) -> None:
+def pin_device(config: EngineConfig, local_rank: int) -> None:
+    """A GPU rank's device; on the CPU, ``ModelRunner`` shares the machine's CPUs among the ranks."""
     if config.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
-    else:  # the ranks of one machine share the CPUs it may use (affinity, cgroup quota)
-        torch.set_num_threads(intra_op_threads(config.threads, local_world))
 
 
 # ---- further machines ---------------------------------------------------------------------------
@@ -152,6 +150,7 @@ class WorkerProcesses:
                 workers._procs[spec.rank] = Child("kvserve.engine.worker", args, pass_fds=tuple(fds))
         except BaseException:
             workers.reap(grace_s=0)
+            workers.close()  # the pidfds of those already started
             raise
         finally:
             workers._lifeline.close_read_end()

@@ -152,14 +152,14 @@ async def _serve(config: EngineConfig, settings: ServeSettings, credentials: grp
     print(f"kvserve: listening on {settings.host}:{port} (loading model {config.model!r})", file=sys.stderr,
           flush=True)
     try:
-        return await _run_until_stopped(server, engine, health, settings, config)
+        return await _run_until_stopped(server, engine, health, settings)
     finally:
         if health_server is not None:
             await health_server.stop(grace=None)
 
 
 async def _run_until_stopped(server: grpc.aio.Server, engine: AsyncEngine, health: Health,
-                             settings: ServeSettings, config: EngineConfig) -> int:
+                             settings: ServeSettings) -> int:
     stop = _stop_on_signals()
     engine.start()
     if await _first(engine.wait_ready(), stop.wait()) and engine.state == EngineState.DEAD:

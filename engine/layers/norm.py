@@ -21,11 +21,11 @@ class RMSNorm(nn.Module):
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. The sum is
         written into ``residual``: the decoder layers hand the running residual from one norm to
         the next and never read the old value again."""
-        if self.weight.dtype in DTYPES:  # on the CPU: one fused pass (kernels/csrc/elementwise.c)
-            if residual is None and x.dim() in (2, 3) and (kernels := kernels_for(x)) is not None:
-                return kernels.rms_norm(x, self.weight, self.eps)
-            if residual is not None and x.dim() == 2 and (kernels := kernels_for(x, residual)) is not None:
-                return kernels.rms_norm(x, self.weight, self.eps, residual), residual
+        # on the CPU: one fused pass (kernels/csrc/elementwise.c); 3-D (per-head) rows without residual
+        if (self.weight.dtype in DTYPES and (x.dim() == 2 or (residual is None and x.dim() == 3))
+                and (kernels := kernels_for(x, residual)) is not None):
+            out = kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._normalize(x)
         x = residual.add_(x)

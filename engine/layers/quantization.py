@@ -5,7 +5,7 @@ one scale per output row (symmetric, ``scale = max|w| / 127``); activations stay
 dtype. At a handful of rows a step only streams weights, so reading a byte instead of two per
 weight nearly halves it: those rows go through PyTorch's int8 weight-only kernel
 (``_weight_int8pack_mm``; one row, a single stream's step, through kernels/cpu_kernels.py's
-``small_linear_int8``, which reads the weight faster). At more rows the matmul is bound by
+``small_linear`` with scales, which reads the weight faster). At more rows the matmul is bound by
 arithmetic and that kernel is slower than the bf16 GEMM, so larger batches multiply by the
 weight dequantized on the fly.
 The tied embedding keeps its float table for lookups; the LM head gets its own int8 copy.
@@ -36,7 +36,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """``x W^T + b`` for W = qweight * scales (row-wise)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 1 and (kernels := kernels_for(rows, scales, bias)) is not None:
-        y = kernels.small_linear_int8(rows, qweight, scales, bias)  # one row: kernels/cpu_kernels.py
+        y = kernels.small_linear(rows, qweight, bias, scales)  # one row: kernels/cpu_kernels.py
         return y.view(*x.shape[:-1], qweight.shape[0])
     if rows.shape[0] <= INT8_KERNEL_MAX_ROWS and x.device.type == "cpu":
         y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), qweight, scales)

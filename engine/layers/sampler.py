@@ -128,9 +128,14 @@ class Sampler:
         return draws
 
 
+def _row_kernels(logits: torch.Tensor):
+    """The CPU kernels when they take these logits (2-D float32 on the CPU), else None."""
+    return kernels_for(logits) if logits.dim() == 2 and logits.dtype == torch.float32 else None
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first largest logit; on the CPU by the vectorized kernel (kernels/cpu_kernels.py)."""
-    if logits.dim() == 2 and logits.dtype == torch.float32 and (kernels := kernels_for(logits)) is not None:
+    if (kernels := _row_kernels(logits)) is not None:
         return kernels.argmax(logits)
     return logits.argmax(dim=-1)
 
@@ -142,8 +147,8 @@ def _inverse_cdf_draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     tokens an empty interval, which the search (first cumulative value above the target) never
     lands in; the target is kept below the total, where float32 rounding of ``u * total`` could
     otherwise reach it. On the CPU the kernel does the same in one pass and a walk (float64 sums)."""
-    if logits.dim() == 2 and logits.dtype == torch.float32 and (kernels := kernels_for(logits)) is not None:
-        return kernels.inverse_cdf_draw(logits, uniforms.cpu())
+    if (kernels := _row_kernels(logits)) is not None:  # uniforms are on the logits' device: the CPU
+        return kernels.inverse_cdf_draw(logits, uniforms)
     cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
