@@ -1,6 +1,6 @@
 """A process and its descendants on Linux, read from ``/proc``: the serving benchmark counts the
-CPU time its server's tree used; the tests find a server's engine processes, measure their
-memory, and check that none outlived it."""
+CPU time its server's tree used, profile_step the CPU its busy neighbours took; the tests find a
+server's engine processes, measure their memory, and check that none outlived it."""
 
 from __future__ import annotations
 
@@ -49,6 +49,16 @@ def process_tree_cpu_s(pid: int) -> float | None:
         return None
     stats = _stats()
     return sum(stats[p].cpu_ticks for p in _tree(pid, stats) if p in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def scheduled_cpu_s(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` (their main threads) have been scheduled for, from
+    ``/proc/PID/schedstat`` (nanoseconds, updated at scheduler ticks and switches)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
 
 
 def _stats() -> dict[int, ProcStat]:

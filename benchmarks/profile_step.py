@@ -42,11 +42,13 @@ import random
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
 from kvserve.benchmarks import write_json
 from kvserve.benchmarks.ceiling import MatmulCeiling
+from kvserve.benchmarks.procfs import scheduled_cpu_s
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.loader import load_hf_config
 from kvserve.engine.threads import available_cpus
@@ -160,13 +162,15 @@ def profile_host(llm: LLM, args) -> dict:
             "forward_cpu_ms": forward_ms, "stages_ms": split}
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds the processes ``pids`` have been scheduled for (nanosecond resolution)."""
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total / 1e9
+class _Round(NamedTuple):
+    """One timed round of decode steps (per step, seconds) and the CPUs' worth used while it ran."""
+
+    step_s: float
+    forward_s: float
+    sampler_s: float
+    matmul_s: float  # the same batch's matmuls alone, right after (nan without a ceiling)
+    busy_cpus: float  # taken by the busy processes
+    cpus_used: float  # by this process
 
 
 def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None, busy_pids: list[int] = ()) -> dict:
@@ -187,27 +191,27 @@ def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None, busy_pids: lis
         with profiler:
             for _ in range(args.rounds):
                 forward.seconds = sampler.seconds = 0.0
-                busy0, own0 = _cpu_seconds(busy_pids), time.process_time()
+                busy0, own0 = scheduled_cpu_s(busy_pids), time.process_time()
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     eng.step()
                 wall_s = time.perf_counter() - t0
                 own_cpus = (time.process_time() - own0) / wall_s
-                busy_cpus = (_cpu_seconds(busy_pids) - busy0) / wall_s
+                busy_cpus = (scheduled_cpu_s(busy_pids) - busy0) / wall_s
                 matmul_s = ceiling.measure_decode_step(args.batch) if ceiling is not None else float("nan")
                 per_step = 1 / args.steps
-                rounds.append((wall_s * per_step, forward.seconds * per_step, sampler.seconds * per_step,
-                               matmul_s, busy_cpus, own_cpus))
+                rounds.append(_Round(wall_s * per_step, forward.seconds * per_step,
+                                     sampler.seconds * per_step, matmul_s, busy_cpus, own_cpus))
     _abort_all(eng)
     _print_profile(profiler, args)
-    step_s, forward_s, sampler_s, _, busy_cpus, own_cpus = min(rounds)
-    matmul_s = min(r[3] for r in rounds)
-    return {"batch": args.batch, "context": args.context, "step_ms": step_s * 1e3,
-            "forward_ms": forward_s * 1e3, "sampler_ms": sampler_s * 1e3, "matmul_ms": matmul_s * 1e3,
-            "cpus_used": own_cpus, "busy_cpus": busy_cpus,
-            "rounds_busy_cpus": [round(r[4], 3) for r in rounds],
-            "rounds_step_ms": [round(r[0] * 1e3, 2) for r in rounds],
-            "rounds_matmul_ms": [round(r[3] * 1e3, 2) for r in rounds]}
+    best = min(rounds)  # the fastest step
+    return {"batch": args.batch, "context": args.context, "step_ms": best.step_s * 1e3,
+            "forward_ms": best.forward_s * 1e3, "sampler_ms": best.sampler_s * 1e3,
+            "matmul_ms": min(r.matmul_s for r in rounds) * 1e3,
+            "cpus_used": best.cpus_used, "busy_cpus": best.busy_cpus,
+            "rounds_busy_cpus": [round(r.busy_cpus, 3) for r in rounds],
+            "rounds_step_ms": [round(r.step_s * 1e3, 2) for r in rounds],
+            "rounds_matmul_ms": [round(r.matmul_s * 1e3, 2) for r in rounds]}
 
 
 def profile_prefill(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
@@ -301,13 +305,10 @@ def main(argv=None) -> dict:
             args.torch_profile = False
             with busy_processes(args.compete) as pids:
                 beside = profile_decode(llm, args, None, pids)
-            decode["step_ms_beside_busy"] = beside["step_ms"]
-            decode["rounds_step_ms_beside_busy"] = beside["rounds_step_ms"]
-            decode["busy_processes"] = args.compete
-            decode["busy_cpus"] = beside["busy_cpus"]
-            decode["cpus_used_beside_busy"] = beside["cpus_used"]
-            decode["rounds_busy_cpus"] = beside["rounds_busy_cpus"]
-            decode["cpus"] = available_cpus()
+            decode.update(step_ms_beside_busy=beside["step_ms"],
+                          rounds_step_ms_beside_busy=beside["rounds_step_ms"], busy_processes=args.compete,
+                          busy_cpus=beside["busy_cpus"], rounds_busy_cpus=beside["rounds_busy_cpus"],
+                          cpus_used_beside_busy=beside["cpus_used"], cpus=available_cpus())
     finally:
         llm.shutdown()
     decode["step_over_matmul"] = decode["step_ms"] / decode["matmul_ms"]

@@ -87,7 +87,7 @@ def test_profile_step_interleaves_rounds_and_reports_the_ratios(tiny_llama, caps
     # a few ms read coarse values; the benchmark's real rounds last ~0.5 s)
     assert len(decode["rounds_busy_cpus"]) == 3
     assert round(decode["busy_cpus"], 3) in decode["rounds_busy_cpus"]
-    assert decode["busy_cpus"] >= 0 and decode["cpus_used"] > 0 and decode["step_ms_beside_busy"] > 0
+    assert decode["cpus_used"] > 0 and decode["step_ms_beside_busy"] > 0  # scheduled_cpu_s: test_procfs
     assert len(decode["rounds_step_ms"]) == len(decode["rounds_matmul_ms"]) == 3
     assert decode["step_ms"] == pytest.approx(min(decode["rounds_step_ms"]), abs=0.01)
     assert decode["step_over_matmul"] == pytest.approx(decode["step_ms"] / decode["matmul_ms"])

@@ -130,8 +130,7 @@ def health_server():
 
 
 def test_image_sets_the_health_port_the_healthcheck_probes(parsed):
-    runtime_env = " ".join(a for k, a in stages(parsed)[-1] if k == "ENV")
-    assert re.search(r"\bKVSERVE_HEALTH_PORT=50052\b", runtime_env)
+    assert runtime_env(parsed)["KVSERVE_HEALTH_PORT"] == "50052"
     assert "${KVSERVE_HEALTH_PORT}" in healthcheck_command(parsed)
 
 
