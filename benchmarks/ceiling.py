@@ -5,7 +5,10 @@ Measured in the same process as the run it judges (same threads, same load on th
 - ``MatmulCeiling``: the time of the model's weight multiplications alone at a number of rows —
   q|k|v, o, gate|up and down of every layer with weights of the model's shapes (one tensor per
   layer, so nothing stays in cache that would not in the real model), plus the LM head over the
-  sampled rows. No attention, no norms, no sampling, no overhead.
+  sampled rows. No attention, no norms, no sampling, no overhead. They run as the engine runs
+  them (``engine/layers/linear.py`` ``linear``: one row through the C kernel, bfloat16 on the CPU
+  with oneDNN-blocked weights), so ``step / matmul`` is what a step adds to its multiplications;
+  ``plain=True`` times plain ``F.linear`` instead (what the engine did before it blocked them).
 - ``memory_bandwidth``: bytes per second of a sum over 1 GiB (what reading the KV cache costs).
 - ``ideal_workload_time``: a workload of prompts and output lengths scheduled the ideal way
   (``max_num_seqs`` running at once, a request enters when one leaves): its prefill at the matmul
@@ -21,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from kvserve.engine.layers.linear import linear, pack_weight
 
 GiB = 1 << 30
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -66,11 +70,21 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
 class MatmulCeiling:
     """Matmul-only time of one forward pass at a number of rows, measured once per row count."""
 
-    def __init__(self, hf_config, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    @property
+    def blocked(self) -> bool:
+        """Whether the weights are multiplied in oneDNN's blocked layout (not ``plain``)."""
+        return self.lm_head[1] is not None
+
+    def __init__(self, hf_config, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 plain: bool = False):
         self.device = torch.device(device)
         self.dtype = dtype
         shapes = projection_shapes(hf_config)
-        make = lambda *shape: torch.randn(*shape, dtype=dtype, device=self.device) * 0.02  # noqa: E731
+
+        def make(*shape):  # (weight, its blocked copy or None)
+            w = torch.randn(*shape, dtype=dtype, device=self.device) * 0.02
+            return w, None if plain else pack_weight(w)
+
         self.layers = [[make(*s) for s in shapes] for _ in range(hf_config.num_hidden_layers)]
         self.lm_head = make(hf_config.vocab_size, hf_config.hidden_size)
         self.hidden = hf_config.hidden_size
@@ -91,18 +105,19 @@ class MatmulCeiling:
     def measure_layers(self, rows: int) -> float:
         """``layers_time`` measured afresh: for a caller that interleaves it with its own timings."""
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype, device=self.device)
-                  for w in self.layers[0]}
+                  for w, _ in self.layers[0]}
 
         def run() -> None:
             for layer in self.layers:
-                for w in layer:
-                    F.linear(inputs[w.shape[1]], w)
+                for w, packed in layer:
+                    linear(inputs[w.shape[1]], w, None, packed)
 
         return best_time(run, self.device)
 
     def measure_lm_head(self, rows: int) -> float:
         x = torch.randn(rows, self.hidden, dtype=self.dtype, device=self.device)
-        return best_time(lambda: F.linear(x, self.lm_head), self.device)
+        w, packed = self.lm_head
+        return best_time(lambda: linear(x, w, None, packed), self.device)
 
     def measure_decode_step(self, rows: int) -> float:
         """``decode_step_time`` measured afresh."""

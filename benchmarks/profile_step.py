@@ -169,16 +169,19 @@ class _Round(NamedTuple):
     forward_s: float
     sampler_s: float
     matmul_s: float  # the same batch's matmuls alone, right after (nan without a ceiling)
+    plain_matmul_s: float  # the same with plain weights through F.linear (nan without blocked weights)
     busy_cpus: float  # taken by the busy processes
     cpus_used: float  # by this process
 
 
-def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None, busy_pids: list[int] = ()) -> dict:
+def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None, busy_pids: list[int] = (),
+                   plain: MatmulCeiling | None = None) -> dict:
     """Decode steps timed in ``args.rounds`` rounds of ``args.steps``, each round followed by the
     matmul-only time of the same batch (unless ``ceiling`` is None): on a shared machine both see
     the same load, and the figures kept are each one's fastest round (as ``best_time`` keeps the
     fastest run). With ``busy_pids``, each round also records the CPUs' worth those processes took
-    while it ran; the figure kept is the fastest round's."""
+    while it ran; the figure kept is the fastest round's. ``plain``, where given, times the same
+    matmuls with plain weights through ``F.linear`` after each round too."""
     eng = llm.engine
     max_tokens = args.rounds * args.steps + 8
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
@@ -198,16 +201,18 @@ def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None, busy_pids: lis
                 wall_s = time.perf_counter() - t0
                 own_cpus = (time.process_time() - own0) / wall_s
                 busy_cpus = (scheduled_cpu_s(busy_pids) - busy0) / wall_s
-                matmul_s = ceiling.measure_decode_step(args.batch) if ceiling is not None else float("nan")
+                matmul_s, plain_s = (c.measure_decode_step(args.batch) if c is not None else float("nan")
+                                     for c in (ceiling, plain))
                 per_step = 1 / args.steps
                 rounds.append(_Round(wall_s * per_step, forward.seconds * per_step,
-                                     sampler.seconds * per_step, matmul_s, busy_cpus, own_cpus))
+                                     sampler.seconds * per_step, matmul_s, plain_s, busy_cpus, own_cpus))
     _abort_all(eng)
     _print_profile(profiler, args)
     best = min(rounds)  # the fastest step
     return {"batch": args.batch, "context": args.context, "step_ms": best.step_s * 1e3,
             "forward_ms": best.forward_s * 1e3, "sampler_ms": best.sampler_s * 1e3,
             "matmul_ms": min(r.matmul_s for r in rounds) * 1e3,
+            "plain_matmul_ms": min(r.plain_matmul_s for r in rounds) * 1e3,
             "cpus_used": best.cpus_used, "busy_cpus": best.busy_cpus,
             "rounds_busy_cpus": [round(r.busy_cpus, 3) for r in rounds],
             "rounds_step_ms": [round(r.step_s * 1e3, 2) for r in rounds],
@@ -298,8 +303,11 @@ def main(argv=None) -> dict:
         return _host_main(llm, args)
     try:
         dtype = llm.engine.executor.dtype
-        ceiling = MatmulCeiling(load_hf_config(llm.engine.source), dtype, llm.engine.executor.device)
-        decode = profile_decode(llm, args, ceiling)
+        hf_config, device = load_hf_config(llm.engine.source), llm.engine.executor.device
+        ceiling = MatmulCeiling(hf_config, dtype, device)
+        plain = MatmulCeiling(hf_config, dtype, device, plain=True) if ceiling.blocked else None
+        decode = profile_decode(llm, args, ceiling, plain=plain)
+        del plain
         prefill = profile_prefill(llm, args, ceiling)
         if args.compete:
             args.torch_profile = False
@@ -312,6 +320,7 @@ def main(argv=None) -> dict:
     finally:
         llm.shutdown()
     decode["step_over_matmul"] = decode["step_ms"] / decode["matmul_ms"]
+    decode["step_over_plain_matmul"] = decode["step_ms"] / decode["plain_matmul_ms"]
     decode["sampler_share"] = decode["sampler_ms"] / decode["step_ms"]
     prefill["share_of_matmul_rate"] = prefill["tokens_per_s"] / prefill["matmul_tokens_per_s"]
     result = {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
@@ -342,6 +351,9 @@ def _print_result(r: dict) -> None:
     print(f"decode step, batch {d['batch']}, {d['context']}-token contexts: {d['step_ms']:.1f} ms "
           f"(forward {d['forward_ms']:.1f} ms, sampler {d['sampler_ms']:.1f} ms = {d['sampler_share']:.0%}); "
           f"matmul-only {d['matmul_ms']:.1f} ms; step / matmul = {d['step_over_matmul']:.2f}x")
+    if d["plain_matmul_ms"] == d["plain_matmul_ms"]:  # not nan: the engine's weights are blocked
+        print(f"  (the same matmuls with plain weights through F.linear: {d['plain_matmul_ms']:.1f} ms; "
+              f"step / that = {d['step_over_plain_matmul']:.2f}x)")
     if "step_ms_beside_busy" in d:
         n, threads, cpus, taken = d["busy_processes"], r["threads"], d["cpus"], d["busy_cpus"]
         used, used_beside = d["cpus_used"], d["cpus_used_beside_busy"]

@@ -9,7 +9,6 @@ import torch
 
 from kvserve.benchmarks.attention_cpu import step_input
 from kvserve.engine.layers import attention_torch
-from kvserve.engine.layers.attention import create_attention_backend
 from kvserve.engine.model_input import ModelInput
 from kvserve.kernels import cpu_kernels
 from kvserve.kernels.cpu_kernels import CpuKernels, load_kernels
@@ -97,11 +96,14 @@ def mixed_step(block_size: int) -> ModelInput:
 
 @pytest.mark.parametrize("head_dim", [32, 64])  # the portable and the AVX-512 paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(dtype, head_dim, monkeypatch):
-    """Decodes and prefills (after cached context, and fresh) all go through the kernel, each
-    prefill token over the keys up to its own position; the torch ops (SDPA) agree."""
+@pytest.mark.parametrize("prefill_in_kernel", [True, False])  # CPUs without AMX / with AMX
+def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
+        dtype, head_dim, prefill_in_kernel, monkeypatch):
+    """Decodes go through the kernel, and prefills (after cached context, and fresh) too where the
+    backend sends them there, each prefill token over the keys up to its own position; the torch
+    ops (SDPA) agree."""
     block_size, heads, kv_heads = 16, 6, 2
-    backend = create_attention_backend("torch", torch.device("cpu"), block_size)
+    backend = attention_torch.TorchAttentionBackend(block_size, prefill_in_kernel=prefill_in_kernel)
     impl = backend.create_impl(heads, kv_heads, head_dim, head_dim**-0.5)
     gen = torch.Generator().manual_seed(3)
     inp = mixed_step(block_size)
@@ -116,13 +118,25 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(d
         return impl.forward(q, k, v, *caches, meta), meta
 
     with_kernel, meta = run()
-    assert meta.decode is None  # the kernel served: the torch-ops plan was never made
-    assert meta.query_ctx.tolist()[:2] == [37, 5] and meta.query_ctx.tolist()[2:11] == list(range(21, 30))
+    assert meta.decode is None  # the kernel served the decodes: the torch-ops plan was never made
+    ctx = meta.query_ctx.tolist()
+    if prefill_in_kernel:
+        assert ctx[:2] == [37, 5] and ctx[2:11] == list(range(21, 30)) and len(ctx) == inp.num_tokens
+        assert meta.prefills is None  # nor the SDPA plans
+    else:
+        assert ctx == [37, 5] and len(meta.prefills) == 2
     monkeypatch.setattr(attention_torch, "kernels_for", lambda *tensors: None)
     without, meta = run()
     assert meta.decode is not None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (with_kernel.float() - without.float()).abs().max().item() <= tol
+
+
+def test_prefills_go_to_the_kernel_unless_the_cpu_has_amx(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert not attention_torch.TorchAttentionBackend(16).prefill_in_kernel
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert attention_torch.TorchAttentionBackend(16).prefill_in_kernel
 
 
 def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog):

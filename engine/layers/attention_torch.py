@@ -15,15 +15,19 @@ Per step, ``build_metadata`` plans the work on the host (no device sync later):
   own new K/V; otherwise it reads its context from the cache under an offset causal mask, as a
   view when the context's blocks are consecutive (the common case), else through one gather.
 
-Where the CPU kernels take the tensors (kernels/cpu_kernels.py), they serve the whole step
-instead: decodes as above, and with prefills every token of the step as one query over the
-cached keys up to its own position (``query_*`` fields; the step's K/V are stored first).
+Where the CPU kernels take the tensors (kernels/cpu_kernels.py), they serve the decodes instead,
+and on CPUs without AMX the prefills too: every token of the step as one query over the cached
+keys up to its own position (``query_*`` fields; the step's K/V are stored first). With AMX tiles
+torch's SDPA multiplies the prefill's bfloat16 blocks in them and beats the kernel's one query
+row at a time (``benchmarks/attention_cpu.py``: 1.2x at 6 prompts of 300 tokens, 4x at one of
+2,048), so prefills keep the SDPA plans there (``prefill_in_kernel``). The torch-ops plans are
+made only when a layer reads them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -96,13 +100,16 @@ class TorchAttentionMetadata(AttentionMetadata):
     store_slots: torch.Tensor | None = None  # their slots (``slot_mapping`` when None above)
     plan_decode: Callable[[], DecodePlan] | None = None  # the torch-ops decode plan, made on first use
     decode: DecodePlan | None = None
-    prefills: list[PrefillPlan] = field(default_factory=list)
+    plan_prefills: Callable[[], list[PrefillPlan]] | None = None  # the SDPA plans, made on first use
+    prefills: list[PrefillPlan] | None = None
     # the CPU kernel's queries: every token when each one's K/V is stored (the kernel reads keys
-    # from the cache), else the decodes only; int32 rows, their sequences, and how many keys each
-    # sees (its position + 1). None: no query for the kernel.
+    # from the cache) and the backend sends prefills to the kernel, else the decodes only; int32
+    # rows, their sequences, and how many keys each sees (its position + 1). None: no query for
+    # the kernel.
     query_tokens: torch.Tensor | None = None
     query_seqs: torch.Tensor | None = None
     query_ctx: torch.Tensor | None = None
+    every_token_queried: bool = False  # the kernel's queries cover the whole step
 
     def decode_plan(self) -> DecodePlan:
         """The grouped, padded plan of the torch-ops decode, made once per step by the first
@@ -111,9 +118,27 @@ class TorchAttentionMetadata(AttentionMetadata):
             self.decode = self.plan_decode()
         return self.decode
 
+    def prefill_plans(self) -> list[PrefillPlan]:
+        """The SDPA plans of the step's prefill chunks, made once per step by the first layer that
+        needs them (none does when the CPU kernel takes every token)."""
+        if self.prefills is None:
+            self.prefills = self.plan_prefills() if self.plan_prefills is not None else []
+        return self.prefills
+
+
+def amx_prefill() -> bool:
+    """Whether torch's CPU SDPA has AMX tiles to multiply prefills in (then it beats the kernel)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, block_size: int, prefill_in_kernel: bool | None = None):
+        super().__init__(block_size)
+        # prefill tokens as the CPU kernel's queries (see the module docstring); the default
+        # follows the CPU
+        self.prefill_in_kernel = not amx_prefill() if prefill_in_kernel is None else prefill_in_kernel
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_blocks, self.block_size, head_dim)
@@ -128,8 +153,12 @@ class TorchAttentionBackend(AttentionBackend):
         decode_seqs = np.flatnonzero(step.query_lens == 1)
         if decode_seqs.size:
             meta.plan_decode = lambda: self._plan_decode(step, decode_seqs, device)
-        meta.prefills = [self._plan_prefill(step, i, device) for i in np.flatnonzero(step.query_lens > 1)]
-        if meta.store_tokens is None:
+        prefill_seqs = np.flatnonzero(step.query_lens > 1)
+        if prefill_seqs.size:
+            meta.plan_prefills = lambda: [self._plan_prefill(step, i, device) for i in prefill_seqs]
+        kernel_prefills = self.prefill_in_kernel or not prefill_seqs.size
+        meta.every_token_queried = meta.store_tokens is None and kernel_prefills
+        if meta.every_token_queried:
             queried = np.arange(step.starts[-1])
             seq_of = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
         else:
@@ -222,13 +251,13 @@ class TorchAttentionImpl(AttentionImpl):
             # prefill and decode tokens alike: each query over the cached keys up to its position
             kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_seqs,
                                  meta.query_tokens, out, self.scale, ctx_lens=meta.query_ctx)
-            if meta.store_tokens is None:
-                return out  # every token was a query
+            if meta.every_token_queried:
+                return out
         elif meta.plan_decode is not None:
             decode = meta.decode_plan()
             parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g) for g in decode.groups]
             out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
-        for plan in meta.prefills:
+        for plan in meta.prefill_plans():
             out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
         return out
 

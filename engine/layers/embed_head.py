@@ -52,16 +52,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     qweight: torch.Tensor | None = None  # int8 copy and row scales, once quantized
     scales: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # pack_weight's blocked copy, on the CPU
 
     def quantize_int8(self) -> None:
         """An int8 copy for the logits; the float table stays (it may be the tied embedding's)."""
         self.qweight, self.scales = quantize_int8(self.weight.data)
+        self.packed = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         if self.qweight is not None:
             logits = int8_linear(hidden_states, self.qweight, self.scales)
         else:
-            logits = linear(hidden_states, self.weight)
+            logits = linear(hidden_states, self.weight, packed=self.packed)
         if self.parallel.size == 1:
             return logits
         logits = self.parallel.gather_last_dim(logits)

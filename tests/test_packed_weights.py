@@ -1,0 +1,59 @@
+"""oneDNN-blocked bfloat16 weights on the CPU (``engine/layers/linear.py`` ``pack_weight``): the
+same products as the plain weights, made once at load, at every row count the engine runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.layers.linear import linear, pack_weight
+
+needs_packing = pytest.mark.skipif(pack_weight(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
+                                   reason="no oneDNN bfloat16 support on this CPU")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [2, 7, 48, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(320, 192, generator=gen).to(torch.bfloat16)
+    b = torch.randn(320, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 192, generator=gen).to(torch.bfloat16)
+    packed = pack_weight(w)
+    assert packed is not None
+    want = F.linear(x, w, b)
+    got = linear(x, w, b, packed)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
+    # a [batch, tokens, hidden] input and a strided view (a slice of a wider activation)
+    wide = torch.randn(rows, 400, generator=gen).to(torch.bfloat16)
+    assert torch.allclose(linear(wide[:, :192], w, b, packed).float(), F.linear(wide[:, :192], w, b).float(),
+                          rtol=1e-2, atol=1e-2)
+    assert linear(x.view(1, rows, 192), w, b, packed).shape == (1, rows, 320)
+
+
+def test_only_bfloat16_cpu_weights_are_packed():
+    assert pack_weight(torch.zeros(4, 4)) is None
+    assert pack_weight(torch.zeros(4, 4, dtype=torch.float16)) is None
+    assert pack_weight(torch.zeros(4, dtype=torch.bfloat16)) is None
+
+
+@needs_packing
+def test_bf16_engine_packs_its_projections_and_generates_what_plain_weights_do():
+    """Greedy tokens of the bundled model in bfloat16, packed (as the engine loads it) and with
+    the packed copies dropped (every layer back on ``F.linear``), batched so that every step has
+    more than one row."""
+    llm = LLM("default", dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)
+    model = llm.engine.executor.model
+    layers = [m for m in model.modules() if hasattr(m, "packed")]
+    assert layers and all(m.packed is not None for m in layers)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    packed = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for m in layers:
+        m.packed = None
+    plain = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert packed == plain
