@@ -19,6 +19,10 @@
 
 #include "common.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #define PIECE 1024       /* rows are converted to float this many elements at a time */
 #define MAX_HEAD_ROW 512 /* rotary: the longest head it rotates (the same limit as attention's) */
 #define PARALLEL_MIN_ELEMENTS (1 << 16) /* below this, one thread: waking others costs more */
@@ -68,6 +72,24 @@ int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, in
     return 0;
 }
 
+/* gate[d] = silu(gate[d]) * up[d] = gate[d] / (1 + exp(-gate[d])) * up[d]. With AVX-512 the
+ * division is a reciprocal estimate and one Newton step (float precision): vdivps takes one
+ * 16-lane divide per 16 cycles, which made this loop compute-bound at a cycle per element. */
+static inline void silu_mul_in_place(float *restrict gate, const float *restrict up, int n) {
+    float denom[PIECE];
+    for (int d = 0; d < n; ++d) denom[d] = 1.f + fast_exp(-gate[d]);
+    int d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= n; d += 16) {
+        const __m512 den = _mm512_loadu_ps(denom + d), est = _mm512_rcp14_ps(den);
+        const __m512 inv = _mm512_mul_ps(est, _mm512_fnmadd_ps(den, est, _mm512_set1_ps(2.f)));
+        const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(gate + d), inv);
+        _mm512_storeu_ps(gate + d, _mm512_mul_ps(g, _mm512_loadu_ps(up + d)));
+    }
+#endif
+    for (; d < n; ++d) gate[d] = gate[d] / denom[d] * up[d];
+}
+
 /* out[r] = silu(x[r, :width]) * x[r, width:], for any width, in pieces of PIECE */
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,
                  int dtype, int num_threads) {
@@ -79,7 +101,7 @@ int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride,
             float gate[PIECE], up[PIECE];
             to_float(at(x, r * x_stride + lo, elem), dtype, gate, n);
             to_float(at(x, r * x_stride + width + lo, elem), dtype, up, n);
-            for (int d = 0; d < n; ++d) gate[d] = gate[d] / (1.f + fast_exp(-gate[d])) * up[d];
+            silu_mul_in_place(gate, up, n);
             from_float(gate, 1.f, dtype, (char *)out + (r * out_stride + lo) * elem, n);
         }
     }
