@@ -57,3 +57,30 @@ def test_bf16_engine_packs_its_projections_and_generates_what_plain_weights_do()
         m.packed = None
     plain = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert packed == plain
+
+
+def _bf16_layers():
+    from torch import nn
+
+    from kvserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+    model = nn.Sequential(ColumnParallelLinear(192, 320), RowParallelLinear(320, 192))
+    for layer in model:
+        layer.weight.data = torch.randn_like(layer.weight).to(torch.bfloat16)
+    return model
+
+
+@needs_packing
+def test_packing_counts_its_bytes_and_stays_off_when_memory_is_short(monkeypatch, caplog):
+    from kvserve.engine.layers import linear as linear_mod
+    model = _bf16_layers()
+    monkeypatch.setattr(linear_mod, "available_memory", lambda: 1 << 40)
+    assert linear_mod.pack_model_weights(model) == (320 * 192 + 192 * 320) * 2
+    assert all(layer.packed is not None for layer in model)
+    model = _bf16_layers()
+    monkeypatch.setattr(linear_mod, "available_memory", lambda: 100_000)  # < 2 x the copies' 245,760 bytes
+    with caplog.at_level("WARNING", logger="kvserve.engine.layers"):
+        assert linear_mod.pack_model_weights(model) == 0
+    assert all(layer.packed is None for layer in model)
+    assert "not packed" in caplog.text
+    x = torch.randn(5, 192).to(torch.bfloat16)
+    assert model(x).shape == (5, 192)  # plain F.linear

@@ -13,6 +13,8 @@ rank's slice of a full checkpoint tensor into it; the model loader calls it by n
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,9 @@ from torch import nn
 from kvserve.engine.layers.quantization import int8_linear, quantize_int8
 from kvserve.engine.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.kernels.cpu_kernels import kernels_for
+
+log = logging.getLogger("kvserve.engine.layers")
+GiB = 1 << 30
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -35,31 +40,57 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``pack_weight`` makes a blocked copy of ``weight``: a 2-D bfloat16 CPU weight,
+    with oneDNN's bfloat16 support."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a bfloat16 CPU weight [out, in] for ``linear``, or None where
-    there is nothing to gain (other devices and dtypes, no oneDNN bfloat16 support).
+    there is nothing to gain (``can_pack``).
 
     torch's CPU bfloat16 matmul takes the plain [out, in] weight and re-blocks it for its
-    AMX/AVX-512 kernels inside every call; the blocked copy is made once. Measured on this
-    machine's Xeon (AMX), the model's projections at 48 rows: 25-47 ms -> 17-27 ms, same bits
-    (``benchmarks/ceiling.py`` times both)."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
-            or not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    AMX/AVX-512 kernels inside every call; the blocked copy is made once. Measured on a Xeon with
+    AMX, the bundled model's projections at 48 rows: 25-47 ms -> 17-27 ms in the same runs, the
+    same products (``benchmarks/ceiling.py`` times both)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if can_pack(weight) else None
+
+
+# Blocked copies are made only while they take at most this share of the memory available.
+PACK_MEMORY_SHARE = 0.5
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel reports as available to new allocations (None: unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def pack_model_weights(model: nn.Module) -> int:
     """``pack_weight`` for every layer of ``model`` that multiplies by its ``weight`` through
     ``linear`` (those with a ``packed`` attribute), unless it holds an int8 copy; the number of
     bytes the blocked copies add (the plain weights stay: the one-row kernel and the tied
-    embedding read them)."""
-    added = 0
-    for module in model.modules():
-        if hasattr(module, "packed"):
-            module.packed = None if module.qweight is not None else pack_weight(module.weight.data)
-            added += 0 if module.packed is None else module.weight.nbytes
-    return added
+    embedding read them). None are made when they would take more than ``PACK_MEMORY_SHARE`` of
+    the available memory (a large model then multiplies its plain weights, as before)."""
+    layers = [m for m in model.modules()
+              if hasattr(m, "packed") and m.qweight is None and can_pack(m.weight)]
+    needed = sum(m.weight.nbytes for m in layers)
+    available = available_memory()
+    if layers and available is not None and needed > PACK_MEMORY_SHARE * available:
+        log.warning("bfloat16 weights not packed for oneDNN: the blocked copies would take %.1f GiB "
+                    "of the %.1f GiB available", needed / GiB, available / GiB)
+        return 0
+    for m in layers:
+        m.packed = pack_weight(m.weight.data)
+    return needed
 
 
 def _new_param(*shape: int) -> nn.Parameter:
