@@ -63,6 +63,7 @@ _SIGNATURES = {
     "small_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
     "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
+    "linear_row": [_P, _P, _I64, _I32, _P, _P, _P, _I32, _I32, _I32, _I32],
 }
 
 
@@ -238,21 +239,32 @@ class CpuKernels:
                      scales: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for 2-D ``x`` of at most 8 rows (SMALL_ROWS in the C source):
         one pass over the weight, at memory speed. With ``scales``, ``weight`` is int8 [out, in] with
-        one scale per output row (in x's dtype)."""
+        one scale per output row (in x's dtype). One row (a single stream's step) takes
+        csrc/linear.c's ``linear_row`` where it was built for AVX-512."""
         rows, k_in = x.shape
         n_out = weight.shape[0]
         y = torch.empty(rows, n_out, dtype=x.dtype)
         bias_ptr = None if bias is None else bias.data_ptr()
-        tail = (y.data_ptr(), y.stride(0), rows, n_out, k_in, DTYPES[x.dtype], torch.get_num_threads())
+        if scales is not None:
+            if weight.dtype != torch.int8 or weight.stride(1) != 1:
+                raise ValueError("small_linear: an int8 weight with contiguous rows goes with scales")
+            scales = scales.contiguous()
+        threads = torch.get_num_threads()
+        if rows == 1 and x.is_contiguous():
+            status = self._lib.linear_row(
+                x.data_ptr(), weight.data_ptr(), weight.stride(0), scales is not None,
+                None if scales is None else scales.data_ptr(), bias_ptr, y.data_ptr(), n_out, k_in,
+                DTYPES[x.dtype], threads)
+            if status != 1:  # 1: not built for AVX-512 here
+                _check(status, "linear_row")
+                return y
+        tail = (y.data_ptr(), y.stride(0), rows, n_out, k_in, DTYPES[x.dtype], threads)
         if scales is None:
             _check(self._lib.small_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
                                           bias_ptr, *tail), "small_linear")
-            return y
-        if weight.dtype != torch.int8 or weight.stride(1) != 1:
-            raise ValueError("small_linear: an int8 weight with contiguous rows goes with scales")
-        scales = scales.contiguous()
-        _check(self._lib.small_linear_int8(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-                                           scales.data_ptr(), bias_ptr, *tail), "small_linear_int8")
+        else:
+            _check(self._lib.small_linear_int8(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                               scales.data_ptr(), bias_ptr, *tail), "small_linear_int8")
         return y
 
     def inverse_cdf_draw(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

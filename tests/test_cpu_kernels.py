@@ -271,6 +271,28 @@ def test_small_linear_matches_f_linear(dtype, rows):
     assert ((no_bias - (want - bias.float())).abs() / (want.abs() + 1)).max().item() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_linear_over_a_strided_weight_and_an_int8_one(dtype):
+    """One row (csrc/linear.c where built for AVX-512): a weight whose rows are further apart
+    than its width (a view), row counts not a multiple of the four done at once, widths not a
+    multiple of 16 or 32; and int8 weights with row scales and a bias."""
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(203, 1100, generator=gen).to(dtype)
+    weight = wide[:, :1000]
+    x = torch.randn(1, 1000, generator=gen).to(dtype)
+    want = torch.nn.functional.linear(x.float(), weight.float())
+    got = KERNEL.small_linear(x, weight, None).float()
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
+    assert ((got - want).abs() / (want.abs() + 1)).max().item() < tol
+    q = torch.randint(-127, 128, (203, 999), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(203, generator=gen) / 100).to(dtype)
+    bias = torch.randn(203, generator=gen).to(dtype)
+    x = torch.randn(1, 999, generator=gen).to(dtype)
+    want = torch.nn.functional.linear(x.float(), q.float() * scales.float()[:, None], bias.float())
+    got = KERNEL.small_linear(x, q, bias, scales).float()
+    assert ((got - want).abs() / (want.abs() + 1)).max().item() < tol
+
+
 def test_one_row_linears_of_a_layer_go_through_the_kernel(monkeypatch):
     from kvserve.engine.layers import linear as linear_module
 
