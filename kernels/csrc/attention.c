@@ -28,6 +28,7 @@
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 64
 #define MAX_ACC_VECTORS 8 /* head dims up to 128 accumulate in registers */
+#define PARALLEL_MIN_BYTES (512 << 10) /* K and V bytes below which one thread reads them all */
 
 typedef float v16f __attribute__((vector_size(64)));
 #ifndef PREFETCH_BLOCKS
@@ -348,9 +349,14 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
     const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype, elem};
     int max_ctx = 1;
+    int64_t keys = 0;
     for (int i = 0; i < num_queries; ++i) {
         max_ctx = ctx_lens[i] > max_ctx ? ctx_lens[i] : max_ctx;
+        keys += ctx_lens[i] > 0 ? ctx_lens[i] : 0;
     }
+    /* a call that reads little (a single stream's step: one query, a few hundred keys) runs on
+     * this thread: waking the others for it cost more than the reading (~50 us a wake-up here) */
+    if (keys * num_kv_heads * head_dim * 2 * elem < PARALLEL_MIN_BYTES) num_threads = 1;
     const int items = num_queries * num_kv_heads;
     /* every thread's scratch in one allocation, made before the team starts: each thread reaches
      * the worksharing loop, and a decode step allocates once per layer, not four times a thread */
