@@ -123,7 +123,8 @@ def _check(status: int, name: str) -> None:
 
 class CpuKernels:
     """The loaded library. Every method takes CPU tensors of one dtype in ``DTYPES`` whose last
-    dimension is contiguous (callers check with ``takes``)."""
+    dimension is contiguous (callers check with ``takes``). ``paged_decode`` and ``store_kv``, run
+    per layer, trust their caller for the rest of their layouts; their ``*_checked`` twins check."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -159,26 +160,37 @@ class CpuKernels:
         ``seq_lens[seq_ids[i]]`` (decodes).
 
         q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous; block_tables
-        int32 [S, W]; seq_lens, seq_ids, tokens, ctx_lens int32 (``seq_lens`` is read only when
-        ``ctx_lens`` is None).
+        int32 [S, W] with contiguous rows; seq_lens, seq_ids, tokens, ctx_lens int32, contiguous
+        (``seq_lens`` is read only when ``ctx_lens`` is None). The caller guarantees these layouts,
+        unchecked here (run per layer; the torch backend's tensors have them):
+        ``paged_decode_checked`` is the entry that checks.
         """
         kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out, k_cache, v_cache)):
-            raise ValueError("paged_decode: caches must be contiguous, q/out rows contiguous, one dtype "
-                             "throughout")
-        block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-        seq_ids, tokens = seq_ids.contiguous(), tokens.contiguous()
         if ctx_lens is None:  # decodes: each over its sequence's whole context
             ctx_lens = seq_lens.index_select(0, seq_ids.long())
-        elif ctx_lens.numel() != seq_ids.numel():
-            raise ValueError("paged_decode: one ctx_lens entry per query")
-        ctx_lens = ctx_lens.contiguous()
         _check(self._lib.paged_decode(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
             block_size, block_tables.data_ptr(), block_tables.stride(0), seq_ids.data_ptr(),
             tokens.data_ptr(), ctx_lens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, head_dim, scale,
             out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], torch.get_num_threads(),
         ), "paged_decode")
+
+    def paged_decode_checked(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
+                             tokens: torch.Tensor, out: torch.Tensor, scale: float,
+                             ctx_lens: torch.Tensor | None = None) -> None:
+        """``paged_decode`` for callers that do not guarantee its layouts: ValueError for caches
+        that are not contiguous or mixed dtypes; index tensors are made contiguous."""
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out, k_cache, v_cache)):
+            raise ValueError("paged_decode: caches must be contiguous, q/out rows contiguous, one dtype "
+                             "throughout")
+        if ctx_lens is not None:
+            if ctx_lens.numel() != seq_ids.numel():
+                raise ValueError("paged_decode: one ctx_lens entry per query")
+            ctx_lens = ctx_lens.contiguous()
+        block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        self.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, seq_ids.contiguous(),
+                          tokens.contiguous(), out, scale, ctx_lens)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -222,17 +234,22 @@ class CpuKernels:
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
         """``cache[h, slots[t]] = src[t, h]`` for K and V into head-major caches seen as
-        [kv_heads, slots, D]; slot -1 is skipped."""
+        [kv_heads, slots, D]; slot -1 is skipped. Caches contiguous, ``slots`` int64 contiguous:
+        the caller guarantees it, unchecked here (``store_kv_checked`` checks)."""
         tokens, kv_heads, width = k.shape
         cache_slots = k_cache.numel() // (kv_heads * width)
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64):
-            raise ValueError("store_kv: contiguous caches and int64 slots")
-        slots = slots.contiguous()
         _check(self._lib.store_kv(
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),
             tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, k.element_size(),
         ), "store_kv (slot out of range)")
 
+    def store_kv_checked(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor) -> None:
+        """``store_kv`` for callers that do not guarantee its layouts: ValueError for caches that
+        are not contiguous or slots that are not int64."""
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64):
+            raise ValueError("store_kv: contiguous caches and int64 slots")
+        self.store_kv(k, v, k_cache, v_cache, slots.contiguous())
 
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      scales: torch.Tensor | None = None) -> torch.Tensor:
