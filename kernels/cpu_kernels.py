@@ -34,6 +34,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -47,8 +48,16 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "KVSERVE_CPU_KERNELS"
-MAX_HEAD_DIM = 512  # as in csrc/attention.c
-MAX_GROUP = 64
+
+
+def _header_constant(name: str) -> int:
+    """A ``#define`` of csrc/common.h: the kernels' shape limits are written once, there."""
+    match = re.search(rf"^#define {name} (\d+)$", (SOURCE_DIR / "common.h").read_text(), re.MULTILINE)
+    return int(match.group(1))
+
+
+MAX_HEAD_DIM = _header_constant("MAX_HEAD_DIM")
+MAX_GROUP = _header_constant("MAX_GROUP")
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -240,7 +249,7 @@ class CpuKernels:
         cache_slots = k_cache.numel() // (kv_heads * width)
         _check(self._lib.store_kv(
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),
-            tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, k.element_size(),
+            tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, DTYPES[k.dtype],
         ), "store_kv (slot out of range)")
 
     def store_kv_checked(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
