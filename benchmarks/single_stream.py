@@ -29,7 +29,7 @@ import torch
 from kvserve.benchmarks import write_json
 from kvserve.benchmarks.offline import make_requests
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.loader import resolve_model
+from kvserve.engine.loader import ModelSource, resolve_model
 
 PEER_DIR = Path(__file__).resolve().parent / "llamacpp"
 PEER_SCRIPT = PEER_DIR / "single_stream.mjs"
@@ -76,10 +76,10 @@ def measure(variant: str, args) -> dict:
             "token_ids": [r.token_ids for r in timed]}
 
 
-def peer_unavailable(model: str) -> str | None:
-    """Why llama.cpp cannot be the peer of ``model`` here, or None when it can."""
-    if resolve_model(model).gguf_path is None:
-        return f"model {model!r} is not a GGUF file, which llama.cpp needs"
+def peer_unavailable(source: ModelSource) -> str | None:
+    """Why llama.cpp cannot be the peer of the model at ``source`` here, or None when it can."""
+    if source.gguf_path is None:
+        return f"model {source.path!r} is not a GGUF file, which llama.cpp needs"
     if shutil.which("node") is None:
         return "node is not on PATH (Node.js >= 20 runs the llama.cpp peer)"
     if not (PEER_DIR / "node_modules" / "node-llama-cpp").is_dir():
@@ -154,7 +154,8 @@ def main(argv=None) -> dict:
                     help=f"llama.cpp on the same GGUF (default when installed: {PEER_INSTALL})")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    skipped = None if args.peer == "none" else peer_unavailable(args.model)
+    source = resolve_model(args.model)
+    skipped = None if args.peer == "none" else peer_unavailable(source)
     if skipped and args.peer == "llama.cpp":
         ap.error(f"--peer llama.cpp: {skipped}")
     results = [measure(v, args) for v in args.variants]
@@ -163,9 +164,8 @@ def main(argv=None) -> dict:
         r["greedy_agreement"] = agreement(reference["parity"], r["parity"])
     peer = None
     if args.peer != "none" and skipped is None:
-        gguf_path = resolve_model(args.model).gguf_path
         requests = peer_requests(*workload(args, reference["vocab_size"]))
-        peer = run_peer(gguf_path, reference["threads"], requests)
+        peer = run_peer(source.gguf_path, reference["threads"], requests)
         compare_with_peer(results, peer)
     report(results, peer, skipped)
     figures = {"kvserve": results, "llama.cpp": peer, "peer_skipped": skipped}

@@ -142,10 +142,10 @@ class AsyncEngine:
         dead = self._state == EngineState.DEAD
         if not dead:
             self._set_state(EngineState.STOPPED)
-        self._fail_streams(EngineUnavailable("the engine is stopped"))
-        self._core.fail_calls(EngineUnavailable("the engine is stopped"))
+        stopped = EngineUnavailable("the engine is stopped")
+        self._fail_streams(stopped)
         self._ready.set()
-        await self._core.close(graceful=not dead)
+        await self._core.close(stopped, graceful=not dead)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -284,9 +284,8 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - the service cannot run without it
             self._fail(f"loading the tokenizer failed: {type(e).__name__}: {e}")
             return
-        self.info = EngineInfo(msg.model_name, msg.vocab_size, msg.max_model_len, msg.config)
-        self._prompts = PromptEncoder(tokenizer, msg.vocab_size, msg.max_model_len)
-        self._core.heard_now()
+        self.info = EngineInfo(msg.model_name, msg.vocab_size, msg.config)
+        self._prompts = PromptEncoder(tokenizer, msg.vocab_size, msg.config.max_model_len)
         if self._state == EngineState.LOADING:
             self._set_state(EngineState.READY)
         self._ready.set()
@@ -299,10 +298,9 @@ class AsyncEngine:
         log.error("engine failed: %s", reason)
         self._error = reason
         self._set_state(EngineState.DEAD)
-        self._core.kill()
         error = EngineUnavailable(f"the engine failed: {reason}")
+        self._core.kill(error)
         self._fail_streams(error)
-        self._core.fail_calls(error)
         self._ready.set()
         self._dead.set()
 

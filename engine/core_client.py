@@ -130,8 +130,10 @@ class CoreClient:
       acknowledges the batches the core has applied, and answers calls.
     - Silence: a core that sends nothing for ``step_timeout`` seconds while ``watching()`` is
       stuck (the core heartbeats when idle); ``on_fail`` says so.
-    - Exit: the core's process ending on its own is reported through ``on_fail`` (a moment later,
-      so that the core's own ``Failed`` message, when it sent one, is the reason given).
+    - Exit: the core's process ending is reported through ``on_fail`` (a moment later, so that
+      the core's own ``Failed`` message, when it sent one, is the reason given); after ``kill``
+      or ``close`` too: the owner, which ended it, ignores that (``AsyncEngine`` is dead or
+      stopped by then).
     """
 
     def __init__(self, config: EngineConfig, log_level: str, step_timeout: float,
@@ -148,7 +150,6 @@ class CoreClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
-        self._closing = False
 
     def start(self) -> None:
         """Start the core process (it loads the model) and listen to it."""
@@ -167,10 +168,6 @@ class CoreClient:
     def unacked(self) -> int:
         """New requests the core has not acknowledged yet (those not even sent included)."""
         return len(self._batch.new) + sum(n for _, n in self._sent)
-
-    def heard_now(self) -> None:
-        """Count the silence from now (the core had a reason to be slow: loading)."""
-        self._last_heard = self._loop.time()
 
     # ---- to the core ------------------------------------------------------------------------------
     def add(self, request: NewRequest) -> None:
@@ -194,7 +191,7 @@ class CoreClient:
         self._schedule_flush()
         return await future
 
-    def fail_calls(self, error: Exception) -> None:
+    def _fail_calls(self, error: Exception) -> None:
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)
@@ -234,6 +231,7 @@ class CoreClient:
                     self._step_done(msg)
                 elif isinstance(msg, Ready):
                     await self._on_ready(msg)
+                    self._last_heard = self._loop.time()  # the front-end's loading is not the core's silence
                 elif isinstance(msg, Failed):
                     self._on_fail(msg.message)
         except asyncio.CancelledError:
@@ -261,24 +259,25 @@ class CoreClient:
                               "tensor-parallel worker")
 
     def _exited(self, returncode: int) -> None:
-        if self._process is None or self._closing:
+        if self._process is None:
             return
         reason = f"the engine-core process (pid {self._process.pid}) {describe_exit(returncode)}"
         self._loop.call_later(EXIT_REPORT_DELAY_S, self._on_fail, reason)
 
     # ---- the end ----------------------------------------------------------------------------------
-    def kill(self) -> None:
-        """The core failed: SIGKILL its process group; its exit is not reported again."""
-        self._closing = True
+    def kill(self, error: Exception) -> None:
+        """The core failed: the calls waiting on it raise ``error``; SIGKILL its process group."""
+        self._fail_calls(error)
         if self._process is not None:
             self._process.kill()
 
-    async def close(self, graceful: bool) -> None:
-        """Tell the core to shut down (``graceful``: and wait up to ``SHUTDOWN_GRACE_S`` for it),
-        kill what is left of its group, release the sockets; idempotent."""
+    async def close(self, error: Exception, graceful: bool) -> None:
+        """The calls still waiting raise ``error``; tell the core to shut down (``graceful``: and
+        wait up to ``SHUTDOWN_GRACE_S`` for it), kill what is left of its group, release the
+        sockets; idempotent."""
+        self._fail_calls(error)
         if self._process is None:
             return
-        self._closing = True
         self._batch.shutdown = True
         told = self._flush()
         for task in self._tasks:

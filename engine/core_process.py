@@ -112,8 +112,7 @@ def run_core(config: EngineConfig, inbox_addr: str, outbox_addr: str) -> int:
         from kvserve.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config, detokenize=False)  # the front-end detokenizes
-        outbox.send(codec.encode(Ready(engine.model_name, engine.vocab_size, engine.config.max_model_len,
-                                       engine.config)))
+        outbox.send(codec.encode(Ready(engine.model_name, engine.vocab_size, engine.config)))
         EngineCore(engine, inbox, outbox).run()
         return 0
     except BaseException as e:  # noqa: BLE001 - reported to the front-end, then the process ends

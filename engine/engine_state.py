@@ -31,5 +31,8 @@ class EngineInfo:
 
     model_name: str
     vocab_size: int
-    max_model_len: int
-    config: EngineConfig
+    config: EngineConfig  # as resolved by the core (max_model_len filled in)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len

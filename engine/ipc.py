@@ -52,7 +52,6 @@ class ToCore(msgspec.Struct, array_like=True):
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     model_name: str
     vocab_size: int
-    max_model_len: int
     config: EngineConfig  # as resolved by the core (max_model_len filled in)
 
 

@@ -34,6 +34,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -47,8 +48,16 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "KVSERVE_CPU_KERNELS"
-MAX_HEAD_DIM = 512  # as in csrc/attention.c
-MAX_GROUP = 64
+
+
+def _header_constant(name: str) -> int:
+    """A ``#define`` of csrc/common.h: the kernels' shape limits are written once, there."""
+    match = re.search(rf"^#define {name} (\d+)$", (SOURCE_DIR / "common.h").read_text(), re.MULTILINE)
+    return int(match.group(1))
+
+
+MAX_HEAD_DIM = _header_constant("MAX_HEAD_DIM")
+MAX_GROUP = _header_constant("MAX_GROUP")
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -124,7 +133,8 @@ def _check(status: int, name: str) -> None:
 
 class CpuKernels:
     """The loaded library. Every method takes CPU tensors of one dtype in ``DTYPES`` whose last
-    dimension is contiguous (callers check with ``takes``)."""
+    dimension is contiguous (callers check with ``takes``). ``paged_decode`` and ``store_kv``, run
+    per layer, trust their caller for the rest of their layouts; their ``*_checked`` twins check."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -160,26 +170,37 @@ class CpuKernels:
         ``seq_lens[seq_ids[i]]`` (decodes).
 
         q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous; block_tables
-        int32 [S, W]; seq_lens, seq_ids, tokens, ctx_lens int32 (``seq_lens`` is read only when
-        ``ctx_lens`` is None).
+        int32 [S, W] with contiguous rows; seq_lens, seq_ids, tokens, ctx_lens int32, contiguous
+        (``seq_lens`` is read only when ``ctx_lens`` is None). The caller guarantees these layouts,
+        unchecked here (run per layer; the torch backend's tensors have them):
+        ``paged_decode_checked`` is the entry that checks.
         """
         kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out, k_cache, v_cache)):
-            raise ValueError("paged_decode: caches must be contiguous, q/out rows contiguous, one dtype "
-                             "throughout")
-        block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-        seq_ids, tokens = seq_ids.contiguous(), tokens.contiguous()
         if ctx_lens is None:  # decodes: each over its sequence's whole context
             ctx_lens = seq_lens.index_select(0, seq_ids.long())
-        elif ctx_lens.numel() != seq_ids.numel():
-            raise ValueError("paged_decode: one ctx_lens entry per query")
-        ctx_lens = ctx_lens.contiguous()
         _check(self._lib.paged_decode(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
             block_size, block_tables.data_ptr(), block_tables.stride(0), seq_ids.data_ptr(),
             tokens.data_ptr(), ctx_lens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, head_dim, scale,
             out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], torch.get_num_threads(),
         ), "paged_decode")
+
+    def paged_decode_checked(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
+                             tokens: torch.Tensor, out: torch.Tensor, scale: float,
+                             ctx_lens: torch.Tensor | None = None) -> None:
+        """``paged_decode`` for callers that do not guarantee its layouts: ValueError for caches
+        that are not contiguous or mixed dtypes; index tensors are made contiguous."""
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out, k_cache, v_cache)):
+            raise ValueError("paged_decode: caches must be contiguous, q/out rows contiguous, one dtype "
+                             "throughout")
+        if ctx_lens is not None:
+            if ctx_lens.numel() != seq_ids.numel():
+                raise ValueError("paged_decode: one ctx_lens entry per query")
+            ctx_lens = ctx_lens.contiguous()
+        block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        self.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, seq_ids.contiguous(),
+                          tokens.contiguous(), out, scale, ctx_lens)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,17 +244,22 @@ class CpuKernels:
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
         """``cache[h, slots[t]] = src[t, h]`` for K and V into head-major caches seen as
-        [kv_heads, slots, D]; slot -1 is skipped."""
+        [kv_heads, slots, D]; slot -1 is skipped. Caches contiguous, ``slots`` int64 contiguous:
+        the caller guarantees it, unchecked here (``store_kv_checked`` checks)."""
         tokens, kv_heads, width = k.shape
         cache_slots = k_cache.numel() // (kv_heads * width)
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64):
-            raise ValueError("store_kv: contiguous caches and int64 slots")
-        slots = slots.contiguous()
         _check(self._lib.store_kv(
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),
-            tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, k.element_size(),
+            tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, DTYPES[k.dtype],
         ), "store_kv (slot out of range)")
 
+    def store_kv_checked(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor) -> None:
+        """``store_kv`` for callers that do not guarantee its layouts: ValueError for caches that
+        are not contiguous or slots that are not int64."""
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64):
+            raise ValueError("store_kv: contiguous caches and int64 slots")
+        self.store_kv(k, v, k_cache, v_cache, slots.contiguous())
 
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      scales: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,10 +8,10 @@ import asyncio
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from kvserve.clients.messages import SERVICE_NAME
 from kvserve.engine.engine_state import EngineState
+from kvserve.service.methods import LLM_SERVICE
 
-HEALTH_SERVICES = ("", SERVICE_NAME)
+HEALTH_SERVICES = ("", LLM_SERVICE.full_name)
 # the default of `kvserve serve --health-port` (the Docker image sets it; its HEALTHCHECK probes it)
 HEALTH_PORT_ENV = "KVSERVE_HEALTH_PORT"
 

@@ -16,7 +16,6 @@ Every series has a ``model_name`` label.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Callable
 
@@ -97,34 +96,19 @@ class Metrics:
         ProcessCollector(registry=reg)  # process_*: the front-end
         ProcessCollector(namespace="kvserve_engine_core", pid=core_pid, registry=reg)  # its CPU, memory
 
-    # the model's series of each histogram, made at first use (no empty series before a request)
-    @functools.cached_property
-    def _queue_time(self):
-        return self.request_queue_time.labels(self.model_name)
-
-    @functools.cached_property
-    def _ttft(self):
-        return self.time_to_first_token.labels(self.model_name)
-
-    @functools.cached_property
-    def _e2e(self):
-        return self.e2e_request_latency.labels(self.model_name)
-
-    @functools.cached_property
-    def _itl(self):
-        return self.inter_token_latency.labels(self.model_name)
-
+    # each histogram's series of the model is made at its first observation (no empty series
+    # before a request)
     def observe_request(self, queue_s: float, ttft_s: float | None, e2e_s: float, finish_reason: str) -> None:
-        self._queue_time.observe(queue_s)
+        self.request_queue_time.labels(self.model_name).observe(queue_s)
         if ttft_s is not None:
-            self._ttft.observe(ttft_s)
-        self._e2e.observe(e2e_s)
+            self.time_to_first_token.labels(self.model_name).observe(ttft_s)
+        self.e2e_request_latency.labels(self.model_name).observe(e2e_s)
         self.request_success.labels(self.model_name, finish_reason.lower()).inc()
 
     def observe_token_gap(self, seconds: float, tokens: int) -> None:
         """One output carried ``tokens`` tokens, ``seconds`` after the previous one: each token
         counts as one gap of ``seconds / tokens`` (every token but a request's first is one gap)."""
-        child = self._itl
+        child = self.inter_token_latency.labels(self.model_name)
         for _ in range(tokens):
             child.observe(seconds / tokens)
 

@@ -31,6 +31,7 @@ class ServerProcess:
         self.client_options = client_options or {}
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
+        self.health_port: int | None = None  # --health-port's, printed before the listening line
         fd, path = tempfile.mkstemp(prefix="kvserve-server-", suffix=".log")
         os.close(fd)
         self.log_path = Path(path)
@@ -42,10 +43,9 @@ class ServerProcess:
     @property
     def health_target(self) -> str:
         """host:port of the plaintext health port (``--health-port``); LookupError without one."""
-        m = _HEALTH_PORT.search(self.log_text())
-        if m is None:
+        if self.health_port is None:
             raise LookupError("the server opened no health port (--health-port)")
-        return f"127.0.0.1:{m.group(2)}"
+        return f"127.0.0.1:{self.health_port}"
 
     def start(self, timeout: float = 600.0) -> ServerProcess:
         """Start, then wait until it listens and its health check answers SERVING (stopped again
@@ -65,9 +65,12 @@ class ServerProcess:
         end = time.monotonic() + timeout
         while self.port is None:
             self._check_alive()
-            m = _LISTENING.search(self.log_text())
+            text = self.log_text()
+            m = _LISTENING.search(text)
             if m:
                 self.port = int(m.group(2))
+                health = _HEALTH_PORT.search(text)
+                self.health_port = int(health.group(2)) if health else None
             elif time.monotonic() > end:
                 raise TimeoutError(f"server did not listen within {timeout} s:\n{self.log_tail()}")
             else:

@@ -28,10 +28,10 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S, AsyncEngine, EngineState
 from kvserve.engine.config import EngineConfig
-from kvserve.service.health import SERVICE_NAME, Health
+from kvserve.service.health import Health
 from kvserve.service.limits import StreamLimitInterceptor, StreamLimits
 from kvserve.service.malformed import MalformedRequestInterceptor
-from kvserve.service.methods import HEALTH_SERVICE
+from kvserve.service.methods import HEALTH_SERVICE, LLM_SERVICE
 from kvserve.service.observability import Observability, served_model_name
 from kvserve.service.reflection import enable_reflection
 from kvserve.service.security import ApiKeyInterceptor, SecuritySettings, warn_if_exposed
@@ -82,7 +82,7 @@ def build_server(engine: AsyncEngine, health: Health, observability: Observabili
     llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     if settings.security.reflection:
-        enable_reflection((SERVICE_NAME, HEALTH_SERVICE.full_name), server)
+        enable_reflection((LLM_SERVICE.full_name, HEALTH_SERVICE.full_name), server)
     return server
 
 

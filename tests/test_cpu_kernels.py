@@ -76,16 +76,22 @@ def test_one_token_context_returns_its_value(head_dim, dtype):
 
 
 def test_kernel_refuses_mismatched_layouts():
+    """The checked entries (the engine's per-layer calls skip the checks: its layouts are fixed)."""
     q = torch.randn(2, 4, 16)
     caches = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
     one = torch.tensor([0], dtype=torch.int32)
     tables = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="contiguous"):
-        KERNEL.paged_decode(q, caches[0].transpose(1, 2), caches[1], tables, one + 1, one, one,
-                   torch.empty_like(q), 1.0)
+        KERNEL.paged_decode_checked(q, caches[0].transpose(1, 2), caches[1], tables, one + 1, one, one,
+                                    torch.empty_like(q), 1.0)
     with pytest.raises(ValueError, match="one dtype"):
-        KERNEL.paged_decode(q, *caches, tables, one + 1, one, one, torch.empty_like(q, dtype=torch.bfloat16),
-                            1.0)
+        KERNEL.paged_decode_checked(q, *caches, tables, one + 1, one, one,
+                                    torch.empty_like(q, dtype=torch.bfloat16), 1.0)
+    kv = torch.randn(1, 2, 16)
+    with pytest.raises(ValueError, match="int64 slots"):
+        KERNEL.store_kv_checked(kv, kv, *caches, one)
+    with pytest.raises(ValueError, match="contiguous caches"):
+        KERNEL.store_kv_checked(kv, kv, caches[0].transpose(1, 2), caches[1], one.long())
 
 
 def mixed_step(block_size: int) -> ModelInput:

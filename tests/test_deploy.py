@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from kvserve.cli import build_parser
-from kvserve.service.health import HEALTH_SERVICES, SERVICE_NAME
+from kvserve.clients.messages import SERVICE_NAME
+from kvserve.service.health import HEALTH_SERVICES
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
 

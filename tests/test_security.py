@@ -106,11 +106,11 @@ def kvserve_health(*args: str) -> subprocess.CompletedProcess:
 
 def test_health_probe_follows_the_servers_tls(secure_server, tls_files):
     """`kvserve health` on the mutual-TLS port with the client's TLS flags, and in plaintext on the
-    health port; a plaintext probe of the TLS port fails with a one-line message."""
+    health port (``--service ""`` there is the Docker HEALTHCHECK's probe: tests/test_dockerfile.py);
+    a plaintext probe of the TLS port fails with a one-line message."""
     tls = ["--tls-ca", tls_files["ca"], "--tls-cert", tls_files["client_cert"],
            "--tls-key", tls_files["client_key"]]
-    for args in ([*tls, "--target", secure_server.target], ["--target", secure_server.health_target],
-                 ["--target", secure_server.health_target, "--service", ""]):
+    for args in ([*tls, "--target", secure_server.target], ["--target", secure_server.health_target]):
         probe = kvserve_health(*args)
         assert (probe.returncode, probe.stdout) == (0, "SERVING\n"), (args, probe.stderr)
     plain = kvserve_health("--target", secure_server.target, "--timeout", "3")

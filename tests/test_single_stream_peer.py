@@ -11,6 +11,7 @@ import pytest
 
 from kvserve.benchmarks import single_stream
 from kvserve.benchmarks.offline import make_requests
+from kvserve.engine.loader import resolve_model
 
 needs_node_llama_cpp = pytest.mark.skipif(
     shutil.which("node") is None or not (single_stream.PEER_DIR / "node_modules" / "node-llama-cpp").is_dir(),
@@ -73,12 +74,13 @@ def test_ratio_and_agreement_against_the_peer():
 
 def test_peer_unavailable_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setattr(single_stream, "PEER_DIR", tmp_path)
-    assert "npm ci --prefix benchmarks/llamacpp" in single_stream.peer_unavailable("default")
+    monkeypatch.setattr(single_stream.shutil, "which", lambda name: f"/usr/bin/{name}")  # node or not
+    assert "npm ci --prefix benchmarks/llamacpp" in single_stream.peer_unavailable(resolve_model("default"))
 
 
 def test_peer_unavailable_for_a_model_that_is_not_gguf(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # enough for resolve_model to take it as a HF directory
-    assert "not a GGUF file" in single_stream.peer_unavailable(str(tmp_path))
+    assert "not a GGUF file" in single_stream.peer_unavailable(resolve_model(str(tmp_path)))
 
 
 def fake_measure(variant, args):
@@ -96,7 +98,7 @@ def test_main_runs_the_peer_on_the_same_workload_with_kvserves_threads(monkeypat
                 "token_ids": [[7] * r["max_tokens"] for r in requests["requests"]]}
 
     monkeypatch.setattr(single_stream, "measure", fake_measure)
-    monkeypatch.setattr(single_stream, "peer_unavailable", lambda model: None)
+    monkeypatch.setattr(single_stream, "peer_unavailable", lambda source: None)
     monkeypatch.setattr(single_stream, "run_peer", fake_run_peer)
     out = tmp_path / "figures.json"
     figures = single_stream.main(["--num-requests", "2", "--new-tokens", "4", "--json", str(out)])
@@ -113,7 +115,7 @@ def test_main_runs_the_peer_on_the_same_workload_with_kvserves_threads(monkeypat
 
 def test_main_skips_a_missing_peer_by_default_and_refuses_it_when_asked(monkeypatch, capsys):
     monkeypatch.setattr(single_stream, "measure", fake_measure)
-    monkeypatch.setattr(single_stream, "peer_unavailable", lambda model: "not installed; npm ci ...")
+    monkeypatch.setattr(single_stream, "peer_unavailable", lambda source: "not installed; npm ci ...")
     figures = single_stream.main(["--num-requests", "1", "--new-tokens", "2"])
     assert figures["llama.cpp"] is None and figures["peer_skipped"] == "not installed; npm ci ..."
     assert "llama.cpp peer skipped: not installed; npm ci ..." in capsys.readouterr().out

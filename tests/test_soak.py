@@ -136,7 +136,6 @@ def soak(server, rounds: int) -> Counter:
         print(f"round {r}: RSS KV cache {kv:.0f} MiB, the rest {other:.0f} MiB")
         if r == 0:
             start = kv, other
-    kv, other = rss_mib(server.proc.pid)
     print(f"RSS after {rounds} rounds: KV cache {kv:.0f} MiB (+{kv - start[0]:.0f}), "
           f"the rest {other:.0f} MiB (+{other - start[1]:.0f})")
     assert kv > 0, "no KV cache map found: the measurement is broken"

@@ -1,10 +1,23 @@
-/* What the CPU kernels share: element types and their conversion to and from float. */
+/* What the CPU kernels share: element types and their conversion to and from float, the shape
+ * limits. */
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
 #include <stdint.h>
 #include <string.h>
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+/* Bytes per element of a DTYPE_* */
+static inline int elem_size(int dtype) { return dtype == DTYPE_BF16 ? 2 : 4; }
+
+/* The longest head the kernels take, and the most query heads per KV head (attention); also read
+ * by cpu_kernels.py. attention.c repeats them after including this file (the same values). */
+#ifndef MAX_HEAD_DIM
+#define MAX_HEAD_DIM 512
+#endif
+#ifndef MAX_GROUP
+#define MAX_GROUP 64
+#endif
 
 typedef union { uint32_t u; float f; } bits32;
 
