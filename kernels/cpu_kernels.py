@@ -156,8 +156,9 @@ class CpuKernels:
         return True
 
     @staticmethod
-    def supports_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return (dtype in DTYPES and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+    def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether the attention kernel takes this shape (the dtype is checked per call: ``takes``)."""
+        return (head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
                 and num_heads // num_kv_heads <= MAX_GROUP)
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -164,8 +164,8 @@ def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     assert first.parent == tmp_path / "kernels"
     mtime = first.stat().st_mtime_ns
     assert cpu_kernels.build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    assert CpuKernels(first).supports_attention(torch.bfloat16, 9, 3, 64)
-    assert not CpuKernels.supports_attention(torch.float16, 9, 3, 64)
+    assert CpuKernels(first).supports_attention(9, 3, 64)
+    assert not CpuKernels.supports_attention(9, 3, 1024)
 
 
 # -- the fused elementwise kernels against the torch ops they replace ------------------------------

@@ -240,7 +240,7 @@ class TorchAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         # whether the CPU decode kernel takes this layer's shapes (the dtype is known per call)
-        self._kernel_shapes = CpuKernels.supports_attention(torch.float32, num_heads, num_kv_heads, head_dim)
+        self._kernel_shapes = CpuKernels.supports_attention(num_heads, num_kv_heads, head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:

@@ -25,8 +25,6 @@
 
 #include "common.h"
 
-#define MAX_HEAD_DIM 512
-#define MAX_GROUP 64
 #define MAX_ACC_VECTORS 8 /* head dims up to 128 accumulate in registers */
 #define PARALLEL_MIN_BYTES (512 << 10) /* K and V bytes below which one thread reads them all */
 
@@ -224,7 +222,7 @@ static inline __attribute__((always_inline)) __m512 dot_key(const char *k, const
     (void)qh;
     __m512 s = _mm512_setzero_ps();
 #endif
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int elem = elem_size(dtype);
     for (int v = 0; v < D / 16; ++v) s = _mm512_fmadd_ps(load16(k + v * 16 * elem, dtype), qf[v], s);
     return s;
 }
@@ -346,7 +344,7 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     if (head_dim > MAX_HEAD_DIM || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_heads ||
         (dtype != DTYPE_F32 && dtype != DTYPE_BF16))
         return 1;
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int elem = elem_size(dtype);
     const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype, elem};
     int max_ctx = 1;
     int64_t keys = 0;

@@ -101,7 +101,7 @@ static inline __attribute__((always_inline)) void rows_of(
  * 0 on success, 2 when memory could not be had. */
 int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
                void *y, int n_out, int k_in, int dtype, int num_threads) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int elem = elem_size(dtype);
     const int kind = w_int8 ? W_INT8 : (dtype == DTYPE_BF16 ? W_BF16 : W_F32);
     const int64_t row_bytes = w_stride * (w_int8 ? 1 : elem);
     float *buf = malloc(sizeof(float) * ((size_t)k_in + (size_t)n_out));
