@@ -73,7 +73,31 @@ _SIGNATURES = {
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
     "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "linear_row": [_P, _P, _I64, _I32, _P, _P, _P, _I32, _I32, _I32, _I32],
+    "decode_row": [_P, _I32, _P, _P, _P, _I32],
 }
+
+
+class Linear(ctypes.Structure):
+    """csrc/common.h ``lin_t``: a one-row linear's weight (int8 with ``scales``, or the
+    activations' dtype), rows ``row_bytes`` apart."""
+
+    _fields_ = [("w", _P), ("row_bytes", _I64), ("kind", _I32), ("scales", _P), ("bias", _P),
+                ("n_out", _I32), ("k_in", _I32)]
+
+
+class RowLayer(ctypes.Structure):
+    """csrc/decode_row.c ``row_layer_t``: one decoder layer's weights and KV cache."""
+
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
+                ("down", Linear), ("k_cache", _P), ("v_cache", _P)]
+
+
+class RowStep(ctypes.Structure):
+    """csrc/decode_row.c ``row_step_t``: the shapes and the one token's place in the cache."""
+
+    _fields_ = [("hidden", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32), ("inter", _I32),
+                ("dtype", _I32), ("norm_dtype", _I32), ("eps", _F32), ("scale", _F32), ("num_blocks", _I64),
+                ("block_size", _I32), ("table", _P), ("ctx", _I32), ("slot", _I64), ("cos", _P), ("sin", _P)]
 
 
 def cache_dir() -> Path:
@@ -293,6 +317,28 @@ class CpuKernels:
             _check(self._lib.small_linear_int8(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
                                                scales.data_ptr(), bias_ptr, *tail), "small_linear_int8")
         return y
+
+    @staticmethod
+    def linear_of(weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor | None,
+                  dtype: torch.dtype) -> Linear:
+        """``Linear`` for ``weight`` [out, in] (int8 when ``scales`` is given), rows contiguous."""
+        int8 = scales is not None
+        kind = 2 if int8 else DTYPES[dtype]  # csrc/common.h W_INT8, W_BF16 = DTYPE_BF16, W_F32 = DTYPE_F32
+        return Linear(weight.data_ptr(), weight.stride(0) * weight.element_size(), kind,
+                      scales.data_ptr() if int8 else None, None if bias is None else bias.data_ptr(),
+                      weight.shape[0], weight.shape[1])
+
+    def decode_row(self, layers: ctypes.Array, step: RowStep, hidden: torch.Tensor,
+                   residual: torch.Tensor) -> bool:
+        """One token through every layer of ``layers`` (csrc/decode_row.c): ``hidden`` [1, H] in,
+        the last layer's output out; ``residual`` [1, H] out. False where the library was not
+        built for AVX-512 (nothing was done)."""
+        status = self._lib.decode_row(ctypes.addressof(layers), len(layers), ctypes.byref(step),
+                                      hidden.data_ptr(), residual.data_ptr(), torch.get_num_threads())
+        if status == 1:
+            return False
+        _check(status, "decode_row")
+        return True
 
     def inverse_cdf_draw(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         """int64 [rows]: per row of float32 ``logits`` (overwritten), the token whose interval of

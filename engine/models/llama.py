@@ -115,16 +115,30 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, rope_parameters(config)
         )
+        self._decode_row = False  # not decided yet (``decode_row``)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        row = self.decode_row() if hidden.shape[0] == 1 else None
+        if row is not None and (out := row(hidden, positions, meta)):
+            return self.norm(*out)[0]  # one token through every layer in one kernel call
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+    def decode_row(self):
+        """The fused one-token step over these layers (``models/decode_row.py``), or None when
+        they do not fit it; decided once."""
+        if self._decode_row is False:
+            from kvserve.engine.models.decode_row import DecodeRow  # it imports the layer classes here
+
+            self._decode_row = DecodeRow(self) if DecodeRow.fits(self) else None
+        return self._decode_row
 
 
 class LlamaForCausalLM(nn.Module):

@@ -330,6 +330,29 @@ static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx,
 }
 #endif
 
+/* Floats of scratch one thread needs for attend_one over contexts of up to max_ctx keys. */
+size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ctx) {
+    const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
+    return q_len + acc_len + (size_t)block_size * head_dim + (size_t)group * (size_t)max_ctx;
+}
+
+/* The group query heads at q0 (q_head_bytes apart) that share KV head kv_head, over the first
+ * ctx keys and values in table's blocks; head j's output goes to out0 + j * out_head_bytes.
+ * scratch: attend_scratch_floats(group, head_dim, block_size, >= ctx) floats of this thread's. */
+void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
+                const int32_t *table, int ctx, int kv_head, const char *q0, int64_t q_head_bytes, float scale,
+                int group, int head_dim, int dtype, float *scratch, char *out0, int64_t out_head_bytes) {
+    const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype,
+                           elem_size(dtype)};
+    const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
+    const scratch_t w = {scratch, scratch + q_len, scratch + q_len + acc_len,
+                         scratch + q_len + acc_len + (size_t)block_size * head_dim};
+    if (!attend_fast_dispatch(&cache, table, ctx, kv_head, q0, q_head_bytes, scale, group, head_dim, &w))
+        attend_any(&cache, table, ctx, kv_head, q0, q_head_bytes, scale, group, head_dim, &w);
+    for (int j = 0; j < group; ++j)
+        from_float(w.acc + j * head_dim, w.acc[group * head_dim + j], dtype, out0 + j * out_head_bytes, head_dim);
+}
+
 /* For each i: out[tokens[i]] = attention of q[tokens[i]] over the first ctx_lens[i] keys and
  * values in the blocks of block_tables[seq_ids[i]] (a decode sees its whole context, a prefill
  * token the keys up to its own position). Strides are in elements. Returns 0, 1 for shapes it does
@@ -345,7 +368,6 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
         (dtype != DTYPE_F32 && dtype != DTYPE_BF16))
         return 1;
     const int elem = elem_size(dtype);
-    const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype, elem};
     int max_ctx = 1;
     int64_t keys = 0;
     for (int i = 0; i < num_queries; ++i) {
@@ -358,16 +380,13 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     const int items = num_queries * num_kv_heads;
     /* every thread's scratch in one allocation, made before the team starts: each thread reaches
      * the worksharing loop, and a decode step allocates once per layer, not four times a thread */
-    const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
-    const size_t block_len = (size_t)block_size * head_dim, scores_len = (size_t)group * max_ctx;
-    const size_t per_thread = q_len + acc_len + block_len + scores_len;
+    const size_t per_thread = attend_scratch_floats(group, head_dim, block_size, max_ctx);
     const int threads = num_threads > 0 ? num_threads : 1;
     float *scratch = malloc(sizeof(float) * per_thread * threads);
     if (!scratch) return 2;
 #pragma omp parallel num_threads(threads)
     {
         float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
-        const scratch_t w = {mine, mine + q_len, mine + q_len + acc_len, mine + q_len + acc_len + block_len};
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; ++item) {
             const int i = item / num_kv_heads, kv_head = item % num_kv_heads;
@@ -375,15 +394,11 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
             if (ctx <= 0) continue;
             const int64_t token = tokens[i];
             const int h0 = kv_head * group;
-            const int32_t *table = block_tables + (int64_t)seq * table_stride;
             const char *q0 = (const char *)q + (token * q_token_stride + h0 * q_head_stride) * elem;
-            if (!attend_fast_dispatch(&cache, table, ctx, kv_head, q0, q_head_stride * elem, scale, group,
-                                      head_dim, &w))
-                attend_any(&cache, table, ctx, kv_head, q0, q_head_stride * elem, scale, group, head_dim, &w);
-            for (int j = 0; j < group; ++j) {
-                char *dst = (char *)out + (token * out_token_stride + (h0 + j) * out_head_stride) * elem;
-                from_float(w.acc + j * head_dim, w.acc[group * head_dim + j], dtype, dst, head_dim);
-            }
+            char *out0 = (char *)out + (token * out_token_stride + h0 * out_head_stride) * elem;
+            attend_one(k_cache, v_cache, num_blocks, block_size, block_tables + (int64_t)seq * table_stride, ctx,
+                       kv_head, q0, q_head_stride * elem, scale, group, head_dim, dtype, mine, out0,
+                       out_head_stride * elem);
         }
     }
     free(scratch);

@@ -21,6 +21,29 @@ static inline int elem_size(int dtype) { return dtype == DTYPE_BF16 ? 2 : 4; }
 
 typedef union { uint32_t u; float f; } bits32;
 
+/* One-row linears (linear.c), shared with the fused decode row (decode_row.c). */
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 }; /* a weight's element kind */
+typedef struct {
+    const void *w;           /* [n_out][k_in], rows row_bytes apart */
+    int64_t row_bytes;
+    int kind;                /* W_* */
+    const void *scales;      /* int8 weights: one per row, in the activations' dtype; else NULL */
+    const void *bias;        /* or NULL */
+    int n_out, k_in;
+} lin_t;
+lin_t lin_of(const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias, int n_out,
+             int k_in, int dtype);
+void linear_row_team(const lin_t *L, const float *xf, const void *xh, void *y, int dtype);
+int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
+               void *y, int n_out, int k_in, int dtype, int num_threads);
+
+/* Attention (attention.c), shared with the fused decode row. */
+#include <stddef.h>
+size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ctx);
+void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
+                const int32_t *table, int ctx, int kv_head, const char *q0, int64_t q_head_bytes, float scale,
+                int group, int head_dim, int dtype, float *scratch, char *out0, int64_t out_head_bytes);
+
 /* n elements of src (DTYPE_*) as floats in dst */
 static inline void to_float(const void *src, int dtype, float *restrict dst, int n) {
     if (dtype == DTYPE_BF16) {

@@ -17,10 +17,17 @@
 
 #include "common.h"
 
+/* The weight of a one-row linear as lin_t (w_stride in elements). */
+lin_t lin_of(const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias, int n_out,
+             int k_in, int dtype) {
+    const lin_t L = {w, w_stride * (w_int8 ? 1 : elem_size(dtype)),
+                     w_int8 ? W_INT8 : (dtype == DTYPE_BF16 ? W_BF16 : W_F32), scales, bias, n_out, k_in};
+    return L;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 }; /* the weight's element kind */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
 #endif
@@ -72,28 +79,53 @@ static inline __attribute__((always_inline)) void dot_rows(
     for (int j = 0; j < R; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
 }
 
-static inline __attribute__((always_inline)) void rows_of(
-        const float *xf, const char *xh, const char *w, int64_t row_bytes, const int kind, int n_out, int k_in,
-        float *yf, int num_threads) {
-    const int blocks = n_out / ROWS_AT_ONCE;
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(static) nowait
-        for (int b = 0; b < blocks; ++b) {
-            /* the rows PREFETCH_BYTES ahead of this block: the hardware prefetcher alone leaves
-             * the core waiting on memory (the model's one-row projections, two threads: 11.6 -> 9.0 ms in
-             * bfloat16, 9.3 -> 5.5 ms in int8, 8 to 32 KiB ahead alike) */
-            const char *block = w + (int64_t)b * ROWS_AT_ONCE * row_bytes;
-            const char *end = w + (int64_t)blocks * ROWS_AT_ONCE * row_bytes;
-            for (int64_t off = 0; off < ROWS_AT_ONCE * row_bytes; off += 64)
-                if (block + PREFETCH_BYTES + off < end) _mm_prefetch(block + PREFETCH_BYTES + off, PREFETCH_HINT);
-            dot_rows(xf, xh, w + (int64_t)b * ROWS_AT_ONCE * row_bytes, row_bytes, kind, ROWS_AT_ONCE, k_in,
-                     yf + b * ROWS_AT_ONCE);
-        }
-#pragma omp for schedule(static)
-        for (int n = blocks * ROWS_AT_ONCE; n < n_out; ++n)
-            dot_rows(xf, xh, w + (int64_t)n * row_bytes, row_bytes, kind, 1, k_in, yf + n);
+/* y[n0 + j] for the R results of dot_rows: scaled (int8 weights), biased, rounded once */
+static inline void finish_rows(const lin_t *L, int n0, int R, const float *acc, int dtype, void *y) {
+    const int elem = elem_size(dtype);
+    for (int j = 0; j < R; ++j) {
+        float v = acc[j], s = 1.f, b = 0.f;
+        if (L->scales != NULL) to_float((const char *)L->scales + (int64_t)(n0 + j) * elem, dtype, &s, 1);
+        if (L->bias != NULL) to_float((const char *)L->bias + (int64_t)(n0 + j) * elem, dtype, &b, 1);
+        v = v * s + b;
+        from_float(&v, 1.f, dtype, (char *)y + (int64_t)(n0 + j) * elem, 1);
     }
+}
+
+static inline __attribute__((always_inline)) void rows_team(const lin_t *L, const float *xf, const char *xh,
+                                                            void *y, int dtype, const int kind) {
+    const int blocks = L->n_out / ROWS_AT_ONCE, k_in = L->k_in;
+    const int64_t row_bytes = L->row_bytes;
+    const char *w = (const char *)L->w, *end = w + (int64_t)blocks * ROWS_AT_ONCE * row_bytes;
+    float acc[ROWS_AT_ONCE];
+#pragma omp for schedule(static) nowait
+    for (int b = 0; b < blocks; ++b) {
+        /* the rows PREFETCH_BYTES ahead of this block: the hardware prefetcher alone leaves the
+         * core waiting on memory (the model's one-row projections, two threads: 11.6 -> 9.0 ms in
+         * bfloat16, 9.3 -> 5.5 ms in int8, 8 to 32 KiB ahead alike) */
+        const char *block = w + (int64_t)b * ROWS_AT_ONCE * row_bytes;
+        for (int64_t off = 0; off < ROWS_AT_ONCE * row_bytes; off += 64)
+            if (block + PREFETCH_BYTES + off < end) _mm_prefetch(block + PREFETCH_BYTES + off, PREFETCH_HINT);
+        dot_rows(xf, xh, block, row_bytes, kind, ROWS_AT_ONCE, k_in, acc);
+        finish_rows(L, b * ROWS_AT_ONCE, ROWS_AT_ONCE, acc, dtype, y);
+    }
+#pragma omp for schedule(static)
+    for (int n = blocks * ROWS_AT_ONCE; n < L->n_out; ++n) {
+        dot_rows(xf, xh, w + (int64_t)n * row_bytes, row_bytes, kind, 1, k_in, acc);
+        finish_rows(L, n, 1, acc, dtype, y);
+    }
+}
+
+/* y = x w^T for one row, by every thread of the enclosing team (each call site is reached by all
+ * of them; ends with a barrier). xf: x as k_in floats; xh: x itself when it is bfloat16 (the
+ * weight's pairs are then dotted as stored), else NULL. */
+void linear_row_team(const lin_t *L, const float *xf, const void *xh, void *y, int dtype) {
+    const char *h = (const char *)xh;
+    if (L->kind == W_BF16)
+        rows_team(L, xf, h, y, dtype, W_BF16);
+    else if (L->kind == W_INT8)
+        rows_team(L, xf, NULL, y, dtype, W_INT8);
+    else
+        rows_team(L, xf, NULL, y, dtype, W_F32);
 }
 
 /* y = x w^T (one row of x): x, y, bias (may be NULL) and scales (int8 weights only) of dtype
@@ -101,41 +133,20 @@ static inline __attribute__((always_inline)) void rows_of(
  * 0 on success, 2 when memory could not be had. */
 int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
                void *y, int n_out, int k_in, int dtype, int num_threads) {
-    const int elem = elem_size(dtype);
-    const int kind = w_int8 ? W_INT8 : (dtype == DTYPE_BF16 ? W_BF16 : W_F32);
-    const int64_t row_bytes = w_stride * (w_int8 ? 1 : elem);
-    float *buf = malloc(sizeof(float) * ((size_t)k_in + (size_t)n_out));
-    if (!buf) return 2;
-    float *xf = buf, *yf = buf + k_in;
+    const lin_t L = lin_of(w, w_stride, w_int8, scales, bias, n_out, k_in, dtype);
+    float *xf = malloc(sizeof(float) * (size_t)k_in);
+    if (!xf) return 2;
     to_float(x, dtype, xf, k_in);
-    const char *xh = dtype == DTYPE_BF16 ? (const char *)x : NULL;
-    if (kind == W_BF16)
-        rows_of(xf, xh, (const char *)w, row_bytes, W_BF16, n_out, k_in, yf, num_threads);
-    else if (kind == W_INT8)
-        rows_of(xf, NULL, (const char *)w, row_bytes, W_INT8, n_out, k_in, yf, num_threads);
-    else
-        rows_of(xf, NULL, (const char *)w, row_bytes, W_F32, n_out, k_in, yf, num_threads);
-    if (scales != NULL) {
-        float s[16];
-        for (int n0 = 0; n0 < n_out; n0 += 16) {
-            const int len = n_out - n0 < 16 ? n_out - n0 : 16;
-            to_float((const char *)scales + (int64_t)n0 * elem, dtype, s, len);
-            for (int i = 0; i < len; ++i) yf[n0 + i] *= s[i];
-        }
-    }
-    if (bias != NULL) {
-        float b[16];
-        for (int n0 = 0; n0 < n_out; n0 += 16) {
-            const int len = n_out - n0 < 16 ? n_out - n0 : 16;
-            to_float((const char *)bias + (int64_t)n0 * elem, dtype, b, len);
-            for (int i = 0; i < len; ++i) yf[n0 + i] += b[i];
-        }
-    }
-    from_float(yf, 1.f, dtype, y, n_out);
-    free(buf);
+#pragma omp parallel num_threads(num_threads)
+    linear_row_team(&L, xf, dtype == DTYPE_BF16 ? x : NULL, y, dtype);
+    free(xf);
     return 0;
 }
 #else
+void linear_row_team(const lin_t *L, const float *xf, const void *xh, void *y, int dtype) {
+    (void)L, (void)xf, (void)xh, (void)y, (void)dtype;
+}
+
 int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
                void *y, int n_out, int k_in, int dtype, int num_threads) {
     (void)x, (void)w, (void)w_stride, (void)w_int8, (void)scales, (void)bias, (void)y, (void)n_out;

@@ -1,0 +1,97 @@
+"""A single stream's decode step in one kernel call (kernels/csrc/decode_row.c).
+
+At one token per step, a step on the CPU is ~120 one-row projections of a few hundred
+microseconds each; the per-op path wakes the second thread for each of them and runs Python
+between them, which cost about a third of the step. ``DecodeRow`` hands the whole stack of
+decoder layers to one C call instead, which keeps one OpenMP team for the step and runs the same
+kernels with the same roundings (tests/test_decode_row.py pins its tokens and logits to the
+per-op path's).
+
+It runs when every condition holds, else the step takes the per-op path unchanged: the CPU
+kernels take the model's dtype (float32 or bfloat16) and were built for AVX-512; one rank (no
+tensor parallelism); every layer is the plain Llama layer (Llama, Qwen2: optional biases;
+not Qwen3's q/k norms, not mixtures of experts) over the torch attention backend; the step is one
+token whose K/V has a cache slot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve.engine.layers.attention_torch import TorchAttentionImpl, TorchAttentionMetadata
+from kvserve.engine.models.llama import LlamaAttention, LlamaMLP
+from kvserve.engine.models.qwen2 import Qwen2Attention
+from kvserve.kernels.cpu_kernels import DTYPES, CpuKernels, RowLayer, RowStep, kernels_for
+
+ROW_ATTENTION = (LlamaAttention, Qwen2Attention)
+
+
+def _linear(layer, dtype: torch.dtype):
+    weight = layer.qweight if layer.qweight is not None else layer.weight
+    return CpuKernels.linear_of(weight, layer.bias, layer.scales, dtype)
+
+
+class DecodeRow:
+    """The fused one-token step over ``model``'s layers (a ``LlamaModel``)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._layers: ctypes.Array | None = None
+        self._bound_to: int | None = None  # layer 0's K cache when ``_layers`` was made
+
+    @staticmethod
+    def fits(model) -> bool:
+        """Whether ``model``'s layers are all of the shape the fused step computes."""
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(attn) not in ROW_ATTENTION or type(mlp) is not LlamaMLP
+                    or not isinstance(attn.attn.impl, TorchAttentionImpl) or not attn.attn.impl._kernel_shapes
+                    or attn.qkv_proj.parallel.size != 1):
+                return False
+        return bool(len(model.layers))
+
+    def _layer_array(self, dtype: torch.dtype) -> ctypes.Array:
+        """The layers' weights and caches for the C call, made again when the caches are rebound."""
+        first = self.model.layers[0].self_attn.attn
+        if self._layers is None or self._bound_to != first.k_cache.data_ptr():
+            rows = []
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                linears = (_linear(m, dtype) for m in projections)
+                rows.append(RowLayer(
+                    layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                    *linears, attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr()))
+            self._layers = (RowLayer * len(rows))(*rows)
+            self._bound_to = first.k_cache.data_ptr()
+        return self._layers
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+                 meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the last layer's output, the residual) for the one token in ``hidden`` [1, H], or None
+        where the fused step does not apply (the caller then runs the layers)."""
+        if not isinstance(meta, TorchAttentionMetadata) or meta.slot_mapping.numel() != 1:
+            return None
+        kernels = kernels_for(hidden)
+        slot = int(meta.slot_mapping[0])
+        if kernels is None or slot < 0:
+            return None
+        model, dtype = self.model, hidden.dtype
+        first = model.layers[0]
+        attn, norm = first.self_attn, first.input_layernorm
+        k_cache = attn.attn.k_cache
+        if norm.weight.dtype not in DTYPES or k_cache.dim() != 4:
+            return None
+        cos, sin = model.rotary_emb.cos_sin(positions, dtype)
+        step = RowStep(
+            hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            first.mlp.down_proj.input_size, DTYPES[dtype], DTYPES[norm.weight.dtype], norm.eps,
+            attn.attn.impl.scale, k_cache.shape[1], k_cache.shape[2], meta.block_tables.data_ptr(),
+            int(positions[0]) + 1, slot, cos.data_ptr(), sin.data_ptr())
+        hidden = hidden.contiguous()
+        residual = torch.empty_like(hidden)
+        if not kernels.decode_row(self._layer_array(dtype), step, hidden, residual):
+            return None
+        return hidden, residual
