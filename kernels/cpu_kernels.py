@@ -58,6 +58,7 @@ def _header_constant(name: str) -> int:
 
 MAX_HEAD_DIM = _header_constant("MAX_HEAD_DIM")
 MAX_GROUP = _header_constant("MAX_GROUP")
+MAX_FUSED_ROWS = _header_constant("MAX_FUSED_ROWS")
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -93,11 +94,12 @@ class RowLayer(ctypes.Structure):
 
 
 class RowStep(ctypes.Structure):
-    """csrc/decode_row.c ``row_step_t``: the shapes and the one token's place in the cache."""
+    """csrc/decode_row.c ``row_step_t``: the shapes and each row's place in the cache."""
 
-    _fields_ = [("hidden", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32), ("inter", _I32),
-                ("dtype", _I32), ("norm_dtype", _I32), ("eps", _F32), ("scale", _F32), ("num_blocks", _I64),
-                ("block_size", _I32), ("table", _P), ("ctx", _I32), ("slot", _I64), ("cos", _P), ("sin", _P)]
+    _fields_ = [("rows", _I32), ("hidden", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32),
+                ("inter", _I32), ("dtype", _I32), ("norm_dtype", _I32), ("eps", _F32), ("scale", _F32),
+                ("num_blocks", _I64), ("block_size", _I32), ("tables", _P), ("table_stride", _I64),
+                ("ctx", _P), ("slots", _P), ("cos", _P), ("sin", _P)]
 
 
 def cache_dir() -> Path:
@@ -330,9 +332,9 @@ class CpuKernels:
 
     def decode_row(self, layers: ctypes.Array, step: RowStep, hidden: torch.Tensor,
                    residual: torch.Tensor) -> bool:
-        """One token through every layer of ``layers`` (csrc/decode_row.c): ``hidden`` [1, H] in,
-        the last layer's output out; ``residual`` [1, H] out. False where the library was not
-        built for AVX-512 (nothing was done)."""
+        """One token per row through every layer of ``layers`` (csrc/decode_row.c): ``hidden``
+        [rows, H] in, the last layer's output out; ``residual`` [rows, H] out. False where the
+        library was not built for AVX-512 or refused the step (nothing was done)."""
         status = self._lib.decode_row(ctypes.addressof(layers), len(layers), ctypes.byref(step),
                                       hidden.data_ptr(), residual.data_ptr(), torch.get_num_threads())
         if status == 1:

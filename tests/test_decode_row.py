@@ -1,11 +1,14 @@
-"""The fused one-token step (engine/models/decode_row.py, kernels/csrc/decode_row.c) against the
+"""The fused decode step (engine/models/decode_row.py, kernels/csrc/decode_row.c) against the
 per-op path it replaces: the same kernels in the same order, so the same tokens and the same
-log-probabilities, in float32 and bfloat16, with int8 weights and with Qwen2's biases."""
+log-probabilities, in float32 and bfloat16, with int8 weights and with Qwen2's biases, one
+sequence at a time and several (up to MAX_FUSED_ROWS) side by side."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from kvserve.benchmarks.attention_cpu import step_input
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.models.decode_row import DecodeRow
 from kvserve.kernels import cpu_kernels
@@ -27,15 +30,20 @@ def _fused_steps(monkeypatch) -> list[bool]:
     return calls
 
 
-def _generate(llm: LLM, fused: bool, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
+def _generate(llm: LLM, fused: bool, prompts=PROMPTS, together: bool = False
+              ) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their log-probabilities, one prompt at a time (every decode step one
+    token) or all together (decode steps of several rows; the different output lengths make
+    the batch shrink as they finish)."""
     model = llm.engine.executor.model.model
     model._decode_row = DecodeRow(model) if fused else None
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    out = []
-    for prompt in prompts:  # one at a time: every decode step is one token
-        o = llm.generate(prompt, params, use_tqdm=False)[0]
-        out.append((o.token_ids, [lp.logprob for lp in o.logprobs]))
-    return out
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=1)
+              for i in range(len(prompts))]
+    if together:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = [llm.generate(p, q, use_tqdm=False)[0] for p, q in zip(prompts, params, strict=True)]
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
 
 needs_kernels = pytest.mark.skipif(load_kernels() is None, reason="no CPU kernels here")
@@ -45,20 +53,63 @@ needs_kernels = pytest.mark.skipif(load_kernels() is None, reason="no CPU kernel
 @pytest.mark.parametrize(("dtype", "quantization"),
                          [("float32", None), ("bfloat16", None), ("bfloat16", "int8")])
 def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantization, monkeypatch):
+    """One sequence at a time, the fused step and the per-op path run the same kernels: the same
+    tokens and log-probabilities. Together (decode steps of 4, 3, 2, 1 rows) the per-op path
+    multiplies in oneDNN's GEMMs and torch's int8 kernel, whose sums run in another order: in
+    float32 the same tokens and log-probabilities within 1e-4 (in bfloat16 a near tie may flip a
+    token; the next test pins the rows there)."""
     options = {"quantization": quantization} if quantization else {}
-    llm = LLM("default", dtype=dtype, max_num_seqs=1, num_kv_blocks=64, **options)
+    llm = LLM("default", dtype=dtype, max_num_seqs=len(PROMPTS), num_kv_blocks=64, **options)
     assert DecodeRow.fits(llm.engine.executor.model.model)
     calls = _fused_steps(monkeypatch)
-    fused = _generate(llm, fused=True)
+    alone = _generate(llm, True)
     if not any(calls):
         pytest.skip("the kernels were not built for AVX-512 here: the fused step does not run")
-    assert len(calls) >= len(PROMPTS) * 9  # every decode step of every prompt
+    assert len(calls) == 5 + 7 + 9 + 11 and all(calls)  # every decode step of every prompt
     calls.clear()
-    per_op = _generate(llm, fused=False)
+    together = _generate(llm, True, together=True)
+    assert len(calls) == 11 and all(calls)  # 4 rows, then 3, 2, 1 as the outputs end
+    calls.clear()
+    pairs = [(alone, _generate(llm, False), 1e-5)]
+    if dtype == "float32":
+        pairs.append((together, _generate(llm, False, together=True), 1e-4))
+    for fused, per_op, tol in pairs:
+        assert [t for t, _ in fused] == [t for t, _ in per_op]
+        for (_, a), (_, b) in zip(fused, per_op, strict=True):
+            assert a == pytest.approx(b, abs=tol)
     assert not calls
-    assert [t for t, _ in fused] == [t for t, _ in per_op]
-    for (_, a), (_, b) in zip(fused, per_op, strict=True):
-        assert a == pytest.approx(b, abs=1e-5)
+    llm.shutdown()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("bfloat16", "int8")])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization, monkeypatch):
+    """Five decode rows over different contexts (a cache of random K/V) through the fused step
+    at once, and each alone: bit for bit the same hidden states, so a sequence's tokens do not
+    depend on what else is decoding beside it (up to MAX_FUSED_ROWS rows)."""
+    options = {"quantization": quantization} if quantization else {}
+    llm = LLM("default", dtype=dtype, max_num_seqs=8, num_kv_blocks=64, **options)
+    runner = llm.engine.executor
+    model = runner.model.model
+    gen = torch.Generator().manual_seed(0)
+    runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).to(runner.kv_cache.dtype))
+    block = runner.block_size
+    seqs = [([3, 9], 20, 1), ([1], 4, 1), ([12, 4, 7, 30], 50, 1), ([2, 5], 16, 1), ([40, 41, 42], 33, 1)]
+    ids = torch.tensor([11, 222, 3333, 444, 55])
+    calls = _fused_steps(monkeypatch)
+
+    def forward(rows):
+        inp = step_input(block, [seqs[i] for i in rows])
+        meta = runner.backend.build_metadata(inp, torch.device("cpu"))
+        with torch.inference_mode():
+            return model(ids[rows], torch.tensor(inp.positions), meta)
+
+    together = forward([0, 1, 2, 3, 4])
+    if not any(calls):
+        pytest.skip("the kernels were not built for AVX-512 here: the fused step does not run")
+    for i in range(5):
+        assert torch.equal(together[i : i + 1], forward([i]))
+    assert len(calls) == 6 and all(calls)
     llm.shutdown()
 
 

@@ -1,6 +1,6 @@
-"""A single stream's decode step in one kernel call (kernels/csrc/decode_row.c).
+"""A decode step of up to 8 sequences in one kernel call (kernels/csrc/decode_row.c).
 
-At one token per step, a step on the CPU is ~120 one-row projections of a few hundred
+At one token per step (a single stream), a step on the CPU is ~120 one-row projections of a few hundred
 microseconds each; the per-op path wakes the second thread for each of them and runs Python
 between them, which cost about a third of the step. ``DecodeRow`` hands the whole stack of
 decoder layers to one C call instead, which keeps one OpenMP team for the step and runs the same
@@ -11,7 +11,8 @@ It runs when every condition holds, else the step takes the per-op path unchange
 kernels take the model's dtype (float32 or bfloat16) and were built for AVX-512; one rank (no
 tensor parallelism); every layer is the plain Llama layer (Llama, Qwen2: optional biases;
 not Qwen3's q/k norms, not mixtures of experts) over the torch attention backend; the step is one
-token whose K/V has a cache slot.
+token per sequence (a decode step), at most ``MAX_FUSED_ROWS`` of them, each with a cache slot.
+Larger batches multiply in oneDNN's blocked GEMMs instead (``layers/linear.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from kvserve.engine.layers.attention_torch import TorchAttentionImpl, TorchAttentionMetadata
 from kvserve.engine.models.llama import LlamaAttention, LlamaMLP
 from kvserve.engine.models.qwen2 import Qwen2Attention
-from kvserve.kernels.cpu_kernels import DTYPES, CpuKernels, RowLayer, RowStep, kernels_for
+from kvserve.kernels.cpu_kernels import DTYPES, MAX_FUSED_ROWS, CpuKernels, RowLayer, RowStep, kernels_for
 
 ROW_ATTENTION = (LlamaAttention, Qwen2Attention)
 
@@ -70,26 +71,29 @@ class DecodeRow:
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  meta) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the last layer's output, the residual) for the one token in ``hidden`` [1, H], or None
-        where the fused step does not apply (the caller then runs the layers)."""
-        if not isinstance(meta, TorchAttentionMetadata) or meta.slot_mapping.numel() != 1:
+        """(the last layer's output, the residual) for ``hidden`` [rows, H], one token of each of
+        ``rows`` sequences, or None where the fused step does not apply (the caller then runs the
+        layers)."""
+        rows = hidden.shape[0]
+        if (not isinstance(meta, TorchAttentionMetadata) or rows > MAX_FUSED_ROWS or meta.max_query_len != 1
+                or meta.slot_mapping.numel() != rows or meta.block_tables.shape[0] != rows):
             return None
         kernels = kernels_for(hidden)
-        slot = int(meta.slot_mapping[0])
-        if kernels is None or slot < 0:
-            return None
         model, dtype = self.model, hidden.dtype
         first = model.layers[0]
         attn, norm = first.self_attn, first.input_layernorm
         k_cache = attn.attn.k_cache
-        if norm.weight.dtype not in DTYPES or k_cache.dim() != 4:
+        if kernels is None or norm.weight.dtype not in DTYPES or k_cache.dim() != 4:
             return None
         cos, sin = model.rotary_emb.cos_sin(positions, dtype)
+        ctx = (positions + 1).to(torch.int32)
+        slots = meta.slot_mapping.contiguous()
+        tables = meta.block_tables
         step = RowStep(
-            hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            rows, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
             first.mlp.down_proj.input_size, DTYPES[dtype], DTYPES[norm.weight.dtype], norm.eps,
-            attn.attn.impl.scale, k_cache.shape[1], k_cache.shape[2], meta.block_tables.data_ptr(),
-            int(positions[0]) + 1, slot, cos.data_ptr(), sin.data_ptr())
+            attn.attn.impl.scale, k_cache.shape[1], k_cache.shape[2], tables.data_ptr(), tables.stride(0),
+            ctx.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr())
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         if not kernels.decode_row(self._layer_array(dtype), step, hidden, residual):

@@ -18,6 +18,7 @@ from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallel
 from kvserve.engine.layers.norm import RMSNorm
 from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from kvserve.engine.parallel import ParallelContext
+from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS
 
 
 def head_dim_of(config) -> int:
@@ -120,9 +121,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        row = self.decode_row() if hidden.shape[0] == 1 else None
+        row = self.decode_row() if hidden.shape[0] <= MAX_FUSED_ROWS else None
         if row is not None and (out := row(hidden, positions, meta)):
-            return self.norm(*out)[0]  # one token through every layer in one kernel call
+            return self.norm(*out)[0]  # a small decode batch through every layer in one kernel call
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
         for layer in self.layers:

@@ -33,7 +33,9 @@ typedef struct {
 } lin_t;
 lin_t lin_of(const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias, int n_out,
              int k_in, int dtype);
-void linear_row_team(const lin_t *L, const float *xf, const void *xh, void *y, int dtype);
+/* rows of x the team kernel takes (and the fused decode step); also read by cpu_kernels.py */
+#define MAX_FUSED_ROWS 8
+void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype);
 int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
                void *y, int n_out, int k_in, int dtype, int num_threads);
 

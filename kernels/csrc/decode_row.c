@@ -38,47 +38,53 @@ typedef struct {
 } row_layer_t;
 
 typedef struct {
+    int rows; /* tokens, one per sequence (1..MAX_FUSED_ROWS) */
     int hidden, heads, kv_heads, head_dim, inter;
     int dtype, norm_dtype;
     float eps, scale;
     int64_t num_blocks;
     int block_size;
-    const int32_t *table; /* the sequence's block table */
-    int ctx;              /* keys it sees, this token's included */
-    int64_t slot;         /* where this token's K/V go */
-    const void *cos, *sin; /* [head_dim] rows for its position (RotaryEmbedding.cos_sin), dtype */
+    const int32_t *tables; /* row r's block table at tables + r * table_stride */
+    int64_t table_stride;
+    const int32_t *ctx;    /* [rows]: keys each row sees, its own included */
+    const int64_t *slots;  /* [rows]: where each row's K/V go */
+    const void *cos, *sin; /* [rows][head_dim] for their positions (RotaryEmbedding.cos_sin), dtype */
 } row_step_t;
 
-/* hidden [hidden]: in, the embedded token; out, the last layer's output. residual [hidden]: out,
- * the running residual (the final norm adds the two). 0, or 1 for shapes it does not take, 2
- * when memory could not be had. */
+/* hidden [rows][hidden]: in, the embedded tokens; out, the last layer's output. residual
+ * [rows][hidden]: out, the running residual (the final norm adds the two). 0, or 1 for shapes it
+ * does not take, 2 when memory could not be had. */
 int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, void *hidden, void *residual,
                int num_threads) {
 #if !(defined(__AVX512F__) && defined(__AVX512BW__))
     (void)layers, (void)num_layers, (void)st, (void)hidden, (void)residual, (void)num_threads;
     return 1; /* the projections' team kernel is AVX-512 only (linear.c) */
 #else
-    const int H = st->hidden, D = st->head_dim, heads = st->heads, kvh = st->kv_heads;
-    const int dtype = st->dtype, elem = elem_size(dtype);
-    if (kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || heads / kvh > MAX_GROUP || st->ctx < 1 || st->slot < 0 ||
-        st->slot >= st->num_blocks * st->block_size)
+    const int R = st->rows, H = st->hidden, D = st->head_dim, heads = st->heads, kvh = st->kv_heads;
+    const int I = st->inter, dtype = st->dtype, elem = elem_size(dtype);
+    if (R < 1 || R > MAX_FUSED_ROWS || kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || heads / kvh > MAX_GROUP)
         return 1;
-    const int group = heads / kvh, qkv_n = (heads + 2 * kvh) * D;
-    const int widest = H > heads * D ? (H > st->inter ? H : st->inter) : (heads * D > st->inter ? heads * D : st->inter);
-    const int threads = num_threads > 0 ? num_threads : 1;
-    const size_t att_floats = attend_scratch_floats(group, D, st->block_size, st->ctx);
-    /* x (a norm's output), q|k|v, the attention's output, gate|up and the activation in dtype; x as
-     * floats for the projections; each thread's attention scratch */
-    const size_t typed = (size_t)H + qkv_n + (size_t)heads * D + 2 * (size_t)st->inter + st->inter;
-    char *mem = malloc(typed * elem + sizeof(float) * ((size_t)widest + att_floats * threads) + 64);
-    if (!mem) return 2;
-    char *x = mem, *qkv = x + (size_t)H * elem, *att = qkv + (size_t)qkv_n * elem;
-    char *gu = att + (size_t)heads * D * elem, *act = gu + 2 * (size_t)st->inter * elem;
-    float *xf = (float *)(((uintptr_t)(act + (size_t)st->inter * elem) + 63) & ~(uintptr_t)63);
-    float *att_scratch = xf + widest;
-    const void *xh = dtype == DTYPE_BF16 ? x : NULL; /* bfloat16 inputs are dotted as stored */
-    const void *atth = dtype == DTYPE_BF16 ? att : NULL, *acth = dtype == DTYPE_BF16 ? act : NULL;
     const int64_t cache_slots = st->num_blocks * st->block_size;
+    int max_ctx = 1;
+    for (int r = 0; r < R; ++r) {
+        if (st->ctx[r] < 1 || st->slots[r] < 0 || st->slots[r] >= cache_slots) return 1;
+        max_ctx = st->ctx[r] > max_ctx ? st->ctx[r] : max_ctx;
+    }
+    const int group = heads / kvh, qkv_n = (heads + 2 * kvh) * D;
+    int widest = H > heads * D ? H : heads * D;
+    widest = widest > I ? widest : I;
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const size_t att_floats = attend_scratch_floats(group, D, st->block_size, max_ctx);
+    /* per row: x (a norm's output), q|k|v, the attention's output, gate|up and the activation in
+     * dtype; the projections' input as floats; then each thread's attention scratch */
+    const size_t typed = (size_t)R * ((size_t)H + qkv_n + (size_t)heads * D + 3 * (size_t)I);
+    char *mem = malloc(typed * elem + sizeof(float) * ((size_t)R * widest + att_floats * threads) + 64);
+    if (!mem) return 2;
+    char *x = mem, *qkv = x + (size_t)R * H * elem, *att = qkv + (size_t)R * qkv_n * elem;
+    char *gu = att + (size_t)R * heads * D * elem, *act = gu + (size_t)R * 2 * I * elem;
+    float *xf = (float *)(((uintptr_t)(act + (size_t)R * I * elem) + 63) & ~(uintptr_t)63);
+    float *att_scratch = xf + (size_t)R * widest;
+    const int bf16 = dtype == DTYPE_BF16; /* bfloat16 inputs are dotted as stored */
 #pragma omp parallel num_threads(threads)
     {
         float *mine = att_scratch + att_floats * (size_t)omp_get_thread_num();
@@ -87,41 +93,44 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
 #pragma omp single
             {
                 if (l == 0) { /* the first norm has no residual yet: it is the embedding */
-                    memcpy(residual, hidden, (size_t)H * elem);
-                    rms_norm(hidden, H, 0, NULL, 0, L->input_norm, st->norm_dtype, x, H, 0, 1, 1, H, st->eps, dtype, 1);
+                    memcpy(residual, hidden, (size_t)R * H * elem);
+                    rms_norm(hidden, H, 0, NULL, 0, L->input_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps, dtype, 1);
                 } else {
-                    rms_norm(hidden, H, 0, residual, H, L->input_norm, st->norm_dtype, x, H, 0, 1, 1, H, st->eps,
+                    rms_norm(hidden, H, 0, residual, H, L->input_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps,
                              dtype, 1);
                 }
-                to_float(x, dtype, xf, H);
+                to_float(x, dtype, xf, R * H);
             }
-            linear_row_team(&L->qkv, xf, xh, qkv, dtype);
+            linear_rows_team(&L->qkv, R, xf, bf16 ? x : NULL, qkv, dtype);
 #pragma omp single
             {
-                rotary(qkv, 0, D, 1, heads + kvh, D, st->cos, st->sin, 0, dtype, 1); /* q and k, side by side */
+                rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1); /* q and k, side by side */
                 const char *k = qkv + (size_t)heads * D * elem, *v = k + (size_t)kvh * D * elem;
-                store_kv(k, 0, D, v, 0, D, &st->slot, 1, kvh, D, L->k_cache, L->v_cache, cache_slots, dtype);
+                store_kv(k, qkv_n, D, v, qkv_n, D, st->slots, R, kvh, D, L->k_cache, L->v_cache, cache_slots, dtype);
             }
-#pragma omp for schedule(static)
-            for (int h = 0; h < kvh; ++h)
-                attend_one(L->k_cache, L->v_cache, st->num_blocks, st->block_size, st->table, st->ctx, h,
-                           qkv + (size_t)h * group * D * elem, (int64_t)D * elem, st->scale, group, D, dtype, mine,
-                           att + (size_t)h * group * D * elem, (int64_t)D * elem);
-#pragma omp single
-            to_float(att, dtype, xf, heads * D);
-            linear_row_team(&L->o, xf, atth, hidden, dtype);
-#pragma omp single
-            {
-                rms_norm(hidden, H, 0, residual, H, L->post_norm, st->norm_dtype, x, H, 0, 1, 1, H, st->eps, dtype, 1);
-                to_float(x, dtype, xf, H);
+#pragma omp for schedule(dynamic, 1)
+            for (int item = 0; item < R * kvh; ++item) {
+                const int r = item / kvh, h = item % kvh;
+                attend_one(L->k_cache, L->v_cache, st->num_blocks, st->block_size, st->tables + r * st->table_stride,
+                           st->ctx[r], h, qkv + ((size_t)r * qkv_n + (size_t)h * group * D) * elem, (int64_t)D * elem,
+                           st->scale, group, D, dtype, mine, att + ((size_t)r * heads + (size_t)h * group) * D * elem,
+                           (int64_t)D * elem);
             }
-            linear_row_team(&L->gate_up, xf, xh, gu, dtype);
+#pragma omp single
+            to_float(att, dtype, xf, R * heads * D);
+            linear_rows_team(&L->o, R, xf, bf16 ? att : NULL, hidden, dtype);
 #pragma omp single
             {
-                silu_and_mul(gu, 2 * st->inter, act, st->inter, 1, st->inter, dtype, 1);
-                to_float(act, dtype, xf, st->inter);
+                rms_norm(hidden, H, 0, residual, H, L->post_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps, dtype, 1);
+                to_float(x, dtype, xf, R * H);
             }
-            linear_row_team(&L->down, xf, acth, hidden, dtype);
+            linear_rows_team(&L->gate_up, R, xf, bf16 ? x : NULL, gu, dtype);
+#pragma omp single
+            {
+                silu_and_mul(gu, 2 * I, act, I, R, I, dtype, 1);
+                to_float(act, dtype, xf, R * I);
+            }
+            linear_rows_team(&L->down, R, xf, bf16 ? act : NULL, hidden, dtype);
         }
     }
     free(mem);

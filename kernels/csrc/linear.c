@@ -46,86 +46,109 @@ static inline __attribute__((always_inline)) __m512 load_w16(const char *p, cons
     return _mm512_maskz_loadu_ps(m, p);
 }
 
-/* out[j] = xf . w_j for the R rows w + j * row_bytes (R a compile-time constant). xf: k floats;
- * xh: the same x as bfloat16 (used by the bfloat16-pairs path, else NULL). */
-static inline __attribute__((always_inline)) void dot_rows(
-        const float *xf, const char *xh, const char *w, int64_t row_bytes, const int kind, const int R,
-        int k_in, float *out) {
+/* acc[m * NW + j] = x_m . w_j for the NX rows of x (xf: floats, k_in apart; xh: the same rows
+ * as bfloat16, used by the bfloat16-pairs path, else NULL) and the NW rows w + j * row_bytes (NX,
+ * NW compile-time constants; NX * NW accumulators stay in registers). */
+static inline __attribute__((always_inline)) void dot_block(
+        const float *xf, const char *xh, const int NX, const char *w, int64_t row_bytes, const int NW,
+        const int kind, int k_in, float *out) {
     const int welem = kind == W_BF16 ? 2 : (kind == W_INT8 ? 1 : 4);
     (void)xh; /* read only where AVX512-BF16 dots bfloat16 pairs */
-    __m512 acc[ROWS_AT_ONCE];
-    for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
+    __m512 acc[MAX_FUSED_ROWS * ROWS_AT_ONCE / 2];
+    for (int i = 0; i < NX * NW; ++i) acc[i] = _mm512_setzero_ps();
     int k = 0;
 #if defined(__AVX512BF16__)
     if (kind == W_BF16 && xh != NULL) {
         for (; k + 32 <= k_in; k += 32) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + 2 * k);
-            for (int j = 0; j < R; ++j)
-                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(w + j * row_bytes + 2 * k), xv);
+            __m512bh wv[ROWS_AT_ONCE];
+            for (int j = 0; j < NW; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * row_bytes + 2 * k);
+            for (int m = 0; m < NX; ++m) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + 2 * ((int64_t)m * k_in + k));
+                for (int j = 0; j < NW; ++j) acc[m * NW + j] = _mm512_dpbf16_ps(acc[m * NW + j], wv[j], xv);
+            }
         }
     }
 #endif
-    for (; k + 16 <= k_in; k += 16) {
-        const __m512 xv = _mm512_loadu_ps(xf + k);
-        for (int j = 0; j < R; ++j)
-            acc[j] = _mm512_fmadd_ps(load_w16(w + j * row_bytes + (int64_t)k * welem, kind, 0xFFFF), xv, acc[j]);
+    for (; k < k_in; k += 16) {
+        const __mmask16 mask = k_in - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k_in - k)) - 1u);
+        __m512 wv[ROWS_AT_ONCE];
+        for (int j = 0; j < NW; ++j) wv[j] = load_w16(w + j * row_bytes + (int64_t)k * welem, kind, mask);
+        for (int m = 0; m < NX; ++m) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, xf + (int64_t)m * k_in + k);
+            for (int j = 0; j < NW; ++j) acc[m * NW + j] = _mm512_fmadd_ps(wv[j], xv, acc[m * NW + j]);
+        }
     }
-    if (k < k_in) {
-        const __mmask16 m = (__mmask16)((1u << (k_in - k)) - 1u);
-        const __m512 xv = _mm512_maskz_loadu_ps(m, xf + k);
-        for (int j = 0; j < R; ++j)
-            acc[j] = _mm512_fmadd_ps(load_w16(w + j * row_bytes + (int64_t)k * welem, kind, m), xv, acc[j]);
-    }
-    for (int j = 0; j < R; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+    for (int i = 0; i < NX * NW; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
-/* y[n0 + j] for the R results of dot_rows: scaled (int8 weights), biased, rounded once */
-static inline void finish_rows(const lin_t *L, int n0, int R, const float *acc, int dtype, void *y) {
+/* y[m][n0 + j] (rows n_out apart) for dot_block's results: scaled (int8 weights), biased,
+ * rounded once */
+static inline void finish_block(const lin_t *L, int n0, int NX, int NW, const float *acc, int dtype, void *y) {
     const int elem = elem_size(dtype);
-    for (int j = 0; j < R; ++j) {
-        float v = acc[j], s = 1.f, b = 0.f;
+    for (int j = 0; j < NW; ++j) {
+        float s = 1.f, b = 0.f;
         if (L->scales != NULL) to_float((const char *)L->scales + (int64_t)(n0 + j) * elem, dtype, &s, 1);
         if (L->bias != NULL) to_float((const char *)L->bias + (int64_t)(n0 + j) * elem, dtype, &b, 1);
-        v = v * s + b;
-        from_float(&v, 1.f, dtype, (char *)y + (int64_t)(n0 + j) * elem, 1);
+        for (int m = 0; m < NX; ++m) {
+            const float v = acc[m * NW + j] * s + b;
+            from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * L->n_out + n0 + j) * elem, 1);
+        }
     }
 }
 
-static inline __attribute__((always_inline)) void rows_team(const lin_t *L, const float *xf, const char *xh,
-                                                            void *y, int dtype, const int kind) {
-    const int blocks = L->n_out / ROWS_AT_ONCE, k_in = L->k_in;
+/* The team's share of y = x w^T for NX rows of x, NW rows of w at a time (then one at a time
+ * for the last n_out % NW). */
+static inline __attribute__((always_inline)) void rows_team(const lin_t *L, const int NX, const int NW,
+                                                            const float *xf, const char *xh, void *y, int dtype,
+                                                            const int kind) {
+    const int blocks = L->n_out / NW, k_in = L->k_in;
     const int64_t row_bytes = L->row_bytes;
-    const char *w = (const char *)L->w, *end = w + (int64_t)blocks * ROWS_AT_ONCE * row_bytes;
-    float acc[ROWS_AT_ONCE];
+    const char *w = (const char *)L->w, *end = w + (int64_t)blocks * NW * row_bytes;
+    float acc[MAX_FUSED_ROWS * ROWS_AT_ONCE / 2];
 #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; ++b) {
         /* the rows PREFETCH_BYTES ahead of this block: the hardware prefetcher alone leaves the
          * core waiting on memory (the model's one-row projections, two threads: 11.6 -> 9.0 ms in
          * bfloat16, 9.3 -> 5.5 ms in int8, 8 to 32 KiB ahead alike) */
-        const char *block = w + (int64_t)b * ROWS_AT_ONCE * row_bytes;
-        for (int64_t off = 0; off < ROWS_AT_ONCE * row_bytes; off += 64)
+        const char *block = w + (int64_t)b * NW * row_bytes;
+        for (int64_t off = 0; off < NW * row_bytes; off += 64)
             if (block + PREFETCH_BYTES + off < end) _mm_prefetch(block + PREFETCH_BYTES + off, PREFETCH_HINT);
-        dot_rows(xf, xh, block, row_bytes, kind, ROWS_AT_ONCE, k_in, acc);
-        finish_rows(L, b * ROWS_AT_ONCE, ROWS_AT_ONCE, acc, dtype, y);
+        dot_block(xf, xh, NX, block, row_bytes, NW, kind, k_in, acc);
+        finish_block(L, b * NW, NX, NW, acc, dtype, y);
     }
 #pragma omp for schedule(static)
-    for (int n = blocks * ROWS_AT_ONCE; n < L->n_out; ++n) {
-        dot_rows(xf, xh, w + (int64_t)n * row_bytes, row_bytes, kind, 1, k_in, acc);
-        finish_rows(L, n, 1, acc, dtype, y);
+    for (int n = blocks * NW; n < L->n_out; ++n) {
+        dot_block(xf, xh, NX, w + (int64_t)n * row_bytes, row_bytes, 1, kind, k_in, acc);
+        finish_block(L, n, NX, 1, acc, dtype, y);
     }
 }
 
-/* y = x w^T for one row, by every thread of the enclosing team (each call site is reached by all
- * of them; ends with a barrier). xf: x as k_in floats; xh: x itself when it is bfloat16 (the
- * weight's pairs are then dotted as stored), else NULL. */
-void linear_row_team(const lin_t *L, const float *xf, const void *xh, void *y, int dtype) {
+/* NX rows: four weight rows at a time up to four rows of x, two beyond (the accumulators stay
+ * within the 32 vector registers) */
+#define ROWS_CASE(NX, KIND) \
+    case NX: rows_team(L, NX, (NX) <= 4 ? ROWS_AT_ONCE : ROWS_AT_ONCE / 2, xf, h, y, dtype, KIND); return;
+#define ROWS_SWITCH(KIND) \
+    switch (rows) { \
+        ROWS_CASE(1, KIND) ROWS_CASE(2, KIND) ROWS_CASE(3, KIND) ROWS_CASE(4, KIND) \
+        ROWS_CASE(5, KIND) ROWS_CASE(6, KIND) ROWS_CASE(7, KIND) ROWS_CASE(8, KIND) \
+        default: return; \
+    }
+
+/* y = x w^T for rows (1..MAX_FUSED_ROWS) rows of x, by every thread of the enclosing team (each
+ * call site is reached by all of them; ends with a barrier). xf: x as floats, k_in apart; xh: x
+ * itself when it is bfloat16 (the weight's pairs are then dotted as stored), else NULL. y: rows
+ * of n_out elements. */
+void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
     const char *h = (const char *)xh;
-    if (L->kind == W_BF16)
-        rows_team(L, xf, h, y, dtype, W_BF16);
-    else if (L->kind == W_INT8)
-        rows_team(L, xf, NULL, y, dtype, W_INT8);
-    else
-        rows_team(L, xf, NULL, y, dtype, W_F32);
+    if (L->kind == W_BF16) {
+        ROWS_SWITCH(W_BF16)
+    } else if (L->kind == W_INT8) {
+        h = NULL;
+        ROWS_SWITCH(W_INT8)
+    } else {
+        h = NULL;
+        ROWS_SWITCH(W_F32)
+    }
 }
 
 /* y = x w^T (one row of x): x, y, bias (may be NULL) and scales (int8 weights only) of dtype
@@ -138,13 +161,13 @@ int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const
     if (!xf) return 2;
     to_float(x, dtype, xf, k_in);
 #pragma omp parallel num_threads(num_threads)
-    linear_row_team(&L, xf, dtype == DTYPE_BF16 ? x : NULL, y, dtype);
+    linear_rows_team(&L, 1, xf, dtype == DTYPE_BF16 ? x : NULL, y, dtype);
     free(xf);
     return 0;
 }
 #else
-void linear_row_team(const lin_t *L, const float *xf, const void *xh, void *y, int dtype) {
-    (void)L, (void)xf, (void)xh, (void)y, (void)dtype;
+void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
+    (void)L, (void)rows, (void)xf, (void)xh, (void)y, (void)dtype;
 }
 
 int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
