@@ -23,6 +23,10 @@ share is mostly one argmax over [256, vocab] logits: a kernel, device work on a 
     python -m kvserve.benchmarks.profile_step --model DIR --dtype float32 --batch 256 --context 200 \
         --context-spread 100 --steps 50 --temperature 0 --threads 1 --host-profile [--core]
 
+``--fused-ab`` times only decode steps at ``--batch`` (up to 8) with the fused decode step
+(engine/models/decode_row.py) and with the per-op path, in alternating rounds, and prints the
+median round of each.
+
 ``--compete N`` then times the decode steps again with N busy processes (a pure-Python loop
 each) running beside the engine: on a shared CPU a step should slow down no more than in
 proportion to the CPU they take. What they take is measured (their scheduled CPU time from
@@ -290,6 +294,9 @@ def main(argv=None) -> dict:
                     help="with --host-profile: step as the engine-core process does, without detokenizing")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="with --host-profile: print cProfile's N costliest functions")
+    ap.add_argument("--fused-ab", action="store_true",
+                    help="only time decode steps with the fused decode step (engine/models/decode_row.py) "
+                         "and without it, in alternating rounds (--batch up to 8)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
 
@@ -301,6 +308,8 @@ def main(argv=None) -> dict:
               enforce_eager=args.enforce_eager, **options)
     if args.host_profile:
         return _host_main(llm, args)
+    if args.fused_ab:
+        return _fused_ab_main(llm, args)
     try:
         dtype = llm.engine.executor.dtype
         hf_config, device = load_hf_config(llm.engine.source), llm.engine.executor.device
@@ -326,6 +335,48 @@ def main(argv=None) -> dict:
     result = {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "decode": decode, "prefill": prefill}
     _print_result(result)
+    write_json(args.json, result)
+    return result
+
+
+def profile_fused(llm: LLM, args) -> dict:
+    """Decode steps at ``args.batch`` with the fused decode step and with the per-op path, in
+    ``args.rounds * 2`` alternating rounds of ``args.steps`` steps (both see the same load); the
+    median round of each, ms per step."""
+    import statistics
+
+    eng = llm.engine
+    model = eng.executor.model.model
+    fused = model.decode_row()
+    if fused is None:
+        raise SystemExit("the fused decode step does not apply to this model (engine/models/decode_row.py)")
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.rounds * 4 * (args.steps + 1) + 8,
+                            ignore_eos=True)
+    _prefill_batch(eng, args, params, "fused")
+    rounds: dict[str, list[float]] = {"fused": [], "per_op": []}
+    try:
+        for _ in range(args.rounds * 2):
+            for name, row in (("fused", fused), ("per_op", None)):
+                model._decode_row = row
+                eng.step()  # warm-up at this path
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    eng.step()
+                rounds[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+    finally:
+        model._decode_row = fused
+        _abort_all(eng)
+    return {name: statistics.median(v) for name, v in rounds.items()} | {"rounds_ms": rounds}
+
+
+def _fused_ab_main(llm: LLM, args) -> dict:
+    try:
+        result = {"batch": args.batch, "threads": torch.get_num_threads(), **profile_fused(llm, args)}
+    finally:
+        llm.shutdown()
+    print(f"decode step, batch {args.batch}, {args.context}-token contexts (median of alternating rounds): "
+          f"fused {result['fused']:.1f} ms, per-op {result['per_op']:.1f} ms: "
+          f"{result['per_op'] / result['fused']:.2f}x")
     write_json(args.json, result)
     return result
 

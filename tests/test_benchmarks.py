@@ -99,6 +99,16 @@ def test_profile_step_interleaves_rounds_and_reports_the_ratios(tiny_llama, caps
     assert "step / matmul" in printed and "of it" in printed and "in proportion to the CPU taken" in printed
 
 
+def test_profile_step_times_the_fused_decode_step_against_the_per_op_path(tiny_llama, capsys):
+    from kvserve.benchmarks import profile_step
+
+    result = profile_step.main(["--model", tiny_llama, "--dtype", "float32", "--batch", "3",
+                                "--context", "12", "--steps", "2", "--rounds", "2", "--fused-ab"])
+    assert len(result["rounds_ms"]["fused"]) == len(result["rounds_ms"]["per_op"]) == 4
+    assert result["fused"] > 0 and result["per_op"] > 0
+    assert "fused" in capsys.readouterr().out
+
+
 def test_attention_benchmark_compares_the_kernel_with_torch(tmp_path):
     from kvserve.benchmarks import attention_cpu
 
