@@ -1,9 +1,9 @@
-/* One-row linears on AVX-512: y[n] = scale[n] * (x . w[n]) + bias[n], a single stream's decode
- * step, whose cost is reading w once.
+/* Linears of a few rows on AVX-512: y[m][n] = scale[n] * (x[m] . w[n]) + bias[n] for 1 to
+ * MAX_FUSED_ROWS rows of x (a decode step of a few sequences), whose cost is reading w once.
  *
- * Each thread takes a range of w's rows, four at a time: one load of x serves four rows, and the
- * four products are four independent accumulator chains (one chain per row waits on the FMA's
- * latency at every step). The weight is read once, in a single pass: bfloat16 pairs are dotted
+ * Each thread takes a range of w's rows, four at a time (two beyond four rows of x): one load of
+ * each serves every pair, and the products are independent accumulator chains (one chain per row
+ * waits on the FMA's latency at every step). The weight is read once, in a single pass: bfloat16 pairs are dotted
  * as stored with AVX512-BF16 (x is bfloat16 too), otherwise each 16 weights are widened to
  * float in registers (bfloat16 by a shift, int8 by sign extension and conversion) and multiplied
  * with x as floats. The portable small_linear in elementwise.c (several rows, any CPU) converted
@@ -34,9 +34,7 @@ lin_t lin_of(const void *w, int64_t w_stride, int w_int8, const void *scales, co
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
-#ifndef ROWS_AT_ONCE
-#define ROWS_AT_ONCE 4
-#endif
+#define ROWS_AT_ONCE 4 /* weight rows at a time: with 4 rows of x, 16 accumulators (as with 2 x 8) */
 
 /* 16 weights at p as floats; lanes outside m are 0 */
 static inline __attribute__((always_inline)) __m512 load_w16(const char *p, const int kind, __mmask16 m) {
@@ -151,9 +149,10 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
     }
 }
 
-/* y = x w^T (one row of x): x, y, bias (may be NULL) and scales (int8 weights only) of dtype
- * (DTYPE_*); w [n_out][k_in] of dtype, or int8 when w_int8 (rows w_stride elements apart).
- * 0 on success, 2 when memory could not be had. */
+/* y = x w^T for one row of x, in a team of its own (linear_rows_team is a team's part, for
+ * several rows): x, y, bias (may be NULL) and scales (int8 weights only) of dtype (DTYPE_*);
+ * w [n_out][k_in] of dtype, or int8 when w_int8 (rows w_stride elements apart). 0 on success,
+ * 2 when memory could not be had. */
 int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
                void *y, int n_out, int k_in, int dtype, int num_threads) {
     const lin_t L = lin_of(w, w_stride, w_int8, scales, bias, n_out, k_in, dtype);
