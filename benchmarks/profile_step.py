@@ -345,9 +345,13 @@ def profile_fused(llm: LLM, args) -> dict:
     median round of each, ms per step."""
     import statistics
 
+    from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS
+
     eng = llm.engine
     model = eng.executor.model.model
     fused = model.decode_row()
+    if args.batch > MAX_FUSED_ROWS:
+        raise SystemExit(f"--fused-ab: the fused decode step takes at most {MAX_FUSED_ROWS} sequences")
     if fused is None:
         raise SystemExit("the fused decode step does not apply to this model (engine/models/decode_row.py)")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.rounds * 4 * (args.steps + 1) + 8,

@@ -59,6 +59,7 @@ def _header_constant(name: str) -> int:
 MAX_HEAD_DIM = _header_constant("MAX_HEAD_DIM")
 MAX_GROUP = _header_constant("MAX_GROUP")
 MAX_FUSED_ROWS = _header_constant("MAX_FUSED_ROWS")
+W_INT8 = _header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -75,6 +76,7 @@ _SIGNATURES = {
     "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "linear_row": [_P, _P, _I64, _I32, _P, _P, _P, _I32, _I32, _I32, _I32],
     "decode_row": [_P, _I32, _P, _P, _P, _I32],
+    "decode_row_available": [],
 }
 
 
@@ -168,6 +170,7 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib = lib
+        self.fused_rows = bool(lib.decode_row_available())  # the fused decode step was built here
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:
@@ -325,7 +328,7 @@ class CpuKernels:
                   dtype: torch.dtype) -> Linear:
         """``Linear`` for ``weight`` [out, in] (int8 when ``scales`` is given), rows contiguous."""
         int8 = scales is not None
-        kind = 2 if int8 else DTYPES[dtype]  # csrc/common.h W_INT8, W_BF16 = DTYPE_BF16, W_F32 = DTYPE_F32
+        kind = W_INT8 if int8 else DTYPES[dtype]
         return Linear(weight.data_ptr(), weight.stride(0) * weight.element_size(), kind,
                       scales.data_ptr() if int8 else None, None if bias is None else bias.data_ptr(),
                       weight.shape[0], weight.shape[1])

@@ -46,7 +46,9 @@ def _generate(llm: LLM, fused: bool, prompts=PROMPTS, together: bool = False
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
 
-needs_kernels = pytest.mark.skipif(load_kernels() is None, reason="no CPU kernels here")
+_kernels = load_kernels()
+needs_kernels = pytest.mark.skipif(_kernels is None or not _kernels.fused_rows,
+                                   reason="the fused decode step is built for AVX-512 CPUs only")
 
 
 @needs_kernels
@@ -63,8 +65,6 @@ def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantizati
     assert DecodeRow.fits(llm.engine.executor.model.model)
     calls = _fused_steps(monkeypatch)
     alone = _generate(llm, True)
-    if not any(calls):
-        pytest.skip("the kernels were not built for AVX-512 here: the fused step does not run")
     assert len(calls) == 5 + 7 + 9 + 11 and all(calls)  # every decode step of every prompt
     calls.clear()
     together = _generate(llm, True, together=True)
@@ -82,7 +82,8 @@ def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantizati
 
 
 @needs_kernels
-@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("bfloat16", "int8")])
+@pytest.mark.parametrize(("dtype", "quantization"),
+                         [("float32", None), ("bfloat16", None), ("bfloat16", "int8")])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization, monkeypatch):
     """Five decode rows over different contexts (a cache of random K/V) through the fused step
     at once, and each alone: bit for bit the same hidden states, so a sequence's tokens do not
@@ -105,8 +106,6 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization
             return model(ids[rows], torch.tensor(inp.positions), meta)
 
     together = forward([0, 1, 2, 3, 4])
-    if not any(calls):
-        pytest.skip("the kernels were not built for AVX-512 here: the fused step does not run")
     for i in range(5):
         assert torch.equal(together[i : i + 1], forward([i]))
     assert len(calls) == 6 and all(calls)
@@ -121,8 +120,7 @@ def test_fused_step_with_qkv_biases(tiny_qwen2_dir, monkeypatch):
     calls = _fused_steps(monkeypatch)
     prompts = [[(7 * i + j) % llm.engine.vocab_size for j in range(5 + i)] for i in range(3)]
     fused = _generate(llm, True, prompts)
-    if not any(calls):
-        pytest.skip("the kernels were not built for AVX-512 here")
+    assert calls and all(calls)
     per_op = _generate(llm, False, prompts)
     assert [t for t, _ in fused] == [t for t, _ in per_op]
     for (_, a), (_, b) in zip(fused, per_op, strict=True):

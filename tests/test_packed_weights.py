@@ -45,9 +45,10 @@ def test_only_bfloat16_cpu_weights_are_packed():
 def test_bf16_engine_packs_its_projections_and_generates_what_plain_weights_do():
     """Greedy tokens of the bundled model in bfloat16, packed (as the engine loads it) and with
     the packed copies dropped (every layer back on ``F.linear``), batched so that every step has
-    more than one row."""
+    more than one row (the fused decode step, which reads the plain weights, kept out)."""
     llm = LLM("default", dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64)
     model = llm.engine.executor.model
+    model.model._decode_row = None  # decode steps of 4 rows multiply here too, not in the fused step
     layers = [m for m in model.modules() if hasattr(m, "packed")]
     assert layers and all(m.packed is not None for m in layers)
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]

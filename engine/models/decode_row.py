@@ -11,7 +11,8 @@ It runs when every condition holds, else the step takes the per-op path unchange
 kernels take the model's dtype (float32 or bfloat16) and were built for AVX-512; one rank (no
 tensor parallelism); every layer is the plain Llama layer (Llama, Qwen2: optional biases;
 not Qwen3's q/k norms, not mixtures of experts) over the torch attention backend; the step is one
-token per sequence (a decode step), at most ``MAX_FUSED_ROWS`` of them, each with a cache slot.
+token per sequence (a decode step), at most ``MAX_FUSED_ROWS`` of them (the caller checks), each
+with a cache slot.
 Larger batches multiply in oneDNN's blocked GEMMs instead (``layers/linear.py``).
 """
 
@@ -22,11 +23,20 @@ import ctypes
 import torch
 
 from kvserve.engine.layers.attention_torch import TorchAttentionImpl, TorchAttentionMetadata
-from kvserve.engine.models.llama import LlamaAttention, LlamaMLP
-from kvserve.engine.models.qwen2 import Qwen2Attention
-from kvserve.kernels.cpu_kernels import DTYPES, MAX_FUSED_ROWS, CpuKernels, RowLayer, RowStep, kernels_for
+from kvserve.engine.layers.norm import RMSNorm
+from kvserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from kvserve.engine.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
+from kvserve.kernels.cpu_kernels import (
+    DTYPES,
+    CpuKernels,
+    RowLayer,
+    RowStep,
+    kernels_for,
+    load_kernels,
+)
 
-ROW_ATTENTION = (LlamaAttention, Qwen2Attention)
+# the layers whose forward decode_row.c computes (their exact classes: a subclass may change it)
+ROW_LAYERS = {LlamaDecoderLayer: LlamaAttention, Qwen2DecoderLayer: Qwen2Attention}
 
 
 def _linear(layer, dtype: torch.dtype):
@@ -40,23 +50,30 @@ class DecodeRow:
     def __init__(self, model):
         self.model = model
         self._layers: ctypes.Array | None = None
-        self._bound_to: int | None = None  # layer 0's K cache when ``_layers`` was made
+        self._bound_to: list | None = None  # the first and last layers' K caches when ``_layers`` was made
 
     @staticmethod
     def fits(model) -> bool:
-        """Whether ``model``'s layers are all of the shape the fused step computes."""
+        """Whether the fused step was built here (AVX-512) and ``model``'s layers are all of the
+        shape it computes, on the CPU."""
+        kernels = load_kernels()
+        if kernels is None or not kernels.fused_rows or not len(model.layers):
+            return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if (type(attn) not in ROW_ATTENTION or type(mlp) is not LlamaMLP
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (ROW_LAYERS.get(type(layer)) is not type(attn) or type(mlp) is not LlamaMLP
+                    or any(type(norm) is not RMSNorm for norm in norms)
                     or not isinstance(attn.attn.impl, TorchAttentionImpl) or not attn.attn.impl._kernel_shapes
-                    or attn.qkv_proj.parallel.size != 1):
+                    or attn.qkv_proj.parallel.size != 1 or attn.qkv_proj.weight.device.type != "cpu"):
                 return False
-        return bool(len(model.layers))
+        return True
 
     def _layer_array(self, dtype: torch.dtype) -> ctypes.Array:
         """The layers' weights and caches for the C call, made again when the caches are rebound."""
-        first = self.model.layers[0].self_attn.attn
-        if self._layers is None or self._bound_to != first.k_cache.data_ptr():
+        bound = [(layer.self_attn.attn.k_cache.data_ptr(), layer.self_attn.attn.k_cache.shape)
+                 for layer in (self.model.layers[0], self.model.layers[-1])]
+        if self._layers is None or self._bound_to != bound:
             rows = []
             for layer in self.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
@@ -66,7 +83,7 @@ class DecodeRow:
                     layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                     *linears, attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr()))
             self._layers = (RowLayer * len(rows))(*rows)
-            self._bound_to = first.k_cache.data_ptr()
+            self._bound_to = bound
         return self._layers
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
@@ -74,8 +91,8 @@ class DecodeRow:
         """(the last layer's output, the residual) for ``hidden`` [rows, H], one token of each of
         ``rows`` sequences, or None where the fused step does not apply (the caller then runs the
         layers)."""
-        rows = hidden.shape[0]
-        if (not isinstance(meta, TorchAttentionMetadata) or rows > MAX_FUSED_ROWS or meta.max_query_len != 1
+        rows = hidden.shape[0]  # the caller sends at most MAX_FUSED_ROWS
+        if (not isinstance(meta, TorchAttentionMetadata) or meta.max_query_len != 1
                 or meta.slot_mapping.numel() != rows or meta.block_tables.shape[0] != rows):
             return None
         kernels = kernels_for(hidden)

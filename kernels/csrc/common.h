@@ -11,7 +11,7 @@ enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 static inline int elem_size(int dtype) { return dtype == DTYPE_BF16 ? 2 : 4; }
 
 /* The longest head the kernels take, and the most query heads per KV head (attention); also read
- * by cpu_kernels.py. attention.c repeats them after including this file (the same values). */
+ * by cpu_kernels.py. */
 #ifndef MAX_HEAD_DIM
 #define MAX_HEAD_DIM 512
 #endif
@@ -22,7 +22,16 @@ static inline int elem_size(int dtype) { return dtype == DTYPE_BF16 ? 2 : 4; }
 typedef union { uint32_t u; float f; } bits32;
 
 /* One-row linears (linear.c), shared with the fused decode row (decode_row.c). */
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 }; /* a weight's element kind */
+/* a weight's element kind (W_F32 and W_BF16 are the DTYPE_* codes; cpu_kernels.py reads W_INT8) */
+#define W_F32 0
+#define W_BF16 1
+#define W_INT8 2
+/* the kernels that need AVX-512 with BW and VL (linear.c's team kernel, decode_row.c) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512_TEAM 1
+#else
+#define HAVE_AVX512_TEAM 0
+#endif
 typedef struct {
     const void *w;           /* [n_out][k_in], rows row_bytes apart */
     int64_t row_bytes;
@@ -38,6 +47,18 @@ lin_t lin_of(const void *w, int64_t w_stride, int w_int8, const void *scales, co
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype);
 int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
                void *y, int n_out, int k_in, int dtype, int num_threads);
+
+/* The elementwise kernels (elementwise.c), shared with the fused decode row. */
+int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, int64_t res_outer,
+             const void *weight, int weight_dtype, void *out, int64_t out_outer, int64_t out_inner,
+             int outer, int inner, int width, float eps, int dtype, int num_threads);
+int rotary(void *x, int64_t x_token, int64_t x_head, int tokens, int heads, int width, const void *cos,
+           const void *sin, int64_t cs_stride, int dtype, int num_threads);
+int store_kv(const void *k, int64_t k_token, int64_t k_head, const void *v, int64_t v_token, int64_t v_head,
+             const int64_t *slots, int tokens, int kv_heads, int width, void *k_cache, void *v_cache,
+             int64_t cache_slots, int dtype);
+int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,
+                 int dtype, int num_threads);
 
 /* Attention (attention.c), shared with the fused decode row. */
 #include <stddef.h>

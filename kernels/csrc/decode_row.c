@@ -8,7 +8,8 @@
  * microseconds each, so the wake-up of the other thread (tens of microseconds here) and the
  * Python between ops were a third of it. Here the team lives for the whole step: the elementwise
  * work runs on one thread (omp single), the projections and the attention are shared out, and a
- * barrier separates each stage from the next.
+ * barrier separates each stage from the next. The order of the stages is LlamaDecoderLayer.forward's
+ * (engine/models/llama.py), layer 0's residual rule included: a change there belongs here too.
  *
  * Built and loaded by kernels/cpu_kernels.py; engine/models/decode_row.py decides when it runs.
  */
@@ -19,17 +20,6 @@
 #include <omp.h>
 
 #include "common.h"
-
-int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, int64_t res_outer,
-             const void *weight, int weight_dtype, void *out, int64_t out_outer, int64_t out_inner,
-             int outer, int inner, int width, float eps, int dtype, int num_threads);
-int rotary(void *x, int64_t x_token, int64_t x_head, int tokens, int heads, int width, const void *cos,
-           const void *sin, int64_t cs_stride, int dtype, int num_threads);
-int store_kv(const void *k, int64_t k_token, int64_t k_head, const void *v, int64_t v_token, int64_t v_head,
-             const int64_t *slots, int tokens, int kv_heads, int width, void *k_cache, void *v_cache,
-             int64_t cache_slots, int dtype);
-int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,
-                 int dtype, int num_threads);
 
 typedef struct {
     const void *input_norm, *post_norm; /* [hidden] of norm_dtype */
@@ -51,19 +41,30 @@ typedef struct {
     const void *cos, *sin; /* [rows][head_dim] for their positions (RotaryEmbedding.cos_sin), dtype */
 } row_step_t;
 
+/* 1 where the library was built with the fused step (AVX-512 with BW and VL), else 0. */
+int decode_row_available(void) { return HAVE_AVX512_TEAM; }
+
 /* hidden [rows][hidden]: in, the embedded tokens; out, the last layer's output. residual
  * [rows][hidden]: out, the running residual (the final norm adds the two). 0, or 1 for shapes it
  * does not take, 2 when memory could not be had. */
 int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, void *hidden, void *residual,
                int num_threads) {
-#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+#if !HAVE_AVX512_TEAM
     (void)layers, (void)num_layers, (void)st, (void)hidden, (void)residual, (void)num_threads;
-    return 1; /* the projections' team kernel is AVX-512 only (linear.c) */
+    return 1; /* the projections' team kernel is AVX-512 only (linear.c): decode_row_available says so */
 #else
     const int R = st->rows, H = st->hidden, D = st->head_dim, heads = st->heads, kvh = st->kv_heads;
     const int I = st->inter, dtype = st->dtype, elem = elem_size(dtype);
-    if (R < 1 || R > MAX_FUSED_ROWS || kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || heads / kvh > MAX_GROUP)
+    if (R < 1 || R > MAX_FUSED_ROWS || kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || D % 2 ||
+        heads / kvh > MAX_GROUP)
         return 1;
+    const int qkv_rows = (heads + 2 * kvh) * D;
+    for (int l = 0; l < num_layers; ++l) { /* the buffers below are sized from st: the weights must fit */
+        const row_layer_t *L = layers + l;
+        if (L->qkv.n_out != qkv_rows || L->qkv.k_in != H || L->o.n_out != H || L->o.k_in != heads * D ||
+            L->gate_up.n_out != 2 * I || L->gate_up.k_in != H || L->down.n_out != H || L->down.k_in != I)
+            return 1;
+    }
     const int64_t cache_slots = st->num_blocks * st->block_size;
     int max_ctx = 1;
     for (int r = 0; r < R; ++r) {

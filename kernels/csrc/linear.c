@@ -25,7 +25,7 @@ lin_t lin_of(const void *w, int64_t w_stride, int w_int8, const void *scales, co
     return L;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if HAVE_AVX512_TEAM
 #include <immintrin.h>
 
 #ifndef PREFETCH_BYTES
