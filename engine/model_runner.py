@@ -121,7 +121,10 @@ class ModelRunner:
         load_weights(self.model, self.source, show_progress=self.parallel.rank == 0)  # one bar, not N
         if config.quantization is not None:
             quantize_model(self.model, config.quantization, self.device)
-        packed = pack_model_weights(self.model)  # bf16 on the CPU: oneDNN's blocked copies
+        # bf16 on the CPU: oneDNN's blocked copies, within the memory the KV cache and the other
+        # local ranks leave
+        kv_budget = int(config.kv_cache_memory * GiB) if self.device.type == "cpu" else 0
+        packed = pack_model_weights(self.model, kv_budget, config.tensor_parallel_size // config.nnodes)
         if packed:
             log.info("bfloat16 weights packed for oneDNN: %.0f MiB of blocked copies", packed / 2**20)
         self.vocab_size = self.hf_config.vocab_size

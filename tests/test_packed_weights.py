@@ -82,6 +82,11 @@ def test_packing_counts_its_bytes_and_stays_off_when_memory_is_short(monkeypatch
     with caplog.at_level("WARNING", logger="kvserve.engine.layers"):
         assert linear_mod.pack_model_weights(model) == 0
     assert all(layer.packed is None for layer in model)
+    # enough in all, but not once the KV cache's budget is set aside, or shared by four ranks
+    monkeypatch.setattr(linear_mod, "available_memory", lambda: 1_000_000)
+    assert linear_mod.pack_model_weights(model, reserved=600_000) == 0
+    assert linear_mod.pack_model_weights(model, sharers=4) == 0
+    assert linear_mod.pack_model_weights(model) == 245_760
     assert "not packed" in caplog.text
     x = torch.randn(5, 192).to(torch.bfloat16)
     assert model(x).shape == (5, 192)  # plain F.linear

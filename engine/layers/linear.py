@@ -74,20 +74,24 @@ def available_memory() -> int | None:
     return None
 
 
-def pack_model_weights(model: nn.Module) -> int:
+def pack_model_weights(model: nn.Module, reserved: int = 0, sharers: int = 1) -> int:
     """``pack_weight`` for every layer of ``model`` that multiplies by its ``weight`` through
     ``linear`` (those with a ``packed`` attribute), unless it holds an int8 copy; the number of
     bytes the blocked copies add (the plain weights stay: the one-row kernel and the tied
     embedding read them). None are made when they would take more than ``PACK_MEMORY_SHARE`` of
-    the available memory (a large model then multiplies its plain weights, as before)."""
+    this process's part of the available memory: what is left after ``reserved`` bytes still to be
+    allocated (the KV cache), divided among ``sharers`` processes loading at once (the local
+    tensor-parallel ranks). A large model then multiplies its plain weights, as before."""
     layers = [m for m in model.modules()
               if hasattr(m, "packed") and m.qweight is None and can_pack(m.weight)]
     needed = sum(m.weight.nbytes for m in layers)
     available = available_memory()
-    if layers and available is not None and needed > PACK_MEMORY_SHARE * available:
-        log.warning("bfloat16 weights not packed for oneDNN: the blocked copies would take %.1f GiB "
-                    "of the %.1f GiB available", needed / GiB, available / GiB)
-        return 0
+    if layers and available is not None:
+        share = max(0, available - reserved) / max(1, sharers)
+        if needed > PACK_MEMORY_SHARE * share:
+            log.warning("bfloat16 weights not packed for oneDNN: the blocked copies would take %.1f GiB of "
+                        "this process's %.1f GiB of the available memory", needed / GiB, share / GiB)
+            return 0
     for m in layers:
         m.packed = pack_weight(m.weight.data)
     return needed
