@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
 import subprocess
 import sys
 import time
@@ -50,120 +49,13 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.benchmarks import write_json
+from kvserve.benchmarks import engine_steps, write_json
 from kvserve.benchmarks.ceiling import MatmulCeiling
+from kvserve.benchmarks.engine_steps import Timed, abort_all, patched, prefill_batch, random_prompts
 from kvserve.benchmarks.procfs import scheduled_cpu_s
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.loader import load_hf_config
 from kvserve.engine.threads import available_cpus
-
-
-class _Timed:
-    """Wraps a callable and adds up the seconds spent in it, by ``clock`` (wall time by default)."""
-
-    def __init__(self, fn, clock=time.perf_counter):
-        self.fn, self.seconds, self.clock = fn, 0.0, clock
-
-    def __call__(self, *args, **kwargs):
-        t0 = self.clock()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.seconds += self.clock() - t0
-
-    def __getattr__(self, name):
-        return getattr(self.fn, name)
-
-
-def _prompts(n: int, length: int, vocab: int, seed: int, spread: int = 0) -> list[list[int]]:
-    """``n`` random prompts of ``length`` tokens, or of ``length ± spread`` uniformly."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(max(1, length - spread), length + spread) for _ in range(n)]
-    return [[rng.randrange(vocab) for _ in range(k)] for k in lengths]
-
-
-def _prefill_batch(eng, args, params: SamplingParams, tag: str) -> None:
-    """Add ``args.batch`` requests and step until every one has its first token."""
-    vocab = min(10000, eng.vocab_size)
-    for i, p in enumerate(_prompts(args.batch, args.context, vocab, args.seed, args.context_spread)):
-        eng.add_request(f"{tag}-{i}", p, params)
-    while any(r.seq.num_completion_tokens == 0 for r in eng.requests.values()):
-        eng.step()
-
-
-def _abort_all(eng) -> None:
-    for rid in list(eng.requests):
-        eng.abort(rid)
-    eng.step()
-
-
-@contextlib.contextmanager
-def _patched(obj, attr: str, value):
-    """``obj.attr = value`` inside the block; the attribute as it was afterwards."""
-    own = attr in vars(obj)
-    before = getattr(obj, attr)
-    setattr(obj, attr, value)
-    try:
-        yield value
-    finally:
-        if own:
-            setattr(obj, attr, before)
-        else:
-            delattr(obj, attr)  # the class's method again
-
-
-def profile_host(llm: LLM, args) -> dict:
-    """CPU milliseconds of the stepping thread per decode step besides the forward pass (see the
-    module docstring), by stage; ``execute_model`` is the runner's share without the forward."""
-    import cProfile
-    import pstats
-
-    from kvserve.engine import llm_engine
-    from kvserve.engine.ipc import Codec, StepDone
-
-    eng, clock = llm.engine, time.thread_time
-    eng.detokenize = not args.core  # the engine-core process leaves the text to the front-end
-    prefill_steps = -(-args.batch * (args.context + args.context_spread) // eng.config.max_num_batched_tokens)
-    # no request may finish during the timed steps: they run at batch ``args.batch``
-    params = SamplingParams(temperature=args.temperature, max_tokens=prefill_steps + args.steps + 8,
-                            ignore_eos=True)
-    _prefill_batch(eng, args, params, "host")
-    model = eng.executor.model
-    targets = {"forward": (model, "forward"), "compute_logits": (model, "compute_logits"),
-               "schedule": (eng.scheduler, "schedule"),
-               "build_model_input": (llm_engine, "build_model_input"),
-               "execute_model": (eng.executor, "execute_model"), "sampler": (eng, "sampler"),
-               "postprocess": (eng.scheduler, "postprocess")}
-    codec, encode_s, step_s = Codec(), 0.0, 0.0
-    profiler = cProfile.Profile() if args.cprofile else contextlib.nullcontext()
-    with contextlib.ExitStack() as patches:
-        timed = {name: patches.enter_context(_patched(obj, attr, _Timed(getattr(obj, attr), clock)))
-                 for name, (obj, attr) in targets.items()}
-        eng.step()  # warm-up at this shape
-        for t in timed.values():
-            t.seconds = 0.0
-        with profiler:
-            for _ in range(args.steps):
-                t0 = clock()
-                outputs = eng.step()
-                t1 = clock()
-                codec.encode(StepDone(0, 0, outputs))  # what the engine-core process sends per step
-                t2 = clock()
-                step_s, encode_s = step_s + t1 - t0, encode_s + t2 - t1
-    _abort_all(eng)
-    eng.detokenize = True
-    if args.cprofile:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
-    ms = 1e3 / args.steps
-    split = {name: t.seconds * ms for name, t in timed.items()}
-    forward_ms = split.pop("forward") + split.pop("compute_logits")
-    split["execute_model"] -= forward_ms
-    split["encode_step_done"] = encode_s * ms
-    host_ms = (step_s + encode_s) * ms - forward_ms
-    split["other"] = host_ms - sum(split.values())  # output handling, detokenization, the rest
-    return {"batch": args.batch, "context": args.context, "context_spread": args.context_spread,
-            "steps": args.steps, "detokenize": not args.core, "host_ms": host_ms,
-            "forward_cpu_ms": forward_ms, "stages_ms": split}
 
 
 class _Round(NamedTuple):
@@ -189,10 +81,10 @@ def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None, busy_pids: lis
     eng = llm.engine
     max_tokens = args.rounds * args.steps + 8
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
-    _prefill_batch(eng, args, params, "decode")
+    prefill_batch(eng, args, params, "decode")
     rounds = []
-    with _patched(eng.executor, "execute_model", _Timed(eng.executor.execute_model)) as forward, \
-            _patched(eng, "sampler", _Timed(eng.sampler)) as sampler:
+    with patched(eng.executor, "execute_model", Timed(eng.executor.execute_model)) as forward, \
+            patched(eng, "sampler", Timed(eng.sampler)) as sampler:
         eng.step()  # warm-up at this shape
         profiler = _profiler(args)
         with profiler:
@@ -210,7 +102,7 @@ def profile_decode(llm: LLM, args, ceiling: MatmulCeiling | None, busy_pids: lis
                 per_step = 1 / args.steps
                 rounds.append(_Round(wall_s * per_step, forward.seconds * per_step,
                                      sampler.seconds * per_step, matmul_s, plain_s, busy_cpus, own_cpus))
-    _abort_all(eng)
+    abort_all(eng)
     _print_profile(profiler, args)
     best = min(rounds)  # the fastest step
     return {"batch": args.batch, "context": args.context, "step_ms": best.step_s * 1e3,
@@ -231,10 +123,10 @@ def profile_prefill(llm: LLM, args, ceiling: MatmulCeiling) -> dict:
     per_chunk = max(1, budget // args.context)
     vocab = min(10000, llm.engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=1)
-    llm.generate(_prompts(1, args.context, vocab, args.seed + 1), params, use_tqdm=False)  # warm-up
+    llm.generate(random_prompts(1, args.context, vocab, args.seed + 1), params, use_tqdm=False)  # warm-up
     rates, matmul_rates = [], []
     for chunk in range(args.prefill_chunks):
-        prompts = _prompts(per_chunk, args.context, vocab, args.seed + 2 + chunk)  # nothing cached
+        prompts = random_prompts(per_chunk, args.context, vocab, args.seed + 2 + chunk)  # nothing cached
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         rates.append(per_chunk * args.context / (time.perf_counter() - t0))
@@ -307,9 +199,9 @@ def main(argv=None) -> dict:
               max_num_batched_tokens=max(args.max_num_batched_tokens, args.batch),
               enforce_eager=args.enforce_eager, **options)
     if args.host_profile:
-        return _host_main(llm, args)
+        return engine_steps.host_main(llm, args)
     if args.fused_ab:
-        return _fused_ab_main(llm, args)
+        return engine_steps.fused_ab_main(llm, args)
     try:
         dtype = llm.engine.executor.dtype
         hf_config, device = load_hf_config(llm.engine.source), llm.engine.executor.device
@@ -335,67 +227,6 @@ def main(argv=None) -> dict:
     result = {"dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "decode": decode, "prefill": prefill}
     _print_result(result)
-    write_json(args.json, result)
-    return result
-
-
-def profile_fused(llm: LLM, args) -> dict:
-    """Decode steps at ``args.batch`` with the fused decode step and with the per-op path, in
-    ``args.rounds * 2`` alternating rounds of ``args.steps`` steps (both see the same load); the
-    median round of each, ms per step."""
-    import statistics
-
-    from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS
-
-    eng = llm.engine
-    model = eng.executor.model.model
-    fused = model.decode_row()
-    if args.batch > MAX_FUSED_ROWS:
-        raise SystemExit(f"--fused-ab: the fused decode step takes at most {MAX_FUSED_ROWS} sequences")
-    if fused is None:
-        raise SystemExit("the fused decode step does not apply to this model (engine/models/decode_row.py)")
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.rounds * 4 * (args.steps + 1) + 8,
-                            ignore_eos=True)
-    _prefill_batch(eng, args, params, "fused")
-    rounds: dict[str, list[float]] = {"fused": [], "per_op": []}
-    try:
-        for _ in range(args.rounds * 2):
-            for name, row in (("fused", fused), ("per_op", None)):
-                model._decode_row = row
-                eng.step()  # warm-up at this path
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    eng.step()
-                rounds[name].append((time.perf_counter() - t0) / args.steps * 1e3)
-    finally:
-        model._decode_row = fused
-        _abort_all(eng)
-    return {name: statistics.median(v) for name, v in rounds.items()} | {"rounds_ms": rounds}
-
-
-def _fused_ab_main(llm: LLM, args) -> dict:
-    try:
-        result = {"batch": args.batch, "threads": torch.get_num_threads(), **profile_fused(llm, args)}
-    finally:
-        llm.shutdown()
-    print(f"decode step, batch {args.batch}, {args.context}-token contexts (median of alternating rounds): "
-          f"fused {result['fused']:.1f} ms, per-op {result['per_op']:.1f} ms: "
-          f"{result['per_op'] / result['fused']:.2f}x")
-    write_json(args.json, result)
-    return result
-
-
-def _host_main(llm: LLM, args) -> dict:
-    try:
-        result = {"threads": torch.get_num_threads(), "host": profile_host(llm, args)}
-    finally:
-        llm.shutdown()
-    h = result["host"]
-    stages = ", ".join(f"{name} {v:.2f}" for name, v in h["stages_ms"].items())
-    where = "in process (detokenizing)" if h["detokenize"] else "as the engine core (no detokenizing)"
-    print(f"host CPU per decode step {where}, batch {h['batch']}, contexts "
-          f"{h['context']}±{h['context_spread']}, {h['steps']} steps: {h['host_ms']:.2f} ms besides "
-          f"the forward ({h['forward_cpu_ms']:.2f} ms); by stage (ms): {stages}")
     write_json(args.json, result)
     return result
 

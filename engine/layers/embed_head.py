@@ -57,7 +57,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     def quantize_int8(self) -> None:
         """An int8 copy for the logits; the float table stays (it may be the tied embedding's)."""
         self.qweight, self.scales = quantize_int8(self.weight.data)
-        self.packed = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         if self.qweight is not None:

@@ -138,7 +138,6 @@ class LinearBase(nn.Module):
         """Keep the weight as int8 with row scales (``layers/quantization.py``); the float weight goes."""
         self.qweight, self.scales = quantize_int8(self.weight.data)
         self.weight = _new_param(0)
-        self.packed = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_weight(param.data, loaded)
