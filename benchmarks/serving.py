@@ -8,6 +8,9 @@ in-process engine, so that the service's overhead shows as a ratio measured in o
 Without --target it starts a server (``kvserve serve`` on a free loopback port, with the
 engine flags given here), runs the load, stops it, then loads the engine in process and
 runs the same workload with the same arrival policy (concurrency limit or Poisson rate).
+``--rounds N`` keeps both loaded and alternates their runs N times instead (a fresh workload
+each round), printing each round's ratios and their median: on a machine whose speed drifts
+between minutes, only runs seconds apart compare.
 
 Prompts are random token ids (``--token-range``); ``--shared-prefix F`` makes the first F of
 every prompt one common prefix (prefix caching). Every request ignores EOS, so each makes
@@ -15,6 +18,7 @@ exactly its output length. Printed: output tokens/s, requests/s, TTFT, inter-tok
 (ITL) and end-to-end latency p50/p90/p99, errors by status code, and service / in-process ratios.
 Also the CPU seconds spent per 1,000 streamed tokens: by the server's processes (front-end,
 engine core, workers; when the benchmark started the server) and by the in-process engine,
+the load generator's own CPU seconds (it shares the machine with the server),
 and the in-process engine's host time per step beside the model's forward pass.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import sys
 import time
 from collections import Counter, deque
@@ -74,8 +79,8 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
-def make_workload(args: argparse.Namespace) -> list[Request]:
-    rng = random.Random(args.seed)
+def make_workload(args: argparse.Namespace, seed: int | None = None) -> list[Request]:
+    rng = random.Random(args.seed if seed is None else seed)
     lo_tok, hi_tok = args.token_range
     prefix = [rng.randrange(lo_tok, hi_tok) for _ in range(args.prompt_len[1])]
     t = 0.0
@@ -93,28 +98,35 @@ def make_workload(args: argparse.Namespace) -> list[Request]:
 # ---- the gRPC run --------------------------------------------------------------------------
 async def run_grpc(target: str, work: list[Request], concurrency: int | None) -> tuple[list[Trace], float]:
     from kvserve.clients.aio import AsyncClient
+    from kvserve.v1 import llm_pb2_grpc
 
     limit = asyncio.Semaphore(concurrency or len(work))
     async with AsyncClient(target) as client:
         await client.generate(token_ids=work[0].prompt[:8], max_tokens=2)  # warm-up
+        stub = llm_pb2_grpc.LLMServiceStub(client.channel)
         start = time.perf_counter()
 
         async def one(req: Request) -> Trace:
             await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
             async with limit:
-                return await _stream_one(client, req)
+                return await _stream_one(stub, req)
 
         traces = await asyncio.gather(*(one(r) for r in work))
         return list(traces), time.perf_counter() - start
 
 
-async def _stream_one(client, req: Request) -> Trace:
+async def _stream_one(stub, req: Request) -> Trace:
+    """One request on the raw stub: the load generator reads each message and notes the time and
+    the token count, nothing more (it shares the CPU with the server it measures)."""
+    from kvserve.clients.messages import build_request
+
     tr = Trace(sent=time.perf_counter())
+    call = stub.Stream(build_request(token_ids=req.prompt, max_tokens=req.max_tokens, temperature=0,
+                                     ignore_eos=True))
+    times = tr.token_times
     try:
-        async for delta in client.stream(token_ids=req.prompt, max_tokens=req.max_tokens, temperature=0,
-                                         ignore_eos=True):
-            now = time.perf_counter()
-            tr.token_times.extend([now] * len(delta.token_ids))
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            times.extend([time.perf_counter()] * len(msg.token_ids))
     except grpc.aio.AioRpcError as e:
         tr.error = e.code().name
     tr.end = time.perf_counter()
@@ -238,6 +250,8 @@ def print_report(name: str, r: dict) -> None:
         per_k = 1000 * r["cpu_s"] / r["output_tokens"]
         r["cpu_s_per_1k_tokens"] = per_k
         print(f"CPU s per 1,000 streamed tokens {per_k:.3f} ({r['cpu_s']:.1f} s in all, {r['cpu_label']})")
+    if r.get("load_generator_cpu_s") is not None:
+        print(f"load generator (this process, same cores) CPU {r['load_generator_cpu_s']:.1f} s")
 
 
 def print_ratios(service: dict, local: dict) -> dict:
@@ -269,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt token ids are drawn from [LO, HI)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compare", action="store_true", help="skip the in-process run")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="N > 1: keep the server and the in-process engine loaded and alternate their runs "
+                        "N times (a fresh workload each round); prints each round's ratios and the median")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--plot", metavar="FILE.png", help="draw throughput and TTFT/ITL against concurrency")
     e = p.add_argument_group("engine (for the started server and the in-process engine)")
@@ -293,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--shared-prefix must be in [0, 1], got {args.shared_prefix}")
     if args.plot and args.request_rate:
         raise SystemExit("--plot draws a concurrency sweep; it does not go with --request-rate")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    if args.rounds > 1 and (args.target or args.no_compare):
+        raise SystemExit("--rounds alternates a started server with the in-process engine: it goes with "
+                         "neither --target nor --no-compare")
     work = make_workload(args)
     if (args.concurrency and len(args.concurrency) > 1) or args.plot:
         from kvserve.benchmarks.serving_sweep import run_sweep
@@ -302,29 +324,66 @@ def main(argv: list[str] | None = None) -> int:
     mode = f"rate {args.request_rate}/s" if args.request_rate else f"concurrency {concurrency}"
     print(f"workload: {len(work)} requests, {mode}, prompt {args.prompt_len}, output {args.output_len}, "
           f"shared prefix {args.shared_prefix}")
-    traces, wall_s, cpu_s = _grpc_phase(args, work, concurrency)
-    results = {"service": {**summarize(traces, wall_s), "cpu_s": cpu_s, "cpu_label": "server processes"}}
-    print_report("service (gRPC)", results["service"])
-    if not args.no_compare:
-        traces, wall_s, cpu_s = _local_phase(args, work, concurrency)
-        results["in_process"] = {**summarize(traces, wall_s), "cpu_s": cpu_s, "cpu_label": "this process"}
-        print_report("in-process engine", results["in_process"])
-        results["ratio"] = print_ratios(results["service"], results["in_process"])
+    if args.rounds > 1:
+        results = _alternating(args, concurrency)
+    elif args.target:
+        results = {"service": _service_run(args.target, None, work, concurrency)}
+        print_report("service (gRPC)", results["service"])
+    else:
+        from kvserve.service.process import ServerProcess
+
+        with ServerProcess(*server_flags(args, len(work))) as server:
+            results = {"service": _service_run(server.target, server.proc.pid, work, concurrency)}
+        print_report("service (gRPC)", results["service"])
+        if not args.no_compare:  # loaded after the server stopped: the two never compete for the CPU
+            engine = _load_engine(args)
+            try:
+                results["in_process"] = _local_run(engine, work, concurrency)
+            finally:
+                engine.shutdown()
+            print_report("in-process engine", results["in_process"])
+            results["ratio"] = print_ratios(results["service"], results["in_process"])
     write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"}, **results})
     return 0
 
 
-def _grpc_phase(args, work, concurrency):
-    """(traces, wall seconds, server CPU seconds or None when the server is not ours)."""
-    if args.target:
-        return (*asyncio.run(run_grpc(args.target, work, concurrency)), None)
+def _alternating(args, concurrency) -> dict:
+    """``--rounds N``: the server and the in-process engine both loaded (the server first, so that
+    it sizes its KV cache as it would alone), their runs alternating round by round, each round
+    on a fresh workload (seed + round: no prefix-cache hits from an earlier round). On a machine
+    whose speed drifts by the minute, the ratio of runs seconds apart is what means something;
+    the median ratio over the rounds is printed at the end. One side idles while the other runs."""
     from kvserve.service.process import ServerProcess
 
-    with ServerProcess(*server_flags(args, len(work))) as server:
-        cpu0 = process_tree_cpu_s(server.proc.pid)
-        traces, wall_s = asyncio.run(run_grpc(server.target, work, concurrency))
-        cpu1 = process_tree_cpu_s(server.proc.pid)
-        return traces, wall_s, (cpu1 - cpu0 if cpu0 is not None else None)
+    rounds = []
+    with ServerProcess(*server_flags(args, args.num_requests)) as server:
+        engine = _load_engine(args)
+        try:
+            for i in range(args.rounds):
+                work = make_workload(args, seed=args.seed + i)
+                service = _service_run(server.target, server.proc.pid, work, concurrency)
+                local = _local_run(engine, work, concurrency)
+                print(f"\n---- round {i + 1} of {args.rounds}")
+                print_report("service (gRPC)", service)
+                print_report("in-process engine", local)
+                rounds.append({"service": service, "in_process": local,
+                               "ratio": print_ratios(service, local)})
+        finally:
+            engine.shutdown()
+    median = {k: statistics.median(r["ratio"][k] for r in rounds) for k in rounds[0]["ratio"]}
+    print(f"\n== median over {args.rounds} rounds: throughput {median['output_tokens_per_s']:.3f}x   "
+          f"TTFT p50 {median['ttft_p50']:.3f}x   ITL p50 {median['itl_p50']:.3f}x")
+    return {"rounds": rounds, "ratio": median}
+
+
+def _service_run(target: str, server_pid: int | None, work, concurrency) -> dict:
+    """The gRPC run's summary, with the server's CPU seconds when ``server_pid`` is ours."""
+    cpu0, own0 = process_tree_cpu_s(server_pid) if server_pid else None, time.process_time()
+    traces, wall_s = asyncio.run(run_grpc(target, work, concurrency))
+    cpu1, own1 = process_tree_cpu_s(server_pid) if server_pid else None, time.process_time()
+    cpu_s = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+    return {**summarize(traces, wall_s), "cpu_s": cpu_s, "cpu_label": "server processes",
+            "load_generator_cpu_s": own1 - own0}
 
 
 def server_flags(args, num_requests: int) -> list[str]:
@@ -333,17 +392,19 @@ def server_flags(args, num_requests: int) -> list[str]:
     return [*flags, f"--max-queue={max(256, num_requests)}", "--log-level", "warning"]
 
 
-def _local_phase(args, work, concurrency):
+def _load_engine(args):
     from kvserve.engine.config import EngineConfig
     from kvserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
-    try:
-        cpu0 = time.process_time()
-        traces, wall_s = run_in_process(engine, work, concurrency)
-        return traces, wall_s, time.process_time() - cpu0
-    finally:
-        engine.shutdown()
+    # as a library user gets it: the collector tuning of the server's processes (gc_tuning.py)
+    # is theirs alone, since a frozen heap would keep a discarded engine's model alive
+    return LLMEngine(EngineConfig(**engine_kwargs(args)))
+
+
+def _local_run(engine, work, concurrency) -> dict:
+    cpu0 = time.process_time()
+    traces, wall_s = run_in_process(engine, work, concurrency)
+    return {**summarize(traces, wall_s), "cpu_s": time.process_time() - cpu0, "cpu_label": "this process"}
 
 
 if __name__ == "__main__":

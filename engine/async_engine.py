@@ -30,6 +30,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.core_client import CoreClient
 from kvserve.engine.detokenizer import RequestText
 from kvserve.engine.engine_state import EngineInfo, EngineOverloaded, EngineState, EngineUnavailable
+from kvserve.engine.gc_tuning import tune_gc
 from kvserve.engine.ipc import NewRequest, Ready, StepDone, StopChoice
 from kvserve.engine.prompts import PromptEncoder
 from kvserve.engine.request_stream import RequestStream
@@ -286,6 +287,7 @@ class AsyncEngine:
             return
         self.info = EngineInfo(msg.model_name, msg.vocab_size, msg.config)
         self._prompts = PromptEncoder(tokenizer, msg.vocab_size, msg.config.max_model_len)
+        tune_gc()  # everything the front-end loaded is in place
         if self._state == EngineState.LOADING:
             self._set_state(EngineState.READY)
         self._ready.set()

@@ -26,6 +26,7 @@ import zmq
 
 from kvserve.engine.child_process import watch_lifeline
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.gc_tuning import tune_gc
 from kvserve.engine.ipc import CALLS, HEARTBEAT_S, Codec, Failed, Ready, Rejected, Reply, StepDone, ToCore
 from kvserve.service.logs import configure_logging, inherited_log_format
 
@@ -112,6 +113,7 @@ def run_core(config: EngineConfig, inbox_addr: str, outbox_addr: str) -> int:
         from kvserve.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config, detokenize=False)  # the front-end detokenizes
+        tune_gc()
         outbox.send(codec.encode(Ready(engine.model_name, engine.vocab_size, engine.config)))
         EngineCore(engine, inbox, outbox).run()
         return 0

@@ -69,6 +69,9 @@ class IncrementalDetokenizer:
             return self._stream.step(self._tokenizer, self._pending + [token_id])
 
     def _release(self, piece: str, final: bool) -> str:
+        if not self._stop:  # nothing to look for or hold back
+            self._released.append(piece)
+            return piece
         text = self._held + piece
         cut = first_stop(text, self._stop)
         if cut is not None:

@@ -36,6 +36,7 @@ import torch
 from kvserve.engine import distributed as tpd
 from kvserve.engine.child_process import Child, Lifeline, PipeDoorbell, describe_exit, watch_lifeline
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.gc_tuning import tune_gc
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel import ParallelContext
@@ -60,6 +61,7 @@ def worker_main(spec: WorkerSpec, doorbell=None) -> None:
     try:
         launch = tpd.fetch_launch(store)
         runner, receiver = _start(spec, launch, store, doorbell)
+        tune_gc()
         _serve(runner, receiver)
     except BaseException as exc:
         tpd.report_error(store, spec.rank, exc)

@@ -73,6 +73,38 @@ def test_serving_benchmark_prints_ratios_and_cpu_per_token(tiny_llama, capsys):
     assert "== service / in-process" in out and "throughput" in out
     assert out.count("CPU s per 1,000 streamed tokens") == 2
     assert "host work" in out
+    assert "load generator (this process, same cores) CPU" in out
+
+
+def test_serving_benchmark_alternates_rounds_on_fresh_workloads(tiny_llama, capsys, tmp_path):
+    from kvserve.benchmarks import serving
+
+    out_json = tmp_path / "rounds.json"
+    serving.main(["--model", tiny_llama, "--dtype", "float32", "--num-requests", "4", "--concurrency", "2",
+                  "--prompt-len", "8:16", "--output-len", "4", "--token-range", "10:1000", "--rounds", "2",
+                  "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert "---- round 1 of 2" in out and "---- round 2 of 2" in out and "== median over 2 rounds" in out
+    figures = json.loads(out_json.read_text())
+    assert len(figures["rounds"]) == 2
+    for r in figures["rounds"]:
+        assert r["service"]["requests_ok"] == r["in_process"]["requests_ok"] == 4
+        assert r["service"]["output_tokens"] == r["in_process"]["output_tokens"] == 16
+    ratios = [r["ratio"]["output_tokens_per_s"] for r in figures["rounds"]]
+    assert figures["ratio"]["output_tokens_per_s"] == pytest.approx(sum(ratios) / 2)
+    # each round its own prompts: no round hits the prefix cache on an earlier round's prompts
+    args = serving.build_parser().parse_args(["--num-requests", "4", "--prompt-len", "8:16"])
+    assert serving.make_workload(args, seed=0)[0].prompt != serving.make_workload(args, seed=1)[0].prompt
+
+
+def test_serving_benchmark_rounds_need_a_started_server_and_the_comparison():
+    from kvserve.benchmarks import serving
+
+    for extra in (["--target", "127.0.0.1:1"], ["--no-compare"]):
+        with pytest.raises(SystemExit, match="--rounds alternates"):
+            serving.main(["--rounds", "2", *extra])
+    with pytest.raises(SystemExit, match="--rounds must be >= 1"):
+        serving.main(["--rounds", "0"])
 
 
 def test_profile_step_interleaves_rounds_and_reports_the_ratios(tiny_llama, capsys, tmp_path):

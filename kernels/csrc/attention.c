@@ -80,6 +80,15 @@ static inline float exp_in_place(float *restrict s, int ctx, float max) {
     return sum;
 }
 
+/* n elements of a cache block as floats: a float32 cache is read in place, any other dtype is
+ * converted into the scratch block first. */
+static inline const float *block_floats(const cache_t *c, const char *src, float *scratch, int64_t n) {
+    if (c->dtype == DTYPE_F32)
+        return (const float *)src;
+    to_float(src, c->dtype, scratch, n);
+    return scratch;
+}
+
 /* Per-thread scratch: the query rows, the accumulators, one block as floats, the scores. */
 typedef struct {
     float *q, *acc, *block, *scores;
@@ -99,12 +108,12 @@ static inline __attribute__((always_inline)) void attend(
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
         prefetch_while_keys(c, table, head_base, block_bytes, b, last);
-        to_float(c->k_cache + (head_base + table[b]) * block_bytes, c->dtype, blk, n * D);
+        const float *restrict keys = block_floats(c, c->k_cache + (head_base + table[b]) * block_bytes, blk, n * D);
         for (int j = 0; j < group; ++j) {
             const float *restrict qj = qf + j * D;
             float *restrict sj = scores + j * ctx + pos0;
             for (int t = 0; t < n; ++t) {
-                const float *restrict kt = blk + t * D;
+                const float *restrict kt = keys + t * D;
                 float s = 0.f;
                 for (int d = 0; d < D; ++d) s += qj[d] * kt[d];
                 sj[t] = s;
@@ -122,7 +131,7 @@ static inline __attribute__((always_inline)) void attend(
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
         prefetch_while_values(c, table, head_base, block_bytes, b, last);
-        to_float(c->v_cache + (head_base + table[b]) * block_bytes, c->dtype, blk, n * D);
+        const float *restrict vals = block_floats(c, c->v_cache + (head_base + table[b]) * block_bytes, blk, n * D);
         for (int j = 0; j < group; ++j) {
             const float *restrict p = scores + j * ctx + pos0;
             float *restrict aj = acc + j * D;
@@ -136,7 +145,7 @@ static inline __attribute__((always_inline)) void attend(
                                      p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t]};
                     for (int v = 0; v < D / 16; ++v) {
                         v16f x;
-                        memcpy(&x, blk + t * D + 16 * v, sizeof(v16f));
+                        memcpy(&x, vals + t * D + 16 * v, sizeof(v16f));
                         a[v] += pt * x;
                     }
                 }
@@ -144,7 +153,7 @@ static inline __attribute__((always_inline)) void attend(
             } else {
                 for (int t = 0; t < n; ++t) {
                     const float pt = p[t];
-                    const float *restrict vt = blk + t * D;
+                    const float *restrict vt = vals + t * D;
                     for (int d = 0; d < D; ++d) aj[d] += pt * vt[d];
                 }
             }
