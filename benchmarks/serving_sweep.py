@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 
 from kvserve.benchmarks import write_json
-from kvserve.benchmarks.serving import Request, print_report, run_grpc, server_flags, summarize
+from kvserve.benchmarks.serving import Request, run_grpc, server_flags
+from kvserve.benchmarks.serving_report import print_report, summarize
 
 
 def run_sweep(args: argparse.Namespace, work: list[Request], levels: list[int]) -> int:
