@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="N > 1: keep the server and the in-process engine loaded and alternate their runs "
                         "N times (a fresh workload each round); prints each round's ratios and the median")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="the started server's --stream-interval (a message per N tokens; ITL then counts "
+                        "the tokens of one message as arriving together)")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--plot", metavar="FILE.png", help="draw throughput and TTFT/ITL against concurrency")
     e = p.add_argument_group("engine (for the started server and the in-process engine)")
@@ -269,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_sweep(args, work, args.concurrency or [8])
     concurrency = None if args.request_rate else (args.concurrency or [8])[0]
     mode = f"rate {args.request_rate}/s" if args.request_rate else f"concurrency {concurrency}"
+    interval = f", server --stream-interval {args.stream_interval}" if args.stream_interval > 1 else ""
     print(f"workload: {len(work)} requests, {mode}, prompt {args.prompt_len}, output {args.output_len}, "
-          f"shared prefix {args.shared_prefix}")
+          f"shared prefix {args.shared_prefix}{interval}")
     if args.rounds > 1:
         results = _alternating(args, concurrency)
     elif args.target:
@@ -336,7 +340,8 @@ def _service_run(target: str, server_pid: int | None, work, concurrency) -> dict
 def server_flags(args, num_requests: int) -> list[str]:
     """``kvserve serve`` flags for a server started for the run."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_kwargs(args).items()]
-    return [*flags, f"--max-queue={max(256, num_requests)}", "--log-level", "warning"]
+    return [*flags, f"--max-queue={max(256, num_requests)}", f"--stream-interval={args.stream_interval}",
+            "--log-level", "warning"]
 
 
 def _load_engine(args):

@@ -57,11 +57,15 @@ class AsyncEngine:
         on_state: Callable[[EngineState], None] | None = None,
         step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
         log_level: str = "info",
+        stream_interval: int = 1,
     ):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if step_timeout <= 0:
             raise ValueError(f"step_timeout must be > 0 s, got {step_timeout}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval  # see RequestStream
         self.config = config
         self.max_queue = max_queue
         self._on_state = on_state
@@ -175,7 +179,7 @@ class AsyncEngine:
         if not self._serving():
             raise EngineUnavailable(self._unavailable_reason())
         key = f"{request_id}#{next(self._ids)}"
-        stream = RequestStream(key, self._release, params.n, text)
+        stream = RequestStream(key, self._release, params.n, text, self.stream_interval)
         self._live[key] = stream
         self._idle.clear()
         self._core.add(NewRequest(key, ids, params))

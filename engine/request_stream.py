@@ -7,6 +7,11 @@ client or the loop falls behind, the waiting deltas go out together (token ids, 
 logprobs concatenated in order; finish reason, usage and times from the last one). A request
 with n completions (SamplingParams.n) has n choices: a read takes one choice's deltas, and the
 stream ends after every choice's finished one.
+
+``interval`` (the server's ``--stream-interval``, as SGLang's): above 1 the reader is woken only
+once ``interval`` tokens are waiting, and for the first output, a finished one or an error; each
+message then carries up to that many tokens. Fewer messages and wake-ups per token, at the cost
+of a burstier stream; 1 (the default) releases every delta at once.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ class RequestStream:
     """
 
     def __init__(self, key: str, on_close: Callable[[str, bool], None], n: int = 1,
-                 text: RequestText | None = None):
+                 text: RequestText | None = None, interval: int = 1):
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
         self.key = key
         self.text = text  # the request's detokenizers (the front-end's), which fill each delta's text
         self._on_close = on_close
@@ -39,11 +46,25 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None
         self._done = False  # ... and read
         self._closed = False
+        self._interval = interval
+        self._read_any = False
 
     def push(self, out: RequestOutput) -> None:
         self._pending.append(out)
         self._unfinished -= out.finished
-        self._wake()
+        if self._interval == 1 or self._ready():
+            self._wake()
+
+    def _ready(self) -> bool:
+        """Something is to be read now (see ``interval``)."""
+        if self._error is not None:
+            return True
+        if not self._pending:
+            return False
+        if self._interval == 1 or not self._read_any or self.finished:
+            return True
+        tokens = sum(len(o.new_token_ids) for o in self._pending)
+        return tokens >= self._interval or any(o.finished for o in self._pending)
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (after the outputs that already arrived)."""
@@ -67,7 +88,7 @@ class RequestStream:
         if self._done:
             self.close()
             raise StopAsyncIteration
-        while not self._pending and self._error is None:
+        while not self._ready():
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -78,9 +99,14 @@ class RequestStream:
             self._done = True
             self.close()
             raise self._error
-        index = self._pending[0].index
-        out = coalesce([o for o in self._pending if o.index == index])
-        self._pending = [o for o in self._pending if o.index != index]
+        self._read_any = True
+        pending = self._pending
+        index = pending[0].index
+        if all(o.index == index for o in pending):  # one choice waiting: all of it
+            out, self._pending = coalesce(pending), []
+        else:
+            out = coalesce([o for o in pending if o.index == index])
+            self._pending = [o for o in pending if o.index != index]
         if self.finished and not self._pending:
             self._done = True
         return out

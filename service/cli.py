@@ -74,6 +74,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                    help="seconds the engine core may stay silent (one step, or between idle heartbeats) "
                         "before the engine is declared dead (a hung or stopped tensor-parallel worker)")
+    s.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="Stream sends a message per N new tokens (the first token, the last and an "
+                        "error at once): fewer messages and wake-ups per token for a burstier stream; "
+                        "1 = every token at once (default)")
     s.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
                    help="exit with status 1 once the engine died and its requests were failed "
                         "(--no-exit-on-engine-failure: stay up, NOT_SERVING)")
@@ -152,10 +156,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve serve: --drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.step_timeout <= 0:
         raise SystemExit(f"kvserve serve: --step-timeout must be > 0, got {args.step_timeout}")
+    if args.stream_interval < 1:
+        raise SystemExit(f"kvserve serve: --stream-interval must be >= 1, got {args.stream_interval}")
     try:
         config = engine_config(args)
         settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout,
-                                 step_timeout=args.step_timeout,
+                                 step_timeout=args.step_timeout, stream_interval=args.stream_interval,
                                  exit_on_engine_failure=args.exit_on_engine_failure,
                                  log_level=args.log_level, metrics_port=args.metrics_port,
                                  health_port=args.health_port,

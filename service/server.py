@@ -64,6 +64,7 @@ class ServeSettings:
     max_queue: int = DEFAULT_MAX_QUEUE
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # a silent engine core longer than this is dead
+    stream_interval: int = 1  # a Stream message per this many tokens after the first (RequestStream)
     exit_on_engine_failure: bool = True  # exit 1 once the engine died (else stay up, NOT_SERVING)
     log_level: str = "info"
     security: SecuritySettings = field(default_factory=SecuritySettings)  # TLS, API key, reflection
@@ -126,7 +127,8 @@ async def serve(config: EngineConfig, settings: ServeSettings,
     health = Health()
     await health.set_serving(False)
     engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
-                         step_timeout=settings.step_timeout, log_level=settings.log_level)
+                         step_timeout=settings.step_timeout, log_level=settings.log_level,
+                         stream_interval=settings.stream_interval)
     observability = Observability.start(served_model_name(config.model), engine, settings.host,
                                         settings.metrics_port, settings.otlp_endpoint)
     try:

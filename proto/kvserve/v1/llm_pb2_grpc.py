@@ -83,6 +83,8 @@ class LLMServiceServicer:
         the start of a stop string is held back until it is known not to be). When the client
         (or the server) falls behind, the tokens waiting for this stream go out together as one
         message (see StreamResponse); under light load every token has its own message at once.
+        A server started with --stream-interval N > 1 sends the first token at once, then a
+        message per N tokens (and the last one whatever its count).
         The last message carries finish_reason, usage and timing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
