@@ -25,7 +25,7 @@ import grpc
 from opentelemetry import trace
 
 from kvserve.engine.outputs import RequestOutput
-from kvserve.service.interceptors import guarded
+from kvserve.service.interceptors import GuardedHandlers, guarded
 from kvserve.service.methods import LLM_SERVICE, method_path, split_method
 from kvserve.service.metrics import Metrics
 from kvserve.service.redact import for_log
@@ -165,10 +165,13 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, telemetry: Telemetry):
         self._telemetry = telemetry
+        self._handlers = GuardedHandlers()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        return guarded(handler, functools.partial(self._watch, handler_call_details.method))
+        method = handler_call_details.method
+        return self._handlers.get(handler, method,
+                                  lambda h: guarded(h, functools.partial(self._watch, method)))
 
     @contextlib.asynccontextmanager
     async def _watch(self, method: str, request, context: grpc.aio.ServicerContext) -> AsyncIterator:

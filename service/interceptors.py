@@ -41,3 +41,24 @@ def guarded(handler: grpc.RpcMethodHandler | None, guard: Guard) -> grpc.RpcMeth
             return await behavior(checked, context)
 
     return handler._replace(**{kind: wrapped})
+
+
+class GuardedHandlers:
+    """``guarded`` handlers made once per (method handler, key) and reused by every later call:
+    the wrapping is the same for every call of a method (only what the guard does is per call),
+    so the per-call cost is one dictionary lookup instead of new handler tuples and closures."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[grpc.RpcMethodHandler, Any], grpc.RpcMethodHandler | None] = {}
+
+    def get(self, handler: grpc.RpcMethodHandler | None, key: Any,
+            make: Callable[[grpc.RpcMethodHandler], Any]) -> grpc.RpcMethodHandler | None:
+        """``make(handler)`` the first time (``handler``, ``key``) is seen; None stays None. Keys
+        must come from a small fixed set (method names, flags, fixed messages): every pair is kept."""
+        if handler is None:
+            return None
+        made = self._made.get((handler, key))
+        if made is None:
+            made = self._made[(handler, key)] = make(handler)
+        return made
+

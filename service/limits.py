@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvserve.service.interceptors import guarded
+from kvserve.service.interceptors import GuardedHandlers, guarded
 from kvserve.service.methods import HEALTH_SERVICE, LLM_SERVICE, method_path
 
 MIN_WATCH_INTERVAL_MS = 100
@@ -65,13 +65,15 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
         self.in_flight = 0
         self.watchers = 0
         self.per_connection: Counter[str] = Counter()
+        self._handlers = GuardedHandlers()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if method in UNLIMITED_METHODS:
             return handler
-        return guarded(handler, self._slot(method == WATCH_METHOD))
+        watch = method == WATCH_METHOD
+        return self._handlers.get(handler, watch, lambda h: guarded(h, self._slot(watch)))
 
     def _slot(self, watch: bool):
         @asynccontextmanager

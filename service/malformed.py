@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvserve.service.interceptors import guarded
+from kvserve.service.interceptors import GuardedHandlers, guarded
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,14 @@ async def _checked_stream(requests: AsyncIterator, context: grpc.aio.ServicerCon
 
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self) -> None:
+        self._handlers = GuardedHandlers()
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        safe = handler._replace(request_deserializer=_safe(handler.request_deserializer))
-        return guarded(safe, _check)
+        return self._handlers.get(handler, None, _checked)
+
+
+def _checked(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler | None:
+    """``handler`` with a deserializer that cannot raise and the check of its result."""
+    return guarded(handler._replace(request_deserializer=_safe(handler.request_deserializer)), _check)

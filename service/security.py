@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from kvserve.clients.messages import API_KEY_ENV, api_key_or_env
-from kvserve.service.interceptors import guarded
+from kvserve.service.interceptors import GuardedHandlers, guarded
 from kvserve.service.methods import HEALTH_SERVICE, split_method
 
 log = logging.getLogger("kvserve.service")
@@ -109,6 +109,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, api_key: str):
         self._key = api_key.encode()
+        self._refusals = GuardedHandlers()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -117,7 +118,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         problem = self._problem(handler_call_details.invocation_metadata or ())
         if problem is None:
             return handler
-        return guarded(handler, _refuse(problem))
+        # one refusing handler per (method, problem): the interceptors outside cache by handler
+        return self._refusals.get(handler, problem, lambda h: guarded(h, _refuse(problem)))
 
     def _problem(self, metadata) -> str | None:
         """Why the call is refused, or None when it carries the key."""

@@ -109,7 +109,7 @@ def workload(stub):
     one refused request; returns their responses."""
     g1, call = stub.Generate.with_call(request(1), metadata=(("x-request-id", "obs-hdr-1"),
                                                              ("traceparent", TRACEPARENT)))
-    g2 = stub.Generate(request(2, seed=1))
+    g2, call2 = stub.Generate.with_call(request(2, seed=1))
     g3 = stub.Generate(llm_pb2.GenerateRequest(request_id="obs-field-3", token_ids=request(3).token_ids,
                                                sampling=request(3).sampling))
     streamed = list(stub.Stream(request(4)))
@@ -117,7 +117,8 @@ def workload(stub):
         stub.Generate(llm_pb2.GenerateRequest(request_id="obs-bad", prompt="x",
                                               sampling=llm_pb2.SamplingParams(top_p=3)))
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    return {"generate": [g1, g2, g3], "stream": streamed, "initial_metadata": dict(call.initial_metadata())}
+    return {"generate": [g1, g2, g3], "stream": streamed, "initial_metadata": dict(call.initial_metadata()),
+            "initial_metadata_without_header": dict(call2.initial_metadata())}
 
 
 def test_x_request_id_names_the_request_and_comes_back(workload):
@@ -125,6 +126,8 @@ def test_x_request_id_names_the_request_and_comes_back(workload):
     assert g1.request_id == "obs-hdr-1" and workload["initial_metadata"]["x-request-id"] == "obs-hdr-1"
     assert g3.request_id == "obs-field-3"  # the field when given
     assert len(g2.request_id) == 32  # made by the server
+    # echoed as metadata only to a call that sent the header (the id is in every message anyway)
+    assert "x-request-id" not in workload["initial_metadata_without_header"]
 
 
 def test_metrics_agree_with_stats_after_a_known_workload(server, stub, workload):
