@@ -317,7 +317,9 @@ static inline __attribute__((always_inline)) void attend_fast(
 #define FAST_CASE(G, D) \
     case (G) * 1000 + (D): attend_fast(c, table, ctx, kv_head, q, q_head_bytes, scale, G, D, w); return 1;
 
-/* 1 when the fast path took this item (accumulators and 1 / sums in w->acc), else 0 */
+/* 1 when the fast path took this item (accumulators and 1 / sums in w->acc), else 0. It stays in
+ * this file, static: moved into a translation unit of its own (with a shared header) the decode
+ * kernel ran 20-30% slower (batch 48 x 300, 30 layers: 26-28 vs 21-22 ms, alternating runs). */
 static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
                                 int64_t q_head_bytes, float scale, int group, int head_dim,
                                 const scratch_t *w) {
