@@ -83,6 +83,10 @@ def profile_host(llm: LLM, args) -> dict:
 
     eng, clock = llm.engine, time.thread_time
     eng.detokenize = not args.core  # the engine-core process leaves the text to the front-end
+    if args.core:
+        from kvserve.engine.gc_tuning import tune_gc
+
+        tune_gc()  # and tunes its collector once loaded
     prefill_steps = -(-args.batch * (args.context + args.context_spread) // eng.config.max_num_batched_tokens)
     # no request may finish during the timed steps: they run at batch ``args.batch``
     params = SamplingParams(temperature=args.temperature, max_tokens=prefill_steps + args.steps + 8,
