@@ -136,3 +136,69 @@ def test_layers_it_does_not_compute_are_left_to_the_per_op_path(tmp_path):
     model = llm.engine.executor.model.model
     assert not DecodeRow.fits(model) and model.decode_row() is None
     llm.shutdown()
+
+
+@needs_kernels
+def test_fused_step_with_output_and_down_projection_biases(tmp_path, monkeypatch):
+    """A Llama with attention_bias and mlp_bias (biases on q/k/v, o, gate/up and down): the fused
+    step adds every one of them as the per-op path does."""
+    from kvserve.benchmarks.random_model import make_config, write_model_dir
+
+    path = write_model_dir(make_config("llama-tiny", attention_bias=True, mlp_bias=True), tmp_path,
+                           dtype=torch.float32)
+    llm = LLM(str(path), dtype="float32", max_num_seqs=1, num_kv_blocks=64)
+    model = llm.engine.executor.model.model
+    layer = model.layers[0]
+    assert DecodeRow.fits(model)
+    assert layer.self_attn.o_proj.bias is not None and layer.mlp.down_proj.bias is not None
+    calls = _fused_steps(monkeypatch)
+    prompts = [[(11 * i + j) % llm.engine.vocab_size for j in range(4 + i)] for i in range(3)]
+    fused = _generate(llm, True, prompts)
+    assert calls and all(calls)
+    per_op = _generate(llm, False, prompts)
+    assert [t for t, _ in fused] == [t for t, _ in per_op]
+    for (_, a), (_, b) in zip(fused, per_op, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    llm.shutdown()
+
+
+@needs_kernels
+def test_rows_without_a_cache_slot_and_batches_above_the_limit_take_the_per_op_path(monkeypatch):
+    """A row whose slot is -1 (nothing to store: a padding row) makes the C call refuse the step,
+    and the per-op path computes it, with the per-op path's result; a decode step of more rows than
+    MAX_FUSED_ROWS never reaches the fused step."""
+    from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS
+
+    llm = LLM("default", dtype="float32", max_num_seqs=MAX_FUSED_ROWS + 1, num_kv_blocks=64)
+    runner = llm.engine.executor
+    model = runner.model.model
+    gen = torch.Generator().manual_seed(1)
+    runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).to(runner.kv_cache.dtype))
+    seqs = [([3, 9], 20, 1), ([1], 4, 1)]
+    ids = torch.tensor([11, 222])
+    calls = _fused_steps(monkeypatch)
+
+    def forward(fused: bool):
+        model._decode_row = DecodeRow(model) if fused else None
+        inp = step_input(runner.block_size, seqs)
+        inp.slot_mapping[1] = -1
+        meta = runner.backend.build_metadata(inp, torch.device("cpu"))
+        with torch.inference_mode():
+            return model(ids, torch.tensor(inp.positions), meta)
+
+    assert torch.equal(forward(True), forward(False))
+    assert calls == [False]  # asked once, refused: the per-op path ran
+
+    rows = []
+    real_call = DecodeRow.__call__
+    monkeypatch.setattr(DecodeRow, "__call__", lambda self, hidden, *a: rows.append(hidden.shape[0])
+                        or real_call(self, hidden, *a))
+    calls.clear()
+    n = MAX_FUSED_ROWS + 1
+    prompts = [[(5 * i + j) % llm.engine.vocab_size for j in range(3 + i)] for i in range(n)]
+    # request i makes 4 + 2i tokens: the first decode steps have n rows, then the batch shrinks
+    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(n)]
+    model._decode_row = DecodeRow(model)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert rows and max(rows) == MAX_FUSED_ROWS and all(calls)  # from the step after the first ended
+    llm.shutdown()
