@@ -43,6 +43,7 @@ log = logging.getLogger("kvserve.engine.async")
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_STEP_TIMEOUT_S = 120.0  # a step (or an idle heartbeat) later than this means a stuck core
 TOKENIZER_THREADS = 2
+INLINE_IDS = 4096  # token-id prompts up to this long are checked on the event loop (~0.2 ms at most)
 
 
 class AsyncEngine:
@@ -169,13 +170,18 @@ class AsyncEngine:
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
         self._check_admission()
-        self._tokenizing += 1
-        self._idle.clear()
-        try:
-            ids, text = await self._loop.run_in_executor(self._pool, self._prepare, prompt, messages, params)
-        finally:
-            self._tokenizing -= 1
-            self._check_idle()
+        if isinstance(prompt, list) and len(prompt) <= INLINE_IDS:
+            # token ids need no tokenizer: checked here, without the pool's thread hand-offs
+            ids, text = self._prepare(prompt, None, params)
+        else:
+            self._tokenizing += 1
+            self._idle.clear()
+            try:
+                ids, text = await self._loop.run_in_executor(self._pool, self._prepare, prompt, messages,
+                                                             params)
+            finally:
+                self._tokenizing -= 1
+                self._check_idle()
         if not self._serving():
             raise EngineUnavailable(self._unavailable_reason())
         key = f"{request_id}#{next(self._ids)}"
