@@ -117,15 +117,21 @@ def test_fused_step_with_qkv_biases(tiny_qwen2_dir, monkeypatch):
     llm = LLM(str(tiny_qwen2_dir), dtype="float32", max_num_seqs=1, num_kv_blocks=64)
     model = llm.engine.executor.model.model
     assert DecodeRow.fits(model) and model.layers[0].self_attn.qkv_proj.bias is not None
+    _assert_fused_matches_per_op(llm, monkeypatch, stride=7)
+    llm.shutdown()
+
+
+def _assert_fused_matches_per_op(llm: LLM, monkeypatch, stride: int) -> None:
+    """Three token-id prompts, one at a time: the fused step runs and gives the per-op path's
+    tokens and (float32) log-probabilities."""
     calls = _fused_steps(monkeypatch)
-    prompts = [[(7 * i + j) % llm.engine.vocab_size for j in range(5 + i)] for i in range(3)]
+    prompts = [[(stride * i + j) % llm.engine.vocab_size for j in range(4 + i)] for i in range(3)]
     fused = _generate(llm, True, prompts)
     assert calls and all(calls)
     per_op = _generate(llm, False, prompts)
     assert [t for t, _ in fused] == [t for t, _ in per_op]
     for (_, a), (_, b) in zip(fused, per_op, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
-    llm.shutdown()
 
 
 def test_layers_it_does_not_compute_are_left_to_the_per_op_path(tmp_path):
@@ -151,14 +157,7 @@ def test_fused_step_with_output_and_down_projection_biases(tmp_path, monkeypatch
     layer = model.layers[0]
     assert DecodeRow.fits(model)
     assert layer.self_attn.o_proj.bias is not None and layer.mlp.down_proj.bias is not None
-    calls = _fused_steps(monkeypatch)
-    prompts = [[(11 * i + j) % llm.engine.vocab_size for j in range(4 + i)] for i in range(3)]
-    fused = _generate(llm, True, prompts)
-    assert calls and all(calls)
-    per_op = _generate(llm, False, prompts)
-    assert [t for t, _ in fused] == [t for t, _ in per_op]
-    for (_, a), (_, b) in zip(fused, per_op, strict=True):
-        assert a == pytest.approx(b, abs=1e-5)
+    _assert_fused_matches_per_op(llm, monkeypatch, stride=11)
     llm.shutdown()
 
 
