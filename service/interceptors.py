@@ -61,4 +61,3 @@ class GuardedHandlers:
         if made is None:
             made = self._made[(handler, key)] = make(handler)
         return made
-
