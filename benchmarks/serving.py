@@ -279,21 +279,19 @@ def main(argv: list[str] | None = None) -> int:
         results = _alternating(args, concurrency)
     elif args.target:
         results = {"service": _service_run(args.target, None, work, concurrency)}
-        print_report("service (gRPC)", results["service"])
     else:
         from kvserve.service.process import ServerProcess
 
         with ServerProcess(*server_flags(args, len(work))) as server:
-            results = {"service": _service_run(server.target, server.proc.pid, work, concurrency)}
-        print_report("service (gRPC)", results["service"])
+            service = _service_run(server.target, server.proc.pid, work, concurrency)
+        results = {"service": service}
         if not args.no_compare:  # loaded after the server stopped: the two never compete for the CPU
             engine = _load_engine(args)
             try:
-                results["in_process"] = _local_run(engine, work, concurrency)
+                local = _local_run(engine, work, concurrency)
             finally:
                 engine.shutdown()
-            print_report("in-process engine", results["in_process"])
-            results["ratio"] = print_ratios(results["service"], results["in_process"])
+            results = _compared(service, local)
     write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "json"}, **results})
     return 0
 
@@ -312,13 +310,9 @@ def _alternating(args, concurrency) -> dict:
         try:
             for i in range(args.rounds):
                 work = make_workload(args, seed=args.seed + i)
-                service = _service_run(server.target, server.proc.pid, work, concurrency)
-                local = _local_run(engine, work, concurrency)
                 print(f"\n---- round {i + 1} of {args.rounds}")
-                print_report("service (gRPC)", service)
-                print_report("in-process engine", local)
-                rounds.append({"service": service, "in_process": local,
-                               "ratio": print_ratios(service, local)})
+                service = _service_run(server.target, server.proc.pid, work, concurrency)
+                rounds.append(_compared(service, _local_run(engine, work, concurrency)))
         finally:
             engine.shutdown()
     median = {k: statistics.median(r["ratio"][k] for r in rounds) for k in rounds[0]["ratio"]}
@@ -327,14 +321,23 @@ def _alternating(args, concurrency) -> dict:
     return {"rounds": rounds, "ratio": median}
 
 
+def _compared(service: dict, local: dict) -> dict:
+    """The in-process run's report and the ratios, printed (the service's came out after its run);
+    the three as the JSON keeps them."""
+    print_report("in-process engine", local)
+    return {"service": service, "in_process": local, "ratio": print_ratios(service, local)}
+
+
 def _service_run(target: str, server_pid: int | None, work, concurrency) -> dict:
     """The gRPC run's summary, with the server's CPU seconds when ``server_pid`` is ours."""
     cpu0, own0 = process_tree_cpu_s(server_pid) if server_pid else None, time.process_time()
     traces, wall_s = asyncio.run(run_grpc(target, work, concurrency))
     cpu1, own1 = process_tree_cpu_s(server_pid) if server_pid else None, time.process_time()
     cpu_s = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
-    return {**summarize(traces, wall_s), "cpu_s": cpu_s, "cpu_label": "server processes",
-            "load_generator_cpu_s": own1 - own0}
+    result = {**summarize(traces, wall_s), "cpu_s": cpu_s, "cpu_label": "server processes",
+              "load_generator_cpu_s": own1 - own0}
+    print_report("service (gRPC)", result)
+    return result
 
 
 def server_flags(args, num_requests: int) -> list[str]:

@@ -52,7 +52,7 @@ class RequestStream:
     def push(self, out: RequestOutput) -> None:
         self._pending.append(out)
         self._unfinished -= out.finished
-        if self._interval == 1 or self._ready():
+        if self._ready():
             self._wake()
 
     def _ready(self) -> bool:

@@ -74,7 +74,7 @@ _SIGNATURES = {
     "small_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
     "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
-    "linear_row": [_P, _P, _I64, _I32, _P, _P, _P, _I32, _I32, _I32, _I32],
+    "linear_row": [_P, _P, _P, _I32, _I32],
     "decode_row": [_P, _I32, _P, _P, _P, _I32],
     "decode_row_available": [],
 }
@@ -307,10 +307,8 @@ class CpuKernels:
             scales = scales.contiguous()
         threads = torch.get_num_threads()
         if rows == 1 and x.is_contiguous():
-            status = self._lib.linear_row(
-                x.data_ptr(), weight.data_ptr(), weight.stride(0), scales is not None,
-                None if scales is None else scales.data_ptr(), bias_ptr, y.data_ptr(), n_out, k_in,
-                DTYPES[x.dtype], threads)
+            status = self._lib.linear_row(ctypes.byref(self.linear_of(weight, bias, scales, x.dtype)),
+                                          x.data_ptr(), y.data_ptr(), DTYPES[x.dtype], threads)
             if status != 1:  # 1: not built for AVX-512 here
                 _check(status, "linear_row")
                 return y

@@ -56,8 +56,13 @@ class DecodeRow:
     def fits(model) -> bool:
         """Whether the fused step was built here (AVX-512) and ``model``'s layers are all of the
         shape it computes, on the CPU."""
+        if not len(model.layers):
+            return False
+        first = model.layers[0].self_attn.qkv_proj
+        if first.weight.device.type != "cpu" or first.parallel.size != 1:
+            return False  # settled before the CPU kernels are looked for (a GPU model never builds them)
         kernels = load_kernels()
-        if kernels is None or not kernels.fused_rows or not len(model.layers):
+        if kernels is None or not kernels.fused_rows:
             return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -131,7 +131,6 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-
     def decode_row(self):
         """The fused one-token step over these layers (``models/decode_row.py``), or None when
         they do not fit it; decided once."""

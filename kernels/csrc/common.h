@@ -2,6 +2,7 @@
  * limits. */
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -40,13 +41,10 @@ typedef struct {
     const void *bias;        /* or NULL */
     int n_out, k_in;
 } lin_t;
-lin_t lin_of(const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias, int n_out,
-             int k_in, int dtype);
 /* rows of x the team kernel takes (and the fused decode step); also read by cpu_kernels.py */
 #define MAX_FUSED_ROWS 8
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype);
-int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
-               void *y, int n_out, int k_in, int dtype, int num_threads);
+int linear_row(const lin_t *L, const void *x, void *y, int dtype, int num_threads);
 
 /* The elementwise kernels (elementwise.c), shared with the fused decode row. */
 int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, int64_t res_outer,
@@ -61,7 +59,6 @@ int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride,
                  int dtype, int num_threads);
 
 /* Attention (attention.c), shared with the fused decode row. */
-#include <stddef.h>
 size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ctx);
 void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
                 const int32_t *table, int ctx, int kv_head, const char *q0, int64_t q_head_bytes, float scale,

@@ -58,10 +58,10 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
     if (R < 1 || R > MAX_FUSED_ROWS || kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || D % 2 ||
         heads / kvh > MAX_GROUP)
         return 1;
-    const int qkv_rows = (heads + 2 * kvh) * D;
+    const int group = heads / kvh, qkv_n = (heads + 2 * kvh) * D;
     for (int l = 0; l < num_layers; ++l) { /* the buffers below are sized from st: the weights must fit */
         const row_layer_t *L = layers + l;
-        if (L->qkv.n_out != qkv_rows || L->qkv.k_in != H || L->o.n_out != H || L->o.k_in != heads * D ||
+        if (L->qkv.n_out != qkv_n || L->qkv.k_in != H || L->o.n_out != H || L->o.k_in != heads * D ||
             L->gate_up.n_out != 2 * I || L->gate_up.k_in != H || L->down.n_out != H || L->down.k_in != I)
             return 1;
     }
@@ -71,7 +71,6 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
         if (st->ctx[r] < 1 || st->slots[r] < 0 || st->slots[r] >= cache_slots) return 1;
         max_ctx = st->ctx[r] > max_ctx ? st->ctx[r] : max_ctx;
     }
-    const int group = heads / kvh, qkv_n = (heads + 2 * kvh) * D;
     int widest = H > heads * D ? H : heads * D;
     widest = widest > I ? widest : I;
     const int threads = num_threads > 0 ? num_threads : 1;

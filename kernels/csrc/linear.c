@@ -17,14 +17,6 @@
 
 #include "common.h"
 
-/* The weight of a one-row linear as lin_t (w_stride in elements). */
-lin_t lin_of(const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias, int n_out,
-             int k_in, int dtype) {
-    const lin_t L = {w, w_stride * (w_int8 ? 1 : elem_size(dtype)),
-                     w_int8 ? W_INT8 : (dtype == DTYPE_BF16 ? W_BF16 : W_F32), scales, bias, n_out, k_in};
-    return L;
-}
-
 #if HAVE_AVX512_TEAM
 #include <immintrin.h>
 
@@ -149,18 +141,15 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
     }
 }
 
-/* y = x w^T for one row of x, in a team of its own (linear_rows_team is a team's part, for
- * several rows): x, y, bias (may be NULL) and scales (int8 weights only) of dtype (DTYPE_*);
- * w [n_out][k_in] of dtype, or int8 when w_int8 (rows w_stride elements apart). 0 on success,
- * 2 when memory could not be had. */
-int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
-               void *y, int n_out, int k_in, int dtype, int num_threads) {
-    const lin_t L = lin_of(w, w_stride, w_int8, scales, bias, n_out, k_in, dtype);
-    float *xf = malloc(sizeof(float) * (size_t)k_in);
+/* y = x L^T for one row of x, in a team of its own (linear_rows_team is a team's part, for
+ * several rows): x and y of dtype (DTYPE_*), L as cpu_kernels.py's CpuKernels.linear_of makes
+ * it. 0 on success, 2 when memory could not be had. */
+int linear_row(const lin_t *L, const void *x, void *y, int dtype, int num_threads) {
+    float *xf = malloc(sizeof(float) * (size_t)L->k_in);
     if (!xf) return 2;
-    to_float(x, dtype, xf, k_in);
+    to_float(x, dtype, xf, L->k_in);
 #pragma omp parallel num_threads(num_threads)
-    linear_rows_team(&L, 1, xf, dtype == DTYPE_BF16 ? x : NULL, y, dtype);
+    linear_rows_team(L, 1, xf, dtype == DTYPE_BF16 ? x : NULL, y, dtype);
     free(xf);
     return 0;
 }
@@ -169,10 +158,8 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
     (void)L, (void)rows, (void)xf, (void)xh, (void)y, (void)dtype;
 }
 
-int linear_row(const void *x, const void *w, int64_t w_stride, int w_int8, const void *scales, const void *bias,
-               void *y, int n_out, int k_in, int dtype, int num_threads) {
-    (void)x, (void)w, (void)w_stride, (void)w_int8, (void)scales, (void)bias, (void)y, (void)n_out;
-    (void)k_in, (void)dtype, (void)num_threads;
+int linear_row(const lin_t *L, const void *x, void *y, int dtype, int num_threads) {
+    (void)L, (void)x, (void)y, (void)dtype, (void)num_threads;
     return 1;
 }
 #endif
