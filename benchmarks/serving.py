@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.target:
         results = {"service": _service_run(args.target, None, work, concurrency)}
     else:
-        from kvserve.service.process import ServerProcess
+        from kvserve.testing.process import ServerProcess
 
         with ServerProcess(*server_flags(args, len(work))) as server:
             service = _service_run(server.target, server.proc.pid, work, concurrency)
@@ -302,7 +302,7 @@ def _alternating(args, concurrency) -> dict:
     on a fresh workload (seed + round: no prefix-cache hits from an earlier round). On a machine
     whose speed drifts by the minute, the ratio of runs seconds apart is what means something;
     the median ratio over the rounds is printed at the end. One side idles while the other runs."""
-    from kvserve.service.process import ServerProcess
+    from kvserve.testing.process import ServerProcess
 
     rounds = []
     with ServerProcess(*server_flags(args, args.num_requests)) as server:

@@ -41,7 +41,7 @@ def server_target(args: argparse.Namespace, num_requests: int):
     if args.target:
         yield args.target
         return
-    from kvserve.service.process import ServerProcess
+    from kvserve.testing.process import ServerProcess
 
     with ServerProcess(*server_flags(args, num_requests)) as server:
         yield server.target

@@ -21,7 +21,6 @@ from kvserve.clients.messages import (
     Completion,
     Delta,
     Message,
-    auth_metadata,
     build_request,
     build_tokenize_request,
     completion_from_proto,
@@ -29,6 +28,7 @@ from kvserve.clients.messages import (
     open_channel,
     stats_to_dict,
 )
+from kvserve.contract import auth_metadata
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 

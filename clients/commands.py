@@ -16,13 +16,8 @@ import sys
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from kvserve.clients.messages import (
-    API_KEY_ENV,
-    DEFAULT_TARGET,
-    SAMPLING_FIELDS,
-    SERVICE_NAME,
-    api_key_or_env,
-)
+from kvserve.clients.messages import DEFAULT_TARGET, SAMPLING_FIELDS, SERVICE_NAME
+from kvserve.contract import API_KEY_ENV, api_key_or_env
 
 HEALTH_TIMEOUT_S = 5.0  # a probe answers within its own deadline, never hangs
 _FLOATS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)

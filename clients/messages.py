@@ -7,7 +7,6 @@ Sampling keywords are the field names of ``SamplingParams`` in llm.proto (``temp
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,19 +50,6 @@ def tls_credentials(ca: str | None = None, cert: str | None = None, key: str | N
         return Path(path).read_bytes() if path is not None else None
 
     return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
-
-
-API_KEY_ENV = "KVSERVE_API_KEY"  # the server's and the clients' key when no --api-key is given
-
-
-def api_key_or_env(flag: str | None) -> str | None:
-    """The API key: the flag's value when given, else $KVSERVE_API_KEY (empty = none)."""
-    return flag if flag is not None else os.environ.get(API_KEY_ENV) or None
-
-
-def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
-    """The call metadata that carries an API key (``authorization: Bearer <key>``), or None."""
-    return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
 @dataclass

@@ -28,7 +28,7 @@ from kvserve.engine.child_process import watch_lifeline
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.gc_tuning import tune_gc
 from kvserve.engine.ipc import CALLS, HEARTBEAT_S, Codec, Failed, Ready, Rejected, Reply, StepDone, ToCore
-from kvserve.service.logs import configure_logging, inherited_log_format
+from kvserve.logs import configure_logging, inherited_log_format
 
 log = logging.getLogger("kvserve.engine.core")
 

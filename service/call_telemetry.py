@@ -3,7 +3,7 @@ one ``CallTelemetry``, and what the LLMService handlers tell it about their requ
 
 Per call: a tracing span (service/tracing.py) that continues the caller's trace, the count of
 its gRPC status by method and code (service/metrics.py), and, for generation calls, one log
-line at the end (service/logs.py: text or JSON) with the request id, token counts, queue time,
+line at the end (kvserve/logs.py: text or JSON) with the request id, token counts, queue time,
 TTFT, total time, finish reason and status code, plus the request's timing histograms.
 
 The request id is the ``request_id`` field, else the call's ``x-request-id`` metadata, else one

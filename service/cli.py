@@ -17,9 +17,9 @@ import typing
 
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from kvserve.logs import LOG_FORMATS, configure_logging
 from kvserve.service.health import HEALTH_PORT_ENV
 from kvserve.service.limits import add_limit_flags, stream_limits
-from kvserve.service.logs import LOG_FORMATS, configure_logging
 from kvserve.service.security import add_security_flags, security_settings
 
 ALIASES = {"tensor_parallel_size": ["--tp"]}

@@ -21,14 +21,13 @@ from pathlib import Path
 
 import grpc
 
-from kvserve.clients.messages import API_KEY_ENV, api_key_or_env
+from kvserve.contract import API_KEY_ENV, AUTHORIZATION, BEARER, api_key_or_env
 from kvserve.service.interceptors import GuardedHandlers, guarded
 from kvserve.service.methods import HEALTH_SERVICE, split_method
 
 log = logging.getLogger("kvserve.service")
 
 OPEN_SERVICES = frozenset({HEALTH_SERVICE.full_name})  # callable without the key
-_BEARER = "bearer "
 
 
 @dataclass(frozen=True)
@@ -123,13 +122,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def _problem(self, metadata) -> str | None:
         """Why the call is refused, or None when it carries the key."""
-        values = [v for k, v in metadata if k == "authorization"]
+        values = [v for k, v in metadata if k == AUTHORIZATION]
         if not values:
             return "missing API key: send the metadata 'authorization: Bearer <key>'"
         value = values[0] if isinstance(values[0], str) else values[0].decode("latin-1")
-        if not value.lower().startswith(_BEARER):
+        if not value.lower().startswith(BEARER):
             return "the authorization metadata must be 'Bearer <key>'"
-        given = value[len(_BEARER):].strip().encode()
+        given = value[len(BEARER):].strip().encode()
         if not hmac.compare_digest(given, self._key):  # constant time: no timing oracle
             return "invalid API key"
         return None

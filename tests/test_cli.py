@@ -18,9 +18,9 @@ import pytest
 from kvserve.cli import build_parser
 from kvserve.engine.config import EngineConfig
 from kvserve.service.cli import HELP
-from kvserve.service.testing import TEST_SERVER_ENV
+from kvserve.testing.plugin import TEST_SERVER_ENV
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 KVSERVE = [sys.executable, "-m", "kvserve.cli"]
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 PYPROJECT = (ROOT / "pyproject.toml").read_text()
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 
 def instructions(text: str) -> list[tuple[str, str]]:

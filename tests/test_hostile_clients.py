@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.clients import Client
-from kvserve.service.testing import wait_until_idle
+from kvserve.testing.plugin import wait_until_idle
 from kvserve.v1 import llm_pb2
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 METHODS = {  # method -> whether it streams its response
     "/kvserve.v1.LLMService/Generate": False,

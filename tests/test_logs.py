@@ -11,7 +11,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from kvserve.service.logs import JsonFormatter, TextFormatter, configure_logging, inherited_log_format
+from kvserve.logs import JsonFormatter, TextFormatter, configure_logging, inherited_log_format
 
 
 def record(msg: str, fields: dict | None = None, exc_info=None) -> logging.LogRecord:

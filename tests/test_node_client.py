@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.clients import Client
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 NODE_DIR = Path(__file__).resolve().parents[1] / "clients" / "node"
 
@@ -91,7 +91,7 @@ def test_node_client_reads_stats_and_reports_errors(node, kvserve_server):
 
 
 def test_node_client_speaks_mutual_tls_with_the_api_key(node, secure_server, tls_files):
-    from kvserve.service.testing import SECURE_API_KEY
+    from kvserve.testing.plugin import SECURE_API_KEY
 
     tls = ("--target", secure_server.target, "--tls-ca", tls_files["ca"],
            "--tls-cert", tls_files["client_cert"], "--tls-key", tls_files["client_key"])

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.service.process import ServerProcess
+from kvserve.testing.process import ServerProcess
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

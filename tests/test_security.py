@@ -17,10 +17,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvserve.clients import Client, tls_credentials
 from kvserve.service.security import SecuritySettings, server_credentials
-from kvserve.service.testing import SECURE_API_KEY, SECURE_LIMITS
+from kvserve.testing.plugin import SECURE_API_KEY, SECURE_LIMITS
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 
 def mtls(tls_files, who: str = "client") -> grpc.ChannelCredentials:

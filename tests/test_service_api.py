@@ -19,10 +19,10 @@ import torch
 from kvserve.clients import AsyncClient, Client
 from kvserve.clients.messages import build_request
 from kvserve.engine import LLM, SamplingParams
-from kvserve.service.testing import wait_until_idle
+from kvserve.testing.plugin import wait_until_idle
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 NUM_CONCURRENT = 32

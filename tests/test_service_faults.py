@@ -18,8 +18,8 @@ import pytest
 from kvserve.benchmarks.procfs import alive, children
 from kvserve.clients import Client
 from kvserve.clients.messages import build_request
-from kvserve.service.process import ServerProcess
-from kvserve.service.testing import TEST_SERVER_ENV
+from kvserve.testing.plugin import TEST_SERVER_ENV
+from kvserve.testing.process import ServerProcess
 from kvserve.v1 import llm_pb2_grpc
 
 

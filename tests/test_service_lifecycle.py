@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserve.clients.messages import SERVICE_NAME, build_request
-from kvserve.service.process import ServerProcess
-from kvserve.service.testing import TEST_SERVER_ENV
+from kvserve.testing.plugin import TEST_SERVER_ENV
+from kvserve.testing.process import ServerProcess
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 MAX_QUEUE = 2

@@ -24,9 +24,9 @@ import pytest
 
 from kvserve.benchmarks.procfs import process_tree
 from kvserve.clients import AsyncClient, Client
-from kvserve.service.testing import wait_until_idle
+from kvserve.testing.plugin import wait_until_idle
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 SLOW_ROUNDS = 30
 # Outside the KV cache, after a warm-up round. Measured (30 rounds): flat from round 4, swinging

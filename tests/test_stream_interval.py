@@ -15,8 +15,8 @@ from kvserve.clients.messages import build_request
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request_stream import RequestStream
 from kvserve.engine.sequence import FinishReason, SequenceTimes
-from kvserve.service.process import ServerProcess
-from kvserve.service.testing import TEST_SERVER_ENV
+from kvserve.testing.plugin import TEST_SERVER_ENV
+from kvserve.testing.process import ServerProcess
 from kvserve.v1 import llm_pb2_grpc
 
 INTERVAL = 4

@@ -18,7 +18,7 @@ import pytest
 
 from kvserve.clients import Client
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 SCHEMA = {
     "type": "object",

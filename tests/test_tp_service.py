@@ -14,16 +14,16 @@ import pytest
 
 from kvserve.benchmarks.procfs import alive, children
 from kvserve.clients import Client
-from kvserve.service.process import ServerProcess
+from kvserve.testing.process import ServerProcess
 
-pytest_plugins = ["kvserve.service.testing"]
+pytest_plugins = ["kvserve.testing.plugin"]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
 def tp_server():
-    from kvserve.service.testing import TEST_SERVER_ENV  # after pytest has loaded it as a plugin
+    from kvserve.testing.plugin import TEST_SERVER_ENV  # after pytest has loaded it as a plugin
 
     # stays up after the engine died, so that the test can see health NOT_SERVING (the default,
     # exiting with status 1, is tested in test_service_faults.py)

@@ -1,5 +1,5 @@
 """A pytest plugin with one kvserve server per test session, shared by the service test modules
-(``pytest_plugins = ["kvserve.service.testing"]``), so that the model is loaded once.
+(``pytest_plugins = ["kvserve.testing.plugin"]``), so that the model is loaded once.
 
 The server runs the default model in float32 (greedy tokens then equal the offline engine's
 in float32) with a small KV cache. ``secure_server`` is a second one, started on first use,
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from kvserve.clients.messages import API_KEY_ENV
+from kvserve.contract import API_KEY_ENV
 from kvserve.service.health import HEALTH_PORT_ENV
-from kvserve.service.process import ServerProcess
+from kvserve.testing.process import ServerProcess
 
 SECURE_API_KEY = "test-key-not-secret"
 SECURE_LIMITS = {"max_streams": 6, "max_streams_per_connection": 4, "max_watch_streams": 2}
@@ -38,7 +38,7 @@ def kvserve_server():
 @pytest.fixture(scope="session")
 def tls_files(tmp_path_factory) -> dict[str, str]:
     """PEM files (see ``make_tls_files``): ca, server_cert/key, client_cert/key, rogue_cert/key."""
-    from kvserve.service.tls_testing import make_tls_files
+    from kvserve.testing.tls import make_tls_files
 
     return make_tls_files(tmp_path_factory.mktemp("tls"))
 
