@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own limit when max_model_len is not given
 QUANTIZATIONS = ("int8",)  # weight-only, CPU (engine/layers/quantization.py)
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: CPU (engine/layers/kv_quant.py)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class EngineConfig:
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     threads: int | None = None  # CPU intra-op threads per rank; None: the usable CPUs / local ranks
     quantization: str | None = None  # "int8": weight-only int8 on the CPU; None: weights in dtype
+    kv_cache_dtype: str = "auto"  # "int8": an int8 KV cache on the CPU; auto: the model's dtype
     # tensor parallel across machines (torch.distributed); see engine/distributed.py
     nnodes: int = 1
     node_rank: int = 0
@@ -44,6 +46,7 @@ class EngineConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("tp_channel", self.tp_channel, ("auto", "shm", "dist"))
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.quantization is not None:
             _one_of("quantization", self.quantization, QUANTIZATIONS)
         positive = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes")

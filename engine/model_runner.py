@@ -115,7 +115,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.graphs: CudaGraphRunner | None = None
         self.backend = create_attention_backend(config.attention_backend, self.device, config.block_size,
-                                                self.dtype)
+                                                self.dtype, config.kv_cache_dtype)
+        self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
         load_weights(self.model, self.source, show_progress=self.parallel.rank == 0)  # one bar, not N
@@ -190,9 +191,11 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes one block takes: K and V, every layer, ``block_size`` tokens."""
-        per_token = self.kv_heads_per_rank * head_dim_of(self.hf_config) * self.dtype.itemsize
-        return 2 * self.hf_config.num_hidden_layers * self.block_size * per_token
+        """Bytes one block takes: K and V, every layer, ``block_size`` tokens (in the backend's
+        layout and cache dtype: an int8 cache's rows carry their scales)."""
+        layer_block = self.backend.kv_cache_shape(1, self.kv_heads_per_rank, head_dim_of(self.hf_config))
+        one_block = math.prod(layer_block)
+        return 2 * self.hf_config.num_hidden_layers * one_block * self.cache_dtype.itemsize
 
     def _count_kv_blocks(self, record_graph: Recorder | None) -> int:
         if self.config.num_kv_blocks is not None:
@@ -300,15 +303,15 @@ class ModelRunner:
         layer_shape = self.backend.kv_cache_shape(num_blocks, self.kv_heads_per_rank, head_dim)
         shape = (2, self.hf_config.num_hidden_layers, *layer_shape)
         if self.device.type == "cpu":
-            kv_cache = _lazily_zeroed_cpu_tensor(shape, self.dtype)
+            kv_cache = _lazily_zeroed_cpu_tensor(shape, self.cache_dtype)
         else:
-            kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
         return kv_cache
 
     def _unbind_kv_cache(self) -> None:
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        empty = torch.empty(0, dtype=self.cache_dtype, device=self.device)
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(empty, empty)
 

@@ -57,6 +57,8 @@ def _header_constant(name: str) -> int:
 
 
 MAX_HEAD_DIM = _header_constant("MAX_HEAD_DIM")
+KV_INT8 = _header_constant("KV_INT8")  # the cache code of an int8 KV cache (rows of int8 + a float scale)
+KV_SCALE_BYTES = _header_constant("KV_SCALE_BYTES")
 MAX_GROUP = _header_constant("MAX_GROUP")
 MAX_FUSED_ROWS = _header_constant("MAX_FUSED_ROWS")
 W_INT8 = _header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
@@ -65,11 +67,11 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "paged_decode": [_P, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32,
-                     _F32, _P, _I64, _I64, _I32, _I32],
+                     _F32, _P, _I64, _I64, _I32, _I32, _I32],
     "rms_norm": [_P, _I64, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _I32, _I32],
     "silu_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
     "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
-    "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32],
+    "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "argmax_rows": [_P, _I64, _I32, _I32, _P, _I32],
     "small_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
@@ -99,7 +101,8 @@ class RowStep(ctypes.Structure):
     """csrc/decode_row.c ``row_step_t``: the shapes and each row's place in the cache."""
 
     _fields_ = [("rows", _I32), ("hidden", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32),
-                ("inter", _I32), ("dtype", _I32), ("norm_dtype", _I32), ("eps", _F32), ("scale", _F32),
+                ("inter", _I32), ("dtype", _I32), ("norm_dtype", _I32), ("cache_dtype", _I32), ("eps", _F32),
+                ("scale", _F32),
                 ("num_blocks", _I64), ("block_size", _I32), ("tables", _P), ("table_stride", _I64),
                 ("ctx", _P), ("slots", _P), ("cos", _P), ("sin", _P)]
 
@@ -153,6 +156,13 @@ def build(cc: str) -> Path:
     return target
 
 
+def _check_cache_rows(cache: torch.Tensor, head_dim: int, name: str) -> None:
+    row = head_dim + KV_SCALE_BYTES if cache.dtype == torch.int8 else head_dim
+    if cache.shape[-1] != row:
+        raise ValueError(f"{name}: a {str(cache.dtype).removeprefix('torch.')} cache for head_dim {head_dim} "
+                         f"has rows of {row}, got {cache.shape[-1]}")
+
+
 def _check(status: int, name: str) -> None:
     if status != 0:
         raise RuntimeError(f"CPU kernel {name} failed with status {status} "
@@ -185,6 +195,18 @@ class CpuKernels:
         return True
 
     @staticmethod
+    def takes_caches(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """CPU caches the attention kernels read beside queries of ``dtype``: that dtype, or int8
+        (rows of int8 values and their float32 scale, ``KV_INT8``), contiguous rows."""
+        kinds = (dtype, torch.int8)
+        return all(c.is_cpu and c.dtype in kinds and c.stride(-1) == 1 for c in (k_cache, v_cache))
+
+    @staticmethod
+    def cache_code(dtype: torch.dtype, cache: torch.Tensor) -> int:
+        """The C sources' code for a cache beside queries of ``dtype``: KV_INT8 or a DTYPE_*."""
+        return KV_INT8 if cache.dtype == torch.int8 else DTYPES[dtype]
+
+    @staticmethod
     def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether the attention kernel takes this shape (the dtype is checked per call: ``takes``)."""
         return (head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
@@ -199,20 +221,23 @@ class CpuKernels:
         ``ctx_lens[i]`` when given (prefill tokens, each up to its own position), else
         ``seq_lens[seq_ids[i]]`` (decodes).
 
-        q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous; block_tables
+        q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous, of q's dtype, or
+        int8 [kv_heads, blocks, block_size, D + 4] (``KV_INT8`` rows: D int8 values, then their
+        float32 scale; engine/layers/kv_quant.py); block_tables
         int32 [S, W] with contiguous rows; seq_lens, seq_ids, tokens, ctx_lens int32, contiguous
         (``seq_lens`` is read only when ``ctx_lens`` is None). The caller guarantees these layouts,
         unchecked here (run per layer; the torch backend's tensors have them):
         ``paged_decode_checked`` is the entry that checks.
         """
-        kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        kv_heads, num_blocks, block_size = k_cache.shape[:3]
         if ctx_lens is None:  # decodes: each over its sequence's whole context
             ctx_lens = seq_lens.index_select(0, seq_ids.long())
         _check(self._lib.paged_decode(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
             block_size, block_tables.data_ptr(), block_tables.stride(0), seq_ids.data_ptr(),
-            tokens.data_ptr(), ctx_lens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, head_dim, scale,
-            out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], torch.get_num_threads(),
+            tokens.data_ptr(), ctx_lens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, q.shape[2], scale,
+            out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], self.cache_code(q.dtype, k_cache),
+            torch.get_num_threads(),
         ), "paged_decode")
 
     def paged_decode_checked(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -221,9 +246,11 @@ class CpuKernels:
                              ctx_lens: torch.Tensor | None = None) -> None:
         """``paged_decode`` for callers that do not guarantee its layouts: ValueError for caches
         that are not contiguous or mixed dtypes; index tensors are made contiguous."""
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out, k_cache, v_cache)):
-            raise ValueError("paged_decode: caches must be contiguous, q/out rows contiguous, one dtype "
-                             "throughout")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out)
+                and self.takes_caches(q.dtype, k_cache, v_cache) and k_cache.dtype == v_cache.dtype):
+            raise ValueError("paged_decode: caches must be contiguous, of q's dtype or int8, q/out rows "
+                             "contiguous, q and out of one dtype")
+        _check_cache_rows(k_cache, q.shape[2], "paged_decode")
         if ctx_lens is not None:
             if ctx_lens.numel() != seq_ids.numel():
                 raise ValueError("paged_decode: one ctx_lens entry per query")
@@ -274,21 +301,25 @@ class CpuKernels:
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
         """``cache[h, slots[t]] = src[t, h]`` for K and V into head-major caches seen as
-        [kv_heads, slots, D]; slot -1 is skipped. Caches contiguous, ``slots`` int64 contiguous:
-        the caller guarantees it, unchecked here (``store_kv_checked`` checks)."""
+        [kv_heads, slots, row]; slot -1 is skipped; an int8 cache takes each row quantized
+        (``KV_INT8``). Caches contiguous, ``slots`` int64 contiguous: the caller guarantees it,
+        unchecked here (``store_kv_checked`` checks)."""
         tokens, kv_heads, width = k.shape
-        cache_slots = k_cache.numel() // (kv_heads * width)
+        cache_slots = k_cache.numel() // (kv_heads * k_cache.shape[-1])
         _check(self._lib.store_kv(
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),
             tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, DTYPES[k.dtype],
+            self.cache_code(k.dtype, k_cache),
         ), "store_kv (slot out of range)")
 
     def store_kv_checked(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slots: torch.Tensor) -> None:
         """``store_kv`` for callers that do not guarantee its layouts: ValueError for caches that
         are not contiguous or slots that are not int64."""
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64):
-            raise ValueError("store_kv: contiguous caches and int64 slots")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
+                and self.takes_caches(k.dtype, k_cache, v_cache) and k_cache.dtype == v_cache.dtype):
+            raise ValueError("store_kv: contiguous caches of k's dtype or int8, and int64 slots")
+        _check_cache_rows(k_cache, k.shape[2], "store_kv")
         self.store_kv(k, v, k_cache, v_cache, slots.contiguous())
 
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

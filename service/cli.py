@@ -16,7 +16,7 @@ import types
 import typing
 
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
-from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from kvserve.logs import LOG_FORMATS, configure_logging
 from kvserve.service.health import HEALTH_PORT_ENV
 from kvserve.service.limits import add_limit_flags, stream_limits
@@ -28,6 +28,7 @@ CHOICES = {
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,
     "tp_channel": ("auto", "shm", "dist"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 HELP = {
     "model": "'default' (the bundled SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file",
@@ -56,6 +57,9 @@ HELP = {
                "and cgroup quota, shared among the tensor-parallel ranks on this machine)",
     "quantization": "int8 = weight-only int8 projections and LM head on the CPU "
                     "(default: weights in --dtype)",
+    "kv_cache_dtype": "auto = the model's dtype; int8 = an int8 KV cache on the CPU (one scale per token "
+                      "and KV head): about half of bfloat16's bytes per token, so about twice the tokens "
+                      "in --kv-cache-memory",
 }
 
 

@@ -9,6 +9,7 @@ import torch
 
 from kvserve.benchmarks.attention_cpu import step_input
 from kvserve.engine.layers import attention_torch
+from kvserve.engine.layers.kv_quant import quantize_rows
 from kvserve.engine.model_input import ModelInput
 from kvserve.kernels import cpu_kernels
 from kvserve.kernels.cpu_kernels import CpuKernels, load_kernels
@@ -103,20 +104,26 @@ def mixed_step(block_size: int) -> ModelInput:
 @pytest.mark.parametrize("head_dim", [32, 64])  # the portable and the AVX-512 paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefill_in_kernel", [True, False])  # CPUs without AMX / with AMX
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
-        dtype, head_dim, prefill_in_kernel, monkeypatch):
+        dtype, head_dim, prefill_in_kernel, kv_cache_dtype, monkeypatch):
     """Decodes go through the kernel, and prefills (after cached context, and fresh) too where the
     backend sends them there, each prefill token over the keys up to its own position; the torch
-    ops (SDPA) agree."""
+    ops (SDPA) agree, over a cache in the model's dtype and over an int8 one (which both paths
+    store and read the same way)."""
     block_size, heads, kv_heads = 16, 6, 2
-    backend = attention_torch.TorchAttentionBackend(block_size, prefill_in_kernel=prefill_in_kernel)
+    backend = attention_torch.TorchAttentionBackend(block_size, prefill_in_kernel=prefill_in_kernel,
+                                                    kv_cache_dtype=kv_cache_dtype)
     impl = backend.create_impl(heads, kv_heads, head_dim, head_dim**-0.5)
     gen = torch.Generator().manual_seed(3)
     inp = mixed_step(block_size)
     q = torch.randn(inp.num_tokens, heads, head_dim, generator=gen).to(dtype)
     k, v = (torch.randn(inp.num_tokens, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
-    filled = [torch.randn(backend.kv_cache_shape(16, kv_heads, head_dim), generator=gen).to(dtype)
-              for _ in range(2)]
+    filled = [torch.randn(16 * kv_heads * block_size * head_dim, generator=gen).to(dtype)
+              .view(kv_heads, 16, block_size, head_dim) for _ in range(2)]
+    if kv_cache_dtype == "int8":
+        filled = [quantize_rows(c) for c in filled]
+    assert filled[0].shape == backend.kv_cache_shape(16, kv_heads, head_dim)
 
     def run():
         caches = [c.clone() for c in filled]

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason
+from kvserve.testing.engine import with_control_plane
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 NEAR_TIE = 1e-3  # logit margin under which float rounding may flip the argmax
@@ -44,20 +43,6 @@ def prompts(llm):
         chat,
         "Translate to French: I like apples.\nFrench:",
     ]
-
-
-def with_control_plane(llm: LLM, **changes) -> LLM:
-    """Swap the engine's scheduler/block manager for ones built with other settings, over the
-    same loaded model (loading costs ~12 s; these settings live only in the control plane)."""
-    eng = llm.engine
-    cfg = eng.config.replace(**changes)
-    blocks = min(cfg.num_kv_blocks or eng.executor.num_kv_blocks, eng.executor.num_kv_blocks)
-    eng.config = cfg
-    eng.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
-    eng.scheduler = Scheduler(
-        eng.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eng.eos_token_ids
-    )
-    return llm
 
 
 @pytest.fixture

@@ -11,7 +11,10 @@ KV cache layout: each backend allocates the cache in the layout it reads
 (``AttentionBackend.kv_cache_shape``). The kernels' layout, the default, is per layer ``k_cache``
 and ``v_cache`` of shape [num_blocks, block_size, num_kv_heads, head_dim]; the torch backend's is
 head-major, [num_kv_heads, num_blocks, block_size, head_dim]. Either way token slot ``s`` is row
-``s % block_size`` of block ``s // block_size``.
+``s % block_size`` of block ``s // block_size``. The cache holds the model's dtype
+(``kv_cache_dtype="auto"``); the torch backend also keeps an int8 cache (``"int8"``: rows of
+head_dim int8 values and their float32 scale, engine/layers/kv_quant.py), half the bytes of
+bfloat16 to store and to read.
 
 Position rule every backend implements: query token j of a sequence with query length q and
 context length L (cached + new tokens) sits at position L - q + j and attends to keys 0..L-q+j.
@@ -115,13 +118,23 @@ class AttentionImpl(ABC):
 
 class AttentionBackend(ABC):
     name: str = ""
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)  # the cache element types this backend reads
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype not in self.kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not read by the {self.name} attention "
+                             f"backend (it takes {', '.join(self.kv_cache_dtypes)}); the int8 cache needs "
+                             "--attention-backend torch")
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The shape of one layer's K (and V) cache in the layout this backend reads."""
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The element type of the cache tensors for a model in ``model_dtype``."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else model_dtype
 
     @abstractmethod
     def build_metadata(self, inp: ModelInput, device: torch.device) -> AttentionMetadata:
@@ -186,15 +199,19 @@ def flash_attn_refusal(block_size: int, dtype: torch.dtype | None) -> str | None
 
 
 def create_attention_backend(name: str, device: torch.device, block_size: int,
-                             dtype: torch.dtype | None = None) -> AttentionBackend:
+                             dtype: torch.dtype | None = None,
+                             kv_cache_dtype: str = "auto") -> AttentionBackend:
     """The backend called ``name`` ("auto", "torch", "triton", "flash-attn") for ``device``
-    and a model in ``dtype``."""
+    and a model in ``dtype``, with a cache of ``kv_cache_dtype`` ("auto": the model's dtype)."""
+    if kv_cache_dtype != "auto" and device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is a CPU cache (the torch backend's C kernels "
+                         f"read it); on {device.type} leave kv_cache_dtype at 'auto'")
     resolved = resolve_backend_name(name, device, block_size, dtype)
     if resolved == "flash-attn":
         refusal = flash_attn_refusal(block_size, dtype)
         if refusal:
             raise ValueError(f"attention_backend 'flash-attn' {refusal}")
-    return _backend_class(resolved)(block_size=block_size)
+    return _backend_class(resolved)(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
 
 
 def _backend_class(name: str) -> type[AttentionBackend]:

@@ -22,6 +22,10 @@ torch's SDPA multiplies the prefill's bfloat16 blocks in them and beats the kern
 row at a time (``benchmarks/attention_cpu.py``: 1.2x at 6 prompts of 300 tokens, 4x at one of
 2,048), so prefills keep the SDPA plans there (``prefill_in_kernel``). The torch-ops plans are
 made only when a layer reads them.
+
+With ``kv_cache_dtype="int8"`` each cache row is head_dim int8 values and their float32 scale
+(engine/layers/kv_quant.py): the kernels store rows quantized and read them scaled as they go;
+the torch-ops paths quantize with the same arithmetic and dequantize what they gather.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from kvserve.engine.layers.attention import (
     common_metadata_fields,
     to_device,
 )
+from kvserve.engine.layers.kv_quant import cache_row_width, dequantize_rows, quantize_rows
 from kvserve.engine.model_input import ModelInput, blocks_for, step_block_tables
 from kvserve.kernels.cpu_kernels import CpuKernels, kernels_for
 
@@ -133,15 +138,17 @@ def amx_prefill() -> bool:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    kv_cache_dtypes = ("auto", "int8")
 
-    def __init__(self, block_size: int, prefill_in_kernel: bool | None = None):
-        super().__init__(block_size)
+    def __init__(self, block_size: int, prefill_in_kernel: bool | None = None, kv_cache_dtype: str = "auto"):
+        super().__init__(block_size, kv_cache_dtype)
         # prefill tokens as the CPU kernel's queries (see the module docstring); the default
         # follows the CPU
         self.prefill_in_kernel = not amx_prefill() if prefill_in_kernel is None else prefill_in_kernel
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_kv_heads, num_blocks, self.block_size, head_dim)
+        width = cache_row_width(head_dim, self.kv_cache_dtype == "int8")
+        return (num_kv_heads, num_blocks, self.block_size, width)
 
     def build_metadata(self, inp: ModelInput, device: torch.device) -> TorchAttentionMetadata:
         meta = TorchAttentionMetadata(**common_metadata_fields(inp, self.block_size, device))
@@ -245,7 +252,9 @@ class TorchAttentionImpl(AttentionImpl):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
-        kernels = kernels_for(q, k, v, k_cache, v_cache, out)  # CPU, one supported dtype: the C kernels
+        kernels = kernels_for(q, k, v, out)  # CPU, one supported dtype: the C kernels
+        if kernels is not None and not CpuKernels.takes_caches(q.dtype, k_cache, v_cache):
+            kernels = None
         self._store(k, v, k_cache, v_cache, meta, kernels)
         if kernels is not None and self._kernel_shapes and meta.query_tokens is not None:
             # prefill and decode tokens alike: each query over the cached keys up to its position
@@ -269,8 +278,11 @@ class TorchAttentionImpl(AttentionImpl):
         slots = meta.slot_mapping
         if meta.store_tokens is not None:
             k, v, slots = k[meta.store_tokens], v[meta.store_tokens], meta.store_slots
-        k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slots, k.transpose(0, 1))
-        v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slots, v.transpose(0, 1))
+        if k_cache.dtype == torch.int8:
+            k, v = quantize_rows(k), quantize_rows(v)
+        width = k_cache.shape[-1]
+        k_cache.view(self.num_kv_heads, -1, width).index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.view(self.num_kv_heads, -1, width).index_copy_(1, slots, v.transpose(0, 1))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:
@@ -285,9 +297,12 @@ class TorchAttentionImpl(AttentionImpl):
         rows_of = group.rows_in(k_cache)
         # a gather of whole rows of a 2-D view: one memcpy per (head, block), several times
         # faster than index_select along dim 1 of the 4-D cache
-        row = k_cache.shape[2] * d
-        keys = k_cache.view(-1, row).index_select(0, rows_of).view(kv_heads * n, length, d)
-        values = v_cache.view(-1, row).index_select(0, rows_of).view(kv_heads * n, length, d)
+        width = k_cache.shape[-1]
+        row = k_cache.shape[2] * width
+        keys = k_cache.view(-1, row).index_select(0, rows_of).view(kv_heads * n, length, width)
+        values = v_cache.view(-1, row).index_select(0, rows_of).view(kv_heads * n, length, width)
+        if k_cache.dtype == torch.int8:
+            keys, values = dequantize_rows(keys, q.dtype), dequantize_rows(values, q.dtype)
         rows = (q * self.scale).view(n, kv_heads, group_size, d).transpose(0, 1)
         rows = rows.reshape(kv_heads * n, group_size, d)
         scores = torch.bmm(rows, keys.transpose(1, 2)).view(kv_heads, n, group_size, length)
@@ -300,10 +315,14 @@ class TorchAttentionImpl(AttentionImpl):
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
         if plan.mask is None:
-            keys = k[plan.start : plan.end].transpose(0, 1)
-            values = v[plan.start : plan.end].transpose(0, 1)
+            keys, values = k[plan.start : plan.end], v[plan.start : plan.end]
+            if k_cache.dtype == torch.int8:
+                # as the cache holds them: a prompt's tokens must not depend on whether its
+                # prefix came from the cache (prefix hit, earlier chunk) or was computed here
+                keys, values = (dequantize_rows(quantize_rows(x), q.dtype) for x in (keys, values))
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         else:
-            keys, values = (self._context(cache, plan) for cache in (k_cache, v_cache))
+            keys, values = (self._context(cache, plan, q.dtype) for cache in (k_cache, v_cache))
         # 4-D inputs, or CPU SDPA falls back from its flash kernel to the slow math path
         out = F.scaled_dot_product_attention(
             q[plan.start : plan.end].transpose(0, 1)[None], keys[None], values[None],
@@ -312,10 +331,12 @@ class TorchAttentionImpl(AttentionImpl):
         )
         return out[0].transpose(0, 1)
 
-    def _context(self, cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
-        """[kv_heads, context_len, D]: a view of the cache when the blocks are consecutive."""
+    def _context(self, cache: torch.Tensor, plan: PrefillPlan, dtype: torch.dtype) -> torch.Tensor:
+        """[kv_heads, context_len, D] in ``dtype``: a view of the cache when the blocks are
+        consecutive (an int8 cache is read back into a new tensor)."""
         if plan.block_range is not None:
             blocks = cache[:, plan.block_range[0] : plan.block_range[1]]
         else:
             blocks = cache.index_select(1, plan.blocks)
-        return blocks.flatten(1, 2)[:, : plan.context_len]
+        rows = blocks.flatten(1, 2)[:, : plan.context_len]
+        return dequantize_rows(rows, dtype) if cache.dtype == torch.int8 else rows

@@ -53,8 +53,8 @@ class TritonAttentionMetadata(AttentionMetadata):
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, block_size: int):
-        super().__init__(block_size)
+    def __init__(self, block_size: int, kv_cache_dtype: str = "auto"):
+        super().__init__(block_size, kv_cache_dtype)
         self.num_sms: int | None = None  # None: the device's; tests set it to split on the CPU
         self.workspace: DecodeWorkspace | None = None
 

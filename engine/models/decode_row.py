@@ -105,7 +105,8 @@ class DecodeRow:
         first = model.layers[0]
         attn, norm = first.self_attn, first.input_layernorm
         k_cache = attn.attn.k_cache
-        if kernels is None or norm.weight.dtype not in DTYPES or k_cache.dim() != 4:
+        if (kernels is None or norm.weight.dtype not in DTYPES or k_cache.dim() != 4
+                or not CpuKernels.takes_caches(dtype, k_cache, attn.attn.v_cache)):
             return None
         cos, sin = model.rotary_emb.cos_sin(positions, dtype)
         ctx = (positions + 1).to(torch.int32)
@@ -113,7 +114,8 @@ class DecodeRow:
         tables = meta.block_tables
         step = RowStep(
             rows, hidden.shape[1], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            first.mlp.down_proj.input_size, DTYPES[dtype], DTYPES[norm.weight.dtype], norm.eps,
+            first.mlp.down_proj.input_size, DTYPES[dtype], DTYPES[norm.weight.dtype],
+            CpuKernels.cache_code(dtype, k_cache), norm.eps,
             attn.attn.impl.scale, k_cache.shape[1], k_cache.shape[2], tables.data_ptr(), tables.stride(0),
             ctx.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr())
         hidden = hidden.contiguous()

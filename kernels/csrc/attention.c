@@ -14,7 +14,10 @@
  * scores come out, and each value row converted once for all the group's heads, whose
  * accumulators stay in registers. Everything else takes the portable attend().
  *
- * Element types: float32 and bfloat16 (DTYPE_* below); all arithmetic is in float32.
+ * Element types: float32 and bfloat16 (DTYPE_* below) for queries and outputs; the cache holds
+ * the same type, or KV_INT8 rows (common.h: int8 values and one float scale per token and KV
+ * head), whose scales multiply the scores (keys) and the probabilities (values) instead of every
+ * element. All arithmetic is in float32.
  * Built and loaded by kernels/cpu_kernels.py.
  */
 #include <stdint.h>
@@ -42,7 +45,9 @@ static inline void prefetch_block(const char *p, int64_t bytes) {
 typedef struct {
     const char *k_cache, *v_cache; /* bytes */
     int64_t num_blocks;
-    int block_size, dtype, elem;
+    int block_size, dtype, elem; /* the queries' and outputs' DTYPE_* and its size */
+    int cdtype;                  /* the cache's: dtype, or KV_INT8 */
+    int64_t row_bytes;           /* one token of one KV head in the cache (kv_row_bytes) */
 } cache_t;
 
 /* Prefetch schedule over one (sequence, KV head): the first blocks of keys before the keys' pass;
@@ -80,12 +85,21 @@ static inline float exp_in_place(float *restrict s, int ctx, float max) {
     return sum;
 }
 
-/* n elements of a cache block as floats: a float32 cache is read in place, any other dtype is
- * converted into the scratch block first. */
-static inline const float *block_floats(const cache_t *c, const char *src, float *scratch, int64_t n) {
-    if (c->dtype == DTYPE_F32)
+/* n rows of D elements of a cache block as floats: a float32 cache is read in place, any other
+ * is converted into the scratch block first (KV_INT8: each row times its scale). */
+static inline const float *block_floats(const cache_t *c, const char *src, float *scratch, int n, int D) {
+    if (c->cdtype == DTYPE_F32)
         return (const float *)src;
-    to_float(src, c->dtype, scratch, n);
+    if (c->cdtype == KV_INT8) {
+        for (int t = 0; t < n; ++t) {
+            const char *row = src + t * c->row_bytes;
+            const int8_t *x = (const int8_t *)row;
+            const float s = kv_row_scale(row, D);
+            for (int d = 0; d < D; ++d) scratch[t * D + d] = (float)x[d] * s;
+        }
+        return scratch;
+    }
+    to_float(src, c->cdtype, scratch, (int64_t)n * D);
     return scratch;
 }
 
@@ -101,14 +115,14 @@ static inline __attribute__((always_inline)) void attend(
     float *restrict qf = w->q, *restrict acc = w->acc, *restrict blk = w->block, *restrict scores = w->scores;
     const int bs = c->block_size;
     const int64_t head_base = (int64_t)kv_head * c->num_blocks;
-    const int64_t block_bytes = (int64_t)bs * D * c->elem;
+    const int64_t block_bytes = (int64_t)bs * c->row_bytes;
     const int last = (ctx - 1) / bs;
     /* scores[j * ctx + pos] = q_j . k_pos */
     prefetch_first_keys(c, table, head_base, block_bytes, last);
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
         prefetch_while_keys(c, table, head_base, block_bytes, b, last);
-        const float *restrict keys = block_floats(c, c->k_cache + (head_base + table[b]) * block_bytes, blk, n * D);
+        const float *restrict keys = block_floats(c, c->k_cache + (head_base + table[b]) * block_bytes, blk, n, D);
         for (int j = 0; j < group; ++j) {
             const float *restrict qj = qf + j * D;
             float *restrict sj = scores + j * ctx + pos0;
@@ -131,7 +145,7 @@ static inline __attribute__((always_inline)) void attend(
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
         prefetch_while_values(c, table, head_base, block_bytes, b, last);
-        const float *restrict vals = block_floats(c, c->v_cache + (head_base + table[b]) * block_bytes, blk, n * D);
+        const float *restrict vals = block_floats(c, c->v_cache + (head_base + table[b]) * block_bytes, blk, n, D);
         for (int j = 0; j < group; ++j) {
             const float *restrict p = scores + j * ctx + pos0;
             float *restrict aj = acc + j * D;
@@ -205,13 +219,18 @@ static inline __m512 sum_lanes16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
-/* 16 elements at p (DTYPE_*) as floats */
+/* 16 elements at p (DTYPE_*, or KV_INT8: the int8 values, unscaled) as floats */
 static inline __m512 load16(const char *p, int dtype) {
     if (dtype == DTYPE_BF16)
         return _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    if (dtype == KV_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     return _mm512_loadu_ps((const float *)p);
 }
+
+/* bytes of one element of a cache of this kind as load16 reads it */
+static inline int cache_elem(int cdtype) { return cdtype == KV_INT8 ? 1 : elem_size(cdtype); }
 
 /* The lane-wise partial products of one key row at k with a query (floats qf, or bfloat16 pairs
  * qh where the CPU dots them directly): summing the lanes gives the score. */
@@ -231,34 +250,35 @@ static inline __attribute__((always_inline)) __m512 dot_key(const char *k, const
     (void)qh;
     __m512 s = _mm512_setzero_ps();
 #endif
-    const int elem = elem_size(dtype);
+    const int elem = cache_elem(dtype);
     for (int v = 0; v < D / 16; ++v) s = _mm512_fmadd_ps(load16(k + v * 16 * elem, dtype), qf[v], s);
     return s;
 }
 
 /* One (sequence, KV head) with G query heads of D dims; q points at the first query head's row
- * (heads q_head_stride elements apart), unscaled. The scores are scaled as they come out. */
+ * (heads q_head_stride elements apart), unscaled. The scores are scaled as they come out (by the
+ * keys' scales too in a KV_INT8 cache; the values' scales go into the probabilities). */
 static inline __attribute__((always_inline)) void attend_fast(
         const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q, int64_t q_head_bytes,
         float scale, const int G, const int D, const scratch_t *w) {
     enum { MAXV = 8 };
     const int V = D / 16; /* float vectors per row */
     float *restrict scores = w->scores, *restrict acc = w->acc;
-    const int bs = c->block_size, elem = c->elem;
+    const int bs = c->block_size, elem = c->elem, cd = c->cdtype, celem = cache_elem(cd), quant = cd == KV_INT8;
     const int64_t head_base = (int64_t)kv_head * c->num_blocks;
-    const int64_t row_bytes = (int64_t)D * elem, block_bytes = bs * row_bytes;
+    const int64_t row_bytes = c->row_bytes, block_bytes = bs * row_bytes;
     const int last = (ctx - 1) / bs;
     const __m512 vscale = _mm512_set1_ps(scale);
 #if defined(__AVX512BF16__)
     __m512bh qh[8][MAXV / 2]; /* pairs of bfloat16 as stored */
-    if (c->dtype == DTYPE_BF16)
+    if (cd == DTYPE_BF16)
         for (int j = 0; j < G; ++j)
             for (int v = 0; v < V / 2; ++v)
                 qh[j][v] = (__m512bh)_mm512_loadu_si512(q + j * q_head_bytes + v * 64);
 #endif
     __m512 qf[8][MAXV]; /* as floats: read by dot_key unless it dots bfloat16 pairs */
 #if defined(__AVX512BF16__)
-    if (c->dtype != DTYPE_BF16)
+    if (cd != DTYPE_BF16)
 #endif
         for (int j = 0; j < G; ++j)
             for (int v = 0; v < V; ++v) qf[j][v] = load16(q + j * q_head_bytes + v * 16 * elem, c->dtype);
@@ -273,16 +293,22 @@ static inline __attribute__((always_inline)) void attend_fast(
         for (int t0 = 0; t0 < n; t0 += FAST_KEYS) {
             const int m = n - t0 < FAST_KEYS ? n - t0 : FAST_KEYS;
             const char *k0 = kb + t0 * row_bytes;
+            __m512 kscale = vscale; /* the softmax scale, times each key's in a KV_INT8 cache */
+            if (quant) {
+                float ks[FAST_KEYS];
+                for (int t = 0; t < FAST_KEYS; ++t) ks[t] = t < m ? kv_row_scale(k0 + t * row_bytes, D) : 0.f;
+                kscale = _mm512_mul_ps(vscale, _mm512_loadu_ps(ks));
+            }
             for (int j = 0; j < G; ++j) {
                 __m512 part[FAST_KEYS];
                 if (m == FAST_KEYS) {
 #pragma GCC unroll 16
-                    for (int t = 0; t < FAST_KEYS; ++t) part[t] = dot_key(k0 + t * row_bytes, qf[j], QH(j), c->dtype, D);
+                    for (int t = 0; t < FAST_KEYS; ++t) part[t] = dot_key(k0 + t * row_bytes, qf[j], QH(j), cd, D);
                 } else {
                     for (int t = 0; t < FAST_KEYS; ++t)
-                        part[t] = t < m ? dot_key(k0 + t * row_bytes, qf[j], QH(j), c->dtype, D) : _mm512_setzero_ps();
+                        part[t] = t < m ? dot_key(k0 + t * row_bytes, qf[j], QH(j), cd, D) : _mm512_setzero_ps();
                 }
-                const __m512 sums = _mm512_mul_ps(sum_lanes16(part), vscale);
+                const __m512 sums = _mm512_mul_ps(sum_lanes16(part), kscale);
                 const __mmask16 valid = (__mmask16)((1u << m) - 1u);
                 _mm512_mask_storeu_ps(scores + j * ctx + pos0 + t0, valid, sums);
                 vmax[j] = _mm512_mask_max_ps(vmax[j], valid, vmax[j], sums);
@@ -303,9 +329,11 @@ static inline __attribute__((always_inline)) void attend_fast(
         const char *vb = c->v_cache + (head_base + table[b]) * block_bytes;
         for (int t = 0; t < n; ++t) {
             __m512 row[MAXV];
-            for (int v = 0; v < V; ++v) row[v] = load16(vb + t * row_bytes + v * 16 * elem, c->dtype);
+            const char *vt = vb + t * row_bytes;
+            for (int v = 0; v < V; ++v) row[v] = load16(vt + v * 16 * celem, cd);
+            const float vs = quant ? kv_row_scale(vt, D) : 1.f;
             for (int j = 0; j < G; ++j) {
-                const __m512 p = _mm512_set1_ps(scores[j * ctx + pos0 + t]);
+                const __m512 p = _mm512_set1_ps(scores[j * ctx + pos0 + t] * vs);
                 for (int v = 0; v < V; ++v) a[j][v] = _mm512_fmadd_ps(p, row[v], a[j][v]);
             }
         }
@@ -352,9 +380,10 @@ size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ct
  * scratch: attend_scratch_floats(group, head_dim, block_size, >= ctx) floats of this thread's. */
 void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
                 const int32_t *table, int ctx, int kv_head, const char *q0, int64_t q_head_bytes, float scale,
-                int group, int head_dim, int dtype, float *scratch, char *out0, int64_t out_head_bytes) {
+                int group, int head_dim, int dtype, int cache_dtype, float *scratch, char *out0,
+                int64_t out_head_bytes) {
     const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype,
-                           elem_size(dtype)};
+                           elem_size(dtype), cache_dtype, kv_row_bytes(cache_dtype, head_dim)};
     const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
     const scratch_t w = {scratch, scratch + q_len, scratch + q_len + acc_len,
                          scratch + q_len + acc_len + (size_t)block_size * head_dim};
@@ -373,10 +402,10 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
                  int64_t table_stride, const int32_t *seq_ids,
                  const int32_t *tokens, const int32_t *ctx_lens, int num_queries, int num_heads, int num_kv_heads, int head_dim,
                  float scale, void *out, int64_t out_token_stride, int64_t out_head_stride, int dtype,
-                 int num_threads) {
+                 int cache_dtype, int num_threads) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (head_dim > MAX_HEAD_DIM || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_heads ||
-        (dtype != DTYPE_F32 && dtype != DTYPE_BF16))
+        (dtype != DTYPE_F32 && dtype != DTYPE_BF16) || (cache_dtype != dtype && cache_dtype != KV_INT8))
         return 1;
     const int elem = elem_size(dtype);
     int max_ctx = 1;
@@ -387,7 +416,7 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     }
     /* a call that reads little (a single stream's step: one query, a few hundred keys) runs on
      * this thread: waking the others for it cost more than the reading (~50 us a wake-up here) */
-    if (keys * num_kv_heads * head_dim * 2 * elem < PARALLEL_MIN_BYTES) num_threads = 1;
+    if (keys * num_kv_heads * 2 * kv_row_bytes(cache_dtype, head_dim) < PARALLEL_MIN_BYTES) num_threads = 1;
     const int items = num_queries * num_kv_heads;
     /* every thread's scratch in one allocation, made before the team starts: each thread reaches
      * the worksharing loop, and a decode step allocates once per layer, not four times a thread */
@@ -408,8 +437,8 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
             const char *q0 = (const char *)q + (token * q_token_stride + h0 * q_head_stride) * elem;
             char *out0 = (char *)out + (token * out_token_stride + h0 * out_head_stride) * elem;
             attend_one(k_cache, v_cache, num_blocks, block_size, block_tables + (int64_t)seq * table_stride, ctx,
-                       kv_head, q0, q_head_stride * elem, scale, group, head_dim, dtype, mine, out0,
-                       out_head_stride * elem);
+                       kv_head, q0, q_head_stride * elem, scale, group, head_dim, dtype, cache_dtype, mine,
+                       out0, out_head_stride * elem);
         }
     }
     free(scratch);

@@ -11,6 +11,20 @@ enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 /* Bytes per element of a DTYPE_* */
 static inline int elem_size(int dtype) { return dtype == DTYPE_BF16 ? 2 : 4; }
 
+/* A KV cache's element kind: DTYPE_F32 or DTYPE_BF16 (the model's), or KV_INT8: each row (one
+ * token of one KV head) is head_dim int8 values followed by their float32 scale (value = int8 *
+ * scale, scale = the row's largest magnitude / 127); cpu_kernels.py reads KV_INT8. */
+#define KV_INT8 2
+#define KV_SCALE_BYTES 4
+static inline int64_t kv_row_bytes(int cache_dtype, int head_dim) {
+    return cache_dtype == KV_INT8 ? (int64_t)head_dim + KV_SCALE_BYTES : (int64_t)head_dim * elem_size(cache_dtype);
+}
+static inline float kv_row_scale(const char *row, int head_dim) {
+    float s;
+    memcpy(&s, row + head_dim, sizeof s);
+    return s;
+}
+
 /* The longest head the kernels take, and the most query heads per KV head (attention); also read
  * by cpu_kernels.py. */
 #ifndef MAX_HEAD_DIM
@@ -54,7 +68,7 @@ int rotary(void *x, int64_t x_token, int64_t x_head, int tokens, int heads, int 
            const void *sin, int64_t cs_stride, int dtype, int num_threads);
 int store_kv(const void *k, int64_t k_token, int64_t k_head, const void *v, int64_t v_token, int64_t v_head,
              const int64_t *slots, int tokens, int kv_heads, int width, void *k_cache, void *v_cache,
-             int64_t cache_slots, int dtype);
+             int64_t cache_slots, int dtype, int cache_dtype);
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,
                  int dtype, int num_threads);
 
@@ -62,7 +76,8 @@ int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride,
 size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ctx);
 void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
                 const int32_t *table, int ctx, int kv_head, const char *q0, int64_t q_head_bytes, float scale,
-                int group, int head_dim, int dtype, float *scratch, char *out0, int64_t out_head_bytes);
+                int group, int head_dim, int dtype, int cache_dtype, float *scratch, char *out0,
+                int64_t out_head_bytes);
 
 /* n elements of src (DTYPE_*) as floats in dst */
 static inline void to_float(const void *src, int dtype, float *restrict dst, int n) {

@@ -24,13 +24,13 @@
 typedef struct {
     const void *input_norm, *post_norm; /* [hidden] of norm_dtype */
     lin_t qkv, o, gate_up, down;
-    void *k_cache, *v_cache; /* this layer's [kv_heads][num_blocks][block_size][head_dim] */
+    void *k_cache, *v_cache; /* this layer's [kv_heads][num_blocks][block_size] rows (kv_row_bytes) */
 } row_layer_t;
 
 typedef struct {
     int rows; /* tokens, one per sequence (1..MAX_FUSED_ROWS) */
     int hidden, heads, kv_heads, head_dim, inter;
-    int dtype, norm_dtype;
+    int dtype, norm_dtype, cache_dtype; /* cache_dtype: dtype, or KV_INT8 (common.h) */
     float eps, scale;
     int64_t num_blocks;
     int block_size;
@@ -106,14 +106,15 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
             {
                 rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1); /* q and k, side by side */
                 const char *k = qkv + (size_t)heads * D * elem, *v = k + (size_t)kvh * D * elem;
-                store_kv(k, qkv_n, D, v, qkv_n, D, st->slots, R, kvh, D, L->k_cache, L->v_cache, cache_slots, dtype);
+                store_kv(k, qkv_n, D, v, qkv_n, D, st->slots, R, kvh, D, L->k_cache, L->v_cache, cache_slots, dtype,
+                         st->cache_dtype);
             }
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < R * kvh; ++item) {
                 const int r = item / kvh, h = item % kvh;
                 attend_one(L->k_cache, L->v_cache, st->num_blocks, st->block_size, st->tables + r * st->table_stride,
                            st->ctx[r], h, qkv + ((size_t)r * qkv_n + (size_t)h * group * D) * elem, (int64_t)D * elem,
-                           st->scale, group, D, dtype, mine, att + ((size_t)r * heads + (size_t)h * group) * D * elem,
+                           st->scale, group, D, dtype, st->cache_dtype, mine, att + ((size_t)r * heads + (size_t)h * group) * D * elem,
                            (int64_t)D * elem);
             }
 #pragma omp single

@@ -132,21 +132,45 @@ int rotary(void *x, int64_t x_token, int64_t x_head, int tokens, int heads, int 
     return 0;
 }
 
-/* cache[h][slots[t]] = src[t][h] for K and V; caches are [kv_heads][cache_slots][width]; a slot
- * of -1 is skipped. A plain copy: no conversion. */
+/* One KV row (width elements of src, DTYPE_*) as KV_INT8: round(x / scale) with scale = max|x| /
+ * 127, then the scale (an all-zero row stores zeros and scale 0). Division, rounding half to
+ * even: the same arithmetic as engine/layers/kv_quant.py, so both paths store the same bytes. */
+static void quantize_row(const void *src, int dtype, int width, char *dst) {
+    float x[MAX_HEAD_DIM];
+    to_float(src, dtype, x, width);
+    float amax = 0.f;
+    for (int d = 0; d < width; ++d) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float scale = amax / 127.f;
+    int8_t *q = (int8_t *)dst;
+    for (int d = 0; d < width; ++d) {
+        const float r = scale > 0.f ? nearbyintf(x[d] / scale) : 0.f;
+        q[d] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+    }
+    memcpy(dst + width, &scale, sizeof scale);
+}
+
+/* cache[h][slots[t]] = src[t][h] for K and V; caches are [kv_heads][cache_slots] rows of
+ * kv_row_bytes; a slot of -1 is skipped. A float cache takes a plain copy, a KV_INT8 one the
+ * quantized row. */
 int store_kv(const void *k, int64_t k_token, int64_t k_head, const void *v, int64_t v_token, int64_t v_head,
              const int64_t *slots, int tokens, int kv_heads, int width, void *k_cache, void *v_cache,
-             int64_t cache_slots, int dtype) {
+             int64_t cache_slots, int dtype, int cache_dtype) {
     const int elem = elem_size(dtype);
-    const size_t row = (size_t)width * elem;
+    const int64_t row = kv_row_bytes(cache_dtype, width);
     for (int t = 0; t < tokens; ++t) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
         if (slot >= cache_slots) return 1;
         for (int h = 0; h < kv_heads; ++h) {
-            const int64_t dst = ((int64_t)h * cache_slots + slot) * width;
-            memcpy((char *)k_cache + dst * elem, at(k, t * k_token + h * k_head, elem), row);
-            memcpy((char *)v_cache + dst * elem, at(v, t * v_token + h * v_head, elem), row);
+            const int64_t dst = ((int64_t)h * cache_slots + slot) * row;
+            const void *ks = at(k, t * k_token + h * k_head, elem), *vs = at(v, t * v_token + h * v_head, elem);
+            if (cache_dtype == KV_INT8) {
+                quantize_row(ks, dtype, width, (char *)k_cache + dst);
+                quantize_row(vs, dtype, width, (char *)v_cache + dst);
+            } else {
+                memcpy((char *)k_cache + dst, ks, (size_t)row);
+                memcpy((char *)v_cache + dst, vs, (size_t)row);
+            }
         }
     }
     return 0;
