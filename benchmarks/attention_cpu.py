@@ -10,9 +10,11 @@ shape by default (the bundled model: 9 query heads, 3 KV heads, head dim 64); ea
 fastest of ``--repeats``; the largest difference between the two outputs is printed beside the
 ratio. (The engine sends prefills to the kernel only on CPUs without AMX; the kernel figure
 here is the kernel's wherever it runs, and the line after the shapes says which one the engine
-takes on this CPU.)
+takes on this CPU.) ``--kv-cache-dtype int8`` reads an int8 cache (engine/layers/kv_quant.py)
+on both paths.
 
-    python -m kvserve.benchmarks.attention_cpu [--dtype bfloat16] [--prefill 7x300 1x2048 1x4096]
+    python -m kvserve.benchmarks.attention_cpu [--dtype bfloat16] [--kv-cache-dtype int8]
+        [--prefill 7x300 1x2048 1x4096]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from kvserve.benchmarks import write_json
 from kvserve.benchmarks.ceiling import best_time
 from kvserve.engine.layers import attention_torch
+from kvserve.engine.layers.kv_quant import quantize_rows
 from kvserve.engine.model_input import ModelInput, blocks_for
 from kvserve.kernels.cpu_kernels import load_kernels
 
@@ -52,13 +55,18 @@ class _Layer:
     kernel, for the step ``inp``."""
 
     def __init__(self, args, dtype, inp: ModelInput, num_blocks: int, layers: int, seed: int):
-        backend = attention_torch.TorchAttentionBackend(args.block_size, prefill_in_kernel=True)
+        backend = attention_torch.TorchAttentionBackend(args.block_size, prefill_in_kernel=True,
+                                                        kv_cache_dtype=args.kv_cache_dtype)
         self.impl = backend.create_impl(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
         self.meta = backend.build_metadata(inp, CPU)
         gen = torch.Generator().manual_seed(seed)
-        shape = backend.kv_cache_shape(num_blocks, args.kv_heads, args.head_dim)
-        self.caches = [tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
-                       for _ in range(layers)]
+        shape = (args.kv_heads, num_blocks, args.block_size, args.head_dim)
+
+        def cache() -> torch.Tensor:
+            values = torch.randn(shape, generator=gen).to(dtype)
+            return quantize_rows(values) if args.kv_cache_dtype == "int8" else values
+
+        self.caches = [(cache(), cache()) for _ in range(layers)]
         tokens = inp.num_tokens
         self.q = torch.randn(tokens, args.heads, args.head_dim, generator=gen).to(dtype)
         self.k, self.v = (torch.randn(tokens, args.kv_heads, args.head_dim, generator=gen).to(dtype)
@@ -86,7 +94,8 @@ def bench_decode(args, dtype) -> dict:
     seqs = [(list(range(i * per_seq, (i + 1) * per_seq)), ctx - 1, 1) for i in range(n)]
     layer = _Layer(args, dtype, step_input(bs, seqs), n * per_seq, args.layers, seed=0)
     result = {"batch": n, "context": ctx, "layers": args.layers, **layer.compare(args.repeats)}
-    kv_bytes = 2 * args.layers * n * ctx * args.kv_heads * args.head_dim * layer.q.element_size()
+    row = layer.caches[0][0]
+    kv_bytes = 2 * args.layers * n * ctx * args.kv_heads * row.shape[-1] * row.element_size()
     result["kernel_kv_gb_per_s"] = kv_bytes / result["kernel_ms"] * 1e3 / 1e9
     return result
 
@@ -106,6 +115,7 @@ def _shape(text: str) -> tuple[int, int]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -121,11 +131,12 @@ def main(argv=None) -> dict:
     if load_kernels() is None:
         raise SystemExit("the CPU kernels are not available here (no compiler, or KVSERVE_CPU_KERNELS=0)")
     dtype = getattr(torch, args.dtype)
-    result = {"dtype": args.dtype, "threads": torch.get_num_threads(),
+    result = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(),
               "decode": bench_decode(args, dtype),
               "prefill": [bench_prefill(args, dtype, *_shape(s)) for s in args.prefill]}
     d = result["decode"]
-    print(f"dtype={args.dtype} threads={result['threads']} heads={args.heads} kv_heads={args.kv_heads} "
+    print(f"dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} threads={result['threads']} "
+          f"heads={args.heads} kv_heads={args.kv_heads} "
           f"head_dim={args.head_dim}")
     print(f"decode, batch {d['batch']} x {d['context']} tokens, {d['layers']} layers: "
           f"kernel {d['kernel_ms']:.2f} ms "

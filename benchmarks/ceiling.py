@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.engine.layers.kv_quant import cache_row_width
 from kvserve.engine.layers.linear import linear, pack_weight
 
 GiB = 1 << 30
@@ -60,11 +61,12 @@ def projection_shapes(hf_config) -> list[tuple[int, int]]:
     return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
 
 
-def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
-    """K and V of one token over every layer."""
+def kv_bytes_per_token(hf_config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token over every layer, in a cache of the model's ``dtype`` or an int8 one."""
     hidden = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
-    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * dtype.itemsize
+    row = cache_row_width(head_dim, True) if kv_cache_dtype == "int8" else head_dim * dtype.itemsize
+    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * row
 
 
 class MatmulCeiling:

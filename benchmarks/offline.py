@@ -130,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="engine intra-op threads (default: engine's)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None, help="engine weight quantization, e.g. int8")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                    help="the KV cache: auto = the model's dtype, int8 = int8 rows with scales (CPU)")
     ap.add_argument(
         "--peer",
         choices=["none", "hf", "hf-batch"],
@@ -154,6 +156,7 @@ def engine_options(args) -> dict:
         options["threads"] = args.threads
     if args.quantization is not None:
         options["quantization"] = args.quantization
+    options["kv_cache_dtype"] = args.kv_cache_dtype
     return options
 
 
@@ -190,7 +193,7 @@ def measure_ceiling(ours: dict, args) -> dict:
     bandwidth = memory_bandwidth(ours["device"])
     ideal = ideal_workload_time(
         [len(p) for p in ours["prompts"]], ours["outputs"], args.max_num_seqs, args.max_num_batched_tokens,
-        ceiling, bandwidth, kv_bytes_per_token(hf_config, ours["dtype"]),
+        ceiling, bandwidth, kv_bytes_per_token(hf_config, ours["dtype"], args.kv_cache_dtype),
     )  # fmt: skip
     del ceiling
     _free_memory(ours["device"])

@@ -177,6 +177,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the engine's)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                    help="the KV cache: auto = the model's dtype, int8 = int8 rows with scales (CPU)")
     ap.add_argument("--compete", type=int, default=0, help="also time decode beside N busy processes")
     ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top ops")
     ap.add_argument("--profile-rows", type=int, default=15)
@@ -195,6 +197,7 @@ def main(argv=None) -> dict:
     options = {"threads": args.threads} if args.threads else {}
     if args.quantization:
         options["quantization"] = args.quantization
+    options["kv_cache_dtype"] = args.kv_cache_dtype
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch, 1),
               max_num_batched_tokens=max(args.max_num_batched_tokens, args.batch),
               enforce_eager=args.enforce_eager, **options)

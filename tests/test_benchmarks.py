@@ -151,3 +151,15 @@ def test_attention_benchmark_compares_the_kernel_with_torch(tmp_path):
     assert [(p["prompts"], p["length"]) for p in result["prefill"]] == [(2, 20), (1, 33)]
     assert all(p["max_abs_diff"] < 1e-4 for p in result["prefill"])
     assert json.loads((tmp_path / "a.json").read_text())["decode"]["batch"] == 3
+
+
+def test_attention_benchmark_reads_an_int8_cache_on_both_paths():
+    from kvserve.benchmarks import attention_cpu
+
+    result = attention_cpu.main(["--kv-cache-dtype", "int8", "--dtype", "float32", "--batch", "3",
+                                 "--context", "40", "--layers", "2", "--prefill", "1x20", "--repeats", "1"])
+    decode = result["decode"]
+    assert result["kv_cache_dtype"] == "int8" and decode["max_abs_diff"] < 1e-4
+    # the K/V bytes it reports are the int8 rows' (64 values + a 4-byte scale), not float32's
+    assert decode["kernel_kv_gb_per_s"] == pytest.approx(
+        2 * 2 * 3 * 40 * 3 * (64 + 4) / decode["kernel_ms"] * 1e3 / 1e9)

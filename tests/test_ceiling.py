@@ -41,6 +41,7 @@ def test_matmul_ceiling_of_a_small_llama_grows_with_rows():
                          num_attention_heads=4, num_key_value_heads=2)
     assert projection_shapes(config) == [(256, 128), (128, 128), (512, 128), (128, 256)]
     assert kv_bytes_per_token(config, torch.bfloat16) == 2 * 2 * 2 * 32 * 2
+    assert kv_bytes_per_token(config, torch.bfloat16, "int8") == 2 * 2 * 2 * (32 + 4)  # int8 rows + scales
     ceiling = MatmulCeiling(config, torch.float32)
     assert 0 < ceiling.decode_step_time(1) < ceiling.layers_time(4096) + ceiling.lm_head_time(4096)
     between = ceiling.interpolated_decode_time(40)  # read off the ladder between 32 and 48
