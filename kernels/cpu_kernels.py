@@ -302,8 +302,9 @@ class CpuKernels:
                  slots: torch.Tensor) -> None:
         """``cache[h, slots[t]] = src[t, h]`` for K and V into head-major caches seen as
         [kv_heads, slots, row]; slot -1 is skipped; an int8 cache takes each row quantized
-        (``KV_INT8``). Caches contiguous, ``slots`` int64 contiguous: the caller guarantees it,
-        unchecked here (``store_kv_checked`` checks)."""
+        (``KV_INT8``), and ``k`` and ``v`` then hold the values the cache holds. Caches contiguous,
+        ``slots`` int64 contiguous: the caller guarantees it, unchecked here (``store_kv_checked``
+        checks)."""
         tokens, kv_heads, width = k.shape
         cache_slots = k_cache.numel() // (kv_heads * k_cache.shape[-1])
         _check(self._lib.store_kv(

@@ -48,12 +48,16 @@ def test_the_kernel_stores_the_bytes_the_torch_ops_store(dtype):
     k, v = ((torch.randn(5, kv_heads, d, generator=gen) * 3).to(dtype) for _ in range(2))
     caches = [torch.zeros(kv_heads, blocks, block_size, d + SCALE_BYTES, dtype=torch.int8) for _ in range(2)]
     slots = torch.tensor([0, 9, -1, 31, 17])
+    given = k.clone(), v.clone()
     KERNEL.store_kv_checked(k, v, *caches, slots)
-    for cache, x in zip(caches, (k, v), strict=True):
+    for cache, x, x0 in zip(caches, (k, v), given, strict=True):
         flat = cache.view(kv_heads, -1, d + SCALE_BYTES)
         for t, slot in enumerate(slots.tolist()):
             if slot >= 0:
-                assert torch.equal(flat[:, slot], quantize_rows(x[t]))
+                assert torch.equal(flat[:, slot], quantize_rows(x0[t]))
+                # and the step's own K/V now hold what the cache holds (its fresh-prefill attention)
+                assert torch.equal(x[t], dequantize_rows(flat[:, slot], dtype))
+        assert torch.equal(x[2], x0[2])
         assert int((flat != 0).any(-1).sum()) == 4 * kv_heads  # slot -1 went nowhere
     with pytest.raises(ValueError, match="rows of 68, got 64"):
         KERNEL.store_kv_checked(k, v, *(c[..., :d].contiguous() for c in caches), slots)

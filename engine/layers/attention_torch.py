@@ -272,14 +272,21 @@ class TorchAttentionImpl(AttentionImpl):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: TorchAttentionMetadata, kernels: CpuKernels | None) -> None:
+        """Writes the step's K/V into the caches. Into an int8 cache, rows quantized, and ``k`` and
+        ``v`` are overwritten with the values those rows hold: the step's attention over its own
+        fresh tokens then sees what later steps (chunks, prefix hits) read from the cache, so a
+        prompt's tokens do not depend on where its prefix came from."""
         if kernels is not None:  # one pass over the tokens; slot -1 skipped there
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return
+        if k_cache.dtype == torch.int8:
+            k_rows, v_rows = quantize_rows(k), quantize_rows(v)
+            k.copy_(dequantize_rows(k_rows, k.dtype))
+            v.copy_(dequantize_rows(v_rows, v.dtype))
+            k, v = k_rows, v_rows
         slots = meta.slot_mapping
         if meta.store_tokens is not None:
             k, v, slots = k[meta.store_tokens], v[meta.store_tokens], meta.store_slots
-        if k_cache.dtype == torch.int8:
-            k, v = quantize_rows(k), quantize_rows(v)
         width = k_cache.shape[-1]
         k_cache.view(self.num_kv_heads, -1, width).index_copy_(1, slots, k.transpose(0, 1))
         v_cache.view(self.num_kv_heads, -1, width).index_copy_(1, slots, v.transpose(0, 1))
@@ -315,12 +322,9 @@ class TorchAttentionImpl(AttentionImpl):
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
         if plan.mask is None:
-            keys, values = k[plan.start : plan.end], v[plan.start : plan.end]
-            if k_cache.dtype == torch.int8:
-                # as the cache holds them: a prompt's tokens must not depend on whether its
-                # prefix came from the cache (prefix hit, earlier chunk) or was computed here
-                keys, values = (dequantize_rows(quantize_rows(x), q.dtype) for x in (keys, values))
-            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+            # (over an int8 cache, k and v hold what the cache holds: see _store)
+            keys = k[plan.start : plan.end].transpose(0, 1)
+            values = v[plan.start : plan.end].transpose(0, 1)
         else:
             keys, values = (self._context(cache, plan, q.dtype) for cache in (k_cache, v_cache))
         # 4-D inputs, or CPU SDPA falls back from its flash kernel to the slow math path

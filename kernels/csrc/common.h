@@ -66,7 +66,7 @@ int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, in
              int outer, int inner, int width, float eps, int dtype, int num_threads);
 int rotary(void *x, int64_t x_token, int64_t x_head, int tokens, int heads, int width, const void *cos,
            const void *sin, int64_t cs_stride, int dtype, int num_threads);
-int store_kv(const void *k, int64_t k_token, int64_t k_head, const void *v, int64_t v_token, int64_t v_head,
+int store_kv(void *k, int64_t k_token, int64_t k_head, void *v, int64_t v_token, int64_t v_head,
              const int64_t *slots, int tokens, int kv_heads, int width, void *k_cache, void *v_cache,
              int64_t cache_slots, int dtype, int cache_dtype);
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,

@@ -105,7 +105,7 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
 #pragma omp single
             {
                 rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1); /* q and k, side by side */
-                const char *k = qkv + (size_t)heads * D * elem, *v = k + (size_t)kvh * D * elem;
+                char *k = qkv + (size_t)heads * D * elem, *v = k + (size_t)kvh * D * elem;
                 store_kv(k, qkv_n, D, v, qkv_n, D, st->slots, R, kvh, D, L->k_cache, L->v_cache, cache_slots, dtype,
                          st->cache_dtype);
             }

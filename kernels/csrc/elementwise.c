@@ -134,8 +134,10 @@ int rotary(void *x, int64_t x_token, int64_t x_head, int tokens, int heads, int 
 
 /* One KV row (width elements of src, DTYPE_*) as KV_INT8: round(x / scale) with scale = max|x| /
  * 127, then the scale (an all-zero row stores zeros and scale 0). Division, rounding half to
- * even: the same arithmetic as engine/layers/kv_quant.py, so both paths store the same bytes. */
-static void quantize_row(const void *src, int dtype, int width, char *dst) {
+ * even: the same arithmetic as engine/layers/kv_quant.py, so both paths store the same bytes.
+ * src is overwritten with the values the row now holds (q * scale in dtype): the step's own
+ * attention over its fresh K/V then sees what later steps read from the cache. */
+static void quantize_row(void *src, int dtype, int width, char *dst) {
     float x[MAX_HEAD_DIM];
     to_float(src, dtype, x, width);
     float amax = 0.f;
@@ -145,14 +147,16 @@ static void quantize_row(const void *src, int dtype, int width, char *dst) {
     for (int d = 0; d < width; ++d) {
         const float r = scale > 0.f ? nearbyintf(x[d] / scale) : 0.f;
         q[d] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+        x[d] = (float)q[d] * scale;
     }
     memcpy(dst + width, &scale, sizeof scale);
+    from_float(x, 1.f, dtype, src, width);
 }
 
 /* cache[h][slots[t]] = src[t][h] for K and V; caches are [kv_heads][cache_slots] rows of
  * kv_row_bytes; a slot of -1 is skipped. A float cache takes a plain copy, a KV_INT8 one the
- * quantized row. */
-int store_kv(const void *k, int64_t k_token, int64_t k_head, const void *v, int64_t v_token, int64_t v_head,
+ * quantized row (and k and v the values it holds: quantize_row). */
+int store_kv(void *k, int64_t k_token, int64_t k_head, void *v, int64_t v_token, int64_t v_head,
              const int64_t *slots, int tokens, int kv_heads, int width, void *k_cache, void *v_cache,
              int64_t cache_slots, int dtype, int cache_dtype) {
     const int elem = elem_size(dtype);
@@ -163,7 +167,8 @@ int store_kv(const void *k, int64_t k_token, int64_t k_head, const void *v, int6
         if (slot >= cache_slots) return 1;
         for (int h = 0; h < kv_heads; ++h) {
             const int64_t dst = ((int64_t)h * cache_slots + slot) * row;
-            const void *ks = at(k, t * k_token + h * k_head, elem), *vs = at(v, t * v_token + h * v_head, elem);
+            void *ks = (char *)k + (t * k_token + h * k_head) * elem;
+            void *vs = (char *)v + (t * v_token + h * v_head) * elem;
             if (cache_dtype == KV_INT8) {
                 quantize_row(ks, dtype, width, (char *)k_cache + dst);
                 quantize_row(vs, dtype, width, (char *)v_cache + dst);
