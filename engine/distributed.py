@@ -27,11 +27,13 @@ import dataclasses
 import json
 import socket
 import struct
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Protocol
 
@@ -275,11 +277,22 @@ class ShmSender:
             self._shm.unlink()
 
 
+def attach_untracked(name: str) -> SharedMemory:
+    """The leader's segment, attached without handing it to this process's resource tracker:
+    before Python 3.13 attaching registers it there too, and at exit that tracker warns of a
+    "leaked" segment and tries to unlink what the leader already unlinked."""
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name=name, track=False)
+    shm = SharedMemory(name=name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the name it registered
+    return shm
+
+
 class ShmReceiver:
     """Worker side of the shared-memory channel; ``index`` is rank - 1."""
 
     def __init__(self, name: str, index: int, doorbell, num_workers: int):
-        self._shm = SharedMemory(name=name)
+        self._shm = attach_untracked(name)
         self._index = index
         self._doorbell = doorbell
         self._offset = _HEADER.size + _SLOT.size * num_workers

@@ -43,3 +43,5 @@ def test_llm_with_tp_workers_starts_from_any_main_module(tiny_model, tmp_path, h
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS")]
     assert len(lines) == 1 and len(json.loads(lines[0].removeprefix("TOKENS "))) == 4
+    # the workers attach the leader's shared memory without tracking it: no "leaked" warnings at exit
+    assert "leaked shared_memory" not in done.stderr and "resource_tracker" not in done.stderr
