@@ -278,14 +278,19 @@ class ShmSender:
 
 
 def attach_untracked(name: str) -> SharedMemory:
-    """The leader's segment, attached without handing it to this process's resource tracker:
-    before Python 3.13 attaching registers it there too, and at exit that tracker warns of a
-    "leaked" segment and tries to unlink what the leader already unlinked."""
+    """The leader's segment, attached without registering it with this process's resource
+    tracker: before Python 3.13 attaching registers it, and at exit that tracker warns of a
+    "leaked" segment and tries to unlink what the leader already unlinked. (Unregistering after
+    the fact would also drop the creator's registration where both live in one process: the
+    tracker keeps names, not counts.)"""
     if sys.version_info >= (3, 13):
         return SharedMemory(name=name, track=False)
-    shm = SharedMemory(name=name)
-    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the name it registered
-    return shm
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None  # SharedMemory looks it up at call time
+    try:
+        return SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
 
 
 class ShmReceiver:

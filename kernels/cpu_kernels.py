@@ -158,7 +158,7 @@ def build(cc: str) -> Path:
 
 def _check_cache_rows(cache: torch.Tensor, head_dim: int, name: str) -> None:
     row = head_dim + KV_SCALE_BYTES if cache.dtype == torch.int8 else head_dim
-    if cache.shape[-1] != row:
+    if cache.shape[-1] != row:  # (the callers check v_cache's shape against k_cache's)
         raise ValueError(f"{name}: a {str(cache.dtype).removeprefix('torch.')} cache for head_dim {head_dim} "
                          f"has rows of {row}, got {cache.shape[-1]}")
 
@@ -171,7 +171,8 @@ def _check(status: int, name: str) -> None:
 
 class CpuKernels:
     """The loaded library. Every method takes CPU tensors of one dtype in ``DTYPES`` whose last
-    dimension is contiguous (callers check with ``takes``). ``paged_decode`` and ``store_kv``, run
+    dimension is contiguous (callers check with ``takes``); KV caches may be int8 instead
+    (``takes_caches``). ``paged_decode`` and ``store_kv``, run
     per layer, trust their caller for the rest of their layouts; their ``*_checked`` twins check."""
 
     def __init__(self, path: Path):
@@ -247,9 +248,10 @@ class CpuKernels:
         """``paged_decode`` for callers that do not guarantee its layouts: ValueError for caches
         that are not contiguous or mixed dtypes; index tensors are made contiguous."""
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out)
-                and self.takes_caches(q.dtype, k_cache, v_cache) and k_cache.dtype == v_cache.dtype):
-            raise ValueError("paged_decode: caches must be contiguous, of q's dtype or int8, q/out rows "
-                             "contiguous, q and out of one dtype")
+                and self.takes_caches(q.dtype, k_cache, v_cache) and k_cache.dtype == v_cache.dtype
+                and k_cache.shape == v_cache.shape):
+            raise ValueError("paged_decode: caches must be contiguous, of one shape, of q's dtype or int8, "
+                             "q/out rows contiguous, q and out of one dtype")
         _check_cache_rows(k_cache, q.shape[2], "paged_decode")
         if ctx_lens is not None:
             if ctx_lens.numel() != seq_ids.numel():
@@ -311,15 +313,17 @@ class CpuKernels:
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),
             tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, DTYPES[k.dtype],
             self.cache_code(k.dtype, k_cache),
-        ), "store_kv (slot out of range)")
+        ), "store_kv (a slot out of range, or an int8 row wider than MAX_HEAD_DIM)")
 
     def store_kv_checked(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slots: torch.Tensor) -> None:
         """``store_kv`` for callers that do not guarantee its layouts: ValueError for caches that
         are not contiguous or slots that are not int64."""
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
-                and self.takes_caches(k.dtype, k_cache, v_cache) and k_cache.dtype == v_cache.dtype):
-            raise ValueError("store_kv: contiguous caches of k's dtype or int8, and int64 slots")
+                and self.takes_caches(k.dtype, k_cache, v_cache) and k_cache.dtype == v_cache.dtype
+                and k_cache.shape == v_cache.shape):
+            raise ValueError("store_kv: contiguous caches of one shape, of k's dtype or int8, and int64 "
+                             "slots")
         _check_cache_rows(k_cache, k.shape[2], "store_kv")
         self.store_kv(k, v, k_cache, v_cache, slots.contiguous())
 

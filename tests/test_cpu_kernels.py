@@ -125,10 +125,10 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
         filled = [quantize_rows(c) for c in filled]
     assert filled[0].shape == backend.kv_cache_shape(16, kv_heads, head_dim)
 
-    def run():
+    def run():  # on copies: an int8 store leaves k and v holding what the cache holds
         caches = [c.clone() for c in filled]
         meta = backend.build_metadata(inp, torch.device("cpu"))
-        return impl.forward(q, k, v, *caches, meta), meta
+        return impl.forward(q, k.clone(), v.clone(), *caches, meta), meta
 
     with_kernel, meta = run()
     assert meta.decode is None  # the kernel served the decodes: the torch-ops plan was never made

@@ -61,6 +61,10 @@ def test_the_kernel_stores_the_bytes_the_torch_ops_store(dtype):
         assert int((flat != 0).any(-1).sum()) == 4 * kv_heads  # slot -1 went nowhere
     with pytest.raises(ValueError, match="rows of 68, got 64"):
         KERNEL.store_kv_checked(k, v, *(c[..., :d].contiguous() for c in caches), slots)
+    wide = torch.zeros(1, 1, 1, 600, dtype=torch.float32)  # int8 rows wider than the kernel's buffer
+    with pytest.raises(RuntimeError, match="wider than MAX_HEAD_DIM"):
+        KERNEL.store_kv(wide[0], wide[0], *(torch.zeros(1, 1, 1, 604, dtype=torch.int8) for _ in range(2)),
+                        torch.tensor([0]))
 
 
 @needs_kernels

@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -56,6 +58,21 @@ def test_segment_is_owner_only_and_removed_on_close():
     sender.close()
     assert not os.path.exists(path)
     sender.close()  # idempotent
+
+
+def test_attaching_leaves_the_creators_tracking_alone():
+    """A receiver attached in the sender's own process (as in these tests) must not take the
+    segment out of the process's resource tracker: the sender's unlink would then make the
+    tracker fail (KeyError) and a segment leaked by a crash would stay behind."""
+    program = (
+        "from multiprocessing.shared_memory import SharedMemory\n"
+        "from kvserve.engine.distributed import attach_untracked\n"
+        "s = SharedMemory(create=True, size=64)\n"
+        "r = attach_untracked(s.name)\n"
+        "r.close(); s.close(); s.unlink()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
 def test_oversized_payload_raises_naming_size_and_limit_and_sends_nothing(channel):

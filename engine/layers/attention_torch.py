@@ -65,7 +65,8 @@ class DecodeGroup:
 
     def rows_in(self, cache: torch.Tensor) -> torch.Tensor:
         """int64 [kv_heads * n * max_blocks]: for each KV head in turn, this group's blocks as
-        rows of ``cache`` [kv_heads, blocks, block_size, D] seen as [kv_heads * blocks, block_size * D]
+        rows of ``cache`` [kv_heads, blocks, block_size, W] seen as [kv_heads * blocks, block_size * W]
+        (W: D, or D + 4 in an int8 cache)
         (computed by the first layer of the step, reused by the others)."""
         if self.cache_rows is None:
             kv_heads, num_blocks = cache.shape[:2]
@@ -242,7 +243,8 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class TorchAttentionImpl(AttentionImpl):
-    """Over caches of ``TorchAttentionBackend.kv_cache_shape``: [kv_heads, blocks, block_size, D]."""
+    """Over caches of ``TorchAttentionBackend.kv_cache_shape``: [kv_heads, blocks, block_size, D]
+    (D + 4 int8 elements per row in an int8 cache)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
@@ -253,8 +255,9 @@ class TorchAttentionImpl(AttentionImpl):
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         kernels = kernels_for(q, k, v, out)  # CPU, one supported dtype: the C kernels
-        if kernels is not None and not CpuKernels.takes_caches(q.dtype, k_cache, v_cache):
-            kernels = None
+        if kernels is not None and not (CpuKernels.takes_caches(q.dtype, k_cache, v_cache)
+                                        and (self._kernel_shapes or k_cache.dtype != torch.int8)):
+            kernels = None  # (the int8 store quantizes rows of up to MAX_HEAD_DIM)
         self._store(k, v, k_cache, v_cache, meta, kernels)
         if kernels is not None and self._kernel_shapes and meta.query_tokens is not None:
             # prefill and decode tokens alike: each query over the cached keys up to its position
@@ -273,7 +276,8 @@ class TorchAttentionImpl(AttentionImpl):
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: TorchAttentionMetadata, kernels: CpuKernels | None) -> None:
         """Writes the step's K/V into the caches. Into an int8 cache, rows quantized, and ``k`` and
-        ``v`` are overwritten with the values those rows hold: the step's attention over its own
+        ``v`` are overwritten with the values those rows hold (the stored tokens'; slot -1, CUDA
+        graph padding, may keep its own): the step's attention over its own
         fresh tokens then sees what later steps (chunks, prefix hits) read from the cache, so a
         prompt's tokens do not depend on where its prefix came from."""
         if kernels is not None:  # one pass over the tokens; slot -1 skipped there

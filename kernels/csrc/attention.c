@@ -1,10 +1,11 @@
 /* Decode attention over a paged, head-major KV cache, for the CPU.
  *
- * The cache of one layer is [kv_heads][num_blocks][block_size][head_dim] (the torch backend's
- * layout). Each work item is one (decode sequence, KV head) pair: the query heads that share the
- * KV head are loaded once as float rows; then block by block, the block's keys are read once,
- * in place, converted to float and dotted with each of those rows; a float softmax over the
- * scores; the values are read once the same way and accumulated. No gather copy, no padding,
+ * The cache of one layer is [kv_heads][num_blocks][block_size] rows of head_dim elements (the
+ * torch backend's layout; an int8 cache's rows also carry a float32 scale, see below). Each work
+ * item is one (decode sequence, KV head) pair: the query heads that share the KV head are loaded
+ * once as float rows; then block by block, the block's keys are read once, in place, converted to
+ * float and dotted with each of those rows; a float softmax over the scores; the values are read
+ * once the same way and accumulated. No gather copy, no padding,
  * nothing multiplied that does not belong together. Items run in parallel on OpenMP threads (the
  * runtime torch has already loaded: the same libgomp.so.1).
  *
