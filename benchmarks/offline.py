@@ -128,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="engine intra-op threads (default: engine's)")
+    ap.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                    help="GiB of KV cache on the CPU (default: the engine's)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None, help="engine weight quantization, e.g. int8")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
@@ -157,6 +159,8 @@ def engine_options(args) -> dict:
     if args.quantization is not None:
         options["quantization"] = args.quantization
     options["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.kv_cache_memory is not None:
+        options["kv_cache_memory"] = args.kv_cache_memory
     return options
 
 
@@ -170,9 +174,10 @@ def run_ours(args) -> dict:
             args.seed, vocab=vocab,
         )  # fmt: skip
         elapsed = run_kvserve(llm, args, prompts, outputs)
-        ex = llm.engine.executor
+        ex, stats = llm.engine.executor, llm.stats()
         figures = dict(source=llm.engine.source, dtype=ex.dtype, device=ex.device, prompts=prompts,
-                       outputs=outputs, seconds=elapsed, threads=torch.get_num_threads())
+                       outputs=outputs, seconds=elapsed, threads=torch.get_num_threads(),
+                       preemptions=stats["num_preemptions"], kv_blocks=stats["kv_blocks_total"])
     finally:
         llm.shutdown()
     del llm
@@ -240,11 +245,13 @@ def main(argv=None) -> dict | None:
     result = {
         "requests": args.num_requests, "prompt_tokens": sum(map(len, ours["prompts"])),
         "output_tokens": total, "dtype": dtype, "threads": ours["threads"],
-        "kvserve": {"seconds": ours["seconds"], "output_tok_s": total / ours["seconds"]},
+        "kvserve": {"seconds": ours["seconds"], "output_tok_s": total / ours["seconds"],
+                    "preemptions": ours["preemptions"], "kv_blocks": ours["kv_blocks"]},
     }  # fmt: skip
     print(f"requests={args.num_requests} prompt_tokens={result['prompt_tokens']} output_tokens={total}")
     print(f"kvserve      {ours['seconds']:8.2f} s  {total / ours['seconds']:8.1f} output tok/s  "
-          f"({dtype}, {ours['threads']} threads)")
+          f"({dtype}, {ours['threads']} threads; {ours['kv_blocks']} KV blocks, "
+          f"{ours['preemptions']} preemptions)")
     total_params, active = active_parameters(load_hf_config(ours["source"]))
     tokens = result["prompt_tokens"] + total
     print(f"matmul weights {total_params / 1e6:.1f}M, {active / 1e6:.1f}M active per token: "

@@ -50,6 +50,22 @@ def test_offline_benchmark_prints_throughput_ceiling_and_ratio(tiny_llama, peer,
     assert figures["kvserve_over_ceiling"] > 0 and figures["transformers"]["output_tok_s"] > 0
 
 
+def test_offline_benchmark_reports_the_kv_cache_it_ran_with(tiny_llama, capsys):
+    """--kv-cache-memory and --kv-cache-dtype reach the engine: an int8 cache holds more blocks in the
+    same memory, and the figures say how many and how often requests were preempted."""
+    blocks = {}
+    for kv in ("auto", "int8"):
+        workload = ["--num-requests", "2", "--min-prompt", "8", "--max-prompt", "16", "--min-output", "2",
+                    "--max-output", "4"]
+        cache = ["--kv-cache-memory", "0.01", "--kv-cache-dtype", kv]
+        figures = offline.main(["--model", tiny_llama, "--dtype", "float32", *workload, "--peer", "none",
+                                "--no-ceiling", "--quiet", *cache])
+        blocks[kv] = figures["kvserve"]["kv_blocks"]
+        assert figures["kvserve"]["preemptions"] == 0
+        assert f"{blocks[kv]} KV blocks, 0 preemptions" in capsys.readouterr().out
+    assert blocks["int8"] > blocks["auto"]
+
+
 def test_a_failing_peer_keeps_kvserves_figures(tiny_llama, monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise RuntimeError("peer out of memory")
