@@ -15,11 +15,8 @@
   for exp and chunk sums, then a walk inside one chunk (torch: amax, exp, cumsum, searchsorted).
 
 Why C: small plain C (no torch headers), so a build takes a second or two, with the compiler
-every Linux image has. Build: ``$CC`` or ``cc`` with ``-O3 -march=native -fopenmp``; the shared
-object is cached under ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve``), named by a
-hash of the sources, the flags, the compiler's version and this CPU's feature flags, so a cache
-shared between machines never hands one CPU another's instructions. It links ``libgomp.so.1``,
-the OpenMP runtime torch has already loaded, so both share one thread pool.
+every Linux image has (the build and its cache: cpu_build.py). It links ``libgomp.so.1``, the
+OpenMP runtime torch has already loaded, so both share one thread pool.
 
 ``load_kernels()`` returns None, and every caller keeps its torch-ops path, when there is no
 compiler, the build fails (the log says why, once), or ``KVSERVE_CPU_KERNELS=0`` asks for the
@@ -31,37 +28,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import re
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kvserve.kernels.cpu_build import build, compiler, header_constant
+
 log = logging.getLogger("kvserve.kernels")
 
-SOURCE_DIR = Path(__file__).with_name("csrc")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "KVSERVE_CPU_KERNELS"
 
-
-def _header_constant(name: str) -> int:
-    """A ``#define`` of csrc/common.h: the kernels' shape limits are written once, there."""
-    match = re.search(rf"^#define {name} (\d+)$", (SOURCE_DIR / "common.h").read_text(), re.MULTILINE)
-    return int(match.group(1))
-
-
-MAX_HEAD_DIM = _header_constant("MAX_HEAD_DIM")
-KV_INT8 = _header_constant("KV_INT8")  # the cache code of an int8 KV cache (rows of int8 + a float scale)
-KV_SCALE_BYTES = _header_constant("KV_SCALE_BYTES")
-MAX_GROUP = _header_constant("MAX_GROUP")
-MAX_FUSED_ROWS = _header_constant("MAX_FUSED_ROWS")
-W_INT8 = _header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
+MAX_HEAD_DIM = header_constant("MAX_HEAD_DIM")
+KV_INT8 = header_constant("KV_INT8")  # the cache code of an int8 KV cache (rows of int8 + a float scale)
+KV_SCALE_BYTES = header_constant("KV_SCALE_BYTES")
+MAX_GROUP = header_constant("MAX_GROUP")
+MAX_FUSED_ROWS = header_constant("MAX_FUSED_ROWS")
+W_INT8 = header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -105,55 +90,6 @@ class RowStep(ctypes.Structure):
                 ("scale", _F32),
                 ("num_blocks", _I64), ("block_size", _I32), ("tables", _P), ("table_stride", _I64),
                 ("ctx", _P), ("slots", _P), ("cos", _P), ("sin", _P)]
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve"
-    return Path(root) / "kernels"
-
-
-def sources() -> list[Path]:
-    return sorted(SOURCE_DIR.glob("*.c")) + sorted(SOURCE_DIR.glob("*.h"))
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC") or "cc")
-
-
-def _compiler_version(cc: str) -> str:
-    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-    return out.stdout.splitlines()[0] if out.stdout else ""
-
-
-def build(cc: str) -> Path:
-    """The cached shared object for these sources, compiler and CPU (compiled when missing)."""
-    parts = [p.read_bytes() for p in sources()]
-    parts += [" ".join(FLAGS).encode(), _compiler_version(cc).encode(), _cpu_flags().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        c_files = [str(p) for p in sources() if p.suffix == ".c"]
-        result = subprocess.run([cc, *FLAGS, "-o", str(built), *c_files], capture_output=True, text=True,
-                                timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
-    return target
 
 
 def _check_cache_rows(cache: torch.Tensor, head_dim: int, name: str) -> None:
@@ -405,7 +341,7 @@ def load_kernels() -> CpuKernels | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         log.info("%s=0: the CPU path runs torch ops only", ENV_SWITCH)
         return None
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         log.warning("no C compiler (cc, or $CC) found: the CPU path runs torch ops only (slower)")
         return None

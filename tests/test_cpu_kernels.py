@@ -11,7 +11,7 @@ from kvserve.benchmarks.attention_cpu import step_input
 from kvserve.engine.layers import attention_torch
 from kvserve.engine.layers.kv_quant import quantize_rows
 from kvserve.engine.model_input import ModelInput
-from kvserve.kernels import cpu_kernels
+from kvserve.kernels import cpu_build, cpu_kernels
 from kvserve.kernels.cpu_kernels import CpuKernels, load_kernels
 
 KERNEL = load_kernels()
@@ -166,11 +166,11 @@ def test_switch_off_by_environment(monkeypatch):
 
 def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    cc = cpu_kernels._compiler()
-    first = cpu_kernels.build(cc)
+    cc = cpu_build.compiler()
+    first = cpu_build.build(cc)
     assert first.parent == tmp_path / "kernels"
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernels.build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert cpu_build.build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     assert CpuKernels(first).supports_attention(9, 3, 64)
     assert not CpuKernels.supports_attention(9, 3, 1024)
 

@@ -1,0 +1,76 @@
+"""Building the CPU kernels (``csrc/*.c``) and caching the shared object (cpu_kernels.py loads it).
+
+Build: ``$CC`` or ``cc`` with ``-O3 -march=native -fopenmp`` and the flags below; the shared
+object is cached under ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve``), named by a
+hash of the sources, the flags, the compiler's version and this CPU's feature flags, so a cache
+shared between machines never hands one CPU another's instructions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+
+
+def header_constant(name: str) -> int:
+    """A ``#define`` of csrc/common.h: the kernels' shape limits are written once, there."""
+    match = re.search(rf"^#define {name} (\d+)$", (SOURCE_DIR / "common.h").read_text(), re.MULTILINE)
+    return int(match.group(1))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve"
+    return Path(root) / "kernels"
+
+
+def sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.c")) + sorted(SOURCE_DIR.glob("*.h"))
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def compiler_version(cc: str) -> str:
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def build(cc: str) -> Path:
+    """The cached shared object for these sources, compiler and CPU (compiled when missing)."""
+    parts = [p.read_bytes() for p in sources()]
+    parts += [" ".join(FLAGS).encode(), compiler_version(cc).encode(), cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        c_files = [str(p) for p in sources() if p.suffix == ".c"]
+        result = subprocess.run([cc, *FLAGS, "-o", str(built), *c_files], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+    return target
