@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from kvserve.benchmarks.single_stream import PARITY_PROMPTS, agreement
+from kvserve.clients import Client
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.layers.attention import create_attention_backend
 from kvserve.engine.layers.kv_quant import SCALE_BYTES, dequantize_rows, quantize_rows
 from kvserve.kernels.cpu_kernels import load_kernels
 from kvserve.testing.engine import with_control_plane
+from kvserve.testing.plugin import TEST_SERVER_ENV
+from kvserve.testing.process import ServerProcess
 
 KERNEL = load_kernels()
 needs_kernels = pytest.mark.skipif(KERNEL is None, reason="no C compiler here: the torch-ops path serves")
@@ -188,3 +191,18 @@ def test_greedy_tokens_stay_close_to_the_float_caches(int8_llm):
     finally:
         reference.shutdown()
     assert agreement(floats, int8) >= 0.75
+
+
+def test_a_server_with_an_int8_cache_gives_the_engines_tokens(int8_llm):
+    """``kvserve serve --kv-cache-dtype int8``: the engine-core process gets the setting (its KV
+    block count is the int8 one) and one request's greedy tokens are the in-process engine's."""
+    prompt = "The three primary colors are"
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = int8_llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    memory = int8_llm.engine.config.kv_cache_memory
+    with ServerProcess("--dtype", "float32", "--kv-cache-dtype", "int8", "--kv-cache-memory", str(memory),
+                       env=TEST_SERVER_ENV) as srv, Client(srv.target, timeout=120) as client:
+        got = client.generate(prompt, max_tokens=16, temperature=0, ignore_eos=True)
+        blocks = client.stats()["kv_blocks_total"]
+    assert got.token_ids == want
+    assert blocks == int8_llm.engine.block_manager.num_blocks
