@@ -306,6 +306,7 @@ class LLMEngine:
             "kv_blocks_total": self.block_manager.num_blocks,
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_block_size": self.config.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "prefix_cache_hit_rate": self.block_manager.hit_rate,
             "prefix_cache_queries": self.block_manager.query_tokens,  # prompt tokens looked up
             "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
@@ -326,7 +327,15 @@ class LLMEngine:
             "tp_size": self.config.tensor_parallel_size,
             "eos_token_ids": list(self.eos_token_ids),
             "kv_block_size": self.config.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type: "int8", or the serving dtype's name."""
+        if self.config.kv_cache_dtype != "auto":
+            return self.config.kv_cache_dtype
+        return str(self.executor.dtype).removeprefix("torch.")
 
     def shutdown(self) -> None:
         self.structured.shutdown()

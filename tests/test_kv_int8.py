@@ -195,7 +195,8 @@ def test_greedy_tokens_stay_close_to_the_float_caches(int8_llm):
 
 def test_a_server_with_an_int8_cache_gives_the_engines_tokens(int8_llm):
     """``kvserve serve --kv-cache-dtype int8``: the engine-core process gets the setting (its KV
-    block count is the int8 one) and one request's greedy tokens are the in-process engine's."""
+    block count is the int8 one; Stats and ModelInfo say int8) and one request's greedy tokens are
+    the in-process engine's."""
     prompt = "The three primary colors are"
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want = int8_llm.generate([prompt], params, use_tqdm=False)[0].token_ids
@@ -203,6 +204,7 @@ def test_a_server_with_an_int8_cache_gives_the_engines_tokens(int8_llm):
     with ServerProcess("--dtype", "float32", "--kv-cache-dtype", "int8", "--kv-cache-memory", str(memory),
                        env=TEST_SERVER_ENV) as srv, Client(srv.target, timeout=120) as client:
         got = client.generate(prompt, max_tokens=16, temperature=0, ignore_eos=True)
-        blocks = client.stats()["kv_blocks_total"]
+        stats, info = client.stats(), client.model_info()
+    assert (stats["kv_cache_dtype"], info["kv_cache_dtype"]) == ("int8", "int8")
     assert got.token_ids == want
-    assert blocks == int8_llm.engine.block_manager.num_blocks
+    assert stats["kv_blocks_total"] == int8_llm.engine.block_manager.num_blocks

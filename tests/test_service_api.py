@@ -258,7 +258,8 @@ def test_stats_has_every_field_with_sane_values(client):
     client.generate(PROMPTS[0], max_tokens=2)
     s = wait_until_idle(client)
     assert "SmolLM2" in s["model"]
-    assert (s["device"], s["dtype"], s["tp_size"], s["kv_block_size"]) == ("cpu", "float32", 1, 16)
+    assert (s["device"], s["dtype"], s["tp_size"], s["kv_block_size"], s["kv_cache_dtype"]) == (
+        "cpu", "float32", 1, 16, "float32")
     assert s["max_queue"] == 64
     assert 0 < s["kv_blocks_free"] <= s["kv_blocks_total"]
     assert 0.0 <= s["prefix_cache_hit_rate"] <= 1.0

@@ -209,7 +209,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("model", "device", "dtype", "tp_size", "num_waiting", "num_running", "num_queued", "max_queue", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "prefix_cache_hit_rate", "num_preemptions", "requests_finished", "requests_aborted", "requests_rejected", "prompt_tokens_total", "generation_tokens_total", "uptime_s", "attention_backend")
+    __slots__ = ("model", "device", "dtype", "tp_size", "num_waiting", "num_running", "num_queued", "max_queue", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "prefix_cache_hit_rate", "num_preemptions", "requests_finished", "requests_aborted", "requests_rejected", "prompt_tokens_total", "generation_tokens_total", "uptime_s", "attention_backend", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class StatsResponse(_message.Message):
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     device: str
     dtype: str
@@ -250,7 +251,8 @@ class StatsResponse(_message.Message):
     generation_tokens_total: int
     uptime_s: float
     attention_backend: str
-    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., attention_backend: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages")
@@ -273,7 +275,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "dtype", "tp_size", "eos_token_ids", "has_chat_template", "kv_block_size")
+    __slots__ = ("model", "architecture", "max_model_len", "vocab_size", "dtype", "tp_size", "eos_token_ids", "has_chat_template", "kv_block_size", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +285,7 @@ class ModelInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     max_model_len: int
@@ -292,4 +295,5 @@ class ModelInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_chat_template: bool
     kv_block_size: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
