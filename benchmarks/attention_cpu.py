@@ -26,6 +26,7 @@ import torch
 
 from kvserve.benchmarks import write_json
 from kvserve.benchmarks.ceiling import best_time
+from kvserve.engine.config import KV_CACHE_DTYPES
 from kvserve.engine.layers import attention_torch
 from kvserve.engine.layers.kv_quant import quantize_rows
 from kvserve.engine.model_input import ModelInput, blocks_for
@@ -115,7 +116,7 @@ def _shape(text: str) -> tuple[int, int]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)

@@ -33,6 +33,7 @@ from kvserve.benchmarks.ceiling import (
 from kvserve.benchmarks.peers import load_transformers_model
 from kvserve.benchmarks.structured import run_structured_overhead
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.config import KV_CACHE_DTYPES
 from kvserve.engine.loader import load_hf_config
 
 
@@ -132,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="GiB of KV cache on the CPU (default: the engine's)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None, help="engine weight quantization, e.g. int8")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the KV cache: auto = the model's dtype, int8 = int8 rows with scales (CPU)")
     ap.add_argument(
         "--peer",

@@ -54,6 +54,7 @@ from kvserve.benchmarks.ceiling import MatmulCeiling
 from kvserve.benchmarks.engine_steps import Timed, abort_all, patched, prefill_batch, random_prompts
 from kvserve.benchmarks.procfs import scheduled_cpu_s
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.config import KV_CACHE_DTYPES
 from kvserve.engine.loader import load_hf_config
 from kvserve.engine.threads import available_cpus
 
@@ -177,7 +178,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the engine's)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the KV cache: auto = the model's dtype, int8 = int8 rows with scales (CPU)")
     ap.add_argument("--compete", type=int, default=0, help="also time decode beside N busy processes")
     ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top ops")

@@ -87,16 +87,29 @@ class RowStep(ctypes.Structure):
 
     _fields_ = [("rows", _I32), ("hidden", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32),
                 ("inter", _I32), ("dtype", _I32), ("norm_dtype", _I32), ("cache_dtype", _I32), ("eps", _F32),
-                ("scale", _F32),
-                ("num_blocks", _I64), ("block_size", _I32), ("tables", _P), ("table_stride", _I64),
-                ("ctx", _P), ("slots", _P), ("cos", _P), ("sin", _P)]
+                ("scale", _F32), ("num_blocks", _I64), ("block_size", _I32), ("tables", _P),
+                ("table_stride", _I64), ("ctx", _P), ("slots", _P), ("cos", _P), ("sin", _P)]
 
 
-def _check_cache_rows(cache: torch.Tensor, head_dim: int, name: str) -> None:
-    row = head_dim + KV_SCALE_BYTES if cache.dtype == torch.int8 else head_dim
-    if cache.shape[-1] != row:  # (the callers check v_cache's shape against k_cache's)
-        raise ValueError(f"{name}: a {str(cache.dtype).removeprefix('torch.')} cache for head_dim {head_dim} "
-                         f"has rows of {row}, got {cache.shape[-1]}")
+def cache_row_width(head_dim: int, int8: bool) -> int:
+    """Elements in the last dimension of a cache row: head_dim, or an int8 row's values and the
+    ``KV_SCALE_BYTES`` of its scale (``KV_INT8``)."""
+    return head_dim + KV_SCALE_BYTES if int8 else head_dim
+
+
+def _check_caches(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
+                  name: str) -> None:
+    """ValueError unless the checked entries' K and V caches are what the kernels read beside
+    queries (or K/V) of ``dtype`` with ``head_dim``."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+            and k_cache.shape == v_cache.shape and CpuKernels.takes_caches(dtype, k_cache, v_cache)):
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: contiguous caches of one shape, of {kind} or int8")
+    row = cache_row_width(head_dim, k_cache.dtype == torch.int8)
+    if k_cache.shape[-1] != row:
+        kind = str(k_cache.dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: a {kind} cache for head_dim {head_dim} has rows of {row}, "
+                         f"got {k_cache.shape[-1]}")
 
 
 def _check(status: int, name: str) -> None:
@@ -108,8 +121,8 @@ def _check(status: int, name: str) -> None:
 class CpuKernels:
     """The loaded library. Every method takes CPU tensors of one dtype in ``DTYPES`` whose last
     dimension is contiguous (callers check with ``takes``); KV caches may be int8 instead
-    (``takes_caches``). ``paged_decode`` and ``store_kv``, run
-    per layer, trust their caller for the rest of their layouts; their ``*_checked`` twins check."""
+    (``takes_caches``). ``paged_decode`` and ``store_kv``, run per layer, trust their caller for
+    the rest of their layouts; their ``*_checked`` twins check."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -183,12 +196,9 @@ class CpuKernels:
                              ctx_lens: torch.Tensor | None = None) -> None:
         """``paged_decode`` for callers that do not guarantee its layouts: ValueError for caches
         that are not contiguous or mixed dtypes; index tensors are made contiguous."""
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and self.takes(q, out)
-                and self.takes_caches(q.dtype, k_cache, v_cache) and k_cache.dtype == v_cache.dtype
-                and k_cache.shape == v_cache.shape):
-            raise ValueError("paged_decode: caches must be contiguous, of one shape, of q's dtype or int8, "
-                             "q/out rows contiguous, q and out of one dtype")
-        _check_cache_rows(k_cache, q.shape[2], "paged_decode")
+        if not self.takes(q, out):
+            raise ValueError("paged_decode: q/out rows contiguous, q and out of one dtype")
+        _check_caches(q.dtype, k_cache, v_cache, q.shape[2], "paged_decode")
         if ctx_lens is not None:
             if ctx_lens.numel() != seq_ids.numel():
                 raise ValueError("paged_decode: one ctx_lens entry per query")
@@ -255,12 +265,9 @@ class CpuKernels:
                          slots: torch.Tensor) -> None:
         """``store_kv`` for callers that do not guarantee its layouts: ValueError for caches that
         are not contiguous or slots that are not int64."""
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
-                and self.takes_caches(k.dtype, k_cache, v_cache) and k_cache.dtype == v_cache.dtype
-                and k_cache.shape == v_cache.shape):
-            raise ValueError("store_kv: contiguous caches of one shape, of k's dtype or int8, and int64 "
-                             "slots")
-        _check_cache_rows(k_cache, k.shape[2], "store_kv")
+        if slots.dtype != torch.int64:
+            raise ValueError("store_kv: int64 slots")
+        _check_caches(k.dtype, k_cache, v_cache, k.shape[2], "store_kv")
         self.store_kv(k, v, k_cache, v_cache, slots.contiguous())
 
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -45,9 +45,9 @@ from kvserve.engine.layers.attention import (
     common_metadata_fields,
     to_device,
 )
-from kvserve.engine.layers.kv_quant import cache_row_width, dequantize_rows, quantize_rows
+from kvserve.engine.layers.kv_quant import dequantize_rows, quantize_rows
 from kvserve.engine.model_input import ModelInput, blocks_for, step_block_tables
-from kvserve.kernels.cpu_kernels import CpuKernels, kernels_for
+from kvserve.kernels.cpu_kernels import CpuKernels, cache_row_width, kernels_for
 
 # A decode group is cut where a sequence's context is shorter than this share of the group's
 # longest: below it, padding would cost more than running one more group.
@@ -277,9 +277,9 @@ class TorchAttentionImpl(AttentionImpl):
                meta: TorchAttentionMetadata, kernels: CpuKernels | None) -> None:
         """Writes the step's K/V into the caches. Into an int8 cache, rows quantized, and ``k`` and
         ``v`` are overwritten with the values those rows hold (the stored tokens'; slot -1, CUDA
-        graph padding, may keep its own): the step's attention over its own
-        fresh tokens then sees what later steps (chunks, prefix hits) read from the cache, so a
-        prompt's tokens do not depend on where its prefix came from."""
+        graph padding, may keep its own): the step's attention over its own fresh tokens then sees
+        what later steps (chunks, prefix hits) read from the cache, so a prompt's tokens do not
+        depend on where its prefix came from."""
         if kernels is not None:  # one pass over the tokens; slot -1 skipped there
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return

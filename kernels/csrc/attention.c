@@ -5,9 +5,9 @@
  * item is one (decode sequence, KV head) pair: the query heads that share the KV head are loaded
  * once as float rows; then block by block, the block's keys are read once, in place, converted to
  * float and dotted with each of those rows; a float softmax over the scores; the values are read
- * once the same way and accumulated. No gather copy, no padding,
- * nothing multiplied that does not belong together. Items run in parallel on OpenMP threads (the
- * runtime torch has already loaded: the same libgomp.so.1).
+ * once the same way and accumulated. No gather copy, no padding, nothing multiplied that does not
+ * belong together. Items run in parallel on OpenMP threads (the runtime torch has already loaded:
+ * the same libgomp.so.1).
  *
  * Where the compiler targets AVX-512 (-march=native on such a CPU), head dims 64 and 128 with up
  * to 8 query heads per KV head take attend_fast: 16 keys' scores per vector (no horizontal sum
@@ -230,9 +230,6 @@ static inline __m512 load16(const char *p, int dtype) {
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* bytes of one element of a cache of this kind as load16 reads it */
-static inline int cache_elem(int cdtype) { return cdtype == KV_INT8 ? 1 : elem_size(cdtype); }
-
 /* The lane-wise partial products of one key row at k with a query (floats qf, or bfloat16 pairs
  * qh where the CPU dots them directly): summing the lanes gives the score. */
 #if defined(__AVX512BF16__)
@@ -251,7 +248,7 @@ static inline __attribute__((always_inline)) __m512 dot_key(const char *k, const
     (void)qh;
     __m512 s = _mm512_setzero_ps();
 #endif
-    const int elem = cache_elem(dtype);
+    const int elem = kv_elem_size(dtype);
     for (int v = 0; v < D / 16; ++v) s = _mm512_fmadd_ps(load16(k + v * 16 * elem, dtype), qf[v], s);
     return s;
 }
@@ -265,7 +262,7 @@ static inline __attribute__((always_inline)) void attend_fast(
     enum { MAXV = 8 };
     const int V = D / 16; /* float vectors per row */
     float *restrict scores = w->scores, *restrict acc = w->acc;
-    const int bs = c->block_size, elem = c->elem, cd = c->cdtype, celem = cache_elem(cd), quant = cd == KV_INT8;
+    const int bs = c->block_size, elem = c->elem, cd = c->cdtype, celem = kv_elem_size(cd), quant = cd == KV_INT8;
     const int64_t head_base = (int64_t)kv_head * c->num_blocks;
     const int64_t row_bytes = c->row_bytes, block_bytes = bs * row_bytes;
     const int last = (ctx - 1) / bs;
@@ -406,7 +403,7 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
                  int cache_dtype, int num_threads) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (head_dim > MAX_HEAD_DIM || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_heads ||
-        (dtype != DTYPE_F32 && dtype != DTYPE_BF16) || (cache_dtype != dtype && cache_dtype != KV_INT8))
+        (dtype != DTYPE_F32 && dtype != DTYPE_BF16) || !kv_cache_takes(dtype, cache_dtype))
         return 1;
     const int elem = elem_size(dtype);
     int max_ctx = 1;

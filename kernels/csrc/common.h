@@ -16,8 +16,14 @@ static inline int elem_size(int dtype) { return dtype == DTYPE_BF16 ? 2 : 4; }
  * scale, scale = the row's largest magnitude / 127); cpu_kernels.py reads KV_INT8. */
 #define KV_INT8 2
 #define KV_SCALE_BYTES 4
+/* bytes of one value in a cache of this kind (a KV_INT8 row's scale aside) */
+static inline int kv_elem_size(int cache_dtype) { return cache_dtype == KV_INT8 ? 1 : elem_size(cache_dtype); }
 static inline int64_t kv_row_bytes(int cache_dtype, int head_dim) {
-    return cache_dtype == KV_INT8 ? (int64_t)head_dim + KV_SCALE_BYTES : (int64_t)head_dim * elem_size(cache_dtype);
+    return (int64_t)head_dim * kv_elem_size(cache_dtype) + (cache_dtype == KV_INT8 ? KV_SCALE_BYTES : 0);
+}
+/* whether a cache of cache_dtype goes with queries and K/V of dtype: the same type, or KV_INT8 */
+static inline int kv_cache_takes(int dtype, int cache_dtype) {
+    return cache_dtype == dtype || cache_dtype == KV_INT8;
 }
 static inline float kv_row_scale(const char *row, int head_dim) {
     float s;

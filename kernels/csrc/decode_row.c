@@ -56,7 +56,7 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
     const int R = st->rows, H = st->hidden, D = st->head_dim, heads = st->heads, kvh = st->kv_heads;
     const int I = st->inter, dtype = st->dtype, elem = elem_size(dtype);
     if (R < 1 || R > MAX_FUSED_ROWS || kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || D % 2 ||
-        heads / kvh > MAX_GROUP || (st->cache_dtype != dtype && st->cache_dtype != KV_INT8))
+        heads / kvh > MAX_GROUP || !kv_cache_takes(dtype, st->cache_dtype))
         return 1;
     const int group = heads / kvh, qkv_n = (heads + 2 * kvh) * D;
     for (int l = 0; l < num_layers; ++l) { /* the buffers below are sized from st: the weights must fit */

@@ -159,7 +159,7 @@ static void quantize_row(void *src, int dtype, int width, char *dst) {
 int store_kv(void *k, int64_t k_token, int64_t k_head, void *v, int64_t v_token, int64_t v_head,
              const int64_t *slots, int tokens, int kv_heads, int width, void *k_cache, void *v_cache,
              int64_t cache_slots, int dtype, int cache_dtype) {
-    if ((cache_dtype != dtype && cache_dtype != KV_INT8) || (cache_dtype == KV_INT8 && width > MAX_HEAD_DIM))
+    if (!kv_cache_takes(dtype, cache_dtype) || (cache_dtype == KV_INT8 && width > MAX_HEAD_DIM))
         return 1; /* quantize_row's buffer holds MAX_HEAD_DIM floats */
     const int elem = elem_size(dtype);
     const int64_t row = kv_row_bytes(cache_dtype, width);
