@@ -58,6 +58,7 @@ _SIGNATURES = {
     "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "argmax_rows": [_P, _I64, _I32, _I32, _P, _I32],
+    "int8_activation_block": [_I32],
     "small_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
     "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
@@ -299,6 +300,14 @@ class CpuKernels:
             _check(self._lib.small_linear_int8(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
                                                scales.data_ptr(), bias_ptr, *tail), "small_linear_int8")
         return y
+
+    def int8_activation_block(self, k_in: int) -> int:
+        """How the few-row kernels (one row; the fused decode step) multiply int8 weights by
+        activations of width ``k_in``: on CPUs with AVX512-VNNI, where ``k_in`` is a multiple of
+        64, the activations are quantized to int8 as well, per block of this many values (scale
+        = max|x| / 127, magnitudes rounded to nearest even), and summed in integers; 0 where they
+        stay floats."""
+        return self._lib.int8_activation_block(k_in)
 
     @staticmethod
     def linear_of(weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor | None,

@@ -1,13 +1,19 @@
-"""Weight-only int8 quantization for the CPU (``quantization="int8"``, ``--quantization int8``).
+"""int8 weights for the CPU (``quantization="int8"``, ``--quantization int8``).
 
 After the weights are loaded, every projection (and the LM head) keeps its weight as int8 with
-one scale per output row (symmetric, ``scale = max|w| / 127``); activations stay in the serving
-dtype. At a handful of rows a step only streams weights, so reading a byte instead of two per
-weight nearly halves it: those rows go through PyTorch's int8 weight-only kernel
-(``_weight_int8pack_mm``; one row, a single stream's step, through kernels/cpu_kernels.py's
-``small_linear`` with scales, which reads the weight faster). At more rows the matmul is bound by
-arithmetic and that kernel is slower than the bf16 GEMM, so larger batches multiply by the
-weight dequantized on the fly.
+one scale per output row (symmetric, ``scale = max|w| / 127``). At a handful of rows a step only
+streams weights, so reading a byte instead of two per weight nearly halves it: one row (a single
+stream's step) and the fused decode step of up to 8 sequences go through the CPU kernels
+(kernels/csrc/linear.c); other steps of up to 8 rows through PyTorch's int8 weight-only kernel
+(``_weight_int8pack_mm``). At more rows the matmul is bound by arithmetic and that kernel is
+slower than the bf16 GEMM, so larger batches multiply by the weight dequantized on the fly, with
+activations in the serving dtype.
+
+On CPUs with AVX512-VNNI the few-row kernels quantize the activations too, per 32 values (scale
+= max|x| / 127), and sum 64 products per instruction in integers, as llama.cpp does for its
+quantized files: widening each int8 weight to float kept them compute-bound at about half the
+speed the weights stream from cache (``CpuKernels.int8_activation_block`` says which applies;
+README "Where a step's time goes" has the figures and the accuracy cost).
 The tied embedding keeps its float table for lookups; the LM head gets its own int8 copy.
 """
 

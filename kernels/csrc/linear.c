@@ -25,6 +25,10 @@
 
 #include "common.h"
 
+#define W_Q8 3 /* int8 weights against x quantized (q8_quantize): linear.c's own kind */
+#define Q8_BLOCK 32 /* values of x per scale */
+#define Q8_CHUNK 64 /* values per vpdpbusd: two blocks */
+
 #if HAVE_AVX512_TEAM
 #include <immintrin.h>
 
@@ -55,10 +59,8 @@ typedef struct {
     int chunks;
 } q8_rows_t;
 
-#define W_Q8 3 /* int8 weights against x quantized (q8_quantize): linear.c's own kind */
 #if defined(__AVX512VNNI__)
 #define HAVE_Q8 1
-#define Q8_CHUNK 64 /* values per vpdpbusd; two quantization blocks of 32 */
 
 /* Each team thread quantizes x into a buffer of its own (every thread gets the same bytes; no
  * barrier needed); the buffer lives as long as the thread (OpenMP keeps its threads). */
@@ -285,3 +287,10 @@ int linear_row(const lin_t *L, const void *x, void *y, int dtype, int num_thread
     return 1;
 }
 #endif
+
+#ifndef HAVE_Q8
+#define HAVE_Q8 0
+#endif
+/* How int8 weights multiply x of width k_in in linear_rows_team: Q8_BLOCK (x quantized per that
+ * many values, the integer path), or 0 (x as floats). Read by cpu_kernels.py. */
+int int8_activation_block(int k_in) { return HAVE_Q8 && k_in % Q8_CHUNK == 0 ? Q8_BLOCK : 0; }
