@@ -10,7 +10,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own limit when max_model_len is not given
-QUANTIZATIONS = ("int8",)  # weight-only, CPU (engine/layers/quantization.py)
+QUANTIZATIONS = ("int8", "int4")  # quantized weights, CPU (engine/layers/quantization.py)
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: CPU (engine/layers/kv_quant.py)
 
 
@@ -32,7 +32,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     threads: int | None = None  # CPU intra-op threads per rank; None: the usable CPUs / local ranks
-    quantization: str | None = None  # "int8": weight-only int8 on the CPU; None: weights in dtype
+    quantization: str | None = None  # "int8" / "int4": quantized weights on the CPU; None: in dtype
     kv_cache_dtype: str = "auto"  # "int8": an int8 KV cache on the CPU; auto: the model's dtype
     # tensor parallel across machines (torch.distributed); see engine/distributed.py
     nnodes: int = 1

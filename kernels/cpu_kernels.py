@@ -47,6 +47,7 @@ KV_SCALE_BYTES = header_constant("KV_SCALE_BYTES")
 MAX_GROUP = header_constant("MAX_GROUP")
 MAX_FUSED_ROWS = header_constant("MAX_FUSED_ROWS")
 W_INT8 = header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
+W_INT4 = header_constant("W_INT4")  # ... and for int4 weights with (scale, min) pairs per INT4_GROUP inputs
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -58,22 +59,22 @@ _SIGNATURES = {
     "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "argmax_rows": [_P, _I64, _I32, _I32, _P, _I32],
-    "int8_activation_block": [_I32],
+    "quantized_activation_block": [_I32],
     "small_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
     "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
-    "linear_row": [_P, _P, _P, _I32, _I32],
+    "linear_rows": [_P, _I32, _P, _P, _I32, _I32],
     "decode_row": [_P, _I32, _P, _P, _P, _I32],
     "decode_row_available": [],
 }
 
 
 class Linear(ctypes.Structure):
-    """csrc/common.h ``lin_t``: a one-row linear's weight (int8 with ``scales``, or the
-    activations' dtype), rows ``row_bytes`` apart."""
+    """csrc/common.h ``lin_t``: a few-row linear's weight (int8 with ``scales``, int4 with
+    ``groups``, or the activations' dtype), rows ``row_bytes`` apart."""
 
     _fields_ = [("w", _P), ("row_bytes", _I64), ("kind", _I32), ("scales", _P), ("bias", _P),
-                ("n_out", _I32), ("k_in", _I32)]
+                ("n_out", _I32), ("k_in", _I32), ("groups", _P)]
 
 
 class RowLayer(ctypes.Structure):
@@ -273,26 +274,23 @@ class CpuKernels:
 
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      scales: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for 2-D ``x`` of at most 8 rows (SMALL_ROWS in the C source):
-        one pass over the weight, at memory speed. With ``scales``, ``weight`` is int8 [out, in] with
-        one scale per output row (in x's dtype). One row (a single stream's step) takes
-        csrc/linear.c's ``linear_row`` where it was built for AVX-512."""
+        """``F.linear(x, weight, bias)`` for 2-D ``x`` of at most ``MAX_FUSED_ROWS`` rows: one pass
+        over the weight, at memory speed. With ``scales``, ``weight`` is int8 [out, in] with one
+        scale per output row (in x's dtype). csrc/linear.c's ``linear_rows`` where it was built for
+        AVX-512 (on AVX512-VNNI, int8 weights multiply x as ``quantized_activation_block`` says),
+        else elementwise.c's portable loop."""
         rows, k_in = x.shape
         n_out = weight.shape[0]
-        y = torch.empty(rows, n_out, dtype=x.dtype)
         bias_ptr = None if bias is None else bias.data_ptr()
         if scales is not None:
             if weight.dtype != torch.int8 or weight.stride(1) != 1:
                 raise ValueError("small_linear: an int8 weight with contiguous rows goes with scales")
             scales = scales.contiguous()
-        threads = torch.get_num_threads()
-        if rows == 1 and x.is_contiguous():
-            status = self._lib.linear_row(ctypes.byref(self.linear_of(weight, bias, scales, x.dtype)),
-                                          x.data_ptr(), y.data_ptr(), DTYPES[x.dtype], threads)
-            if status != 1:  # 1: not built for AVX-512 here
-                _check(status, "linear_row")
-                return y
-        tail = (y.data_ptr(), y.stride(0), rows, n_out, k_in, DTYPES[x.dtype], threads)
+        y = self._linear_rows(x, self.linear_of(weight, bias, scales, x.dtype))
+        if y is not None:
+            return y
+        y = torch.empty(rows, n_out, dtype=x.dtype)
+        tail = (y.data_ptr(), y.stride(0), rows, n_out, k_in, DTYPES[x.dtype], torch.get_num_threads())
         if scales is None:
             _check(self._lib.small_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
                                           bias_ptr, *tail), "small_linear")
@@ -301,23 +299,50 @@ class CpuKernels:
                                                scales.data_ptr(), bias_ptr, *tail), "small_linear_int8")
         return y
 
-    def int8_activation_block(self, k_in: int) -> int:
-        """How the few-row kernels (one row; the fused decode step) multiply int8 weights by
-        activations of width ``k_in``: on CPUs with AVX512-VNNI, where ``k_in`` is a multiple of
-        64, the activations are quantized to int8 as well, per block of this many values (scale
-        = max|x| / 127, magnitudes rounded to nearest even), and summed in integers; 0 where they
-        stay floats."""
-        return self._lib.int8_activation_block(k_in)
+    def int4_linear(self, x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x W^T + b`` for 2-D ``x`` of at most ``MAX_FUSED_ROWS`` rows and int4 weights (``packed``
+        uint8 [out, in / 2], ``groups`` float16 [out, in / INT4_GROUP, 2]: engine/layers/quantization.py
+        lays them out), or None where the kernel does not take them (no AVX512-VNNI, ``in`` not a
+        multiple of 64): the caller multiplies by the dequantized weight then."""
+        if packed.dtype != torch.uint8 or packed.stride(1) != 1 or groups.dtype != torch.float16:
+            raise ValueError("int4_linear: uint8 packed rows (contiguous) and float16 groups")
+        return self._linear_rows(x, self.linear_of(packed, bias, None, x.dtype, groups.contiguous()))
+
+    def _linear_rows(self, x: torch.Tensor, linear: Linear) -> torch.Tensor | None:
+        """csrc/linear.c's ``linear_rows``, or None where it does not take the call."""
+        rows = x.shape[0]
+        if not x.is_contiguous() or rows > MAX_FUSED_ROWS:
+            return None
+        y = torch.empty(rows, linear.n_out, dtype=x.dtype)
+        status = self._lib.linear_rows(ctypes.byref(linear), rows, x.data_ptr(), y.data_ptr(),
+                                       DTYPES[x.dtype], torch.get_num_threads())
+        if status == 1:  # not built for AVX-512 here, or int4 without AVX512-VNNI
+            return None
+        _check(status, "linear_rows")
+        return y
+
+    def quantized_activation_block(self, k_in: int) -> int:
+        """How the few-row kernels (``small_linear``, ``int4_linear``, the fused decode step)
+        multiply int8 and int4 weights by activations of width ``k_in``: on CPUs with AVX512-VNNI,
+        where ``k_in`` is a multiple of 64, the activations are quantized to int8 as well, per
+        block of this many values (scale = max|x| / 127, magnitudes rounded to nearest even), and
+        summed in integers; 0 where they stay floats (and int4 weights are not taken)."""
+        return self._lib.quantized_activation_block(k_in)
 
     @staticmethod
     def linear_of(weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor | None,
-                  dtype: torch.dtype) -> Linear:
-        """``Linear`` for ``weight`` [out, in] (int8 when ``scales`` is given), rows contiguous."""
-        int8 = scales is not None
-        kind = W_INT8 if int8 else DTYPES[dtype]
-        return Linear(weight.data_ptr(), weight.stride(0) * weight.element_size(), kind,
-                      scales.data_ptr() if int8 else None, None if bias is None else bias.data_ptr(),
-                      weight.shape[0], weight.shape[1])
+                  dtype: torch.dtype, groups: torch.Tensor | None = None) -> Linear:
+        """``Linear`` for ``weight`` [out, in] (int8 when ``scales`` is given; int4, two values a
+        byte, when ``groups`` is), rows contiguous."""
+        kind = W_INT8 if scales is not None else (W_INT4 if groups is not None else DTYPES[dtype])
+        k_in = weight.shape[1] * (2 if groups is not None else 1)
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        row_bytes = weight.stride(0) * weight.element_size()
+        return Linear(weight.data_ptr(), row_bytes, kind, ptr(scales), ptr(bias), weight.shape[0], k_in,
+                      ptr(groups))
 
     def decode_row(self, layers: ctypes.Array, step: RowStep, hidden: torch.Tensor,
                    residual: torch.Tensor) -> bool:

@@ -101,7 +101,7 @@ def test_qwen2_moe_with_int8_weights_runs_its_shared_expert_through_the_int8_pat
     llm = LLM(model_dirs["qwen2-moe-tiny"], dtype="float32", device="cpu", quantization="int8")
     try:
         shared = llm.engine.executor.model.model.layers[0].mlp.shared_expert
-        assert shared.down_proj.qweight is not None and shared.down_proj.weight.numel() == 0
+        assert shared.down_proj.quantized is not None and shared.down_proj.weight.numel() == 0
         tokens = greedy_tokens(llm, PROMPTS)
     finally:
         llm.shutdown()

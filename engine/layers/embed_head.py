@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.layers.linear import linear
-from kvserve.engine.layers.quantization import int8_linear, quantize_int8
+from kvserve.engine.layers.quantization import QuantizedWeight, quantize_int8
 from kvserve.engine.parallel import ParallelContext
 
 
@@ -50,17 +50,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; rank 0 gets them all, other ranks get None."""
 
-    qweight: torch.Tensor | None = None  # int8 copy and row scales, once quantized
-    scales: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None  # the quantized copy, once quantized
     packed: torch.Tensor | None = None  # pack_weight's blocked copy, on the CPU
 
-    def quantize_int8(self) -> None:
-        """An int8 copy for the logits; the float table stays (it may be the tied embedding's)."""
-        self.qweight, self.scales = quantize_int8(self.weight.data)
+    def quantize(self, method: str) -> None:
+        """An int8 copy for the logits, whatever ``method`` the projections take (see
+        ``quantize_model``); the float table stays (it may be the tied embedding's)."""
+        self.quantized = quantize_int8(self.weight.data)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        if self.qweight is not None:
-            logits = int8_linear(hidden_states, self.qweight, self.scales)
+        if self.quantized is not None:
+            logits = self.quantized.linear(hidden_states)
         else:
             logits = linear(hidden_states, self.weight, packed=self.packed)
         if self.parallel.size == 1:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.layers.quantization import int8_linear, quantize_int8
+from kvserve.engine.layers.quantization import QUANTIZERS, QuantizedWeight
 from kvserve.engine.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.kernels.cpu_kernels import kernels_for
 
@@ -83,7 +83,7 @@ def pack_model_weights(model: nn.Module, reserved: int = 0, sharers: int = 1) ->
     allocated (the KV cache), divided among ``sharers`` processes loading at once (the local
     tensor-parallel ranks). A large model then multiplies its plain weights, as before."""
     layers = [m for m in model.modules()
-              if hasattr(m, "packed") and m.qweight is None and can_pack(m.weight)]
+              if hasattr(m, "packed") and m.quantized is None and can_pack(m.weight)]
     needed = sum(m.weight.nbytes for m in layers)
     available = available_memory()
     if layers and available is not None:
@@ -122,21 +122,20 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _new_param(output_size)
             self.bias.weight_loader = self.weight_loader
-        self.qweight: torch.Tensor | None = None  # int8 weight and its row scales, once quantized
-        self.scales: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None  # once quantized (the float weight is gone then)
         self.packed: torch.Tensor | None = None  # pack_weight's blocked copy, on the CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.qweight is not None:
-            return int8_linear(x, self.qweight, self.scales, bias)
+        if self.quantized is not None:
+            return self.quantized.linear(x, bias)
         return linear(x, self.weight, bias, self.packed)
 
-    def quantize_int8(self) -> None:
-        """Keep the weight as int8 with row scales (``layers/quantization.py``); the float weight goes."""
-        self.qweight, self.scales = quantize_int8(self.weight.data)
+    def quantize(self, method: str) -> None:
+        """Keep the weight quantized by ``method`` (``layers/quantization.py``); the float weight goes."""
+        self.quantized = QUANTIZERS[method](self.weight.data)
         self.weight = _new_param(0)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

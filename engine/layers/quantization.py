@@ -1,63 +1,126 @@
-"""int8 weights for the CPU (``quantization="int8"``, ``--quantization int8``).
+"""Quantized weights for the CPU (``quantization="int8"`` or ``"int4"``, ``--quantization``).
 
-After the weights are loaded, every projection (and the LM head) keeps its weight as int8 with
-one scale per output row (symmetric, ``scale = max|w| / 127``). At a handful of rows a step only
-streams weights, so reading a byte instead of two per weight nearly halves it: one row (a single
-stream's step) and the fused decode step of up to 8 sequences go through the CPU kernels
-(kernels/csrc/linear.c); other steps of up to 8 rows through PyTorch's int8 weight-only kernel
-(``_weight_int8pack_mm``). At more rows the matmul is bound by arithmetic and that kernel is
-slower than the bf16 GEMM, so larger batches multiply by the weight dequantized on the fly, with
-activations in the serving dtype.
+After the weights are loaded, every projection (and the LM head) keeps its weight quantized:
 
-On CPUs with AVX512-VNNI the few-row kernels quantize the activations too, per 32 values (scale
-= max|x| / 127), and sum 64 products per instruction in integers, as llama.cpp does for its
-quantized files: widening each int8 weight to float kept them compute-bound at about half the
-speed the weights stream from cache (``CpuKernels.int8_activation_block`` says which applies;
-README "Where a step's time goes" has the figures and the accuracy cost).
-The tied embedding keeps its float table for lookups; the LM head gets its own int8 copy.
+- **int8**: one scale per output row (symmetric, ``scale = max|w| / 127``), a byte a weight.
+- **int4**: per output row and per 32 inputs a (scale, min) pair in float16, ``w = scale * q +
+  min`` with q in 0..15 (``scale = (max - min) / 15``): 4 bits a weight plus 1 for the pairs, the
+  layout of GGUF's Q4_1 (the bundled model's file is Q4_1, so its weights come back as stored, up
+  to the float16 rounding of its pairs).
+
+At a handful of rows a step only streams weights, so fewer bytes per weight make it faster: up
+to ``MAX_FUSED_ROWS`` rows go through the CPU kernels (kernels/csrc/linear.c; the fused decode
+step uses the same ones). On CPUs with AVX512-VNNI those quantize the activations too, per 32
+values (scale = max|x| / 127), and sum 64 products per instruction in integers, as llama.cpp does
+for its quantized files; widening each weight to float instead kept them compute-bound at about
+half the speed the weights stream from cache (``CpuKernels.quantized_activation_block`` says which
+applies; README "Where a step's time goes" has the figures and the accuracy cost). Without the
+kernels, int8 rows go through PyTorch's weight-only kernel (``_weight_int8pack_mm``). At more rows
+the matmul is bound by arithmetic, so larger batches (prefill chunks) multiply by the weight
+dequantized on the fly, with activations in the serving dtype; so do int4 weights the kernels do
+not take (no AVX512-VNNI, or an input width not a multiple of 64).
+The tied embedding keeps its float table for lookups; the LM head gets its own quantized copy.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.engine.config import QUANTIZATIONS
-from kvserve.kernels.cpu_kernels import kernels_for
+from kvserve.kernels.cpu_build import header_constant
+from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS, CpuKernels, Linear, kernels_for
 
-# up to this many rows the int8 kernel beats the bf16 GEMM (measured on AVX-512 with bf16)
-INT8_KERNEL_MAX_ROWS = 8
+INT4_GROUP = header_constant("INT4_GROUP")  # inputs per (scale, min) pair
+INT4_CHUNK = 2 * INT4_GROUP  # inputs per packed run: byte i holds input i (low bits) and INT4_GROUP + i
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [out, in], scales [out] in the weight's dtype): per-row symmetric quantization."""
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear's weight [out, in] as ``method`` keeps it (see the module docstring).
+
+    int8: ``data`` int8 [out, in], ``scales`` [out] in the weight's dtype. int4: ``data`` uint8
+    [out, in / 2] (runs of ``INT4_CHUNK`` inputs as 32 bytes), ``scales`` float16
+    [out, in / INT4_GROUP, 2] (scale, min)."""
+
+    method: str
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.method == "int8":
+            return self.data.to(dtype) * self.scales.to(dtype)[:, None]
+        out = self.data.shape[0]
+        runs = self.data.view(out, -1, INT4_GROUP)
+        q = torch.stack((runs & 0x0F, runs >> 4), dim=2).view(out, -1, INT4_GROUP).float()
+        pairs = self.scales.float()
+        return (q * pairs[..., :1] + pairs[..., 1:]).view(out, -1).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b``."""
+        rows = x.reshape(-1, x.shape[-1])
+        y = None
+        if rows.shape[0] <= MAX_FUSED_ROWS and (kernels := kernels_for(rows, bias)) is not None:
+            if self.method == "int8":
+                y = kernels.small_linear(rows, self.data, bias, self.scales.to(x.dtype))
+            else:
+                y = kernels.int4_linear(rows, self.data, self.scales, bias)
+            bias = None if y is not None else bias
+        if y is None and self.method == "int8" and rows.shape[0] <= MAX_FUSED_ROWS and x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.data, self.scales.to(x.dtype))
+        if y is None:
+            y = F.linear(rows, self.dequantize(x.dtype))
+        y = y.view(*x.shape[:-1], self.data.shape[0])
+        return y if bias is None else y + bias
+
+    def kernel_linear(self, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+        """The weight as the C kernels' ``Linear`` (the fused decode step)."""
+        if self.method == "int8":
+            return CpuKernels.linear_of(self.data, bias, self.scales, dtype)
+        return CpuKernels.linear_of(self.data, bias, None, dtype, self.scales)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Per-row symmetric int8 (scales in the weight's dtype)."""
     w = weight.float()
     scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
     qweight = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return qweight.contiguous(), scales.to(weight.dtype)
+    return QuantizedWeight("int8", qweight.contiguous(), scales.to(weight.dtype))
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` for W = qweight * scales (row-wise)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 1 and (kernels := kernels_for(rows, scales, bias)) is not None:
-        y = kernels.small_linear(rows, qweight, bias, scales)  # one row: kernels/cpu_kernels.py
-        return y.view(*x.shape[:-1], qweight.shape[0])
-    if rows.shape[0] <= INT8_KERNEL_MAX_ROWS and x.device.type == "cpu":
-        y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), qweight, scales)
-    else:
-        y = F.linear(rows, qweight.to(x.dtype) * scales[:, None])
-    y = y.view(*x.shape[:-1], qweight.shape[0])
-    return y if bias is None else y + bias
+def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
+    """Per ``INT4_GROUP`` inputs of a row: min and (max - min) / 15 as float16, q = round((w - min)
+    / scale) in 0..15, packed two a byte."""
+    out, k_in = weight.shape
+    if k_in % INT4_CHUNK:
+        raise ValueError(f"quantization 'int4' needs layer input widths that are multiples of {INT4_CHUNK}, "
+                         f"got a weight of shape {list(weight.shape)}")
+    w = weight.float().view(out, -1, INT4_GROUP)
+    low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    scale = ((high - low) / 15.0).half()
+    low = low.half()
+    step = scale.float()
+    q = torch.round((w - low.float()) / step.clamp_min(torch.finfo(torch.float32).tiny))
+    q = torch.where(step > 0, q, 0)
+    q = q.clamp_(0, 15).to(torch.uint8).view(out, -1, 2, INT4_GROUP)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out, k_in // 2)
+    return QuantizedWeight("int4", packed.contiguous(), torch.cat((scale, low), dim=-1).contiguous())
+
+
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
 def quantize_model(model: torch.nn.Module, method: str, device: torch.device) -> None:
-    """Quantize every layer of ``model`` that supports ``method`` (``quantize_int8``), in place."""
+    """Quantize every layer of ``model`` that takes quantized weights (a ``quantize(method)``
+    method: the projections take ``method``; the LM head takes int8 for int4 as well, since its
+    errors go straight into the logits; GGUF files keep it at 6-8 bits too, the bundled model's
+    at Q8_0), in place."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {method!r}")
     if device.type != "cpu":
         raise ValueError(f"quantization {method!r} runs on the CPU only, got device {device.type!r}")
     for module in model.modules():
-        if hasattr(module, "quantize_int8"):
-            module.quantize_int8()
+        if hasattr(module, "quantize"):
+            module.quantize(method)

@@ -40,8 +40,9 @@ ROW_LAYERS = {LlamaDecoderLayer: LlamaAttention, Qwen2DecoderLayer: Qwen2Attenti
 
 
 def _linear(layer, dtype: torch.dtype):
-    weight = layer.qweight if layer.qweight is not None else layer.weight
-    return CpuKernels.linear_of(weight, layer.bias, layer.scales, dtype)
+    if layer.quantized is not None:
+        return layer.quantized.kernel_linear(layer.bias, dtype)
+    return CpuKernels.linear_of(layer.weight, layer.bias, None, dtype)
 
 
 class DecodeRow:

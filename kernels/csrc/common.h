@@ -47,6 +47,10 @@ typedef union { uint32_t u; float f; } bits32;
 #define W_F32 0
 #define W_BF16 1
 #define W_INT8 2
+/* int4: two 4-bit values a byte, per INT4_GROUP inputs a (scale, min) pair: w = scale * q + min
+ * (INT4_GROUP is also read by quantization.py) */
+#define W_INT4 3
+#define INT4_GROUP 32
 /* the kernels that need AVX-512 with BW and VL (linear.c's team kernel, decode_row.c) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512_TEAM 1
@@ -60,11 +64,13 @@ typedef struct {
     const void *scales;      /* int8 weights: one per row, in the activations' dtype; else NULL */
     const void *bias;        /* or NULL */
     int n_out, k_in;
+    const void *groups;      /* int4 weights: per row, per INT4_GROUP inputs, (scale, min) as float16; else NULL */
 } lin_t;
 /* rows of x the team kernel takes (and the fused decode step); also read by cpu_kernels.py */
 #define MAX_FUSED_ROWS 8
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype);
-int linear_row(const lin_t *L, const void *x, void *y, int dtype, int num_threads);
+int linear_takes(const lin_t *L);
+int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int num_threads);
 
 /* The elementwise kernels (elementwise.c), shared with the fused decode row. */
 int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, int64_t res_outer,

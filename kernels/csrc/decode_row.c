@@ -62,7 +62,8 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
     for (int l = 0; l < num_layers; ++l) { /* the buffers below are sized from st: the weights must fit */
         const row_layer_t *L = layers + l;
         if (L->qkv.n_out != qkv_n || L->qkv.k_in != H || L->o.n_out != H || L->o.k_in != heads * D ||
-            L->gate_up.n_out != 2 * I || L->gate_up.k_in != H || L->down.n_out != H || L->down.k_in != I)
+            L->gate_up.n_out != 2 * I || L->gate_up.k_in != H || L->down.n_out != H || L->down.k_in != I ||
+            !linear_takes(&L->qkv) || !linear_takes(&L->o) || !linear_takes(&L->gate_up) || !linear_takes(&L->down))
             return 1;
     }
     const int64_t cache_slots = st->num_blocks * st->block_size;

@@ -234,7 +234,7 @@ int argmax_rows(const float *x, int64_t stride, int rows, int width, int64_t *ou
 
 /* The body of small_linear and small_linear_int8: the weight is of x's type (int8 = 0) or int8
  * with one scale per row, in x's type (int8 = 1). */
-static inline __attribute__((always_inline)) int linear_rows(
+static inline __attribute__((always_inline)) int portable_linear_rows(
         const void *x, int64_t x_stride, const void *w, int64_t w_stride, int int8, const void *scales,
         const void *bias, void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype, int num_threads) {
     if (rows > SMALL_ROWS || rows < 1) return 1;
@@ -274,7 +274,7 @@ static inline __attribute__((always_inline)) int linear_rows(
 
 int small_linear(const void *x, int64_t x_stride, const void *w, int64_t w_stride, const void *bias,
                  void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype, int num_threads) {
-    return linear_rows(x, x_stride, w, w_stride, 0, NULL, bias, y, y_stride, rows, n_out, k_in, dtype,
+    return portable_linear_rows(x, x_stride, w, w_stride, 0, NULL, bias, y, y_stride, rows, n_out, k_in, dtype,
                        num_threads);
 }
 
@@ -284,7 +284,7 @@ int small_linear(const void *x, int64_t x_stride, const void *w, int64_t w_strid
 int small_linear_int8(const void *x, int64_t x_stride, const int8_t *q, int64_t q_stride, const void *scales,
                       const void *bias, void *y, int64_t y_stride, int rows, int n_out, int k_in, int dtype,
                       int num_threads) {
-    return linear_rows(x, x_stride, q, q_stride, 1, scales, bias, y, y_stride, rows, n_out, k_in, dtype,
+    return portable_linear_rows(x, x_stride, q, q_stride, 1, scales, bias, y, y_stride, rows, n_out, k_in, dtype,
                        num_threads);
 }
 

@@ -16,16 +16,24 @@
  * in float. Widening each 16 weights to float took three instructions per 16 products and kept
  * the kernel compute-bound at ~28 GB/s even with the weight in cache; this takes four per 64
  * (one row of x; the model's int8 projections and LM head, 134 MB, two threads: ~1.7x faster).
+ * int4 weights (W_INT4, the layout of GGUF's Q4_1) take the same quantized x: their 4-bit values
+ * are unsigned, so x's signed bytes multiply them directly, and each 32 values' minimum times
+ * the sum of x's 32 values adds the rest. Without AVX512-VNNI int4 is not computed here
+ * (linear_takes says so; the callers dequantize).
  *
- * Built and loaded by kernels/cpu_kernels.py; linear_row returns 1 where it was not built for
- * AVX-512 (the caller then takes small_linear).
+ * Built and loaded by kernels/cpu_kernels.py; linear_rows returns 1 where it was not built for
+ * AVX-512 or does not take the weight (the caller then takes elementwise.c's small_linear, or
+ * dequantizes int4).
  */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "common.h"
 
-#define W_Q8 3 /* int8 weights against x quantized (q8_quantize): linear.c's own kind */
+/* linear.c's own kinds: int8 and int4 weights against x quantized (q8_quantize) */
+#define W_Q8 8
+#define W_Q4 9
 #define Q8_BLOCK 32 /* values of x per scale */
 #define Q8_CHUNK 64 /* values per vpdpbusd: two blocks */
 
@@ -48,14 +56,16 @@ static inline __attribute__((always_inline)) __m512 load_w16(const char *p, cons
     return _mm512_maskz_loadu_ps(m, p);
 }
 
-/* NX rows of x quantized for the int8 weights' integer dots, each row k_in values: per value its
- * magnitude (mag), per 64 values a mask of the negative ones (neg) and 16 float lanes of scales
- * (lanes 0-7 the first 32 values' scale, lanes 8-15 the second's: vpdpbusd's 16 int32 sums each
- * cover 4 consecutive values). */
+/* NX rows of x quantized for the integer dots, each row k_in values: per value its magnitude
+ * (mag) and its signed value (sq); per 64 values a mask of the negative ones (neg), 16 float
+ * lanes of scales (lanes 0-7 the first 32 values' scale, lanes 8-15 the second's: vpdpbusd's 16
+ * int32 sums each cover 4 consecutive values) and 16 lanes holding each 32 values' sum (lanes 0
+ * and 8; the others 0: int4 weights' minimums multiply them). */
 typedef struct {
     const uint8_t *mag;
+    const int8_t *sq;
     const uint64_t *neg;
-    const float *scale;
+    const float *scale, *sum;
     int chunks;
 } q8_rows_t;
 
@@ -69,7 +79,7 @@ static __thread size_t q8_capacity;
 
 static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
     const int chunks = k_in / Q8_CHUNK;
-    const size_t need = (size_t)rows * ((size_t)k_in + (size_t)chunks * (sizeof(uint64_t) + 16 * sizeof(float)));
+    const size_t need = (size_t)rows * (2 * (size_t)k_in + (size_t)chunks * (sizeof(uint64_t) + 32 * sizeof(float)));
     if (need > q8_capacity) {
         free(q8_buffer);
         q8_capacity = 0;
@@ -78,40 +88,51 @@ static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
         q8_capacity = need;
     }
     uint8_t *mag = (uint8_t *)q8_buffer;
-    uint64_t *neg = (uint64_t *)(mag + (size_t)rows * k_in); /* k_in is a multiple of 64: aligned */
-    float *scale = (float *)(neg + (size_t)rows * chunks);
+    int8_t *sq = (int8_t *)(mag + (size_t)rows * k_in);
+    uint64_t *neg = (uint64_t *)(sq + (size_t)rows * k_in); /* k_in is a multiple of 64: aligned */
+    float *scale = (float *)(neg + (size_t)rows * chunks), *sum = scale + (size_t)rows * chunks * 16;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int r = 0; r < rows; ++r) {
         for (int c = 0; c < chunks; ++c) {
-            const float *p = xf + (int64_t)r * k_in + (int64_t)c * Q8_CHUNK;
+            const int64_t at = (int64_t)r * k_in + (int64_t)c * Q8_CHUNK, lanes = ((int64_t)r * chunks + c) * 16;
             __m512 v[4], a[4];
-            uint64_t negative = 0;
+            __mmask16 negative[4];
             for (int i = 0; i < 4; ++i) {
-                v[i] = _mm512_loadu_ps(p + 16 * i);
+                v[i] = _mm512_loadu_ps(xf + at + 16 * i);
                 a[i] = _mm512_andnot_ps(sign, v[i]);
-                negative |= (uint64_t)_mm512_cmp_ps_mask(v[i], _mm512_setzero_ps(), _CMP_LT_OQ) << (16 * i);
+                negative[i] = _mm512_cmp_ps_mask(v[i], _mm512_setzero_ps(), _CMP_LT_OQ);
             }
-            float d[2];
+            float d[2], total[2];
             for (int h = 0; h < 2; ++h) {
                 const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a[2 * h], a[2 * h + 1]));
                 const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-                d[h] = amax / 127.f;
+                __m512i block_sum = _mm512_setzero_si512();
                 for (int i = 2 * h; i < 2 * h + 2; ++i) {
                     const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(a[i], inv)); /* nearest even */
-                    _mm_storeu_si128((__m128i *)(mag + (int64_t)r * k_in + (int64_t)c * Q8_CHUNK + 16 * i),
-                                     _mm512_cvtusepi32_epi8(qi));
+                    const __m512i si = _mm512_mask_sub_epi32(qi, negative[i], _mm512_setzero_si512(), qi);
+                    _mm_storeu_si128((__m128i *)(mag + at + 16 * i), _mm512_cvtusepi32_epi8(qi));
+                    _mm_storeu_si128((__m128i *)(sq + at + 16 * i), _mm512_cvtsepi32_epi8(si));
+                    block_sum = _mm512_add_epi32(block_sum, si);
                 }
+                d[h] = amax / 127.f;
+                total[h] = d[h] * (float)_mm512_reduce_add_epi32(block_sum); /* |sum| <= 32 * 127: exact */
             }
-            neg[(int64_t)r * chunks + c] = negative;
-            _mm512_storeu_ps(scale + ((int64_t)r * chunks + c) * 16,
+            neg[(int64_t)r * chunks + c] = (uint64_t)negative[0] | (uint64_t)negative[1] << 16 |
+                                           (uint64_t)negative[2] << 32 | (uint64_t)negative[3] << 48;
+            _mm512_storeu_ps(scale + lanes,
                              _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1])));
+            _mm512_storeu_ps(sum + lanes, _mm512_maskz_mov_ps((__mmask16)0x0101,
+                                                              _mm512_mask_blend_ps((__mmask16)0xFF00,
+                                                                                   _mm512_set1_ps(total[0]),
+                                                                                   _mm512_set1_ps(total[1]))));
         }
     }
-    q->mag = mag, q->neg = neg, q->scale = scale, q->chunks = chunks;
+    q->mag = mag, q->sq = sq, q->neg = neg, q->scale = scale, q->sum = sum, q->chunks = chunks;
     return 1;
 }
 
-/* dot_block for int8 weights against x quantized by q8_quantize */
+/* dot_block for int8 weights against x quantized by q8_quantize: x's magnitudes (unsigned) against
+ * the weights negated where x is negative */
 static inline __attribute__((always_inline)) void dot_block_q8(const q8_rows_t *q, const int NX, const char *w,
                                                                int64_t row_bytes, const int NW, int k_in,
                                                                float *out) {
@@ -129,6 +150,47 @@ static inline __attribute__((always_inline)) void dot_block_q8(const q8_rows_t *
                 const __m512i signed_w = _mm512_mask_sub_epi8(wv[j], negative, zero, wv[j]);
                 const __m512i sums = _mm512_dpbusd_epi32(zero, xv, signed_w);
                 acc[m * NW + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[m * NW + j]);
+            }
+        }
+    }
+    for (int i = 0; i < NX * NW; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+/* dot_block for int4 weights (W_INT4; groups: the rows' (scale, min) pairs, group_bytes apart per
+ * row) against x quantized by q8_quantize. A row's 64 values of a chunk are 32 bytes: byte i holds
+ * value i (low 4 bits) and value 32 + i (high 4 bits). Per 32 values x . w = scale * (x . q) +
+ * min * sum(x), with x . q summed in integers (q unsigned, x signed). */
+static inline __attribute__((always_inline)) void dot_block_q4(const q8_rows_t *q, const int NX, const char *w,
+                                                               int64_t row_bytes, const char *groups,
+                                                               int64_t group_bytes, const int NW, int k_in,
+                                                               float *out) {
+    __m512 acc[MAX_FUSED_ROWS * ROWS_AT_ONCE / 2];
+    for (int i = 0; i < NX * NW; ++i) acc[i] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    /* (scale0, min0, scale1, min1) -> scale0 in lanes 0-7 and scale1 in 8-15; the same for the mins */
+    const __m512i scale_lanes = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i min_lanes = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int c = 0; c < q->chunks; ++c) {
+        __m512i qv[ROWS_AT_ONCE];
+        __m512 wscale[ROWS_AT_ONCE], wmin[ROWS_AT_ONCE];
+        for (int j = 0; j < NW; ++j) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(w + j * row_bytes + (int64_t)c * 32));
+            const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            qv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            const __m128i pair_bits = _mm_loadl_epi64((const __m128i *)(groups + j * group_bytes + (int64_t)c * 8));
+            const __m512 pairs = _mm512_castps128_ps512(_mm_cvtph_ps(pair_bits));
+            wscale[j] = _mm512_permutexvar_ps(scale_lanes, pairs);
+            wmin[j] = _mm512_permutexvar_ps(min_lanes, pairs);
+        }
+        for (int m = 0; m < NX; ++m) {
+            const __m512i xv = _mm512_loadu_si512(q->sq + (int64_t)m * k_in + (int64_t)c * Q8_CHUNK);
+            const __m512 scale = _mm512_loadu_ps(q->scale + ((int64_t)m * q->chunks + c) * 16);
+            const __m512 sum = _mm512_loadu_ps(q->sum + ((int64_t)m * q->chunks + c) * 16);
+            for (int j = 0; j < NW; ++j) {
+                const __m512i sums = _mm512_dpbusd_epi32(zero, qv[j], xv);
+                const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
+                acc[m * NW + j] = _mm512_fmadd_ps(dot, wscale[j], _mm512_fmadd_ps(wmin[j], sum, acc[m * NW + j]));
             }
         }
     }
@@ -188,17 +250,23 @@ static inline void finish_block(const lin_t *L, int n0, int NX, int NW, const fl
     }
 }
 
-/* dot_block, or dot_block_q8 for W_Q8 (kind is a compile-time constant in every caller) */
+/* dot_block, or the integer dots for W_Q8 and W_Q4 (kind is a compile-time constant in every
+ * caller); groups: W_Q4's (scale, min) pairs of these rows */
 static inline __attribute__((always_inline)) void dot(const float *xf, const char *xh, const q8_rows_t *q,
                                                       const int NX, const char *w, int64_t row_bytes,
-                                                      const int NW, const int kind, int k_in, float *out) {
+                                                      const char *groups, int64_t group_bytes, const int NW,
+                                                      const int kind, int k_in, float *out) {
 #if HAVE_Q8
     if (kind == W_Q8) {
         dot_block_q8(q, NX, w, row_bytes, NW, k_in, out);
         return;
     }
+    if (kind == W_Q4) {
+        dot_block_q4(q, NX, w, row_bytes, groups, group_bytes, NW, k_in, out);
+        return;
+    }
 #endif
-    (void)q;
+    (void)q, (void)groups, (void)group_bytes;
     dot_block(xf, xh, NX, w, row_bytes, NW, kind, k_in, out);
 }
 
@@ -208,8 +276,9 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
                                                             const float *xf, const char *xh, const q8_rows_t *q,
                                                             void *y, int dtype, const int kind) {
     const int blocks = L->n_out / NW, k_in = L->k_in;
-    const int64_t row_bytes = L->row_bytes;
+    const int64_t row_bytes = L->row_bytes, group_bytes = (int64_t)(k_in / INT4_GROUP) * 4;
     const char *w = (const char *)L->w, *end = w + (int64_t)blocks * NW * row_bytes;
+    const char *groups = (const char *)L->groups;
     float acc[MAX_FUSED_ROWS * ROWS_AT_ONCE / 2];
 #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; ++b) {
@@ -219,12 +288,14 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
         const char *block = w + (int64_t)b * NW * row_bytes;
         for (int64_t off = 0; off < NW * row_bytes; off += 64)
             if (block + PREFETCH_BYTES + off < end) _mm_prefetch(block + PREFETCH_BYTES + off, PREFETCH_HINT);
-        dot(xf, xh, q, NX, block, row_bytes, NW, kind, k_in, acc);
+        dot(xf, xh, q, NX, block, row_bytes, groups + (int64_t)b * NW * group_bytes, group_bytes, NW, kind, k_in,
+            acc);
         finish_block(L, b * NW, NX, NW, acc, dtype, y);
     }
 #pragma omp for schedule(static)
     for (int n = blocks * NW; n < L->n_out; ++n) {
-        dot(xf, xh, q, NX, w + (int64_t)n * row_bytes, row_bytes, 1, kind, k_in, acc);
+        dot(xf, xh, q, NX, w + (int64_t)n * row_bytes, row_bytes, groups + (int64_t)n * group_bytes, group_bytes, 1,
+            kind, k_in, acc);
         finish_block(L, n, NX, 1, acc, dtype, y);
     }
 }
@@ -243,37 +314,53 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
 /* y = x w^T for rows (1..MAX_FUSED_ROWS) rows of x, by every thread of the enclosing team (each
  * call site is reached by all of them; ends with a barrier). xf: x as floats, k_in apart; xh: x
  * itself when it is bfloat16 (the weight's pairs are then dotted as stored), else NULL. y: rows
- * of n_out elements. */
+ * of n_out elements. L must be one linear_takes takes. */
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
     const char *h = (const char *)xh;
     const q8_rows_t *q = NULL;
     if (L->kind == W_BF16) {
         ROWS_SWITCH(W_BF16)
-    } else if (L->kind == W_INT8) {
-        h = NULL;
+    }
+    h = NULL;
 #if HAVE_Q8
+    if ((L->kind == W_INT8 || L->kind == W_INT4) && L->k_in % Q8_CHUNK == 0) {
         q8_rows_t quantized;
-        if (L->k_in % Q8_CHUNK == 0 && q8_quantize(xf, rows, L->k_in, &quantized)) {
+        if (!q8_quantize(xf, rows, L->k_in, &quantized)) {
+            if (L->kind == W_INT4) { /* a few KiB per thread not to be had: nothing else computes int4 here */
+                fprintf(stderr, "kvserve kernels: out of memory quantizing activations for int4 weights\n");
+                abort();
+            }
+        } else {
             q = &quantized;
+            if (L->kind == W_INT4) {
+                ROWS_SWITCH(W_Q4)
+            }
             ROWS_SWITCH(W_Q8)
         }
-#endif
-        ROWS_SWITCH(W_INT8)
-    } else {
-        h = NULL;
-        ROWS_SWITCH(W_F32)
     }
+#endif
+    if (L->kind == W_INT8) {
+        ROWS_SWITCH(W_INT8)
+    }
+    ROWS_SWITCH(W_F32)
 }
 
-/* y = x L^T for one row of x, in a team of its own (linear_rows_team is a team's part, for
- * several rows): x and y of dtype (DTYPE_*), L as cpu_kernels.py's CpuKernels.linear_of makes
- * it. 0 on success, 2 when memory could not be had. */
-int linear_row(const lin_t *L, const void *x, void *y, int dtype, int num_threads) {
-    float *xf = malloc(sizeof(float) * (size_t)L->k_in);
+/* whether linear_rows_team computes L: int4 weights need AVX512-VNNI and widths a multiple of 64 */
+int linear_takes(const lin_t *L) {
+    return L->kind != W_INT4 || (HAVE_Q8 && L->k_in % Q8_CHUNK == 0 && L->groups != NULL);
+}
+
+/* y = x L^T for rows (1..MAX_FUSED_ROWS) contiguous rows of x, in a team of its own
+ * (linear_rows_team is a team's part): x and y of dtype (DTYPE_*), L as cpu_kernels.py's
+ * CpuKernels.linear_of makes it. 0 on success, 1 for a linear or row count it does not take,
+ * 2 when memory could not be had. */
+int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int num_threads) {
+    if (rows < 1 || rows > MAX_FUSED_ROWS || !linear_takes(L)) return 1;
+    float *xf = malloc(sizeof(float) * (size_t)rows * (size_t)L->k_in);
     if (!xf) return 2;
-    to_float(x, dtype, xf, L->k_in);
+    to_float(x, dtype, xf, rows * L->k_in);
 #pragma omp parallel num_threads(num_threads)
-    linear_rows_team(L, 1, xf, dtype == DTYPE_BF16 ? x : NULL, y, dtype);
+    linear_rows_team(L, rows, xf, dtype == DTYPE_BF16 ? x : NULL, y, dtype);
     free(xf);
     return 0;
 }
@@ -282,8 +369,13 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
     (void)L, (void)rows, (void)xf, (void)xh, (void)y, (void)dtype;
 }
 
-int linear_row(const lin_t *L, const void *x, void *y, int dtype, int num_threads) {
-    (void)L, (void)x, (void)y, (void)dtype, (void)num_threads;
+int linear_takes(const lin_t *L) {
+    (void)L;
+    return 0;
+}
+
+int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int num_threads) {
+    (void)L, (void)rows, (void)x, (void)y, (void)dtype, (void)num_threads;
     return 1;
 }
 #endif
@@ -291,6 +383,7 @@ int linear_row(const lin_t *L, const void *x, void *y, int dtype, int num_thread
 #ifndef HAVE_Q8
 #define HAVE_Q8 0
 #endif
-/* How int8 weights multiply x of width k_in in linear_rows_team: Q8_BLOCK (x quantized per that
- * many values, the integer path), or 0 (x as floats). Read by cpu_kernels.py. */
-int int8_activation_block(int k_in) { return HAVE_Q8 && k_in % Q8_CHUNK == 0 ? Q8_BLOCK : 0; }
+/* How int8 and int4 weights multiply x of width k_in in linear_rows_team: Q8_BLOCK (x quantized
+ * per that many values, the integer path), or 0 (x as floats; int4 not at all). Read by
+ * cpu_kernels.py. */
+int quantized_activation_block(int k_in) { return HAVE_Q8 && k_in % Q8_CHUNK == 0 ? Q8_BLOCK : 0; }
