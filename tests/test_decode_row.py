@@ -17,6 +17,11 @@ from kvserve.kernels.cpu_kernels import load_kernels
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
 
 
+def _int4_needs_vnni(quantization: str | None) -> None:
+    if quantization == "int4" and not _kernels.quantized_activation_block(576):
+        pytest.skip("int4 weights in the kernels need AVX512-VNNI")
+
+
 def _fused_steps(monkeypatch) -> list[bool]:
     """Records whether each fused call ran (False: not built for AVX-512 here)."""
     calls: list[bool] = []
@@ -54,6 +59,7 @@ needs_kernels = pytest.mark.skipif(_kernels is None or not _kernels.fused_rows,
 @needs_kernels
 @pytest.mark.parametrize(("dtype", "quantization", "kv_cache_dtype"), [
     ("float32", None, "auto"), ("bfloat16", None, "auto"), ("bfloat16", "int8", "auto"),
+    ("bfloat16", "int4", "auto"),  # (int4 weights: on AVX512-VNNI CPUs; elsewhere neither path's kernel)
     ("float32", None, "int8"),  # the int8 KV cache: stored and read by the same kernels on both paths
 ])
 def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantization, kv_cache_dtype,
@@ -63,6 +69,7 @@ def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantizati
     multiplies in oneDNN's GEMMs and torch's int8 kernel, whose sums run in another order: in
     float32 the same tokens and log-probabilities within 1e-4 (in bfloat16 a near tie may flip a
     token; the next test pins the rows there)."""
+    _int4_needs_vnni(quantization)
     options = {"quantization": quantization} if quantization else {}
     llm = LLM("default", dtype=dtype, max_num_seqs=len(PROMPTS), num_kv_blocks=64,
               kv_cache_dtype=kv_cache_dtype, **options)
@@ -89,11 +96,12 @@ def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantizati
 
 @needs_kernels
 @pytest.mark.parametrize(("dtype", "quantization"),
-                         [("float32", None), ("bfloat16", None), ("bfloat16", "int8")])
+                         [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization, monkeypatch):
     """Five decode rows over different contexts (a cache of random K/V) through the fused step
     at once, and each alone: bit for bit the same hidden states, so a sequence's tokens do not
     depend on what else is decoding beside it (up to MAX_FUSED_ROWS rows)."""
+    _int4_needs_vnni(quantization)
     options = {"quantization": quantization} if quantization else {}
     llm = LLM("default", dtype=dtype, max_num_seqs=8, num_kv_blocks=64, **options)
     runner = llm.engine.executor

@@ -34,7 +34,32 @@ from kvserve.kernels.cpu_build import header_constant
 from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS, CpuKernels, Linear, kernels_for
 
 INT4_GROUP = header_constant("INT4_GROUP")  # inputs per (scale, min) pair
-INT4_CHUNK = 2 * INT4_GROUP  # inputs per packed run: byte i holds input i (low bits) and INT4_GROUP + i
+INT4_WIDTH = 2 * INT4_GROUP  # int4 layers' input widths are multiples of this
+INT4_RUN = 4 * INT4_GROUP  # inputs per packed run (see QuantizedWeight)
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [out, in] (uint8) two a byte: runs of INT4_RUN inputs as INT4_RUN / 2 bytes, byte
+    i holding input i (low bits) and INT4_RUN / 2 + i (high bits); a last run of INT4_WIDTH inputs
+    the same way at its size (csrc/linear.c loads a run in one vector and splits it with a shift)."""
+    out, k_in = q.shape
+    whole = k_in - k_in % INT4_RUN
+    runs = q[:, :whole].view(out, -1, 2, INT4_RUN // 2)
+    parts = [runs[:, :, 0] | (runs[:, :, 1] << 4)]
+    if whole < k_in:
+        last = q[:, whole:].view(out, 1, 2, INT4_WIDTH // 2)
+        parts.append(last[:, :, 0] | (last[:, :, 1] << 4))
+    return torch.cat([p.reshape(out, -1) for p in parts], dim=1)
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """``_pack_int4``'s inverse."""
+    out, half = packed.shape
+    whole = (2 * half) - (2 * half) % INT4_RUN
+    parts = [packed[:, : whole // 2].view(out, -1, INT4_RUN // 2)]
+    if whole < 2 * half:
+        parts.append(packed[:, whole // 2 :].view(out, 1, INT4_WIDTH // 2))
+    return torch.cat([torch.stack((p & 0x0F, p >> 4), dim=2).reshape(out, -1) for p in parts], dim=1)
 
 
 @dataclass(frozen=True)
@@ -42,7 +67,7 @@ class QuantizedWeight:
     """A linear's weight [out, in] as ``method`` keeps it (see the module docstring).
 
     int8: ``data`` int8 [out, in], ``scales`` [out] in the weight's dtype. int4: ``data`` uint8
-    [out, in / 2] (runs of ``INT4_CHUNK`` inputs as 32 bytes), ``scales`` float16
+    [out, in / 2] (two values a byte, as ``_pack_int4`` lays them out), ``scales`` float16
     [out, in / INT4_GROUP, 2] (scale, min)."""
 
     method: str
@@ -53,8 +78,7 @@ class QuantizedWeight:
         if self.method == "int8":
             return self.data.to(dtype) * self.scales.to(dtype)[:, None]
         out = self.data.shape[0]
-        runs = self.data.view(out, -1, INT4_GROUP)
-        q = torch.stack((runs & 0x0F, runs >> 4), dim=2).view(out, -1, INT4_GROUP).float()
+        q = _unpack_int4(self.data).view(out, -1, INT4_GROUP).float()
         pairs = self.scales.float()
         return (q * pairs[..., :1] + pairs[..., 1:]).view(out, -1).to(dtype)
 
@@ -94,8 +118,8 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
     """Per ``INT4_GROUP`` inputs of a row: min and (max - min) / 15 as float16, q = round((w - min)
     / scale) in 0..15, packed two a byte."""
     out, k_in = weight.shape
-    if k_in % INT4_CHUNK:
-        raise ValueError(f"quantization 'int4' needs layer input widths that are multiples of {INT4_CHUNK}, "
+    if k_in % INT4_WIDTH:
+        raise ValueError(f"quantization 'int4' needs layer input widths that are multiples of {INT4_WIDTH}, "
                          f"got a weight of shape {list(weight.shape)}")
     w = weight.float().view(out, -1, INT4_GROUP)
     low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
@@ -104,9 +128,8 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
     step = scale.float()
     q = torch.round((w - low.float()) / step.clamp_min(torch.finfo(torch.float32).tiny))
     q = torch.where(step > 0, q, 0)
-    q = q.clamp_(0, 15).to(torch.uint8).view(out, -1, 2, INT4_GROUP)
-    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out, k_in // 2)
-    return QuantizedWeight("int4", packed.contiguous(), torch.cat((scale, low), dim=-1).contiguous())
+    q = q.clamp_(0, 15).to(torch.uint8).view(out, k_in)
+    return QuantizedWeight("int4", _pack_int4(q).contiguous(), torch.cat((scale, low), dim=-1).contiguous())
 
 
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}

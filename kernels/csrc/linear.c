@@ -59,8 +59,8 @@ static inline __attribute__((always_inline)) __m512 load_w16(const char *p, cons
 /* NX rows of x quantized for the integer dots, each row k_in values: per value its magnitude
  * (mag) and its signed value (sq); per 64 values a mask of the negative ones (neg), 16 float
  * lanes of scales (lanes 0-7 the first 32 values' scale, lanes 8-15 the second's: vpdpbusd's 16
- * int32 sums each cover 4 consecutive values) and 16 lanes holding each 32 values' sum (lanes 0
- * and 8; the others 0: int4 weights' minimums multiply them). */
+ * int32 sums each cover 4 consecutive values) and four floats 0, sum, 0, sum holding each 32
+ * values' sum (int4 weights' (scale, min) pairs multiply them). */
 typedef struct {
     const uint8_t *mag;
     const int8_t *sq;
@@ -79,7 +79,7 @@ static __thread size_t q8_capacity;
 
 static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
     const int chunks = k_in / Q8_CHUNK;
-    const size_t need = (size_t)rows * (2 * (size_t)k_in + (size_t)chunks * (sizeof(uint64_t) + 32 * sizeof(float)));
+    const size_t need = (size_t)rows * (2 * (size_t)k_in + (size_t)chunks * (sizeof(uint64_t) + 20 * sizeof(float)));
     if (need > q8_capacity) {
         free(q8_buffer);
         q8_capacity = 0;
@@ -121,10 +121,8 @@ static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
                                            (uint64_t)negative[2] << 32 | (uint64_t)negative[3] << 48;
             _mm512_storeu_ps(scale + lanes,
                              _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1])));
-            _mm512_storeu_ps(sum + lanes, _mm512_maskz_mov_ps((__mmask16)0x0101,
-                                                              _mm512_mask_blend_ps((__mmask16)0xFF00,
-                                                                                   _mm512_set1_ps(total[0]),
-                                                                                   _mm512_set1_ps(total[1]))));
+            float *chunk_sums = sum + ((int64_t)r * chunks + c) * 4; /* 0, sum, 0, sum: against scale, min pairs */
+            chunk_sums[0] = 0.f, chunk_sums[1] = total[0], chunk_sums[2] = 0.f, chunk_sums[3] = total[1];
         }
     }
     q->mag = mag, q->sq = sq, q->neg = neg, q->scale = scale, q->sum = sum, q->chunks = chunks;
@@ -157,40 +155,59 @@ static inline __attribute__((always_inline)) void dot_block_q8(const q8_rows_t *
 }
 
 /* dot_block for int4 weights (W_INT4; groups: the rows' (scale, min) pairs, group_bytes apart per
- * row) against x quantized by q8_quantize. A row's 64 values of a chunk are 32 bytes: byte i holds
- * value i (low 4 bits) and value 32 + i (high 4 bits). Per 32 values x . w = scale * (x . q) +
- * min * sum(x), with x . q summed in integers (q unsigned, x signed). */
+ * row) against x quantized by q8_quantize. A row's 4-bit values come in runs of 128 inputs as 64
+ * bytes, byte i holding input i (low 4 bits) and input 64 + i (high 4 bits); a last run of 64
+ * inputs as 32 bytes, byte i holding inputs i and 32 + i. Per 32 inputs x . w = scale * (x . q) +
+ * min * sum(x): x . q summed in integers (q unsigned, x signed), the minimums dotted with x's sums
+ * for four chunks at a time (their pairs are loaded once: scale, min, scale, min, ... against 0,
+ * sum, 0, sum, ...). */
 static inline __attribute__((always_inline)) void dot_block_q4(const q8_rows_t *q, const int NX, const char *w,
                                                                int64_t row_bytes, const char *groups,
                                                                int64_t group_bytes, const int NW, int k_in,
                                                                float *out) {
     __m512 acc[MAX_FUSED_ROWS * ROWS_AT_ONCE / 2];
     for (int i = 0; i < NX * NW; ++i) acc[i] = _mm512_setzero_ps();
-    const __m512i zero = _mm512_setzero_si512();
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    /* (scale0, min0, scale1, min1) -> scale0 in lanes 0-7 and scale1 in 8-15; the same for the mins */
-    const __m512i scale_lanes = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i min_lanes = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int c = 0; c < q->chunks; ++c) {
-        __m512i qv[ROWS_AT_ONCE];
-        __m512 wscale[ROWS_AT_ONCE], wmin[ROWS_AT_ONCE];
-        for (int j = 0; j < NW; ++j) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(w + j * row_bytes + (int64_t)c * 32));
-            const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-            qv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            const __m128i pair_bits = _mm_loadl_epi64((const __m128i *)(groups + j * group_bytes + (int64_t)c * 8));
-            const __m512 pairs = _mm512_castps128_ps512(_mm_cvtph_ps(pair_bits));
-            wscale[j] = _mm512_permutexvar_ps(scale_lanes, pairs);
-            wmin[j] = _mm512_permutexvar_ps(min_lanes, pairs);
-        }
+    const __m512i zero = _mm512_setzero_si512(), low4 = _mm512_set1_epi8(0x0F);
+    const int chunks = q->chunks;
+    for (int c = 0; c < chunks; c += 4) {
+        const int n = chunks - c < 4 ? chunks - c : 4;
+        const __mmask16 halves = (__mmask16)((1u << (4 * n)) - 1u);
+        __m512 pairs[ROWS_AT_ONCE];
+        for (int j = 0; j < NW; ++j)
+            pairs[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, groups + j * group_bytes + (int64_t)c * 8));
         for (int m = 0; m < NX; ++m) {
-            const __m512i xv = _mm512_loadu_si512(q->sq + (int64_t)m * k_in + (int64_t)c * Q8_CHUNK);
-            const __m512 scale = _mm512_loadu_ps(q->scale + ((int64_t)m * q->chunks + c) * 16);
-            const __m512 sum = _mm512_loadu_ps(q->sum + ((int64_t)m * q->chunks + c) * 16);
-            for (int j = 0; j < NW; ++j) {
-                const __m512i sums = _mm512_dpbusd_epi32(zero, qv[j], xv);
-                const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
-                acc[m * NW + j] = _mm512_fmadd_ps(dot, wscale[j], _mm512_fmadd_ps(wmin[j], sum, acc[m * NW + j]));
+            const __m512 sums = _mm512_maskz_loadu_ps(halves, q->sum + ((int64_t)m * chunks + c) * 4);
+            for (int j = 0; j < NW; ++j) acc[m * NW + j] = _mm512_fmadd_ps(pairs[j], sums, acc[m * NW + j]);
+        }
+        for (int k = 0; k < n; ++k) {
+            __m512i qv[ROWS_AT_ONCE];
+            const char *at = w + (int64_t)(c + k) * 32;
+            if ((k & 1) == 0 && k + 1 < n) { /* a 128-input run: this chunk's values, the next's above */
+                for (int j = 0; j < NW; ++j) qv[j] = _mm512_and_si512(_mm512_loadu_si512(at + j * row_bytes), low4);
+            } else if (k & 1) {
+                for (int j = 0; j < NW; ++j)
+                    qv[j] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(at - 32 + j * row_bytes), 4), low4);
+            } else { /* the last run, of 64 inputs */
+                for (int j = 0; j < NW; ++j) {
+                    const __m256i packed = _mm256_loadu_si256((const __m256i *)(at + j * row_bytes));
+                    const __m256i lo = _mm256_and_si256(packed, _mm512_castsi512_si256(low4));
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm512_castsi512_si256(low4));
+                    qv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                }
+            }
+            /* this chunk's two scales: lanes 0-7 and 8-15 (pairs holds scale, min for its 8 groups) */
+            const __m512i lanes = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(4 * k),
+                                                          _mm512_set1_epi32(4 * k + 2));
+            __m512 wscale[ROWS_AT_ONCE];
+            for (int j = 0; j < NW; ++j) wscale[j] = _mm512_permutexvar_ps(lanes, pairs[j]);
+            for (int m = 0; m < NX; ++m) {
+                const __m512i xv = _mm512_loadu_si512(q->sq + (int64_t)m * k_in + (int64_t)(c + k) * Q8_CHUNK);
+                const __m512 scale = _mm512_loadu_ps(q->scale + ((int64_t)m * chunks + c + k) * 16);
+                for (int j = 0; j < NW; ++j) {
+                    const __m512i dots = _mm512_dpbusd_epi32(zero, qv[j], xv);
+                    acc[m * NW + j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), scale), wscale[j],
+                                                      acc[m * NW + j]);
+                }
             }
         }
     }
