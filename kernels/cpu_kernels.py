@@ -64,6 +64,7 @@ _SIGNATURES = {
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
     "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "linear_rows": [_P, _I32, _P, _P, _I32, _I32],
+    "dequantize_weight": [_P, _P, _I32, _I32],
     "decode_row": [_P, _I32, _P, _P, _P, _I32],
     "decode_row_available": [],
 }
@@ -321,6 +322,18 @@ class CpuKernels:
             return None
         _check(status, "linear_rows")
         return y
+
+    def dequantize(self, linear: Linear, dtype: torch.dtype) -> torch.Tensor | None:
+        """``linear``'s int8 or int4 weight as a [n_out, k_in] tensor of ``dtype`` (csrc/linear.c's
+        ``dequantize_weight``, on every thread), or None where it was not built for AVX-512 or
+        does not take the weight."""
+        out = torch.empty(linear.n_out, linear.k_in, dtype=dtype)
+        status = self._lib.dequantize_weight(ctypes.byref(linear), out.data_ptr(), DTYPES[dtype],
+                                             torch.get_num_threads())
+        if status == 1:
+            return None
+        _check(status, "dequantize_weight")
+        return out
 
     def quantized_activation_block(self, k_in: int) -> int:
         """How the few-row kernels (``small_linear``, ``int4_linear``, the fused decode step)

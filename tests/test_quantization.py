@@ -41,7 +41,7 @@ def test_int8_rows_are_quantized_within_half_a_step_of_their_scale():
     quantized = quantize_int8(w)
     q, scales = quantized.data, quantized.scales
     assert q.dtype == torch.int8 and q.abs().max() == 127 and scales.shape == (64,)
-    assert ((quantized.dequantize(torch.float32) - w).abs() <= scales[:, None] / 2 + 1e-7).all()
+    assert ((quantized.dequantize_torch(torch.float32) - w).abs() <= scales[:, None] / 2 + 1e-7).all()
 
 
 def test_int4_groups_are_quantized_within_half_a_step_and_come_back_as_stored():
@@ -54,12 +54,27 @@ def test_int4_groups_are_quantized_within_half_a_step_and_come_back_as_stored():
     quantized = quantize_int4(w)
     assert quantized.data.dtype == torch.uint8 and quantized.data.shape == (40, 128)
     assert quantized.scales.dtype == torch.float16 and quantized.scales.shape == (40, 256 // INT4_GROUP, 2)
-    back = quantized.dequantize(torch.float32)
+    back = quantized.dequantize_torch(torch.float32)
     step = quantized.scales[..., 0].float().repeat_interleave(INT4_GROUP, dim=1)
     assert ((back - w).abs() <= step / 2 + 2e-3 * w.abs().amax(dim=1, keepdim=True)).all()  # + float16 pairs
     assert torch.equal(back[3, :INT4_GROUP], torch.full((INT4_GROUP,), 0.25))
     again = quantize_int4(back)
     assert torch.equal(again.data, quantized.data) and torch.equal(again.scales, quantized.scales)
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.fused_rows, reason="kernels built for AVX-512 CPUs")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_dequantizes_as_torch_does(method, dtype):
+    """The prefill path's weights: the kernel's dequantization is the format's (torch's), every
+    run layout of int4 (704 inputs: runs of 128 and a last one of 64), within one rounding."""
+    w = torch.randn(37, 704, generator=torch.Generator().manual_seed(2)).to(dtype)
+    quantized = QUANTIZERS[method](w)
+    got, want = quantized.dequantize(dtype), quantized.dequantize_torch(dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    ulp = 1e-6 if dtype == torch.float32 else 8e-3
+    assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-30).all()
+    assert quantized.dequantize(torch.float64).dtype == torch.float64  # not the kernel's: torch's
 
 
 def test_int4_refuses_widths_the_packing_does_not_take():
@@ -78,7 +93,8 @@ def test_linear_is_the_product_with_the_dequantized_weight(method, dtype, rows):
     x = torch.randn(rows, 192, generator=gen).to(dtype)  # int4: a run of 128 inputs and one of 64
     quantized = QUANTIZERS[method](w)
     block = activation_block(192) if rows <= MAX_FUSED_ROWS else 0
-    expected = F.linear(as_the_kernel_rounds(x, block), quantized.dequantize(torch.float32), bias.float())
+    weight = quantized.dequantize_torch(torch.float32)
+    expected = F.linear(as_the_kernel_rounds(x, block), weight, bias.float())
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.1, 2e-2)  # bfloat16: outputs up to ~30
     torch.testing.assert_close(quantized.linear(x, bias).float(), expected, atol=atol, rtol=rtol)
 
@@ -104,7 +120,7 @@ def test_kernels_quantize_activations_per_block_of_32(method, dtype, rows):
     w = torch.randn(203, 704, generator=gen)
     bias = torch.randn(203, generator=gen).to(dtype)
     quantized = QUANTIZERS[method](w.to(dtype))
-    weight = quantized.dequantize(torch.float64)
+    weight = quantized.dequantize_torch(torch.float64)
     block = activation_block(704)
     assert block == 32 and activation_block(999) == 0  # widths not a multiple of 64 stay floats
     rounded = as_the_kernel_rounds(x, block).double()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from kvserve.engine.config import QUANTIZATIONS
 from kvserve.kernels.cpu_build import header_constant
-from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS, CpuKernels, Linear, kernels_for
+from kvserve.kernels.cpu_kernels import DTYPES, MAX_FUSED_ROWS, CpuKernels, Linear, kernels_for, load_kernels
 
 INT4_GROUP = header_constant("INT4_GROUP")  # inputs per (scale, min) pair
 INT4_WIDTH = 2 * INT4_GROUP  # int4 layers' input widths are multiples of this
@@ -75,6 +75,17 @@ class QuantizedWeight:
     scales: torch.Tensor
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in ``dtype``: by the CPU kernels where they take it (every thread;
+        a prefill step dequantizes each layer's weight once), else ``dequantize_torch``."""
+        takes = dtype in DTYPES and (self.method == "int4" or self.scales.dtype == dtype)
+        if takes and self.data.device.type == "cpu" and (kernels := load_kernels()) is not None:
+            weight = kernels.dequantize(self.kernel_linear(None, dtype), dtype)
+            if weight is not None:
+                return weight
+        return self.dequantize_torch(dtype)
+
+    def dequantize_torch(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in ``dtype`` by torch ops: the format's definition."""
         if self.method == "int8":
             return self.data.to(dtype) * self.scales.to(dtype)[:, None]
         out = self.data.shape[0]

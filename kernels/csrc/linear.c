@@ -362,6 +362,73 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
     ROWS_SWITCH(W_F32)
 }
 
+/* 16 floats as bfloat16, rounded to nearest even (finite values: weights) */
+static inline __m256i bf16_of(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
+#endif
+}
+
+/* 16 weights as dtype at out */
+static inline void store16(__m512 v, int dtype, char *out) {
+    if (dtype == DTYPE_BF16)
+        _mm256_storeu_si256((__m256i *)out, bf16_of(v));
+    else
+        _mm512_storeu_ps((float *)out, v);
+}
+
+/* out [n_out][k_in] (dtype) = L's int8 or int4 weight dequantized (scale * q; scale * q + min),
+ * by num_threads threads: for multiplying many rows (a prefill) in the GEMM. 0, or 1 for a weight
+ * of another kind or an int4 width not a multiple of 64. */
+int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
+    if (!(L->kind == W_INT8 || (L->kind == W_INT4 && L->k_in % Q8_CHUNK == 0 && L->groups != NULL))) return 1;
+    const int k_in = L->k_in, chunks = k_in / Q8_CHUNK, elem = elem_size(dtype);
+    const int64_t group_bytes = (int64_t)(k_in / INT4_GROUP) * 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int n = 0; n < L->n_out; ++n) {
+        const char *w = (const char *)L->w + (int64_t)n * L->row_bytes;
+        char *row = (char *)out + (int64_t)n * k_in * elem;
+        if (L->kind == W_INT8) {
+            float s;
+            to_float((const char *)L->scales + (int64_t)n * elem, dtype, &s, 1);
+            int k = 0;
+            for (; k + 16 <= k_in; k += 16) {
+                const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
+                store16(_mm512_mul_ps(v, _mm512_set1_ps(s)), dtype, row + (int64_t)k * elem);
+            }
+            for (; k < k_in; ++k) {
+                const float v = (float)(int8_t)w[k] * s;
+                from_float(&v, 1.f, dtype, row + (int64_t)k * elem, 1);
+            }
+            continue;
+        }
+        const uint16_t *pairs = (const uint16_t *)((const char *)L->groups + (int64_t)n * group_bytes);
+        for (int c = 0; c < chunks; ++c) { /* the same runs as dot_block_q4 reads */
+            uint8_t q[Q8_CHUNK];
+            const uint8_t *at = (const uint8_t *)w + (int64_t)c * 32;
+            const int last = (c & 1) == 0 && c + 1 == chunks;
+            for (int i = 0; i < Q8_CHUNK; ++i) {
+                if (last)
+                    q[i] = i < 32 ? at[i] & 15 : at[i - 32] >> 4;
+                else
+                    q[i] = (c & 1) ? (at - 32)[i] >> 4 : at[i] & 15;
+            }
+            for (int h = 0; h < 4; ++h) {
+                const int g = 2 * c + h / 2;
+                const float d = _cvtsh_ss(pairs[2 * g]), m = _cvtsh_ss(pairs[2 * g + 1]);
+                const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h))));
+                store16(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(d)), _mm512_set1_ps(m)), dtype,
+                        row + ((int64_t)c * Q8_CHUNK + 16 * h) * elem);
+            }
+        }
+    }
+    return 0;
+}
+
 /* whether linear_rows_team computes L: int4 weights need AVX512-VNNI and widths a multiple of 64 */
 int linear_takes(const lin_t *L) {
     return L->kind != W_INT4 || (HAVE_Q8 && L->k_in % Q8_CHUNK == 0 && L->groups != NULL);
@@ -389,6 +456,11 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
 int linear_takes(const lin_t *L) {
     (void)L;
     return 0;
+}
+
+int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
+    (void)L, (void)out, (void)dtype, (void)num_threads;
+    return 1;
 }
 
 int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int num_threads) {
