@@ -132,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                     help="GiB of KV cache on the CPU (default: the engine's)")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--quantization", default=None, help="engine weight quantization, e.g. int8")
+    ap.add_argument("--quantization", default=None, help="engine weight quantization: int8 or int4")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the KV cache: auto = the model's dtype, int8 = int8 rows with scales (CPU)")
     ap.add_argument(

@@ -1,4 +1,4 @@
-"""One stream: output tokens/s with one request at a time, and what int8 weights cost in accuracy.
+"""One stream: output tokens/s with one request at a time, and what quantized weights cost in accuracy.
 
 For each ``--quantization`` variant (``none`` = the serving dtype's weights), in one run: requests
 of random prompt ids run one at a time (``max_num_seqs=1``), as llama.cpp's single-stream figure
@@ -11,7 +11,7 @@ file, in the same run, after the kvserve variants: the same prompt ids and outpu
 end-of-generation tokens not stopping a request, with the intra-op thread count the kvserve run
 used. Each variant's tok/s is printed next to llama.cpp's with the ratio.
 
-    python -m kvserve.benchmarks.single_stream [--variants none int8] [--num-requests 8]
+    python -m kvserve.benchmarks.single_stream [--variants none int8 int4] [--num-requests 8]
         [--peer llama.cpp|none] [--json out.json]
 """
 
@@ -144,7 +144,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--variants", nargs="+", default=["none", "int8"], help="'none' and/or quantizations")
+    ap.add_argument("--variants", nargs="+", default=["none", "int8", "int4"],
+                    help="'none' and/or quantizations")
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--parity-tokens", type=int, default=32)

@@ -55,7 +55,9 @@ HELP = {
     "seed": "seed for requests that bring none",
     "threads": "CPU intra-op threads per rank (default: the CPUs this process may use, after affinity "
                "and cgroup quota, shared among the tensor-parallel ranks on this machine)",
-    "quantization": "int8 = weight-only int8 projections and LM head on the CPU "
+    "quantization": "quantized weights on the CPU: int8 = int8 projections and LM head; int4 = 4-bit "
+                    "projections (a float16 scale and min per 32 inputs, as GGUF's Q4_1) and an int8 LM "
+                    "head; on AVX512-VNNI CPUs small decode steps quantize activations too, per 32 values "
                     "(default: weights in --dtype)",
     "kv_cache_dtype": "auto = the model's dtype; int8 = an int8 KV cache on the CPU (one scale per token "
                       "and KV head): about half of bfloat16's bytes per token, so about twice the tokens "

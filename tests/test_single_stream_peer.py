@@ -85,8 +85,9 @@ def test_peer_unavailable_for_a_model_that_is_not_gguf(tmp_path):
 
 def fake_measure(variant, args):
     prompts, outputs = single_stream.workload(args, vocab_size=49152)
-    return {"variant": variant, "dtype": "bfloat16", "output_tok_s": {"none": 50.0, "int8": 200.0}[variant],
-            "parity": [[1, 2]], "threads": 3, "vocab_size": 49152, "token_ids": [[7] * m for m in outputs]}
+    tok_s = {"none": 50.0, "int8": 200.0, "int4": 125.0}[variant]
+    return {"variant": variant, "dtype": "bfloat16", "output_tok_s": tok_s, "parity": [[1, 2]], "threads": 3,
+            "vocab_size": 49152, "token_ids": [[7] * m for m in outputs]}
 
 
 def test_main_runs_the_peer_on_the_same_workload_with_kvserves_threads(monkeypatch, capsys, tmp_path):
@@ -107,9 +108,10 @@ def test_main_runs_the_peer_on_the_same_workload_with_kvserves_threads(monkeypat
     assert gguf_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and threads == 3
     args = SimpleNamespace(num_requests=2, new_tokens=4, seed=0)
     assert requests == single_stream.peer_requests(*single_stream.workload(args, 49152))
-    assert [r["llamacpp_ratio"] for r in figures["kvserve"]] == [0.5, 2.0]
+    assert [r["llamacpp_ratio"] for r in figures["kvserve"]] == [0.5, 2.0, 1.25]  # none, int8, int4
     printed = capsys.readouterr().out
-    assert "0.50x llama.cpp" in printed and "2.00x llama.cpp" in printed and "100.0 output tok/s" in printed
+    assert "0.50x llama.cpp" in printed and "2.00x llama.cpp" in printed and "1.25x llama.cpp" in printed
+    assert "100.0 output tok/s" in printed
     assert json.loads(out.read_text())["llama.cpp"]["output_tok_s"] == 100.0
 
 
