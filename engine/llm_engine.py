@@ -328,6 +328,7 @@ class LLMEngine:
             "eos_token_ids": list(self.eos_token_ids),
             "kv_block_size": self.config.block_size,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "quantization": self.config.quantization or "",
         }
 
     @property

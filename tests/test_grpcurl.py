@@ -108,6 +108,7 @@ def test_tokenize_and_model_info_calls(grpcurl, kvserve_server):
     info = json.loads(out.stdout)
     assert info["architecture"] == "LlamaForCausalLM" and info["vocabSize"] == 49152
     assert info["hasChatTemplate"] is True and info["eosTokenIds"] and info["dtype"] == "float32"
+    assert "quantization" not in info and via_client["quantization"] == ""  # weights in dtype
     assert via_client["eos_token_ids"] == info["eosTokenIds"] and via_client["model"] == info["model"]
 
 

@@ -7,11 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.clients import Client
+from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.layers.quantization import INT4_GROUP, quantize_int4, quantize_int8
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS, load_kernels
+from kvserve.testing.plugin import TEST_SERVER_ENV
+from kvserve.testing.process import ServerProcess
 
 KERNELS = load_kernels()
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
@@ -177,3 +181,23 @@ def test_int4_runner_keeps_the_bundled_models_clear_greedy_choices():
     runner.shutdown()
     assert (int4 - full).abs().max() < 0.05 * full.abs().max()
     _keeps_clear_choices(full, int4, 0.5)
+
+
+@pytest.mark.skipif(not activation_block(576), reason="int4 decode steps in the kernels: AVX512-VNNI CPUs")
+def test_a_server_with_int4_weights_gives_the_engines_tokens():
+    """``kvserve serve --quantization int4``: the engine-core process quantizes the same way
+    (ModelInfo says int4) and one request's greedy tokens are the in-process engine's."""
+    prompt = "The three primary colors are"
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM("default", dtype="bfloat16", quantization="int4", max_num_seqs=4, num_kv_blocks=64)
+    try:
+        want = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    finally:
+        llm.shutdown()
+    with ServerProcess("--dtype", "bfloat16", "--quantization", "int4", "--max-num-seqs", "4",
+                       "--num-kv-blocks", "64", env=TEST_SERVER_ENV) as srv, \
+            Client(srv.target, timeout=120) as client:
+        got = client.generate(prompt, max_tokens=16, temperature=0, ignore_eos=True)
+        info = client.model_info()
+    assert info["quantization"] == "int4" and info["dtype"] == "bfloat16"
+    assert got.token_ids == want
