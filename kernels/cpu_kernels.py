@@ -303,7 +303,7 @@ class CpuKernels:
     def int4_linear(self, x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x W^T + b`` for 2-D ``x`` of at most ``MAX_FUSED_ROWS`` rows and int4 weights (``packed``
-        uint8 [out, in / 2], ``groups`` float16 [out, in / INT4_GROUP, 2]: engine/layers/quantization.py
+        uint8 [out, in / 2], ``groups`` float16 [out, 2, in / INT4_GROUP]: engine/layers/quantization.py
         lays them out), or None where the kernel does not take them (no AVX512-VNNI, ``in`` not a
         multiple of 64): the caller multiplies by the dequantized weight then."""
         if packed.dtype != torch.uint8 or packed.stride(1) != 1 or groups.dtype != torch.float16:

@@ -57,9 +57,9 @@ def test_int4_groups_are_quantized_within_half_a_step_and_come_back_as_stored():
     w[3, :INT4_GROUP] = 0.25  # a constant group: scale 0
     quantized = quantize_int4(w)
     assert quantized.data.dtype == torch.uint8 and quantized.data.shape == (40, 128)
-    assert quantized.scales.dtype == torch.float16 and quantized.scales.shape == (40, 256 // INT4_GROUP, 2)
+    assert quantized.scales.dtype == torch.float16 and quantized.scales.shape == (40, 2, 256 // INT4_GROUP)
     back = quantized.dequantize_torch(torch.float32)
-    step = quantized.scales[..., 0].float().repeat_interleave(INT4_GROUP, dim=1)
+    step = quantized.scales[:, 0].float().repeat_interleave(INT4_GROUP, dim=1)
     assert ((back - w).abs() <= step / 2 + 2e-3 * w.abs().amax(dim=1, keepdim=True)).all()  # + float16 pairs
     assert torch.equal(back[3, :INT4_GROUP], torch.full((INT4_GROUP,), 0.25))
     again = quantize_int4(back)

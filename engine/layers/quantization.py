@@ -35,31 +35,36 @@ from kvserve.kernels.cpu_kernels import DTYPES, MAX_FUSED_ROWS, CpuKernels, Line
 
 INT4_GROUP = header_constant("INT4_GROUP")  # inputs per (scale, min) pair
 INT4_WIDTH = 2 * INT4_GROUP  # int4 layers' input widths are multiples of this
-INT4_RUN = 4 * INT4_GROUP  # inputs per packed run (see QuantizedWeight)
+SB_GROUPS = 16  # groups per superblock of the packed layout (csrc/linear.c's SB_GROUPS)
 
 
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """4-bit values [out, in] (uint8) two a byte: runs of INT4_RUN inputs as INT4_RUN / 2 bytes, byte
-    i holding input i (low bits) and INT4_RUN / 2 + i (high bits); a last run of INT4_WIDTH inputs
-    the same way at its size (csrc/linear.c loads a run in one vector and splits it with a shift)."""
+    """4-bit values [out, in] (uint8) two a byte, in csrc/linear.c's superblock layout: per 16
+    groups of INT4_GROUP inputs (fewer in a row's last superblock, G), 8 steps of 4 values of each
+    group (step s: group l's values 4s..4s+3 at bytes 4l..4l+3), steps 2t and 2t + 1 sharing 4G
+    bytes (low and high 4 bits)."""
     out, k_in = q.shape
-    whole = k_in - k_in % INT4_RUN
-    runs = q[:, :whole].view(out, -1, 2, INT4_RUN // 2)
-    parts = [runs[:, :, 0] | (runs[:, :, 1] << 4)]
-    if whole < k_in:
-        last = q[:, whole:].view(out, 1, 2, INT4_WIDTH // 2)
-        parts.append(last[:, :, 0] | (last[:, :, 1] << 4))
-    return torch.cat([p.reshape(out, -1) for p in parts], dim=1)
+    groups = q.view(out, k_in // INT4_GROUP, INT4_GROUP)
+    parts = []
+    for start in range(0, groups.shape[1], SB_GROUPS):
+        block = groups[:, start : start + SB_GROUPS]
+        g = block.shape[1]
+        steps = block.reshape(out, g, 8, 4).permute(0, 2, 1, 3).reshape(out, 8, 4 * g)
+        parts.append((steps[:, 0::2] | (steps[:, 1::2] << 4)).reshape(out, 16 * g))
+    return torch.cat(parts, dim=1)
 
 
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """``_pack_int4``'s inverse."""
+    """``_pack_int4``'s inverse: [out, in] values."""
     out, half = packed.shape
-    whole = (2 * half) - (2 * half) % INT4_RUN
-    parts = [packed[:, : whole // 2].view(out, -1, INT4_RUN // 2)]
-    if whole < 2 * half:
-        parts.append(packed[:, whole // 2 :].view(out, 1, INT4_WIDTH // 2))
-    return torch.cat([torch.stack((p & 0x0F, p >> 4), dim=2).reshape(out, -1) for p in parts], dim=1)
+    parts = []
+    for start in range(0, half, 16 * SB_GROUPS):
+        block = packed[:, start : start + 16 * SB_GROUPS]
+        g = block.shape[1] // 16
+        pairs = block.reshape(out, 4, 4 * g)
+        steps = torch.stack((pairs & 0x0F, pairs >> 4), dim=2).reshape(out, 8, g, 4)
+        parts.append(steps.permute(0, 2, 1, 3).reshape(out, g * INT4_GROUP))
+    return torch.cat(parts, dim=1)
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ class QuantizedWeight:
 
     int8: ``data`` int8 [out, in], ``scales`` [out] in the weight's dtype. int4: ``data`` uint8
     [out, in / 2] (two values a byte, as ``_pack_int4`` lays them out), ``scales`` float16
-    [out, in / INT4_GROUP, 2] (scale, min)."""
+    [out, 2, in / INT4_GROUP] (each group's scale, then each group's minimum)."""
 
     method: str
     data: torch.Tensor
@@ -90,8 +95,8 @@ class QuantizedWeight:
             return self.data.to(dtype) * self.scales.to(dtype)[:, None]
         out = self.data.shape[0]
         q = _unpack_int4(self.data).view(out, -1, INT4_GROUP).float()
-        pairs = self.scales.float()
-        return (q * pairs[..., :1] + pairs[..., 1:]).view(out, -1).to(dtype)
+        scale, low = self.scales.float().unbind(dim=1)
+        return (q * scale[..., None] + low[..., None]).view(out, -1).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T + b``."""
@@ -126,8 +131,8 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
 
 
 def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
-    """Per ``INT4_GROUP`` inputs of a row: min and (max - min) / 15 as float16, q = round((w - min)
-    / scale) in 0..15, packed two a byte."""
+    """Per ``INT4_GROUP`` inputs of a row: min and scale = (max - min) / 15 as float16, q =
+    round((w - min) / scale) in 0..15, packed two a byte (``_pack_int4``)."""
     out, k_in = weight.shape
     if k_in % INT4_WIDTH:
         raise ValueError(f"quantization 'int4' needs layer input widths that are multiples of {INT4_WIDTH}, "
@@ -140,7 +145,8 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
     q = torch.round((w - low.float()) / step.clamp_min(torch.finfo(torch.float32).tiny))
     q = torch.where(step > 0, q, 0)
     q = q.clamp_(0, 15).to(torch.uint8).view(out, k_in)
-    return QuantizedWeight("int4", _pack_int4(q).contiguous(), torch.cat((scale, low), dim=-1).contiguous())
+    pairs = torch.stack((scale.squeeze(-1), low.squeeze(-1)), dim=1)
+    return QuantizedWeight("int4", _pack_int4(q).contiguous(), pairs.contiguous())
 
 
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}

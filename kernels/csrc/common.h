@@ -64,7 +64,7 @@ typedef struct {
     const void *scales;      /* int8 weights: one per row, in the activations' dtype; else NULL */
     const void *bias;        /* or NULL */
     int n_out, k_in;
-    const void *groups;      /* int4 weights: per row, per INT4_GROUP inputs, (scale, min) as float16; else NULL */
+    const void *groups;      /* int4 weights: per row, each INT4_GROUP inputs' scale, then their minimums (float16); else NULL */
 } lin_t;
 /* rows of x the team kernel takes (and the fused decode step); also read by cpu_kernels.py */
 #define MAX_FUSED_ROWS 8

@@ -56,17 +56,28 @@ static inline __attribute__((always_inline)) __m512 load_w16(const char *p, cons
     return _mm512_maskz_loadu_ps(m, p);
 }
 
-/* NX rows of x quantized for the integer dots, each row k_in values: per value its magnitude
- * (mag) and its signed value (sq); per 64 values a mask of the negative ones (neg), 16 float
- * lanes of scales (lanes 0-7 the first 32 values' scale, lanes 8-15 the second's: vpdpbusd's 16
- * int32 sums each cover 4 consecutive values) and four floats 0, sum, 0, sum holding each 32
- * values' sum (int4 weights' (scale, min) pairs multiply them). */
+/* int4 weights: superblocks of 16 groups of INT4_GROUP inputs (512 inputs; the last one of a
+ * row may hold fewer groups, G). vpdpbusd's int32 lane l sums 4 products of group l, so the 32
+ * values of each group are laid out 4 at a time over 8 steps: step s holds, at bytes 4l..4l+3,
+ * group l's values 4s..4s+3; two steps share a vector of 4G bytes (step 2t in the low 4 bits,
+ * 2t+1 in the high ones). A superblock's lanes then hold whole groups' sums after its 8 steps:
+ * one conversion and one multiply-add by 16 scales serve 16 groups. (quantization.py's _pack_int4
+ * writes this layout.) */
+#define SB_GROUPS 16
+#define SB_INPUTS (SB_GROUPS * INT4_GROUP)
+
+/* NX rows of x quantized for the integer dots, each row k_in values. int8 weights: per value its
+ * magnitude (mag); per 64 values a mask of the negative ones (neg) and 16 float lanes of scales
+ * (scale: lanes 0-7 the first 32 values' scale, lanes 8-15 the second's; vpdpbusd's 16 int32
+ * sums each cover 4 consecutive values). int4 weights: the signed values in the superblock
+ * layout above (sq, 512 bytes a superblock, zeros past a short last one) and per superblock 16
+ * groups' scales and sums (gscale, gsum; zeros past a short one). */
 typedef struct {
     const uint8_t *mag;
     const int8_t *sq;
     const uint64_t *neg;
-    const float *scale, *sum;
-    int chunks;
+    const float *scale, *gscale, *gsum;
+    int chunks, superblocks;
 } q8_rows_t;
 
 #if defined(__AVX512VNNI__)
@@ -78,8 +89,10 @@ static __thread char *q8_buffer;
 static __thread size_t q8_capacity;
 
 static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
-    const int chunks = k_in / Q8_CHUNK;
-    const size_t need = (size_t)rows * (2 * (size_t)k_in + (size_t)chunks * (sizeof(uint64_t) + 20 * sizeof(float)));
+    const int chunks = k_in / Q8_CHUNK, superblocks = (k_in + SB_INPUTS - 1) / SB_INPUTS;
+    const size_t per_row = (size_t)k_in + (size_t)superblocks * (SB_INPUTS + 2 * SB_GROUPS * sizeof(float)) +
+                           (size_t)chunks * (sizeof(uint64_t) + 16 * sizeof(float));
+    const size_t need = (size_t)rows * per_row;
     if (need > q8_capacity) {
         free(q8_buffer);
         q8_capacity = 0;
@@ -87,10 +100,14 @@ static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
         if (q8_buffer == NULL) return 0;
         q8_capacity = need;
     }
+    /* k_in and SB_INPUTS are multiples of 64: every array below starts 64-byte aligned */
     uint8_t *mag = (uint8_t *)q8_buffer;
     int8_t *sq = (int8_t *)(mag + (size_t)rows * k_in);
-    uint64_t *neg = (uint64_t *)(sq + (size_t)rows * k_in); /* k_in is a multiple of 64: aligned */
-    float *scale = (float *)(neg + (size_t)rows * chunks), *sum = scale + (size_t)rows * chunks * 16;
+    float *gscale = (float *)(sq + (size_t)rows * superblocks * SB_INPUTS);
+    float *gsum = gscale + (size_t)rows * superblocks * SB_GROUPS;
+    float *scale = gsum + (size_t)rows * superblocks * SB_GROUPS;
+    uint64_t *neg = (uint64_t *)(scale + (size_t)rows * chunks * 16);
+    memset(sq, 0, (size_t)rows * superblocks * (SB_INPUTS + 2 * SB_GROUPS * sizeof(float)));
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int r = 0; r < rows; ++r) {
         for (int c = 0; c < chunks; ++c) {
@@ -102,30 +119,35 @@ static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
                 a[i] = _mm512_andnot_ps(sign, v[i]);
                 negative[i] = _mm512_cmp_ps_mask(v[i], _mm512_setzero_ps(), _CMP_LT_OQ);
             }
-            float d[2], total[2];
+            float d[2];
             for (int h = 0; h < 2; ++h) {
                 const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a[2 * h], a[2 * h + 1]));
                 const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
                 __m512i block_sum = _mm512_setzero_si512();
+                int8_t group[INT4_GROUP];
                 for (int i = 2 * h; i < 2 * h + 2; ++i) {
                     const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(a[i], inv)); /* nearest even */
                     const __m512i si = _mm512_mask_sub_epi32(qi, negative[i], _mm512_setzero_si512(), qi);
                     _mm_storeu_si128((__m128i *)(mag + at + 16 * i), _mm512_cvtusepi32_epi8(qi));
-                    _mm_storeu_si128((__m128i *)(sq + at + 16 * i), _mm512_cvtsepi32_epi8(si));
+                    _mm_storeu_si128((__m128i *)(group + 16 * (i - 2 * h)), _mm512_cvtsepi32_epi8(si));
                     block_sum = _mm512_add_epi32(block_sum, si);
                 }
                 d[h] = amax / 127.f;
-                total[h] = d[h] * (float)_mm512_reduce_add_epi32(block_sum); /* |sum| <= 32 * 127: exact */
+                const int g = 2 * c + h, sb = g / SB_GROUPS, l = g % SB_GROUPS; /* into the superblock layout */
+                const int64_t slot = (int64_t)r * superblocks + sb;
+                int8_t *steps = sq + slot * SB_INPUTS + 4 * l;
+                for (int step = 0; step < 8; ++step) memcpy(steps + step * 64, group + 4 * step, 4);
+                gscale[slot * SB_GROUPS + l] = d[h];
+                gsum[slot * SB_GROUPS + l] = d[h] * (float)_mm512_reduce_add_epi32(block_sum); /* exact sum */
             }
             neg[(int64_t)r * chunks + c] = (uint64_t)negative[0] | (uint64_t)negative[1] << 16 |
                                            (uint64_t)negative[2] << 32 | (uint64_t)negative[3] << 48;
             _mm512_storeu_ps(scale + lanes,
                              _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1])));
-            float *chunk_sums = sum + ((int64_t)r * chunks + c) * 4; /* 0, sum, 0, sum: against scale, min pairs */
-            chunk_sums[0] = 0.f, chunk_sums[1] = total[0], chunk_sums[2] = 0.f, chunk_sums[3] = total[1];
         }
     }
-    q->mag = mag, q->sq = sq, q->neg = neg, q->scale = scale, q->sum = sum, q->chunks = chunks;
+    q->mag = mag, q->sq = sq, q->neg = neg, q->scale = scale, q->gscale = gscale, q->gsum = gsum;
+    q->chunks = chunks, q->superblocks = superblocks;
     return 1;
 }
 
@@ -154,60 +176,46 @@ static inline __attribute__((always_inline)) void dot_block_q8(const q8_rows_t *
     for (int i = 0; i < NX * NW; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
-/* dot_block for int4 weights (W_INT4; groups: the rows' (scale, min) pairs, group_bytes apart per
- * row) against x quantized by q8_quantize. A row's 4-bit values come in runs of 128 inputs as 64
- * bytes, byte i holding input i (low 4 bits) and input 64 + i (high 4 bits); a last run of 64
- * inputs as 32 bytes, byte i holding inputs i and 32 + i. Per 32 inputs x . w = scale * (x . q) +
- * min * sum(x): x . q summed in integers (q unsigned, x signed), the minimums dotted with x's sums
- * for four chunks at a time (their pairs are loaded once: scale, min, scale, min, ... against 0,
- * sum, 0, sum, ...). */
+/* dot_block for int4 weights (W_INT4, in the superblock layout; groups: per row the groups'
+ * float16 scales, then their minimums, group_bytes apart per row) against x quantized by
+ * q8_quantize: per group, x . w = scale * (x . q) + min * sum(x), with x . q summed in integers (q
+ * unsigned, x signed) over a superblock's 8 steps before one conversion. */
 static inline __attribute__((always_inline)) void dot_block_q4(const q8_rows_t *q, const int NX, const char *w,
                                                                int64_t row_bytes, const char *groups,
                                                                int64_t group_bytes, const int NW, int k_in,
                                                                float *out) {
     __m512 acc[MAX_FUSED_ROWS * ROWS_AT_ONCE / 2];
     for (int i = 0; i < NX * NW; ++i) acc[i] = _mm512_setzero_ps();
-    const __m512i zero = _mm512_setzero_si512(), low4 = _mm512_set1_epi8(0x0F);
-    const int chunks = q->chunks;
-    for (int c = 0; c < chunks; c += 4) {
-        const int n = chunks - c < 4 ? chunks - c : 4;
-        const __mmask16 halves = (__mmask16)((1u << (4 * n)) - 1u);
-        __m512 pairs[ROWS_AT_ONCE];
-        for (int j = 0; j < NW; ++j)
-            pairs[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, groups + j * group_bytes + (int64_t)c * 8));
-        for (int m = 0; m < NX; ++m) {
-            const __m512 sums = _mm512_maskz_loadu_ps(halves, q->sum + ((int64_t)m * chunks + c) * 4);
-            for (int j = 0; j < NW; ++j) acc[m * NW + j] = _mm512_fmadd_ps(pairs[j], sums, acc[m * NW + j]);
-        }
-        for (int k = 0; k < n; ++k) {
-            __m512i qv[ROWS_AT_ONCE];
-            const char *at = w + (int64_t)(c + k) * 32;
-            if ((k & 1) == 0 && k + 1 < n) { /* a 128-input run: this chunk's values, the next's above */
-                for (int j = 0; j < NW; ++j) qv[j] = _mm512_and_si512(_mm512_loadu_si512(at + j * row_bytes), low4);
-            } else if (k & 1) {
-                for (int j = 0; j < NW; ++j)
-                    qv[j] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(at - 32 + j * row_bytes), 4), low4);
-            } else { /* the last run, of 64 inputs */
-                for (int j = 0; j < NW; ++j) {
-                    const __m256i packed = _mm256_loadu_si256((const __m256i *)(at + j * row_bytes));
-                    const __m256i lo = _mm256_and_si256(packed, _mm512_castsi512_si256(low4));
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm512_castsi512_si256(low4));
-                    qv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const int num_groups = k_in / INT4_GROUP;
+    for (int sb = 0; sb < q->superblocks; ++sb) {
+        const int G = num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
+        const __mmask64 bytes = G == SB_GROUPS ? ~(__mmask64)0 : (((__mmask64)1 << (4 * G)) - 1);
+        const __mmask16 lanes = (__mmask16)((1u << G) - 1u);
+        const char *block = w + (int64_t)sb * (SB_INPUTS / 2); /* the superblocks before are whole */
+        __m512i sums[MAX_FUSED_ROWS * ROWS_AT_ONCE / 2];
+        for (int i = 0; i < NX * NW; ++i) sums[i] = _mm512_setzero_si512();
+        for (int t = 0; t < 4; ++t) {
+            for (int j = 0; j < NW; ++j) {
+                const __m512i packed = _mm512_maskz_loadu_epi8(bytes, block + j * row_bytes + (int64_t)t * 4 * G);
+                const __m512i lo = _mm512_and_si512(packed, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+                for (int m = 0; m < NX; ++m) {
+                    const int8_t *x = q->sq + ((int64_t)m * q->superblocks + sb) * SB_INPUTS + (int64_t)t * 128;
+                    sums[m * NW + j] = _mm512_dpbusd_epi32(sums[m * NW + j], lo, _mm512_loadu_si512(x));
+                    sums[m * NW + j] = _mm512_dpbusd_epi32(sums[m * NW + j], hi, _mm512_loadu_si512(x + 64));
                 }
             }
-            /* this chunk's two scales: lanes 0-7 and 8-15 (pairs holds scale, min for its 8 groups) */
-            const __m512i lanes = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(4 * k),
-                                                          _mm512_set1_epi32(4 * k + 2));
-            __m512 wscale[ROWS_AT_ONCE];
-            for (int j = 0; j < NW; ++j) wscale[j] = _mm512_permutexvar_ps(lanes, pairs[j]);
+        }
+        for (int j = 0; j < NW; ++j) {
+            const char *pairs = groups + j * group_bytes + (int64_t)sb * SB_GROUPS * 2;
+            const __m512 wscale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, pairs));
+            const __m512 wmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, pairs + num_groups * 2));
             for (int m = 0; m < NX; ++m) {
-                const __m512i xv = _mm512_loadu_si512(q->sq + (int64_t)m * k_in + (int64_t)(c + k) * Q8_CHUNK);
-                const __m512 scale = _mm512_loadu_ps(q->scale + ((int64_t)m * chunks + c + k) * 16);
-                for (int j = 0; j < NW; ++j) {
-                    const __m512i dots = _mm512_dpbusd_epi32(zero, qv[j], xv);
-                    acc[m * NW + j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), scale), wscale[j],
-                                                      acc[m * NW + j]);
-                }
+                const int64_t slot = ((int64_t)m * q->superblocks + sb) * SB_GROUPS;
+                const __m512 xscale = _mm512_loadu_ps(q->gscale + slot), xsum = _mm512_loadu_ps(q->gsum + slot);
+                __m512 a = _mm512_fmadd_ps(wmin, xsum, acc[m * NW + j]);
+                acc[m * NW + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m * NW + j]), _mm512_mul_ps(wscale, xscale), a);
             }
         }
     }
@@ -386,7 +394,7 @@ static inline void store16(__m512 v, int dtype, char *out) {
  * of another kind or an int4 width not a multiple of 64. */
 int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
     if (!(L->kind == W_INT8 || (L->kind == W_INT4 && L->k_in % Q8_CHUNK == 0 && L->groups != NULL))) return 1;
-    const int k_in = L->k_in, chunks = k_in / Q8_CHUNK, elem = elem_size(dtype);
+    const int k_in = L->k_in, elem = elem_size(dtype);
     const int64_t group_bytes = (int64_t)(k_in / INT4_GROUP) * 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < L->n_out; ++n) {
@@ -406,23 +414,28 @@ int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
             }
             continue;
         }
-        const uint16_t *pairs = (const uint16_t *)((const char *)L->groups + (int64_t)n * group_bytes);
-        for (int c = 0; c < chunks; ++c) { /* the same runs as dot_block_q4 reads */
-            uint8_t q[Q8_CHUNK];
-            const uint8_t *at = (const uint8_t *)w + (int64_t)c * 32;
-            const int last = (c & 1) == 0 && c + 1 == chunks;
-            for (int i = 0; i < Q8_CHUNK; ++i) {
-                if (last)
-                    q[i] = i < 32 ? at[i] & 15 : at[i - 32] >> 4;
-                else
-                    q[i] = (c & 1) ? (at - 32)[i] >> 4 : at[i] & 15;
-            }
-            for (int h = 0; h < 4; ++h) {
-                const int g = 2 * c + h / 2;
-                const float d = _cvtsh_ss(pairs[2 * g]), m = _cvtsh_ss(pairs[2 * g + 1]);
-                const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h))));
-                store16(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(d)), _mm512_set1_ps(m)), dtype,
-                        row + ((int64_t)c * Q8_CHUNK + 16 * h) * elem);
+        const uint16_t *scales = (const uint16_t *)((const char *)L->groups + (int64_t)n * group_bytes);
+        const uint16_t *mins = scales + k_in / INT4_GROUP;
+        const int num_groups = k_in / INT4_GROUP;
+        for (int sb = 0; sb * SB_GROUPS < num_groups; ++sb) { /* the layout dot_block_q4 reads */
+            const int G = num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
+            const uint8_t *block = (const uint8_t *)w + (int64_t)sb * (SB_INPUTS / 2);
+            uint8_t q[SB_INPUTS]; /* group-major: group l's 32 values at 32 l */
+            for (int t = 0; t < 4; ++t)
+                for (int l = 0; l < G; ++l)
+                    for (int i = 0; i < 4; ++i) {
+                        const uint8_t b = block[t * 4 * G + 4 * l + i];
+                        q[INT4_GROUP * l + 4 * (2 * t) + i] = b & 15;
+                        q[INT4_GROUP * l + 4 * (2 * t + 1) + i] = b >> 4;
+                    }
+            for (int l = 0; l < G; ++l) {
+                const int g = sb * SB_GROUPS + l;
+                const __m512 d = _mm512_set1_ps(_cvtsh_ss(scales[g])), m = _mm512_set1_ps(_cvtsh_ss(mins[g]));
+                for (int h = 0; h < 2; ++h) {
+                    const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + INT4_GROUP * l + 16 * h));
+                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+                    store16(_mm512_add_ps(_mm512_mul_ps(v, d), m), dtype, row + ((int64_t)g * INT4_GROUP + 16 * h) * elem);
+                }
             }
         }
     }
