@@ -419,20 +419,22 @@ int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
         const int num_groups = k_in / INT4_GROUP;
         for (int sb = 0; sb * SB_GROUPS < num_groups; ++sb) { /* the layout dot_block_q4 reads */
             const int G = num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
-            const uint8_t *block = (const uint8_t *)w + (int64_t)sb * (SB_INPUTS / 2);
-            uint8_t q[SB_INPUTS]; /* group-major: group l's 32 values at 32 l */
-            for (int t = 0; t < 4; ++t)
-                for (int l = 0; l < G; ++l)
-                    for (int i = 0; i < 4; ++i) {
-                        const uint8_t b = block[t * 4 * G + 4 * l + i];
-                        q[INT4_GROUP * l + 4 * (2 * t) + i] = b & 15;
-                        q[INT4_GROUP * l + 4 * (2 * t + 1) + i] = b >> 4;
-                    }
+            const char *block = w + (int64_t)sb * (SB_INPUTS / 2);
+            const __mmask64 bytes_in = G == SB_GROUPS ? ~(__mmask64)0 : (((__mmask64)1 << (4 * G)) - 1);
+            int32_t steps[8][SB_GROUPS]; /* step s: 4 values of each group, as one int32 a group */
+            for (int t = 0; t < 4; ++t) {
+                const __m512i packed = _mm512_maskz_loadu_epi8(bytes_in, block + (int64_t)t * 4 * G);
+                _mm512_storeu_si512(steps[2 * t], _mm512_and_si512(packed, _mm512_set1_epi8(0x0F)));
+                _mm512_storeu_si512(steps[2 * t + 1], _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F)));
+            }
+            const __m256i step_offsets = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
             for (int l = 0; l < G; ++l) {
                 const int g = sb * SB_GROUPS + l;
                 const __m512 d = _mm512_set1_ps(_cvtsh_ss(scales[g])), m = _mm512_set1_ps(_cvtsh_ss(mins[g]));
+                /* group l's 32 values in order: its int32 of each step */
+                const __m256i values = _mm256_i32gather_epi32(&steps[0][l], step_offsets, 4);
                 for (int h = 0; h < 2; ++h) {
-                    const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + INT4_GROUP * l + 16 * h));
+                    const __m128i bytes = h ? _mm256_extracti128_si256(values, 1) : _mm256_castsi256_si128(values);
                     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
                     store16(_mm512_add_ps(_mm512_mul_ps(v, d), m), dtype, row + ((int64_t)g * INT4_GROUP + 16 * h) * elem);
                 }
