@@ -19,6 +19,9 @@ from kvserve.testing.process import ServerProcess
 
 KERNELS = load_kernels()
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+# int4 superblocks (16 groups of 32 inputs): whole ones, then a last one of 2 groups (8 lanes a
+# group, one step), 4 (4 lanes), 8 (2 lanes) or 6 (1 lane, 8 steps)
+INT4_WIDTHS = [576, 640, 768, 704]
 
 
 def activation_block(k_in: int) -> int:
@@ -69,10 +72,11 @@ def test_int4_groups_are_quantized_within_half_a_step_and_come_back_as_stored():
 @pytest.mark.skipif(KERNELS is None or not KERNELS.fused_rows, reason="kernels built for AVX-512 CPUs")
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_dequantizes_as_torch_does(method, dtype):
-    """The prefill path's weights: the kernel's dequantization is the format's (torch's), every
-    run layout of int4 (704 inputs: runs of 128 and a last one of 64), within one rounding."""
-    w = torch.randn(37, 704, generator=torch.Generator().manual_seed(2)).to(dtype)
+@pytest.mark.parametrize("width", INT4_WIDTHS)
+def test_kernel_dequantizes_as_torch_does(method, dtype, width):
+    """The prefill path's weights: the kernel's dequantization is the format's (torch's), for
+    every superblock shape of int4, within one rounding."""
+    w = torch.randn(37, width, generator=torch.Generator().manual_seed(2)).to(dtype)
     quantized = QUANTIZERS[method](w)
     got, want = quantized.dequantize(dtype), quantized.dequantize_torch(dtype)
     assert got.dtype == dtype and got.shape == want.shape
@@ -107,25 +111,25 @@ def test_linear_is_the_product_with_the_dequantized_weight(method, dtype, rows):
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_kernels_quantize_activations_per_block_of_32(method, dtype, rows):
+@pytest.mark.parametrize("width", INT4_WIDTHS)
+def test_kernels_quantize_activations_per_block_of_32(method, dtype, rows, width):
     """On AVX512-VNNI CPUs the few-row kernels quantize x per 32 values and sum in integers: the
     result is the product of the dequantized weight with x as rounded so, to float precision
     (blocks of very different magnitudes, an all-zero block, a block of negative values, a tie
-    that float32 rounding decides; int4's runs of 128 inputs and a last one of 64); not x's exact
-    product."""
+    that float32 rounding decides; every int4 superblock shape); not x's exact product."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(rows, 704, generator=gen)
+    x = torch.randn(rows, width, generator=gen)
     x[0, :32] *= 300
     x[0, 64:96] = 0
     x[0, 100:130] = -x[0, 100:130].abs() / 50
     x[-1, 128:160] = torch.linspace(-1, 1, 32)
     x[-1, 128], x[-1, 133] = 2.96875, 1.484375  # 1.484375 * (127 / 2.96875) = 63.4999962 in float32
     x = x.to(dtype)
-    w = torch.randn(203, 704, generator=gen)
+    w = torch.randn(203, width, generator=gen)
     bias = torch.randn(203, generator=gen).to(dtype)
     quantized = QUANTIZERS[method](w.to(dtype))
     weight = quantized.dequantize_torch(torch.float64)
-    block = activation_block(704)
+    block = activation_block(width)
     assert block == 32 and activation_block(999) == 0  # widths not a multiple of 64 stay floats
     rounded = as_the_kernel_rounds(x, block).double()
     want = F.linear(rounded, weight, bias.double())

@@ -38,19 +38,30 @@ INT4_WIDTH = 2 * INT4_GROUP  # int4 layers' input widths are multiples of this
 SB_GROUPS = 16  # groups per superblock of the packed layout (csrc/linear.c's SB_GROUPS)
 
 
+def _lanes(groups: int) -> int:
+    """Lanes per group in a superblock of this many groups (csrc/linear.c's sb_lanes)."""
+    return SB_GROUPS // groups if SB_GROUPS % groups == 0 else 1
+
+
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     """4-bit values [out, in] (uint8) two a byte, in csrc/linear.c's superblock layout: per 16
-    groups of INT4_GROUP inputs (fewer in a row's last superblock, G), 8 steps of 4 values of each
-    group (step s: group l's values 4s..4s+3 at bytes 4l..4l+3), steps 2t and 2t + 1 sharing 4G
-    bytes (low and high 4 bits)."""
+    groups of INT4_GROUP inputs (fewer in a row's last superblock, G), each group's 8 quads of 4
+    values spread over P = 16 / G lanes (1 where G does not divide 16) and 8 / P steps (quad u:
+    step u / P, lane g P + u % P); steps 2t and 2t + 1 share a vector (low and high 4 bits); a
+    single step is 32 bytes, its values 0-31 low and 32-63 high."""
     out, k_in = q.shape
     groups = q.view(out, k_in // INT4_GROUP, INT4_GROUP)
     parts = []
     for start in range(0, groups.shape[1], SB_GROUPS):
         block = groups[:, start : start + SB_GROUPS]
         g = block.shape[1]
-        steps = block.reshape(out, g, 8, 4).permute(0, 2, 1, 3).reshape(out, 8, 4 * g)
-        parts.append((steps[:, 0::2] | (steps[:, 1::2] << 4)).reshape(out, 16 * g))
+        lanes = _lanes(g)
+        quads = block.reshape(out, g, 8 // lanes, lanes, 4)  # group, step, lane within the group, value
+        steps = quads.permute(0, 2, 1, 3, 4).reshape(out, 8 // lanes, -1)
+        if steps.shape[1] == 1:
+            parts.append(steps[:, 0, :32] | (steps[:, 0, 32:] << 4))
+        else:
+            parts.append((steps[:, 0::2] | (steps[:, 1::2] << 4)).reshape(out, -1))
     return torch.cat(parts, dim=1)
 
 
@@ -61,9 +72,14 @@ def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     for start in range(0, half, 16 * SB_GROUPS):
         block = packed[:, start : start + 16 * SB_GROUPS]
         g = block.shape[1] // 16
-        pairs = block.reshape(out, 4, 4 * g)
-        steps = torch.stack((pairs & 0x0F, pairs >> 4), dim=2).reshape(out, 8, g, 4)
-        parts.append(steps.permute(0, 2, 1, 3).reshape(out, g * INT4_GROUP))
+        lanes = _lanes(g)
+        if lanes == 8:  # one step
+            steps = torch.cat((block & 0x0F, block >> 4), dim=1).reshape(out, 1, -1)
+        else:
+            pairs = block.reshape(out, 4 // lanes, -1)
+            steps = torch.stack((pairs & 0x0F, pairs >> 4), dim=2).reshape(out, 8 // lanes, -1)
+        quads = steps.reshape(out, 8 // lanes, g, lanes, 4).permute(0, 2, 1, 3, 4)
+        parts.append(quads.reshape(out, g * INT4_GROUP))
     return torch.cat(parts, dim=1)
 
 

@@ -56,15 +56,18 @@ static inline __attribute__((always_inline)) __m512 load_w16(const char *p, cons
     return _mm512_maskz_loadu_ps(m, p);
 }
 
-/* int4 weights: superblocks of 16 groups of INT4_GROUP inputs (512 inputs; the last one of a
- * row may hold fewer groups, G). vpdpbusd's int32 lane l sums 4 products of group l, so the 32
- * values of each group are laid out 4 at a time over 8 steps: step s holds, at bytes 4l..4l+3,
- * group l's values 4s..4s+3; two steps share a vector of 4G bytes (step 2t in the low 4 bits,
- * 2t+1 in the high ones). A superblock's lanes then hold whole groups' sums after its 8 steps:
- * one conversion and one multiply-add by 16 scales serve 16 groups. (quantization.py's _pack_int4
- * writes this layout.) */
+/* int4 weights: superblocks of 16 groups of INT4_GROUP inputs (512 inputs; a row's last one may
+ * hold fewer groups, G). vpdpbusd's int32 lanes each sum 4 products; a group's 32 values are 8
+ * quads, spread over P = 16 / G lanes (G dividing 16; else P = 1) and S = 8 / P steps: quad u of
+ * group g sits in step u / P at lane g P + u % P (bytes 4 lane .. 4 lane + 3). Two steps share a
+ * vector of 4 G P bytes (step 2t in the low 4 bits, 2t + 1 in the high ones); a single step (G =
+ * 2) is 32 bytes, its first 32 values low, the rest high. After a superblock's steps the lanes
+ * hold whole groups' sums (P lanes each): one conversion and one multiply-add by the groups'
+ * scales finish up to 16 groups. (quantization.py's _pack_int4 writes this layout.) */
 #define SB_GROUPS 16
 #define SB_INPUTS (SB_GROUPS * INT4_GROUP)
+/* lanes per group in a superblock of G groups */
+static inline int sb_lanes(int G) { return SB_GROUPS % G == 0 ? SB_GROUPS / G : 1; }
 
 /* NX rows of x quantized for the integer dots, each row k_in values. int8 weights: per value its
  * magnitude (mag); per 64 values a mask of the negative ones (neg) and 16 float lanes of scales
@@ -134,9 +137,11 @@ static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
                 }
                 d[h] = amax / 127.f;
                 const int g = 2 * c + h, sb = g / SB_GROUPS, l = g % SB_GROUPS; /* into the superblock layout */
+                const int G = k_in / INT4_GROUP - sb * SB_GROUPS < SB_GROUPS ? k_in / INT4_GROUP - sb * SB_GROUPS
+                                                                           : SB_GROUPS;
+                const int P = sb_lanes(G);
                 const int64_t slot = (int64_t)r * superblocks + sb;
-                int8_t *steps = sq + slot * SB_INPUTS + 4 * l;
-                for (int step = 0; step < 8; ++step) memcpy(steps + step * 64, group + 4 * step, 4);
+                for (int u = 0; u < 8; ++u) memcpy(sq + slot * SB_INPUTS + (u / P) * 64 + 4 * (l * P + u % P), group + 4 * u, 4);
                 gscale[slot * SB_GROUPS + l] = d[h];
                 gsum[slot * SB_GROUPS + l] = d[h] * (float)_mm512_reduce_add_epi32(block_sum); /* exact sum */
             }
@@ -190,23 +195,36 @@ static inline __attribute__((always_inline)) void dot_block_q4(const q8_rows_t *
     const int num_groups = k_in / INT4_GROUP;
     for (int sb = 0; sb < q->superblocks; ++sb) {
         const int G = num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
-        const __mmask64 bytes = G == SB_GROUPS ? ~(__mmask64)0 : (((__mmask64)1 << (4 * G)) - 1);
+        const int P = sb_lanes(G), S = 8 / P, vb = 4 * G * P; /* lanes a group, steps, bytes a step */
+        const __mmask64 bytes = vb == 64 ? ~(__mmask64)0 : (((__mmask64)1 << vb) - 1);
         const __mmask16 lanes = (__mmask16)((1u << G) - 1u);
         const char *block = w + (int64_t)sb * (SB_INPUTS / 2); /* the superblocks before are whole */
         __m512i sums[MAX_FUSED_ROWS * ROWS_AT_ONCE / 2];
         for (int i = 0; i < NX * NW; ++i) sums[i] = _mm512_setzero_si512();
-        for (int t = 0; t < 4; ++t) {
+        for (int t = 0; t < (S + 1) / 2; ++t) {
             for (int j = 0; j < NW; ++j) {
-                const __m512i packed = _mm512_maskz_loadu_epi8(bytes, block + j * row_bytes + (int64_t)t * 4 * G);
-                const __m512i lo = _mm512_and_si512(packed, low4);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+                __m512i lo, hi;
+                if (S == 1) { /* one step in 32 bytes: values 0-31 low, 32-63 high */
+                    const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + j * row_bytes));
+                    const __m256i l4 = _mm512_castsi512_si256(low4);
+                    lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, l4)),
+                                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), l4), 1);
+                    hi = _mm512_setzero_si512();
+                } else {
+                    const __m512i packed = _mm512_maskz_loadu_epi8(bytes, block + j * row_bytes + (int64_t)t * vb);
+                    lo = _mm512_and_si512(packed, low4);
+                    hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+                }
                 for (int m = 0; m < NX; ++m) {
                     const int8_t *x = q->sq + ((int64_t)m * q->superblocks + sb) * SB_INPUTS + (int64_t)t * 128;
                     sums[m * NW + j] = _mm512_dpbusd_epi32(sums[m * NW + j], lo, _mm512_loadu_si512(x));
-                    sums[m * NW + j] = _mm512_dpbusd_epi32(sums[m * NW + j], hi, _mm512_loadu_si512(x + 64));
+                    if (S > 1) sums[m * NW + j] = _mm512_dpbusd_epi32(sums[m * NW + j], hi, _mm512_loadu_si512(x + 64));
                 }
             }
         }
+        /* lane l of the sums belongs to group l / P */
+        const __m512i group_of_lane = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                        P == 8 ? 3 : (P == 4 ? 2 : (P == 2 ? 1 : 0)));
         for (int j = 0; j < NW; ++j) {
             const char *pairs = groups + j * group_bytes + (int64_t)sb * SB_GROUPS * 2;
             const __m512 wscale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, pairs));
@@ -214,8 +232,9 @@ static inline __attribute__((always_inline)) void dot_block_q4(const q8_rows_t *
             for (int m = 0; m < NX; ++m) {
                 const int64_t slot = ((int64_t)m * q->superblocks + sb) * SB_GROUPS;
                 const __m512 xscale = _mm512_loadu_ps(q->gscale + slot), xsum = _mm512_loadu_ps(q->gsum + slot);
-                __m512 a = _mm512_fmadd_ps(wmin, xsum, acc[m * NW + j]);
-                acc[m * NW + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m * NW + j]), _mm512_mul_ps(wscale, xscale), a);
+                const __m512 a = _mm512_fmadd_ps(wmin, xsum, acc[m * NW + j]);
+                const __m512 scale = _mm512_permutexvar_ps(group_of_lane, _mm512_mul_ps(wscale, xscale));
+                acc[m * NW + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m * NW + j]), scale, a);
             }
         }
     }
@@ -420,19 +439,28 @@ int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
         for (int sb = 0; sb * SB_GROUPS < num_groups; ++sb) { /* the layout dot_block_q4 reads */
             const int G = num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
             const char *block = w + (int64_t)sb * (SB_INPUTS / 2);
-            const __mmask64 bytes_in = G == SB_GROUPS ? ~(__mmask64)0 : (((__mmask64)1 << (4 * G)) - 1);
-            int32_t steps[8][SB_GROUPS]; /* step s: 4 values of each group, as one int32 a group */
-            for (int t = 0; t < 4; ++t) {
-                const __m512i packed = _mm512_maskz_loadu_epi8(bytes_in, block + (int64_t)t * 4 * G);
+            const int P = sb_lanes(G), S = 8 / P, vb = 4 * G * P;
+            const __mmask64 bytes_in = vb == 64 ? ~(__mmask64)0 : (((__mmask64)1 << vb) - 1);
+            int32_t steps[8][SB_GROUPS]; /* as dot_block_q4 reads them: int32 l of step s is 4 values */
+            if (S == 1) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)block), l4 = _mm256_set1_epi8(0x0F);
+                _mm256_storeu_si256((__m256i *)steps[0], _mm256_and_si256(packed, l4));
+                _mm256_storeu_si256((__m256i *)&steps[0][8], _mm256_and_si256(_mm256_srli_epi16(packed, 4), l4));
+            }
+            for (int t = 0; 2 * t < S && S > 1; ++t) {
+                const __m512i packed = _mm512_maskz_loadu_epi8(bytes_in, block + (int64_t)t * vb);
                 _mm512_storeu_si512(steps[2 * t], _mm512_and_si512(packed, _mm512_set1_epi8(0x0F)));
                 _mm512_storeu_si512(steps[2 * t + 1], _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F)));
             }
-            const __m256i step_offsets = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+            /* quad u of a group: step u / P, lane u % P past the group's first */
+            __m256i quad_at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            quad_at = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(quad_at, __builtin_ctz(P)), _mm256_set1_epi32(SB_GROUPS)),
+                                       _mm256_and_si256(quad_at, _mm256_set1_epi32(P - 1)));
             for (int l = 0; l < G; ++l) {
                 const int g = sb * SB_GROUPS + l;
                 const __m512 d = _mm512_set1_ps(_cvtsh_ss(scales[g])), m = _mm512_set1_ps(_cvtsh_ss(mins[g]));
                 /* group l's 32 values in order: its int32 of each step */
-                const __m256i values = _mm256_i32gather_epi32(&steps[0][l], step_offsets, 4);
+                const __m256i values = _mm256_i32gather_epi32(&steps[0][l * P], quad_at, 4);
                 for (int h = 0; h < 2; ++h) {
                     const __m128i bytes = h ? _mm256_extracti128_si256(values, 1) : _mm256_castsi256_si128(values);
                     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
