@@ -69,7 +69,8 @@ static inline __attribute__((always_inline)) __m512 load_w16(const char *p, cons
 /* lanes per group in a superblock of G groups */
 static inline int sb_lanes(int G) { return SB_GROUPS % G == 0 ? SB_GROUPS / G : 1; }
 
-/* NX rows of x quantized for the integer dots, each row k_in values. int8 weights: per value its
+/* NX rows of x quantized for the integer dots (for one kind of weight: q8_quantize fills that
+ * kind's arrays only), each row k_in values. int8 weights: per value its
  * magnitude (mag); per 64 values a mask of the negative ones (neg) and 16 float lanes of scales
  * (scale: lanes 0-7 the first 32 values' scale, lanes 8-15 the second's; vpdpbusd's 16 int32
  * sums each cover 4 consecutive values). int4 weights: the signed values in the superblock
@@ -91,7 +92,7 @@ typedef struct {
 static __thread char *q8_buffer;
 static __thread size_t q8_capacity;
 
-static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
+static int q8_quantize(const float *xf, int rows, int k_in, int for_int4, q8_rows_t *q) {
     const int chunks = k_in / Q8_CHUNK, superblocks = (k_in + SB_INPUTS - 1) / SB_INPUTS;
     const size_t per_row = (size_t)k_in + (size_t)superblocks * (SB_INPUTS + 2 * SB_GROUPS * sizeof(float)) +
                            (size_t)chunks * (sizeof(uint64_t) + 16 * sizeof(float));
@@ -110,7 +111,7 @@ static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
     float *gsum = gscale + (size_t)rows * superblocks * SB_GROUPS;
     float *scale = gsum + (size_t)rows * superblocks * SB_GROUPS;
     uint64_t *neg = (uint64_t *)(scale + (size_t)rows * chunks * 16);
-    memset(sq, 0, (size_t)rows * superblocks * (SB_INPUTS + 2 * SB_GROUPS * sizeof(float)));
+    if (for_int4) memset(sq, 0, (size_t)rows * superblocks * (SB_INPUTS + 2 * SB_GROUPS * sizeof(float)));
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int r = 0; r < rows; ++r) {
         for (int c = 0; c < chunks; ++c) {
@@ -131,20 +132,26 @@ static int q8_quantize(const float *xf, int rows, int k_in, q8_rows_t *q) {
                 for (int i = 2 * h; i < 2 * h + 2; ++i) {
                     const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(a[i], inv)); /* nearest even */
                     const __m512i si = _mm512_mask_sub_epi32(qi, negative[i], _mm512_setzero_si512(), qi);
-                    _mm_storeu_si128((__m128i *)(mag + at + 16 * i), _mm512_cvtusepi32_epi8(qi));
-                    _mm_storeu_si128((__m128i *)(group + 16 * (i - 2 * h)), _mm512_cvtsepi32_epi8(si));
-                    block_sum = _mm512_add_epi32(block_sum, si);
+                    if (for_int4) {
+                        _mm_storeu_si128((__m128i *)(group + 16 * (i - 2 * h)), _mm512_cvtsepi32_epi8(si));
+                        block_sum = _mm512_add_epi32(block_sum, si);
+                    } else {
+                        _mm_storeu_si128((__m128i *)(mag + at + 16 * i), _mm512_cvtusepi32_epi8(qi));
+                    }
                 }
                 d[h] = amax / 127.f;
+                if (!for_int4) continue;
                 const int g = 2 * c + h, sb = g / SB_GROUPS, l = g % SB_GROUPS; /* into the superblock layout */
                 const int G = k_in / INT4_GROUP - sb * SB_GROUPS < SB_GROUPS ? k_in / INT4_GROUP - sb * SB_GROUPS
                                                                            : SB_GROUPS;
                 const int P = sb_lanes(G);
                 const int64_t slot = (int64_t)r * superblocks + sb;
-                for (int u = 0; u < 8; ++u) memcpy(sq + slot * SB_INPUTS + (u / P) * 64 + 4 * (l * P + u % P), group + 4 * u, 4);
+                for (int u = 0; u < 8; ++u) /* quad u: step u / P, lane l P + u % P */
+                    memcpy(sq + slot * SB_INPUTS + (u / P) * 64 + 4 * (l * P + u % P), group + 4 * u, 4);
                 gscale[slot * SB_GROUPS + l] = d[h];
                 gsum[slot * SB_GROUPS + l] = d[h] * (float)_mm512_reduce_add_epi32(block_sum); /* exact sum */
             }
+            if (for_int4) continue;
             neg[(int64_t)r * chunks + c] = (uint64_t)negative[0] | (uint64_t)negative[1] << 16 |
                                            (uint64_t)negative[2] << 32 | (uint64_t)negative[3] << 48;
             _mm512_storeu_ps(scale + lanes,
@@ -369,7 +376,7 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
 #if HAVE_Q8
     if ((L->kind == W_INT8 || L->kind == W_INT4) && L->k_in % Q8_CHUNK == 0) {
         q8_rows_t quantized;
-        if (!q8_quantize(xf, rows, L->k_in, &quantized)) {
+        if (!q8_quantize(xf, rows, L->k_in, L->kind == W_INT4, &quantized)) {
             if (L->kind == W_INT4) { /* a few KiB per thread not to be had: nothing else computes int4 here */
                 fprintf(stderr, "kvserve kernels: out of memory quantizing activations for int4 weights\n");
                 abort();
