@@ -16,7 +16,14 @@ import types
 import typing
 
 from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
-from kvserve.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from kvserve.engine.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from kvserve.logs import LOG_FORMATS, configure_logging
 from kvserve.service.health import HEALTH_PORT_ENV
 from kvserve.service.limits import add_limit_flags, stream_limits
@@ -29,6 +36,7 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "tp_channel": ("auto", "shm", "dist"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "quantization": QUANTIZATIONS,
 }
 HELP = {
     "model": "'default' (the bundled SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file",

@@ -42,6 +42,12 @@ def test_a_wrong_flag_shows_the_subcommands_usage():
     assert "kvserve generate: error: unrecognized arguments: --temprature" in out.stderr
 
 
+def test_an_unknown_quantization_is_a_usage_error_naming_the_choices():
+    out = kvserve("serve", "--quantization", "int3")
+    assert out.returncode == 2
+    assert "argument --quantization: invalid choice: 'int3' (choose from 'int8', 'int4')" in out.stderr
+
+
 def test_every_engine_option_has_a_help_text():
     assert [f.name for f in dataclasses.fields(EngineConfig) if f.name not in HELP] == []
     serve_help = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
