@@ -47,7 +47,7 @@ KV_SCALE_BYTES = header_constant("KV_SCALE_BYTES")
 MAX_GROUP = header_constant("MAX_GROUP")
 MAX_FUSED_ROWS = header_constant("MAX_FUSED_ROWS")
 W_INT8 = header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
-W_INT4 = header_constant("W_INT4")  # ... and for int4 weights with (scale, min) pairs per INT4_GROUP inputs
+W_INT4 = header_constant("W_INT4")  # ... and for int4 weights (a scale and a minimum per INT4_GROUP inputs)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -308,7 +308,8 @@ class CpuKernels:
         multiple of 64): the caller multiplies by the dequantized weight then."""
         if packed.dtype != torch.uint8 or packed.stride(1) != 1 or groups.dtype != torch.float16:
             raise ValueError("int4_linear: uint8 packed rows (contiguous) and float16 groups")
-        return self._linear_rows(x, self.linear_of(packed, bias, None, x.dtype, groups.contiguous()))
+        groups = groups.contiguous()  # (held here: the Linear keeps only its address)
+        return self._linear_rows(x, self.linear_of(packed, bias, None, x.dtype, groups))
 
     def _linear_rows(self, x: torch.Tensor, linear: Linear) -> torch.Tensor | None:
         """csrc/linear.c's ``linear_rows``, or None where it does not take the call."""

@@ -65,10 +65,10 @@ needs_kernels = pytest.mark.skipif(_kernels is None or not _kernels.fused_rows,
 def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantization, kv_cache_dtype,
                                                                 monkeypatch):
     """One sequence at a time, the fused step and the per-op path run the same kernels: the same
-    tokens and log-probabilities. Together (decode steps of 4, 3, 2, 1 rows) the per-op path
-    multiplies in oneDNN's GEMMs and torch's int8 kernel, whose sums run in another order: in
-    float32 the same tokens and log-probabilities within 1e-4 (in bfloat16 a near tie may flip a
-    token; the next test pins the rows there)."""
+    tokens and log-probabilities. Together (decode steps of 4, 3, 2, 1 rows) the per-op path of
+    a float model multiplies in oneDNN's GEMMs, whose sums run in another order: in float32 the
+    same tokens and log-probabilities within 1e-4 (in bfloat16 a near tie may flip a token; the
+    next test pins the rows there)."""
     _int4_needs_vnni(quantization)
     options = {"quantization": quantization} if quantization else {}
     llm = LLM("default", dtype=dtype, max_num_seqs=len(PROMPTS), num_kv_blocks=64,

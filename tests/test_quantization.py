@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kvserve.clients import Client
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.layers.quantization import INT4_GROUP, quantize_int4, quantize_int8
+from kvserve.engine.layers.quantization import INT4_GROUP, QUANTIZERS, quantize_int4, quantize_int8
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS, load_kernels
@@ -18,7 +18,6 @@ from kvserve.testing.plugin import TEST_SERVER_ENV
 from kvserve.testing.process import ServerProcess
 
 KERNELS = load_kernels()
-QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 # int4 superblocks (16 groups of 32 inputs): whole ones, then a last one of 2 groups (8 lanes a
 # group, one step), 4 (4 lanes), 8 (2 lanes) or 6 (1 lane, 8 steps)
 INT4_WIDTHS = [576, 640, 768, 704]
@@ -78,11 +77,12 @@ def test_kernel_dequantizes_as_torch_does(method, dtype, width):
     every superblock shape of int4, within one rounding."""
     w = torch.randn(37, width, generator=torch.Generator().manual_seed(2)).to(dtype)
     quantized = QUANTIZERS[method](w)
-    got, want = quantized.dequantize(dtype), quantized.dequantize_torch(dtype)
-    assert got.dtype == dtype and got.shape == want.shape
+    got = KERNELS.dequantize(quantized.kernel_linear(None, dtype), dtype)  # the kernel's, not a fallback
+    want = quantized.dequantize_torch(dtype)
+    assert got is not None and got.dtype == dtype and got.shape == want.shape
     ulp = 1e-6 if dtype == torch.float32 else 8e-3
     assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-30).all()
-    assert quantized.dequantize(torch.float64).dtype == torch.float64  # not the kernel's: torch's
+    assert torch.equal(quantized.dequantize(dtype), got)  # what the GEMM path multiplies
 
 
 def test_int4_refuses_widths_the_packing_does_not_take():
@@ -98,7 +98,7 @@ def test_linear_is_the_product_with_the_dequantized_weight(method, dtype, rows):
     quantize them); more rows the GEMM on the dequantized weight."""
     gen = torch.Generator().manual_seed(rows)
     w, bias = torch.randn(80, 192, generator=gen).to(dtype), torch.randn(80, generator=gen).to(dtype)
-    x = torch.randn(rows, 192, generator=gen).to(dtype)  # int4: a run of 128 inputs and one of 64
+    x = torch.randn(rows, 192, generator=gen).to(dtype)  # int4: one superblock of 6 groups
     quantized = QUANTIZERS[method](w)
     block = activation_block(192) if rows <= MAX_FUSED_ROWS else 0
     weight = quantized.dequantize_torch(torch.float32)
@@ -121,7 +121,7 @@ def test_kernels_quantize_activations_per_block_of_32(method, dtype, rows, width
     x = torch.randn(rows, width, generator=gen)
     x[0, :32] *= 300
     x[0, 64:96] = 0
-    x[0, 100:130] = -x[0, 100:130].abs() / 50
+    x[0, 96:128] = -x[0, 96:128].abs() / 50
     x[-1, 128:160] = torch.linspace(-1, 1, 32)
     x[-1, 128], x[-1, 133] = 2.96875, 1.484375  # 1.484375 * (127 / 2.96875) = 63.4999962 in float32
     x = x.to(dtype)
@@ -141,6 +141,13 @@ def test_kernels_quantize_activations_per_block_of_32(method, dtype, rows, width
     if dtype == torch.float32:  # (bfloat16's rounding is as large as the activations')
         exact = F.linear(x.double(), weight, bias.double())
         assert ((got - exact).abs() / magnitude).max().item() > 10 * tol
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_no_rows_give_no_rows(method):
+    """A step of prefill chunks only asks the LM head for the logits of 0 rows."""
+    quantized = QUANTIZERS[method](torch.randn(40, 128).to(torch.bfloat16))
+    assert quantized.linear(torch.empty(0, 128, dtype=torch.bfloat16)).shape == (0, 40)
 
 
 def test_unknown_quantization_is_refused_with_the_field_name():

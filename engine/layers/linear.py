@@ -76,8 +76,8 @@ def available_memory() -> int | None:
 
 def pack_model_weights(model: nn.Module, reserved: int = 0, sharers: int = 1) -> int:
     """``pack_weight`` for every layer of ``model`` that multiplies by its ``weight`` through
-    ``linear`` (those with a ``packed`` attribute), unless it holds an int8 copy; the number of
-    bytes the blocked copies add (the plain weights stay: the one-row kernel and the tied
+    ``linear`` (those with a ``packed`` attribute), unless its weight is quantized; the number of
+    bytes the blocked copies add (the plain weights stay: the few-row kernel and the tied
     embedding read them). None are made when they would take more than ``PACK_MEMORY_SHARE`` of
     this process's part of the available memory: what is left after ``reserved`` bytes still to be
     allocated (the KV cache), divided among ``sharers`` processes loading at once (the local

@@ -1,12 +1,14 @@
 """Quantized weights for the CPU (``quantization="int8"`` or ``"int4"``, ``--quantization``).
 
-After the weights are loaded, every projection (and the LM head) keeps its weight quantized:
+After the weights are loaded, every linear projection (and the LM head) keeps its weight
+quantized; mixtures of experts' expert weights stay in the serving dtype:
 
 - **int8**: one scale per output row (symmetric, ``scale = max|w| / 127``), a byte a weight.
-- **int4**: per output row and per 32 inputs a (scale, min) pair in float16, ``w = scale * q +
-  min`` with q in 0..15 (``scale = (max - min) / 15``): 4 bits a weight plus 1 for the pairs, the
-  layout of GGUF's Q4_1 (the bundled model's file is Q4_1, so its weights come back as stored, up
-  to the float16 rounding of its pairs).
+- **int4**: per output row and per 32 inputs a scale and a minimum in float16, ``w = scale * q +
+  min`` with q in 0..15 (``scale = (max - min) / 15``): 4 bits a weight plus 1 for scale and
+  minimum, the scheme of GGUF's Q4_1 in a layout of its own (the bundled model's file is Q4_1, so
+  its weights come back as stored, up to the float16 rounding of its scales and minimums).
+  The LM head takes int8 (``quantize_model``).
 
 At a handful of rows a step only streams weights, so fewer bytes per weight make it faster: up
 to ``MAX_FUSED_ROWS`` rows go through the CPU kernels (kernels/csrc/linear.c; the fused decode
@@ -24,6 +26,7 @@ The tied embedding keeps its float table for lookups; the LM head gets its own q
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +36,11 @@ from kvserve.engine.config import QUANTIZATIONS
 from kvserve.kernels.cpu_build import header_constant
 from kvserve.kernels.cpu_kernels import DTYPES, MAX_FUSED_ROWS, CpuKernels, Linear, kernels_for, load_kernels
 
-INT4_GROUP = header_constant("INT4_GROUP")  # inputs per (scale, min) pair
+log = logging.getLogger("kvserve.engine")
+
+INT4_GROUP = header_constant("INT4_GROUP")  # inputs per scale and minimum
 INT4_WIDTH = 2 * INT4_GROUP  # int4 layers' input widths are multiples of this
-SB_GROUPS = 16  # groups per superblock of the packed layout (csrc/linear.c's SB_GROUPS)
+SB_GROUPS = header_constant("SB_GROUPS")  # groups per superblock of the packed layout (csrc/linear.c)
 
 
 def _lanes(groups: int) -> int:
@@ -118,13 +123,14 @@ class QuantizedWeight:
         """``x W^T + b``."""
         rows = x.reshape(-1, x.shape[-1])
         y = None
-        if rows.shape[0] <= MAX_FUSED_ROWS and (kernels := kernels_for(rows, bias)) is not None:
+        few = 0 < rows.shape[0] <= MAX_FUSED_ROWS  # (a step of prefill chunks only asks for 0 rows of logits)
+        if few and (kernels := kernels_for(rows, bias)) is not None:
             if self.method == "int8":
                 y = kernels.small_linear(rows, self.data, bias, self.scales.to(x.dtype))
             else:
                 y = kernels.int4_linear(rows, self.data, self.scales, bias)
             bias = None if y is not None else bias
-        if y is None and self.method == "int8" and rows.shape[0] <= MAX_FUSED_ROWS and x.device.type == "cpu":
+        if y is None and self.method == "int8" and few and x.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.data, self.scales.to(x.dtype))
         if y is None:
             y = F.linear(rows, self.dequantize(x.dtype))
@@ -152,7 +158,8 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
     out, k_in = weight.shape
     if k_in % INT4_WIDTH:
         raise ValueError(f"quantization 'int4' needs layer input widths that are multiples of {INT4_WIDTH}, "
-                         f"got a weight of shape {list(weight.shape)}")
+                         f"got a weight of shape {list(weight.shape)} (with tensor parallelism, this "
+                         f"rank's shard)")
     w = weight.float().view(out, -1, INT4_GROUP)
     low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
     scale = ((high - low) / 15.0).half()
@@ -177,6 +184,10 @@ def quantize_model(model: torch.nn.Module, method: str, device: torch.device) ->
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {method!r}")
     if device.type != "cpu":
         raise ValueError(f"quantization {method!r} runs on the CPU only, got device {device.type!r}")
+    kernels = load_kernels()
+    if method == "int4" and (kernels is None or not kernels.quantized_activation_block(INT4_WIDTH)):
+        log.warning("int4 weights: the CPU kernels that multiply them (AVX512-VNNI) are not available here; "
+                    "every step multiplies the dequantized weights, slower than --quantization int8")
     for module in model.modules():
         if hasattr(module, "quantize"):
             module.quantize(method)

@@ -1,6 +1,6 @@
 """A decode step of up to 8 sequences in one kernel call (kernels/csrc/decode_row.c).
 
-At one token per step (a single stream), a step on the CPU is ~120 one-row projections of a few hundred
+At one token per step (a single stream), a step on the CPU is ~120 projections of one row, of a few hundred
 microseconds each; the per-op path wakes the second thread for each of them and runs Python
 between them, which cost about a third of the step. ``DecodeRow`` hands the whole stack of
 decoder layers to one C call instead, which keeps one OpenMP team for the step and runs the same

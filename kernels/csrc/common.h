@@ -42,15 +42,18 @@ static inline float kv_row_scale(const char *row, int head_dim) {
 
 typedef union { uint32_t u; float f; } bits32;
 
-/* One-row linears (linear.c), shared with the fused decode row (decode_row.c). */
-/* a weight's element kind (W_F32 and W_BF16 are the DTYPE_* codes; cpu_kernels.py reads W_INT8) */
+/* Few-row linears (linear.c), shared with the fused decode row (decode_row.c). */
+/* a weight's element kind (W_F32 and W_BF16 are the DTYPE_* codes; cpu_kernels.py reads W_INT8 and
+ * W_INT4) */
 #define W_F32 0
 #define W_BF16 1
 #define W_INT8 2
-/* int4: two 4-bit values a byte, per INT4_GROUP inputs a (scale, min) pair: w = scale * q + min
- * (INT4_GROUP is also read by quantization.py) */
+/* int4: two 4-bit values a byte, per INT4_GROUP inputs a scale and a minimum: w = scale * q + min
+ * (Q4_1's scheme), rows in linear.c's superblocks of SB_GROUPS groups (INT4_GROUP and SB_GROUPS
+ * are also read by quantization.py) */
 #define W_INT4 3
 #define INT4_GROUP 32
+#define SB_GROUPS 16
 /* the kernels that need AVX-512 with BW and VL (linear.c's team kernel, decode_row.c) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512_TEAM 1
@@ -64,7 +67,8 @@ typedef struct {
     const void *scales;      /* int8 weights: one per row, in the activations' dtype; else NULL */
     const void *bias;        /* or NULL */
     int n_out, k_in;
-    const void *groups;      /* int4 weights: per row, each INT4_GROUP inputs' scale, then their minimums (float16); else NULL */
+    const void *groups;      /* int4 weights: per row, each INT4_GROUP inputs' scale, then their
+                              * minimums (float16); else NULL */
 } lin_t;
 /* rows of x the team kernel takes (and the fused decode step); also read by cpu_kernels.py */
 #define MAX_FUSED_ROWS 8

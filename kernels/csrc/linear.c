@@ -16,7 +16,7 @@
  * in float. Widening each 16 weights to float took three instructions per 16 products and kept
  * the kernel compute-bound at ~28 GB/s even with the weight in cache; this takes four per 64
  * (one row of x; the model's int8 projections and LM head, 134 MB, two threads: ~1.7x faster).
- * int4 weights (W_INT4, the layout of GGUF's Q4_1) take the same quantized x: their 4-bit values
+ * int4 weights (W_INT4, GGUF Q4_1's scheme) take the same quantized x: their 4-bit values
  * are unsigned, so x's signed bytes multiply them directly, and each 32 values' minimum times
  * the sum of x's 32 values adds the rest. Without AVX512-VNNI int4 is not computed here
  * (linear_takes says so; the callers dequantize).
@@ -64,10 +64,14 @@ static inline __attribute__((always_inline)) __m512 load_w16(const char *p, cons
  * 2) is 32 bytes, its first 32 values low, the rest high. After a superblock's steps the lanes
  * hold whole groups' sums (P lanes each): one conversion and one multiply-add by the groups'
  * scales finish up to 16 groups. (quantization.py's _pack_int4 writes this layout.) */
-#define SB_GROUPS 16
 #define SB_INPUTS (SB_GROUPS * INT4_GROUP)
-/* lanes per group in a superblock of G groups */
+/* groups in superblock sb of a row of num_groups groups, and lanes per group in one of G groups */
+static inline int sb_size(int num_groups, int sb) {
+    return num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
+}
 static inline int sb_lanes(int G) { return SB_GROUPS % G == 0 ? SB_GROUPS / G : 1; }
+/* bytes of an int4 row's per-group scales and minimums (lin_t.groups) */
+static inline int64_t group_row_bytes(int k_in) { return (int64_t)(k_in / INT4_GROUP) * 4; }
 
 /* NX rows of x quantized for the integer dots (for one kind of weight: q8_quantize fills that
  * kind's arrays only), each row k_in values. int8 weights: per value its
@@ -142,9 +146,7 @@ static int q8_quantize(const float *xf, int rows, int k_in, int for_int4, q8_row
                 d[h] = amax / 127.f;
                 if (!for_int4) continue;
                 const int g = 2 * c + h, sb = g / SB_GROUPS, l = g % SB_GROUPS; /* into the superblock layout */
-                const int G = k_in / INT4_GROUP - sb * SB_GROUPS < SB_GROUPS ? k_in / INT4_GROUP - sb * SB_GROUPS
-                                                                           : SB_GROUPS;
-                const int P = sb_lanes(G);
+                const int P = sb_lanes(sb_size(k_in / INT4_GROUP, sb));
                 const int64_t slot = (int64_t)r * superblocks + sb;
                 for (int u = 0; u < 8; ++u) /* quad u: step u / P, lane l P + u % P */
                     memcpy(sq + slot * SB_INPUTS + (u / P) * 64 + 4 * (l * P + u % P), group + 4 * u, 4);
@@ -201,8 +203,7 @@ static inline __attribute__((always_inline)) void dot_block_q4(const q8_rows_t *
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const int num_groups = k_in / INT4_GROUP;
     for (int sb = 0; sb < q->superblocks; ++sb) {
-        const int G = num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
-        const int P = sb_lanes(G), S = 8 / P, vb = 4 * G * P; /* lanes a group, steps, bytes a step */
+        const int G = sb_size(num_groups, sb), P = sb_lanes(G), S = 8 / P, vb = 4 * G * P; /* lanes a group, steps, bytes a step */
         const __mmask64 bytes = vb == 64 ? ~(__mmask64)0 : (((__mmask64)1 << vb) - 1);
         const __mmask16 lanes = (__mmask16)((1u << G) - 1u);
         const char *block = w + (int64_t)sb * (SB_INPUTS / 2); /* the superblocks before are whole */
@@ -233,9 +234,9 @@ static inline __attribute__((always_inline)) void dot_block_q4(const q8_rows_t *
         const __m512i group_of_lane = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                         P == 8 ? 3 : (P == 4 ? 2 : (P == 2 ? 1 : 0)));
         for (int j = 0; j < NW; ++j) {
-            const char *pairs = groups + j * group_bytes + (int64_t)sb * SB_GROUPS * 2;
-            const __m512 wscale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, pairs));
-            const __m512 wmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, pairs + num_groups * 2));
+            const char *scales = groups + j * group_bytes + (int64_t)sb * SB_GROUPS * 2;
+            const __m512 wscale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, scales));
+            const __m512 wmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, scales + num_groups * 2));
             for (int m = 0; m < NX; ++m) {
                 const int64_t slot = ((int64_t)m * q->superblocks + sb) * SB_GROUPS;
                 const __m512 xscale = _mm512_loadu_ps(q->gscale + slot), xsum = _mm512_loadu_ps(q->gsum + slot);
@@ -302,7 +303,7 @@ static inline void finish_block(const lin_t *L, int n0, int NX, int NW, const fl
 }
 
 /* dot_block, or the integer dots for W_Q8 and W_Q4 (kind is a compile-time constant in every
- * caller); groups: W_Q4's (scale, min) pairs of these rows */
+ * caller); groups: W_Q4's per-group scales and minimums of these rows */
 static inline __attribute__((always_inline)) void dot(const float *xf, const char *xh, const q8_rows_t *q,
                                                       const int NX, const char *w, int64_t row_bytes,
                                                       const char *groups, int64_t group_bytes, const int NW,
@@ -327,7 +328,7 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
                                                             const float *xf, const char *xh, const q8_rows_t *q,
                                                             void *y, int dtype, const int kind) {
     const int blocks = L->n_out / NW, k_in = L->k_in;
-    const int64_t row_bytes = L->row_bytes, group_bytes = (int64_t)(k_in / INT4_GROUP) * 4;
+    const int64_t row_bytes = L->row_bytes, group_bytes = group_row_bytes(k_in);
     const char *w = (const char *)L->w, *end = w + (int64_t)blocks * NW * row_bytes;
     const char *groups = (const char *)L->groups;
     float acc[MAX_FUSED_ROWS * ROWS_AT_ONCE / 2];
@@ -369,6 +370,10 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
     const char *h = (const char *)xh;
     const q8_rows_t *q = NULL;
+    if (!linear_takes(L)) { /* a caller's bug: below, int4 bytes would be read as floats */
+        fprintf(stderr, "kvserve kernels: linear_rows_team called with a weight linear_takes refuses\n");
+        abort();
+    }
     if (L->kind == W_BF16) {
         ROWS_SWITCH(W_BF16)
     }
@@ -377,7 +382,7 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
     if ((L->kind == W_INT8 || L->kind == W_INT4) && L->k_in % Q8_CHUNK == 0) {
         q8_rows_t quantized;
         if (!q8_quantize(xf, rows, L->k_in, L->kind == W_INT4, &quantized)) {
-            if (L->kind == W_INT4) { /* a few KiB per thread not to be had: nothing else computes int4 here */
+            if (L->kind == W_INT4) { /* tens of KiB per thread not to be had: nothing else computes int4 here */
                 fprintf(stderr, "kvserve kernels: out of memory quantizing activations for int4 weights\n");
                 abort();
             }
@@ -421,7 +426,7 @@ static inline void store16(__m512 v, int dtype, char *out) {
 int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
     if (!(L->kind == W_INT8 || (L->kind == W_INT4 && L->k_in % Q8_CHUNK == 0 && L->groups != NULL))) return 1;
     const int k_in = L->k_in, elem = elem_size(dtype);
-    const int64_t group_bytes = (int64_t)(k_in / INT4_GROUP) * 4;
+    const int64_t group_bytes = group_row_bytes(k_in);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < L->n_out; ++n) {
         const char *w = (const char *)L->w + (int64_t)n * L->row_bytes;
