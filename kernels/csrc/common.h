@@ -54,7 +54,25 @@ typedef union { uint32_t u; float f; } bits32;
 #define W_INT4 3
 #define INT4_GROUP 32
 #define SB_GROUPS 16
-/* the kernels that need AVX-512 with BW and VL (linear.c's team kernel, decode_row.c) */
+
+/* int4 weights: superblocks of 16 groups of INT4_GROUP inputs (512 inputs; a row's last one may
+ * hold fewer groups, G). vpdpbusd's int32 lanes each sum 4 products; a group's 32 values are 8
+ * quads, spread over P = 16 / G lanes (G dividing 16; else P = 1) and S = 8 / P steps: quad u of
+ * group g sits in step u / P at lane g P + u % P (bytes 4 lane .. 4 lane + 3). Two steps share a
+ * vector of 4 G P bytes (step 2t in the low 4 bits, 2t + 1 in the high ones); a single step (G =
+ * 2) is 32 bytes, its first 32 values low, the rest high. After a superblock's steps the lanes
+ * hold whole groups' sums (P lanes each): one conversion and one multiply-add by the groups'
+ * scales finish up to 16 groups. (quantization.py's _pack_int4 writes this layout; quant_dots.h
+ * multiplies it, dequantize.c unpacks it.) */
+#define SB_INPUTS (SB_GROUPS * INT4_GROUP)
+/* groups in superblock sb of a row of num_groups groups, and lanes per group in one of G groups */
+static inline int sb_size(int num_groups, int sb) {
+    return num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
+}
+static inline int sb_lanes(int G) { return SB_GROUPS % G == 0 ? SB_GROUPS / G : 1; }
+/* bytes of an int4 row's per-group scales and minimums (lin_t.groups) */
+static inline int64_t group_row_bytes(int k_in) { return (int64_t)(k_in / INT4_GROUP) * 4; }
+/* the kernels that need AVX-512 with BW and VL (linear.c's team kernel, decode_row.c, dequantize.c) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512_TEAM 1
 #else
