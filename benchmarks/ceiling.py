@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.layers.linear import linear, pack_weight
-from kvserve.kernels.cpu_kernels import cache_row_width
+from kvserve.kernels.cpu_abi import cache_row_width
 
 GiB = 1 << 30
 BATCH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)

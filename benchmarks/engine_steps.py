@@ -15,7 +15,7 @@ import torch
 
 from kvserve.benchmarks import write_json
 from kvserve.engine import LLM, SamplingParams
-from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS
+from kvserve.kernels.cpu_abi import MAX_FUSED_ROWS
 
 
 class Timed:

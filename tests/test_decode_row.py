@@ -180,7 +180,7 @@ def test_rows_without_a_cache_slot_and_batches_above_the_limit_take_the_per_op_p
     """A row whose slot is -1 (nothing to store: a padding row) makes the C call refuse the step,
     and the per-op path computes it, with the per-op path's result; a decode step of more rows than
     MAX_FUSED_ROWS never reaches the fused step."""
-    from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS
+    from kvserve.kernels.cpu_abi import MAX_FUSED_ROWS
 
     llm = LLM("default", dtype="float32", max_num_seqs=MAX_FUSED_ROWS + 1, num_kv_blocks=64)
     runner = llm.engine.executor

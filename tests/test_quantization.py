@@ -13,7 +13,8 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.layers.quantization import INT4_GROUP, QUANTIZERS, quantize_int4, quantize_int8
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS, load_kernels
+from kvserve.kernels.cpu_abi import MAX_FUSED_ROWS
+from kvserve.kernels.cpu_kernels import load_kernels
 from kvserve.testing.plugin import TEST_SERVER_ENV
 from kvserve.testing.process import ServerProcess
 

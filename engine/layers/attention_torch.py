@@ -47,7 +47,8 @@ from kvserve.engine.layers.attention import (
 )
 from kvserve.engine.layers.kv_quant import dequantize_rows, quantize_rows
 from kvserve.engine.model_input import ModelInput, blocks_for, step_block_tables
-from kvserve.kernels.cpu_kernels import CpuKernels, cache_row_width, kernels_for
+from kvserve.kernels.cpu_abi import cache_row_width
+from kvserve.kernels.cpu_kernels import CpuKernels, kernels_for
 
 # A decode group is cut where a sequence's context is shorter than this share of the group's
 # longest: below it, padding would cost more than running one more group.

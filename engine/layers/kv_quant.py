@@ -1,7 +1,7 @@
 """The int8 KV cache (``kv_cache_dtype="int8"``, the torch backend): each cache row, one token of
 one KV head, holds ``head_dim`` int8 values followed by the 4 bytes of their float32 scale, so a
 row is ``head_dim + 4`` bytes instead of ``2 * head_dim`` (bfloat16) or ``4 * head_dim``
-(``cpu_kernels.cache_row_width``; the layout is written once, in kernels/csrc/common.h).
+(``cpu_abi.cache_row_width``; the layout is written once, in kernels/csrc/common.h).
 
 A row is quantized symmetrically on its own: ``scale = max|x| / 127``, ``q = round(x / scale)``
 (half to even; an all-zero row stores zeros and scale 0), and read back as ``q * scale``. A
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kernels.cpu_kernels import KV_SCALE_BYTES as SCALE_BYTES  # a row's float32 scale (common.h)
+from kvserve.kernels.cpu_abi import KV_SCALE_BYTES as SCALE_BYTES  # a row's float32 scale (common.h)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels.cpu_kernels import DTYPES, kernels_for
+from kvserve.kernels.cpu_abi import DTYPES
+from kvserve.kernels.cpu_kernels import kernels_for
 
 
 class RMSNorm(nn.Module):

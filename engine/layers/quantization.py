@@ -33,13 +33,14 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.engine.config import QUANTIZATIONS
+from kvserve.kernels.cpu_abi import DTYPES, MAX_FUSED_ROWS, Linear
 from kvserve.kernels.cpu_build import header_constant
-from kvserve.kernels.cpu_kernels import DTYPES, MAX_FUSED_ROWS, CpuKernels, Linear, kernels_for, load_kernels
+from kvserve.kernels.cpu_kernels import CpuKernels, kernels_for, load_kernels
 
 log = logging.getLogger("kvserve.engine")
 
 INT4_GROUP = header_constant("INT4_GROUP")  # inputs per scale and minimum
-INT4_WIDTH = 2 * INT4_GROUP  # int4 layers' input widths are multiples of this
+INT4_WIDTH = header_constant("INT4_WIDTH")  # int4 layers' input widths are multiples of this
 SB_GROUPS = header_constant("SB_GROUPS")  # groups per superblock of the packed layout (csrc/linear.c)
 
 

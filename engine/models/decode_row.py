@@ -26,14 +26,8 @@ from kvserve.engine.layers.attention_torch import TorchAttentionImpl, TorchAtten
 from kvserve.engine.layers.norm import RMSNorm
 from kvserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from kvserve.engine.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
-from kvserve.kernels.cpu_kernels import (
-    DTYPES,
-    CpuKernels,
-    RowLayer,
-    RowStep,
-    kernels_for,
-    load_kernels,
-)
+from kvserve.kernels.cpu_abi import DTYPES, RowLayer, RowStep
+from kvserve.kernels.cpu_kernels import CpuKernels, kernels_for, load_kernels
 
 # the layers whose forward decode_row.c computes (their exact classes: a subclass may change it)
 ROW_LAYERS = {LlamaDecoderLayer: LlamaAttention, Qwen2DecoderLayer: Qwen2Attention}

@@ -18,7 +18,7 @@ from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallel
 from kvserve.engine.layers.norm import RMSNorm
 from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from kvserve.engine.parallel import ParallelContext
-from kvserve.kernels.cpu_kernels import MAX_FUSED_ROWS
+from kvserve.kernels.cpu_abi import MAX_FUSED_ROWS
 
 
 def head_dim_of(config) -> int:

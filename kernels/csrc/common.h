@@ -54,6 +54,8 @@ typedef union { uint32_t u; float f; } bits32;
 #define W_INT4 3
 #define INT4_GROUP 32
 #define SB_GROUPS 16
+/* int4 rows' widths are multiples of this (the kernels take x 64 values at a time) */
+#define INT4_WIDTH 64
 
 /* int4 weights: superblocks of 16 groups of INT4_GROUP inputs (512 inputs; a row's last one may
  * hold fewer groups, G). vpdpbusd's int32 lanes each sum 4 products; a group's 32 values are 8
@@ -88,6 +90,9 @@ typedef struct {
     const void *groups;      /* int4 weights: per row, each INT4_GROUP inputs' scale, then their
                               * minimums (float16); else NULL */
 } lin_t;
+/* whether L's int4 weight is one the kernels lay out (its scales and minimums given, its width a
+ * multiple of INT4_WIDTH) */
+static inline int int4_layout(const lin_t *L) { return L->k_in % INT4_WIDTH == 0 && L->groups != NULL; }
 /* rows of x the team kernel takes (and the fused decode step); also read by cpu_kernels.py */
 #define MAX_FUSED_ROWS 8
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype);

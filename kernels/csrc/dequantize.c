@@ -33,8 +33,7 @@ static inline void store16(__m512 v, int dtype, char *out) {
  * by num_threads threads: for multiplying many rows (a prefill) in the GEMM. 0, or 1 for a weight
  * of another kind or an int4 width not a multiple of 64. */
 int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
-    if (!(L->kind == W_INT8 || (L->kind == W_INT4 && L->k_in % (2 * INT4_GROUP) == 0 && L->groups != NULL)))
-        return 1;
+    if (!(L->kind == W_INT8 || (L->kind == W_INT4 && int4_layout(L)))) return 1;
     const int k_in = L->k_in, elem = elem_size(dtype);
     const int64_t group_bytes = group_row_bytes(k_in);
 #pragma omp parallel for schedule(static) num_threads(num_threads)

@@ -209,7 +209,7 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
 
 /* whether linear_rows_team computes L: int4 weights need AVX512-VNNI and widths a multiple of 64 */
 int linear_takes(const lin_t *L) {
-    return L->kind != W_INT4 || (HAVE_Q8 && L->k_in % Q8_CHUNK == 0 && L->groups != NULL);
+    return L->kind != W_INT4 || (HAVE_Q8 && int4_layout(L));
 }
 
 /* y = x L^T for rows (1..MAX_FUSED_ROWS) contiguous rows of x, in a team of its own
