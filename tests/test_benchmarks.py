@@ -113,6 +113,22 @@ def test_serving_benchmark_alternates_rounds_on_fresh_workloads(tiny_llama, caps
     assert serving.make_workload(args, seed=0)[0].prompt != serving.make_workload(args, seed=1)[0].prompt
 
 
+def test_grpc_floor_counts_every_message_and_bounds_the_ratio(capsys, tmp_path):
+    from kvserve.benchmarks import grpc_floor
+
+    out_json = tmp_path / "floor.json"
+    grpc_floor.main(["--num-requests", "6", "--concurrency", "3", "--tokens", "5", "--step-ms", "1",
+                     "--in-process-cpu", "0.01", "--in-process-wall", "0.02", "--cores", "2",
+                     "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert "30 messages over 3 streams" in out and "service / in-process <=" in out
+    figures = json.loads(out_json.read_text())
+    assert figures["messages"] == 30  # every stream read to its end (the server's last message included)
+    assert figures["server_cpu_s"] >= 0 and figures["client_cpu_s"] > 0  # the server's in clock ticks
+    floor_wall = (0.01 + figures["server_cpu_s"] + figures["client_cpu_s"]) / 2
+    assert figures["best_ratio"] == pytest.approx(0.02 / max(0.02, floor_wall))
+
+
 def test_serving_benchmark_rounds_need_a_started_server_and_the_comparison():
     from kvserve.benchmarks import serving
 
