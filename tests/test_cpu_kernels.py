@@ -264,9 +264,16 @@ def test_argmax_is_torchs_first_maximum_with_ties_and_nan():
     logits[4, 10_239] = float("inf")
     logits[5, :300] = float("-inf")
     logits[6, [123, 5000]] = torch.tensor([-float("nan"), float("nan")])  # x86 makes negative NaNs
+    logits[7] = -float("inf")  # nothing but -inf: index 0
+    logits[8] = -1.0
+    logits[8, [300, 700]] = torch.tensor([-0.0, 0.0])  # -0 and +0 are equal: the first wins
+    logits[9, 10_239] = 60.0  # the largest in the last (short) chunk's tail
     assert torch.equal(KERNEL.argmax(logits), logits.argmax(-1))
     narrow = logits[:, :100]  # rows not contiguous with each other, width below one chunk
     assert torch.equal(KERNEL.argmax(narrow), narrow.argmax(-1))
+    for width in (1, 15, 17, 33, 255, 257, 10_001):  # every tail of the 32- and 16-wide steps
+        part = logits[:, -width:]
+        assert torch.equal(KERNEL.argmax(part), part.argmax(-1)), width
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
