@@ -2,7 +2,9 @@
 torch backend against the torch-ops path it replaces; the fused elementwise kernels against the
 torch ops they replace; the build, cache and fallback rules."""
 
+import ctypes
 import logging
+import subprocess
 
 import pytest
 import torch
@@ -255,7 +257,7 @@ def test_kernels_for_answers_none_where_the_kernels_do_not_apply():
     assert cpu_kernels.kernels_for(torch.zeros(2, 4, dtype=torch.bfloat16)) is KERNEL
 
 
-def test_argmax_is_torchs_first_maximum_with_ties_and_nan():
+def _argmax_cases() -> torch.Tensor:
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(300, 10_240, generator=gen)
     logits[1, [7, 9000]] = 50.0  # a tie: the first wins
@@ -268,12 +270,44 @@ def test_argmax_is_torchs_first_maximum_with_ties_and_nan():
     logits[8] = -1.0
     logits[8, [300, 700]] = torch.tensor([-0.0, 0.0])  # -0 and +0 are equal: the first wins
     logits[9, 10_239] = 60.0  # the largest in the last (short) chunk's tail
-    assert torch.equal(KERNEL.argmax(logits), logits.argmax(-1))
+    logits[10, ::2] = 5.0  # ties in every lane
+    return logits
+
+
+def _check_argmax(argmax) -> None:
+    logits = _argmax_cases()
+    assert torch.equal(argmax(logits), logits.argmax(-1))
     narrow = logits[:, :100]  # rows not contiguous with each other, width below one chunk
-    assert torch.equal(KERNEL.argmax(narrow), narrow.argmax(-1))
-    for width in (1, 15, 17, 33, 255, 257, 10_001):  # every tail of the 32- and 16-wide steps
+    assert torch.equal(argmax(narrow), narrow.argmax(-1))
+    for width in (1, 15, 17, 33, 255, 257, 10_001):  # every tail of the vector steps and chunks
         part = logits[:, -width:]
-        assert torch.equal(KERNEL.argmax(part), part.argmax(-1)), width
+        assert torch.equal(argmax(part), part.argmax(-1)), width
+
+
+def test_argmax_is_torchs_first_maximum_with_ties_and_nan():
+    _check_argmax(KERNEL.argmax)
+
+
+def test_argmax_without_avx512_is_torchs_too(tmp_path):
+    """The portable argmax (CPUs without AVX-512) against torch: elementwise.c built on its own
+    with AVX-512 switched off."""
+    cc = cpu_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    lib = tmp_path / "elementwise_portable.so"
+    source = cpu_build.SOURCE_DIR / "elementwise.c"
+    subprocess.run([cc, *cpu_build.FLAGS, "-mno-avx512f", "-o", str(lib), str(source)], check=True,
+                   capture_output=True)
+    argmax_rows = ctypes.CDLL(str(lib)).argmax_rows
+    argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                            ctypes.c_int]
+
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        assert argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), 1) == 0
+        return out
+
+    _check_argmax(argmax)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
