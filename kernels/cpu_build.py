@@ -1,9 +1,10 @@
 """Building the CPU kernels (``csrc/*.c``) and caching the shared object (cpu_kernels.py loads it).
 
-Build: ``$CC`` or ``cc`` with ``-O3 -march=native -fopenmp`` and the flags below; the shared
-object is cached under ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve``), named by a
-hash of the sources, the flags, the compiler's version and this CPU's feature flags, so a cache
-shared between machines never hands one CPU another's instructions.
+Build: ``$CC`` or ``cc`` with ``-O3 -march=native -fopenmp`` and the flags below, each source on
+its own process (as many at once as there are CPUs), then linked; the shared object is cached
+under ``$KVSERVE_CACHE_DIR/kernels`` (default ``~/.cache/kvserve``), named by a hash of the
+sources, the flags, the compiler's version and this CPU's feature flags, so a cache shared
+between machines never hands one CPU another's instructions.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
 
 
 def header_constant(name: str) -> int:
@@ -67,10 +70,27 @@ def build(cc: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        c_files = [str(p) for p in sources() if p.suffix == ".c"]
-        result = subprocess.run([cc, *FLAGS, "-o", str(built), *c_files], capture_output=True, text=True,
-                                timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+        objects = _compile_each(cc, [p for p in sources() if p.suffix == ".c"], Path(tmp))
+        _run(cc, [cc, *LINK_FLAGS, "-o", str(built), *objects])
         os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
     return target
+
+
+def _compile_each(cc: str, c_files: list[Path], out_dir: Path) -> list[str]:
+    """Each source to an object file, on as many processes as there are CPUs, the largest first
+    (attention.c alone takes most of the build: ~27 s of ~42 on the development machine)."""
+    c_files = sorted(c_files, key=lambda p: p.stat().st_size, reverse=True)
+    objects = [str(out_dir / f"{p.stem}.o") for p in c_files]
+    compile_flags = [f for f in FLAGS if f != "-shared"]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(c_files), os.cpu_count() or 1))) as pool:
+        jobs = [pool.submit(_run, cc, [cc, *compile_flags, "-c", "-o", obj, str(src)])
+                for src, obj in zip(c_files, objects, strict=True)]
+        for job in jobs:
+            job.result()
+    return objects
+
+
+def _run(cc: str, cmd: list[str]) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"{cc} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
