@@ -9,9 +9,9 @@
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_`` and ``store_kv``
   (csrc/elementwise.c): one pass each where eager torch runs several ops, each with its own
   allocation and thread-pool wake-up.
-- ``argmax`` (csrc/elementwise.c): the greedy pick; torch's CPU argmax is not vectorized (2.2 ms
+- ``argmax`` (csrc/sampling.c): the greedy pick; torch's CPU argmax is not vectorized (2.2 ms
   for 256 rows of 10,240 logits, where a max over the same rows takes 0.1 ms).
-- ``inverse_cdf_draw`` (csrc/elementwise.c): the random pick, one pass for the maximum and one
+- ``inverse_cdf_draw`` (csrc/sampling.c): the random pick, one pass for the maximum and one
   for exp and chunk sums, then a walk inside one chunk (torch: amax, exp, cumsum, searchsorted).
 
 Why C: small plain C (no torch headers), so a build takes a second or two, with the compiler

@@ -8,6 +8,9 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
+/* below this many values a row-parallel kernel runs on one thread: waking the others costs more */
+#define PARALLEL_MIN_ELEMENTS (1 << 16)
+
 /* Bytes per element of a DTYPE_* */
 static inline int elem_size(int dtype) { return dtype == DTYPE_BF16 ? 2 : 4; }
 
