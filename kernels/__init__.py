@@ -1,27 +1,32 @@
-"""kvserve.kernels: Triton kernels for the paged KV cache (needs the ``triton`` package).
+"""kvserve.kernels: Triton kernels for the paged KV cache (needs the ``triton`` package), and the
+CPU kernels in C (``cpu_kernels``, ``cpu_build``; no Triton).
 
-On a machine without a GPU they run under Triton's interpreter (``TRITON_INTERPRET=1`` set
-before this package is first imported), which is how the tests check them on the CPU.
+The Triton names below are imported on first use (PEP 562), so a process that runs only the CPU
+kernels never imports Triton. On a machine without a GPU the Triton kernels run under Triton's
+interpreter (``TRITON_INTERPRET=1`` set before they are first imported), which is how the tests
+check them on the CPU.
 """
 
-from kvserve.kernels.kv_store import store_kv_cache
-from kvserve.kernels.paged_attention import (
-    DecodeWorkspace,
-    decode_num_splits,
-    device_sm_count,
-    paged_decode_attention,
-    paged_prefill_attention,
-    prefill_tile_shape,
-    prefill_work,
-)
+import importlib
 
-__all__ = [
-    "DecodeWorkspace",
-    "decode_num_splits",
-    "device_sm_count",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "prefill_tile_shape",
-    "prefill_work",
-    "store_kv_cache",
-]
+_LAZY = {
+    "store_kv_cache": "kv_store",
+    "DecodeWorkspace": "paged_attention",
+    "decode_num_splits": "paged_attention",
+    "device_sm_count": "paged_attention",
+    "paged_decode_attention": "paged_attention",
+    "paged_prefill_attention": "paged_attention",
+    "prefill_tile_shape": "paged_attention",
+    "prefill_work": "paged_attention",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
