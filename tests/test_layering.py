@@ -1,10 +1,14 @@
 """Which part of kvserve may import which: the engine knows nothing of the network, the
 service nothing of the clients, the clients nothing of the server. Only the command line
-(``cli.py``), the benchmarks and the test harness (``testing/``) gather them."""
+(``cli.py``), the benchmarks and the test harness (``testing/``) gather them. And an engine on
+the CPU never imports Triton (kvserve.kernels loads its Triton modules on first use)."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +54,27 @@ def test_the_checker_sees_lazy_imports(tmp_path):
     module.write_text("def f():\n    from kvserve.clients.client import Client\n"
                       "    import kvserve.service.cli\n")
     assert kvserve_imports(module) == {"clients", "service"}
+
+
+CPU_ENGINE = """
+import sys
+from kvserve.engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", num_kv_blocks=32, max_model_len=128)
+out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+assert len(out[0].token_ids) == 4
+print("TRITON IMPORTED", "triton" in sys.modules)
+"""
+
+
+def test_an_engine_on_the_cpu_never_imports_triton(tmp_path):
+    """Importing Triton costs ~0.3 s at start, and its bindings print "leaked instances" at exit."""
+    import torch
+
+    from kvserve.benchmarks.random_model import write_random_model
+
+    model = write_random_model("qwen3-tiny", tmp_path, dtype=torch.float32)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", CPU_ENGINE, str(model)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TRITON IMPORTED False" in done.stdout
