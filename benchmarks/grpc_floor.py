@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -60,7 +61,7 @@ async def _serve(step_s: float) -> None:
     from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
     ticker = _Ticker(step_s)
-    counter = iter(range(1 << 62))
+    counter = itertools.count()
 
     class Bare(llm_pb2_grpc.LLMServiceServicer):
         async def Stream(self, request, context):  # noqa: N802 (the proto's name)

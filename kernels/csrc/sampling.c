@@ -31,9 +31,18 @@ static inline int64_t first_nan(const float *row) {
 
 #if defined(__AVX512F__)
 #define ARGMAX_CHAINS 4
+/* One chain's step over the 16 values v at index i: a lane takes v where it is strictly larger */
+static inline __attribute__((always_inline)) void argmax_step(__m512 v, int i, __m512 *best, __m512i *at,
+                                                              __mmask16 *nan) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __mmask16 larger = _mm512_cmp_ps_mask(v, *best, _CMP_GT_OQ);
+    *nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    *best = _mm512_mask_mov_ps(*best, larger, v);
+    *at = _mm512_mask_mov_epi32(*at, larger, _mm512_add_epi32(lanes, _mm512_set1_epi32(i)));
+}
+
 static int64_t argmax_row(const float *row, int width) {
     const __m512 lowest = _mm512_set1_ps(-INFINITY);
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 best[ARGMAX_CHAINS];
     __m512i at[ARGMAX_CHAINS];
     for (int c = 0; c < ARGMAX_CHAINS; ++c) {
@@ -42,22 +51,12 @@ static int64_t argmax_row(const float *row, int width) {
     }
     __mmask16 nan = 0;
     int i = 0;
-    for (; i + 16 * ARGMAX_CHAINS <= width; i += 16 * ARGMAX_CHAINS) {
-        for (int c = 0; c < ARGMAX_CHAINS; ++c) {
-            const __m512 v = _mm512_loadu_ps(row + i + 16 * c);
-            const __mmask16 larger = _mm512_cmp_ps_mask(v, best[c], _CMP_GT_OQ);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            best[c] = _mm512_mask_mov_ps(best[c], larger, v);
-            at[c] = _mm512_mask_mov_epi32(at[c], larger, _mm512_add_epi32(lanes, _mm512_set1_epi32(i + 16 * c)));
-        }
-    }
+    for (; i + 16 * ARGMAX_CHAINS <= width; i += 16 * ARGMAX_CHAINS)
+        for (int c = 0; c < ARGMAX_CHAINS; ++c)
+            argmax_step(_mm512_loadu_ps(row + i + 16 * c), i + 16 * c, &best[c], &at[c], &nan);
     for (; i < width; i += 16) { /* the tail, into chain 0 (its indices are larger than any there) */
         const __mmask16 k = width - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (width - i)) - 1u);
-        const __m512 v = _mm512_mask_loadu_ps(lowest, k, row + i);
-        const __mmask16 larger = _mm512_cmp_ps_mask(v, best[0], _CMP_GT_OQ);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        best[0] = _mm512_mask_mov_ps(best[0], larger, v);
-        at[0] = _mm512_mask_mov_epi32(at[0], larger, _mm512_add_epi32(lanes, _mm512_set1_epi32(i)));
+        argmax_step(_mm512_mask_loadu_ps(lowest, k, row + i), i, &best[0], &at[0], &nan);
     }
     if (nan) return first_nan(row);
     for (int c = 1; c < ARGMAX_CHAINS; ++c) { /* per lane: the larger value, the smaller index among equals */
