@@ -54,7 +54,7 @@ RUN pip install ".[gpu]" \
 # runtime's settings (which driver parts to mount) and matching system libraries.
 # Triton compiles a small C launcher for each kernel at its first use (the KV-store kernel runs
 # during start-up): it needs a C compiler, the C library headers and Python.h, so the runtime
-# stage has gcc, libc6-dev and python3-dev. The CPU path's C kernels (kernels/csrc) are built by
+# stage has gcc, libc6-dev and python3-dev. The CPU path's C kernels (kernels/cpu/csrc) are built by
 # the same gcc at the first CPU start. Compiled kernels go to TRITON_CACHE_DIR and
 # KVSERVE_CACHE_DIR, on a volume: mount one (docker run -v kvserve-cache:/var/cache/kvserve) and
 # restarts skip the compiles.

@@ -1,52 +1,45 @@
-"""The ``kvserve`` command line: one parser that gathers every subcommand.
+"""The ``kvserve`` command line (also ``python -m kvserve``): one parser that gathers every subcommand.
 
 ``serve`` comes from ``kvserve.service.cli``, ``generate`` / ``chat`` / ``stats`` from
-``kvserve.clients.commands``, ``bench`` from ``kvserve.benchmarks.serving`` and ``worker`` from
-``kvserve.engine.worker``. This module is the only place that imports all of them, so the
-service, the clients and the benchmarks never import one another for the command line's sake.
+``kvserve.clients.commands``, and the pass-through commands from the modules in ``PASS_THROUGH``:
+``bench`` (the serving benchmark), ``worker`` (tensor-parallel workers) and ``engine-core`` (the
+engine-core process the server starts). This module is the only place that imports all of them, so
+the service, the clients and the benchmarks never import one another for the command line's sake.
+The engine's child processes are started by these names (``python -m kvserve worker|engine-core``),
+which stay when a file moves; a pass-through command imports only its own module.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
-from kvserve.clients.commands import add_client_commands
-from kvserve.service.cli import add_serve_command
-
-# subcommands whose own parsers own every flag (-h included); the rest of argv goes to them
-PASS_THROUGH = ("worker", "bench")
+# subcommands whose own parsers own every flag (-h included): the rest of argv goes to the
+# ``main(argv)`` of their module, imported only then
+PASS_THROUGH = {
+    "worker": ("kvserve.engine.executor.worker",
+               "tensor-parallel workers of a further machine (see `kvserve worker -h`)"),
+    "bench": ("kvserve.benchmarks.serving.bench", "serving benchmark (see `kvserve bench -h`)"),
+    "engine-core": ("kvserve.engine.core.core_process", argparse.SUPPRESS),  # started by the server
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="an LLM inference service over gRPC")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from kvserve.clients.commands import add_client_commands
+    from kvserve.service.cli import add_serve_command
+
     add_serve_command(sub)
-    worker = sub.add_parser("worker", add_help=False,
-                            help="tensor-parallel workers of a further machine (see `kvserve worker -h`)")
-    worker.add_argument("args", nargs=argparse.REMAINDER)
-    worker.set_defaults(func=cmd_worker)
+    for name, (_, help_text) in PASS_THROUGH.items():
+        sub.add_parser(name, add_help=False, help=help_text).add_argument("args", nargs=argparse.REMAINDER)
     add_client_commands(sub)
-    bench = sub.add_parser("bench", add_help=False, help="serving benchmark (see `kvserve bench -h`)")
-    bench.add_argument("args", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=cmd_bench)
     for name, subparser in sub.choices.items():
         if name not in PASS_THROUGH:
             subparser.set_defaults(subparser=subparser)  # for errors that need the subcommand's usage
     return parser
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    from kvserve.engine.worker import main as worker_main
-
-    return worker_main(args.args)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from kvserve.benchmarks.serving import main as bench_main
-
-    return bench_main(args.args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     if argv and argv[0] in PASS_THROUGH:
-        return build_parser().parse_args(argv[:1]).func(argparse.Namespace(args=argv[1:]))
+        return importlib.import_module(PASS_THROUGH[argv[0]][0]).main(argv[1:])
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # reported by the subcommand, whose usage lists the flags it takes
         args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -1,4 +1,7 @@
-"""kvserve.benchmarks."""
+"""kvserve.benchmarks: benchmarks that run the peer in the same run and print the ratio. Offline
+throughput (``offline``), one stream (``single_stream``), a step's profile (``profile_step``), the
+CPU attention kernel (``attention_cpu``), ``serving/`` and what they share: the peers (``peers``),
+figures (``plots``), ``instruments/`` and structured output's cost (``structured``)."""
 
 from __future__ import annotations
 

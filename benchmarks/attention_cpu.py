@@ -1,6 +1,6 @@
 """The CPU attention kernel against torch's own CPU attention, one layer at a time.
 
-Both run through the torch backend's attention layer (``engine/layers/attention_torch.py``), once
+Both run through the torch backend's attention layer (``engine/layers/attention/torch_backend.py``), once
 with the kernel and once as torch ops (what runs without a C compiler): decode is the row gather
 plus batched matmuls, prefill ``F.scaled_dot_product_attention`` (torch's CPU flash kernel,
 causal, grouped-query). Decode: ``--batch`` sequences of ``--context`` cached tokens, one new
@@ -10,7 +10,7 @@ shape by default (the bundled model: 9 query heads, 3 KV heads, head dim 64); ea
 fastest of ``--repeats``; the largest difference between the two outputs is printed beside the
 ratio. (The engine sends prefills to the kernel only on CPUs without AMX; the kernel figure
 here is the kernel's wherever it runs, and the line after the shapes says which one the engine
-takes on this CPU.) ``--kv-cache-dtype int8`` reads an int8 cache (engine/layers/kv_quant.py)
+takes on this CPU.) ``--kv-cache-dtype int8`` reads an int8 cache (engine/layers/attention/kv_quant.py)
 on both paths.
 
     python -m kvserve.benchmarks.attention_cpu [--dtype bfloat16] [--kv-cache-dtype int8]
@@ -25,12 +25,12 @@ from unittest import mock
 import torch
 
 from kvserve.benchmarks import write_json
-from kvserve.benchmarks.ceiling import best_time
+from kvserve.benchmarks.instruments.ceiling import best_time
 from kvserve.engine.config import KV_CACHE_DTYPES
-from kvserve.engine.layers import attention_torch
-from kvserve.engine.layers.kv_quant import quantize_rows
+from kvserve.engine.layers.attention import torch_backend as attention_torch
+from kvserve.engine.layers.attention.kv_quant import quantize_rows
 from kvserve.engine.model_input import ModelInput, blocks_for
-from kvserve.kernels.cpu_kernels import load_kernels
+from kvserve.kernels.cpu.bindings import load_kernels
 
 CPU = torch.device("cpu")
 

@@ -180,19 +180,19 @@ MODEL="$SCRATCH/$SHAPE"
 # (written on first use)
 bench() {
   printf '[[ -e %q/config.json ]] || %s || exit; %s' "$MODEL" \
-    "$(printf '%q ' "$PY" -m kvserve.benchmarks.random_model "$SHAPE" "$MODEL")" \
+    "$(printf '%q ' "$PY" -m kvserve.testing.random_model "$SHAPE" "$MODEL")" \
     "$(printf '%q ' "$PY" -m kvserve.benchmarks.offline --model "$MODEL" "${BENCH[@]}" --peer "$1" --quiet)"
 }
 
 for step in "${STEPS[@]}"; do
   case $step in
-    kernels) run_step kernels "$(limit_for 150)" "${PYTEST[@]}" tests/test_kernels.py tests/test_kernel_variants.py \
-               tests/test_moe.py ;;
-    parity) run_step parity "$(limit_for 90)" "${PYTEST[@]}" tests/test_attention_triton.py -k "not graph" ;;
-    moe) run_step moe "$(limit_for 120)" "${PYTEST[@]}" tests/test_moe_models.py -k "gpu or logits" ;;
-    graphs) run_step graphs "$(limit_for 150)" "${PYTEST[@]}" tests/test_cuda_graphs.py tests/test_model_runner_graphs.py \
-              tests/test_attention_triton.py::test_graph_decode_metadata_over_padded_static_buffers_gives_the_same_rows \
-              tests/test_attention_triton.py::test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode ;;
+    kernels) run_step kernels "$(limit_for 150)" "${PYTEST[@]}" tests/kernels/triton/test_kernels.py tests/kernels/triton/test_kernel_variants.py \
+               tests/engine/layers/test_moe.py ;;
+    parity) run_step parity "$(limit_for 90)" "${PYTEST[@]}" tests/engine/layers/attention/test_attention_triton.py -k "not graph" ;;
+    moe) run_step moe "$(limit_for 120)" "${PYTEST[@]}" tests/engine/models/test_moe_models.py -k "gpu or logits" ;;
+    graphs) run_step graphs "$(limit_for 150)" "${PYTEST[@]}" tests/engine/runner/test_cuda_graphs.py tests/engine/runner/test_model_runner_graphs.py \
+              tests/engine/layers/attention/test_attention_triton.py::test_graph_decode_metadata_over_padded_static_buffers_gives_the_same_rows \
+              tests/engine/layers/attention/test_attention_triton.py::test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode ;;
     throughput) run_step throughput "$(limit_for 300)" bash -c "$(bench none)" ;;
   esac
 done

@@ -2,7 +2,7 @@
 
 N requests (default 64) of random token ids, prompts of 32–512 tokens, 32–256 new tokens each,
 ignore_eos, seed 0. Prints output tokens/s for kvserve; then the machine's ceiling for the same
-workload, measured in the same run (``benchmarks/ceiling.py``: the matmul time of the model's
+workload, measured in the same run (``benchmarks/instruments/ceiling.py``: the matmul time of the model's
 projections at the batch sizes the workload passes through, and the memory read bandwidth), and
 kvserve's share of it; with ``--peer hf`` / ``hf-batch``, Hugging Face transformers on the same
 requests, and the ratio. The peer is loaded only once kvserve is shut down and its KV cache freed,
@@ -24,7 +24,7 @@ import time
 import torch
 
 from kvserve.benchmarks import write_json
-from kvserve.benchmarks.ceiling import (
+from kvserve.benchmarks.instruments.ceiling import (
     MatmulCeiling,
     ideal_workload_time,
     kv_bytes_per_token,
@@ -34,7 +34,7 @@ from kvserve.benchmarks.peers import load_transformers_model
 from kvserve.benchmarks.structured import run_structured_overhead
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import KV_CACHE_DTYPES
-from kvserve.engine.loader import load_hf_config
+from kvserve.engine.model_loader.loader import load_hf_config
 
 
 def make_requests(n: int, prompt_range, output_range, seed: int, vocab: int = 10000):

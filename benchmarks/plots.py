@@ -1,7 +1,7 @@
 """Figures of the benchmarks' JSON results (matplotlib, the ``plot`` or ``dev`` extra), written
 as small PNGs.
 
-- ``plot_serving_sweep``: a serving sweep over concurrency levels (benchmarks/serving.py with
+- ``plot_serving_sweep``: a serving sweep over concurrency levels (benchmarks/serving/bench.py with
   ``--concurrency 1,8,32,128``): output tokens/s, and TTFT / inter-token latency percentiles,
   against concurrency.
 - ``plot_offline``: an offline run (benchmarks/offline.py): kvserve's output tokens/s next to

@@ -4,7 +4,7 @@ Decode: ``--batch`` requests with prompts of ``--context`` random tokens are pre
 ``--rounds`` rounds of ``--steps`` decode steps are timed (the whole ``LLMEngine.step``:
 scheduling, inputs, forward, sampling at ``--temperature``), split into the model forward and the
 sampler, each round followed by the time of the same batch's weight multiplications alone
-(``benchmarks/ceiling.py``). Interleaved, both see the same load on a shared machine; the fastest
+(``benchmarks/instruments/ceiling.py``). Interleaved, both see the same load on a shared machine; the fastest
 round of each is kept.
 
 Prefill: prompts of ``--context`` tokens with ``max_tokens=1``, so every step is a prefill chunk
@@ -49,14 +49,21 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.benchmarks import engine_steps, write_json
-from kvserve.benchmarks.ceiling import MatmulCeiling
-from kvserve.benchmarks.engine_steps import Timed, abort_all, patched, prefill_batch, random_prompts
-from kvserve.benchmarks.procfs import scheduled_cpu_s
+from kvserve.benchmarks import write_json
+from kvserve.benchmarks.instruments import engine_steps
+from kvserve.benchmarks.instruments.ceiling import MatmulCeiling
+from kvserve.benchmarks.instruments.engine_steps import (
+    Timed,
+    abort_all,
+    patched,
+    prefill_batch,
+    random_prompts,
+)
+from kvserve.benchmarks.instruments.procfs import scheduled_cpu_s
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import KV_CACHE_DTYPES
-from kvserve.engine.loader import load_hf_config
-from kvserve.engine.threads import available_cpus
+from kvserve.engine.model_loader.loader import load_hf_config
+from kvserve.engine.process.threads import available_cpus
 
 
 class _Round(NamedTuple):

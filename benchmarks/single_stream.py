@@ -2,7 +2,7 @@
 
 For each ``--quantization`` variant (``none`` = the serving dtype's weights), in one run: requests
 of random prompt ids run one at a time (``max_num_seqs=1``), as llama.cpp's single-stream figure
-is measured; then greedy continuations of the parity prompts of ``tests/test_engine.py`` are
+is measured; then greedy continuations of the parity prompts of ``tests/engine/core/test_engine.py`` are
 compared with the first variant's: how many tokens agree before the first difference.
 
 The peer, ``--peer llama.cpp`` (the default when ``benchmarks/llamacpp`` has its node package:
@@ -29,7 +29,7 @@ import torch
 from kvserve.benchmarks import write_json
 from kvserve.benchmarks.offline import make_requests
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.loader import ModelSource, resolve_model
+from kvserve.engine.model_loader.loader import ModelSource, resolve_model
 
 PEER_DIR = Path(__file__).resolve().parent / "llamacpp"
 PEER_SCRIPT = PEER_DIR / "single_stream.mjs"

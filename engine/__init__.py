@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "LLMEngine":
-        from kvserve.engine.llm_engine import LLMEngine
+        from kvserve.engine.core.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(name)

@@ -11,7 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own limit when max_model_len is not given
 QUANTIZATIONS = ("int8", "int4")  # quantized weights, CPU (engine/layers/quantization.py)
-KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: CPU (engine/layers/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: CPU (engine/layers/attention/kv_quant.py)
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class EngineConfig:
     threads: int | None = None  # CPU intra-op threads per rank; None: the usable CPUs / local ranks
     quantization: str | None = None  # "int8" / "int4": quantized weights on the CPU; None: in dtype
     kv_cache_dtype: str = "auto"  # "int8": an int8 KV cache on the CPU; auto: the model's dtype
-    # tensor parallel across machines (torch.distributed); see engine/distributed.py
+    # tensor parallel across machines (torch.distributed); see engine/distributed/channels.py
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.core.llm_engine import LLMEngine
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.engine.sampling_params import SamplingParams
 

@@ -1,5 +1,6 @@
-"""kvserve.kernels: Triton kernels for the paged KV cache (needs the ``triton`` package), and the
-CPU kernels in C (``cpu_kernels``, ``cpu_build``; no Triton).
+"""kvserve.kernels: the kernels by target. ``triton/`` holds the GPU kernels (paged attention, the
+KV-cache store, fused MoE; they need the ``triton`` package), ``cpu/`` the C kernels, their build
+and their ctypes bindings (no Triton). Nothing here imports ``kvserve.engine``.
 
 The Triton names below are imported on first use (PEP 562), so a process that runs only the CPU
 kernels never imports Triton. On a machine without a GPU the Triton kernels run under Triton's
@@ -10,14 +11,14 @@ check them on the CPU.
 import importlib
 
 _LAZY = {
-    "store_kv_cache": "kv_store",
-    "DecodeWorkspace": "paged_attention",
-    "decode_num_splits": "paged_attention",
-    "device_sm_count": "paged_attention",
-    "paged_decode_attention": "paged_attention",
-    "paged_prefill_attention": "paged_attention",
-    "prefill_tile_shape": "paged_attention",
-    "prefill_work": "paged_attention",
+    "store_kv_cache": "triton.kv_store",
+    "DecodeWorkspace": "triton.paged_attention",
+    "decode_num_splits": "triton.paged_attention",
+    "device_sm_count": "triton.paged_attention",
+    "paged_decode_attention": "triton.paged_attention",
+    "paged_prefill_attention": "triton.paged_attention",
+    "prefill_tile_shape": "triton.paged_attention",
+    "prefill_work": "triton.paged_attention",
 }
 
 __all__ = sorted(_LAZY)

@@ -15,7 +15,6 @@ import os
 import types
 import typing
 
-from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -24,10 +23,11 @@ from kvserve.engine.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
+from kvserve.engine.frontend.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.logs import LOG_FORMATS, configure_logging
+from kvserve.service.guards.limits import add_limit_flags, stream_limits
+from kvserve.service.guards.security import add_security_flags, security_settings
 from kvserve.service.health import HEALTH_PORT_ENV
-from kvserve.service.limits import add_limit_flags, stream_limits
-from kvserve.service.security import add_security_flags, security_settings
 
 ALIASES = {"tensor_parallel_size": ["--tp"]}
 CHOICES = {
@@ -156,7 +156,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvserve.service.security import server_credentials
+    from kvserve.service.guards.security import server_credentials
     from kvserve.service.server import ServeSettings, serve
 
     configure_logging(args.log_level, args.log_format)

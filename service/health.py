@@ -8,7 +8,7 @@ import asyncio
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from kvserve.engine.engine_state import EngineState
+from kvserve.engine.frontend.engine_state import EngineState
 from kvserve.service.methods import LLM_SERVICE
 
 HEALTH_SERVICES = ("", LLM_SERVICE.full_name)

@@ -1,7 +1,7 @@
 """Regenerates the Python stubs of ``proto/kvserve/v1/*.proto`` (``make proto``).
 
 The stubs are committed beside the .proto files so that the package installs without a
-build step; ``tests/test_proto_stubs.py`` fails when they no longer match the .proto.
+build step; ``tests/service/test_proto_stubs.py`` fails when they no longer match the .proto.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ while everything else stays behind TLS and the API key. It shows nothing but tha
 
 This process is the front-end: it owns the network, tokenization and admission; the engine
 core (scheduler, model, sampler, detokenizer) runs in a child process that ``AsyncEngine``
-starts (engine/async_engine.py). If the engine dies, the requests in flight end with
+starts (engine/frontend/async_engine.py). If the engine dies, the requests in flight end with
 UNAVAILABLE and the server exits with status 1, so a supervisor restarts it
 (``--no-exit-on-engine-failure`` keeps it up, NOT_SERVING, as before).
 """
@@ -26,16 +26,21 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from kvserve.engine.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S, AsyncEngine, EngineState
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.frontend.async_engine import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_STEP_TIMEOUT_S,
+    AsyncEngine,
+    EngineState,
+)
+from kvserve.service.api.servicer import LLMServicer
+from kvserve.service.guards.limits import StreamLimitInterceptor, StreamLimits
+from kvserve.service.guards.malformed import MalformedRequestInterceptor
+from kvserve.service.guards.security import ApiKeyInterceptor, SecuritySettings, warn_if_exposed
 from kvserve.service.health import Health
-from kvserve.service.limits import StreamLimitInterceptor, StreamLimits
-from kvserve.service.malformed import MalformedRequestInterceptor
 from kvserve.service.methods import HEALTH_SERVICE, LLM_SERVICE
-from kvserve.service.observability import Observability, served_model_name
 from kvserve.service.reflection import enable_reflection
-from kvserve.service.security import ApiKeyInterceptor, SecuritySettings, warn_if_exposed
-from kvserve.service.servicer import LLMServicer
+from kvserve.service.telemetry.observability import Observability, served_model_name
 from kvserve.v1 import llm_pb2_grpc
 
 log = logging.getLogger("kvserve.service")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvserve.engine import LLM
-from kvserve.engine.block_manager import BlockManager
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.core.block_manager import BlockManager
+from kvserve.engine.core.scheduler import Scheduler
 
 
 def with_control_plane(llm: LLM, **changes) -> LLM:

@@ -57,7 +57,7 @@ class ServerProcess:
             raise
 
     def _start(self, timeout: float) -> ServerProcess:
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+        cmd = [sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--port", "0",
                *self.flags]
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "wb") as log:  # the child keeps its own handle

@@ -22,7 +22,7 @@ from kvserve.testing.plugin import TEST_SERVER_ENV
 
 pytest_plugins = ["kvserve.testing.plugin"]
 
-KVSERVE = [sys.executable, "-m", "kvserve.cli"]
+KVSERVE = [sys.executable, "-m", "kvserve"]
 
 
 def kvserve(*args: str, **kw) -> subprocess.CompletedProcess:

@@ -70,7 +70,7 @@ def test_an_engine_on_the_cpu_never_imports_triton(tmp_path):
     """Importing Triton costs ~0.3 s at start, and its bindings print "leaked instances" at exit."""
     import torch
 
-    from kvserve.benchmarks.random_model import write_random_model
+    from kvserve.testing.random_model import write_random_model
 
     model = write_random_model("qwen3-tiny", tmp_path, dtype=torch.float32)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

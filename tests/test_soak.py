@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvserve.benchmarks.procfs import process_tree
+from kvserve.benchmarks.instruments.procfs import process_tree
 from kvserve.clients import AsyncClient, Client
 from kvserve.testing.plugin import wait_until_idle
 

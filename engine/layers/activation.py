@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels.cpu_kernels import kernels_for
+from kvserve.kernels.cpu.bindings import kernels_for
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

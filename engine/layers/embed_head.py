@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.linear import linear
 from kvserve.engine.layers.quantization import QuantizedWeight, quantize_int8
-from kvserve.engine.parallel import ParallelContext
 
 
 class VocabParallelEmbedding(nn.Module):

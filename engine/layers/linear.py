@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.distributed.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.engine.layers.quantization import QUANTIZERS, QuantizedWeight
-from kvserve.engine.parallel import ParallelContext, divide, kv_head_shard
-from kvserve.kernels.cpu_kernels import kernels_for
+from kvserve.kernels.cpu.bindings import kernels_for
 
 log = logging.getLogger("kvserve.engine.layers")
 GiB = 1 << 30
@@ -31,7 +31,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; on the CPU, one row (a single stream's decode step) goes through the C kernel,
     which reads the weight at memory speed where torch's one-row bfloat16 matmul reads it at
-    less than half of that (kernels/cpu_kernels.py ``small_linear``), and more rows through
+    less than half of that (kernels/cpu/bindings.py ``small_linear``), and more rows through
     ``packed`` (``pack_weight``) where there is one."""
     if x.dim() == 2 and x.shape[0] == 1 and (kernels := kernels_for(x, weight, bias)) is not None:
         return kernels.small_linear(x, weight, bias)
@@ -54,7 +54,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     torch's CPU bfloat16 matmul takes the plain [out, in] weight and re-blocks it for its
     AMX/AVX-512 kernels inside every call; the blocked copy is made once. Measured on a Xeon with
     AMX, the bundled model's projections at 48 rows: 25-47 ms -> 17-27 ms in the same runs, the
-    same products (``benchmarks/ceiling.py`` times both)."""
+    same products (``benchmarks/instruments/ceiling.py`` times both)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if can_pack(weight) else None
 
 

@@ -7,7 +7,7 @@ for Qwen2-MoE, a sigmoid-gated shared expert that every token runs).
 - Experts: one fused tensor per layer, ``gate_up_proj`` ``[E, 2 * I, H]`` (gate rows, then up
   rows) and ``down_proj`` ``[E, H, I]``. On the CPU, ``grouped_experts`` sorts the (token,
   expert) pairs by expert and runs each active expert once on all of its tokens; on CUDA the
-  Triton kernel of ``kvserve.kernels.fused_moe`` does the same in two grouped-GEMM launches.
+  Triton kernel of ``kvserve.kernels.triton.fused_moe`` does the same in two grouped-GEMM launches.
 - Tensor parallel: every rank holds every expert, sliced along the intermediate dimension
   (gate/up rows and down columns), so each rank's output is a partial sum and the one
   all-reduce after the layer is the dense MLP's. The router is replicated.
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.distributed.parallel import ParallelContext, divide
 from kvserve.engine.layers.activation import SiluAndMul, silu_and_mul
 from kvserve.engine.layers.linear import (
     LinearBase,
@@ -34,7 +35,6 @@ from kvserve.engine.layers.linear import (
     RowParallelLinear,
     copy_weight,
 )
-from kvserve.engine.parallel import ParallelContext, divide
 
 PARTS = ("gate", "up", "down")
 
@@ -99,7 +99,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """The Triton kernel on CUDA (no host read-back: CUDA-graph safe), the grouped path elsewhere."""
     if x.is_cuda:
-        from kvserve.kernels.fused_moe import fused_moe
+        from kvserve.kernels.triton.fused_moe import fused_moe
 
         return fused_moe(x, w13, w2, topk_weights, topk_ids)
     return grouped_experts(x, w13, w2, topk_weights, topk_ids)

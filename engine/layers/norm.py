@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels.cpu_abi import DTYPES
-from kvserve.kernels.cpu_kernels import kernels_for
+from kvserve.kernels.cpu.abi import DTYPES
+from kvserve.kernels.cpu.bindings import kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. The sum is
         written into ``residual``: the decoder layers hand the running residual from one norm to
         the next and never read the old value again."""
-        # on the CPU: one fused pass (kernels/csrc/elementwise.c); 3-D (per-head) rows without residual
+        # on the CPU: one fused pass (kernels/cpu/csrc/elementwise.c); 3-D (per-head) rows without residual
         if (self.weight.dtype in DTYPES and (x.dim() == 2 or (residual is None and x.dim() == 3))
                 and (kernels := kernels_for(x, residual)) is not None):
             out = kernels.rms_norm(x, self.weight, self.eps, residual)

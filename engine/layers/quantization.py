@@ -11,7 +11,7 @@ quantized; mixtures of experts' expert weights stay in the serving dtype:
   The LM head takes int8 (``quantize_model``).
 
 At a handful of rows a step only streams weights, so fewer bytes per weight make it faster: up
-to ``MAX_FUSED_ROWS`` rows go through the CPU kernels (kernels/csrc/linear.c; the fused decode
+to ``MAX_FUSED_ROWS`` rows go through the CPU kernels (kernels/cpu/csrc/linear.c; the fused decode
 step uses the same ones). On CPUs with AVX512-VNNI those quantize the activations too, per 32
 values (scale = max|x| / 127), and sum 64 products per instruction in integers, as llama.cpp does
 for its quantized files; widening each weight to float instead kept them compute-bound at about
@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.engine.config import QUANTIZATIONS
-from kvserve.kernels.cpu_abi import DTYPES, MAX_FUSED_ROWS, Linear
-from kvserve.kernels.cpu_build import header_constant
-from kvserve.kernels.cpu_kernels import CpuKernels, kernels_for, load_kernels
+from kvserve.kernels.cpu.abi import DTYPES, MAX_FUSED_ROWS, Linear
+from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for, load_kernels
+from kvserve.kernels.cpu.build import header_constant
 
 log = logging.getLogger("kvserve.engine")
 

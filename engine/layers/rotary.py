@@ -12,8 +12,8 @@ import math
 import torch
 from torch import nn
 
-from kvserve.kernels.cpu_abi import MAX_HEAD_DIM
-from kvserve.kernels.cpu_kernels import kernels_for
+from kvserve.kernels.cpu.abi import MAX_HEAD_DIM
+from kvserve.kernels.cpu.bindings import kernels_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

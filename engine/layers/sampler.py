@@ -28,7 +28,7 @@ import torch
 
 from kvserve.engine.outputs import TokenLogprobs
 from kvserve.engine.sequence import Sequence
-from kvserve.kernels.cpu_kernels import kernels_for
+from kvserve.kernels.cpu.bindings import kernels_for
 
 _MASK64 = (1 << 64) - 1
 # on CPU, top_p first looks for its cutoff among this many largest logits (a full sort is slow)
@@ -134,7 +134,7 @@ def _row_kernels(logits: torch.Tensor):
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first largest logit; on the CPU by the vectorized kernel (kernels/cpu_kernels.py)."""
+    """Each row's first largest logit; on the CPU by the vectorized kernel (kernels/cpu/bindings.py)."""
     if (kernels := _row_kernels(logits)) is not None:
         return kernels.argmax(logits)
     return logits.argmax(dim=-1)

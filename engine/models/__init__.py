@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from kvserve.engine.layers.attention import AttentionBackend, create_attention_backend
+from kvserve.engine.distributed.parallel import ParallelContext
+from kvserve.engine.layers.attention.backend import AttentionBackend, create_attention_backend
 from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from kvserve.engine.layers.moe import FusedExperts
 from kvserve.engine.models.llama import LlamaForCausalLM
@@ -22,7 +23,6 @@ from kvserve.engine.models.qwen2 import Qwen2ForCausalLM
 from kvserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvserve.engine.models.qwen3 import Qwen3ForCausalLM
 from kvserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
-from kvserve.engine.parallel import ParallelContext
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -126,6 +126,6 @@ def random_weights(hf_config, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
 
 def init_random_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill ``model`` (any tensor-parallel rank) with the weights of ``random_weights``."""
-    from kvserve.engine.loader import load_named_weights
+    from kvserve.engine.model_loader.loader import load_named_weights
 
     load_named_weights(model, random_weights(model.config, seed))

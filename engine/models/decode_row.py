@@ -1,10 +1,10 @@
-"""A decode step of up to 8 sequences in one kernel call (kernels/csrc/decode_row.c).
+"""A decode step of up to 8 sequences in one kernel call (kernels/cpu/csrc/decode_row.c).
 
 At one token per step (a single stream), a step on the CPU is ~120 projections of one row, of a few hundred
 microseconds each; the per-op path wakes the second thread for each of them and runs Python
 between them, which cost about a third of the step. ``DecodeRow`` hands the whole stack of
 decoder layers to one C call instead, which keeps one OpenMP team for the step and runs the same
-kernels with the same roundings (tests/test_decode_row.py pins its tokens and logits to the
+kernels with the same roundings (tests/engine/models/test_decode_row.py pins its tokens and logits to the
 per-op path's).
 
 It runs when every condition holds, else the step takes the per-op path unchanged: the CPU
@@ -22,12 +22,12 @@ import ctypes
 
 import torch
 
-from kvserve.engine.layers.attention_torch import TorchAttentionImpl, TorchAttentionMetadata
+from kvserve.engine.layers.attention.torch_backend import TorchAttentionImpl, TorchAttentionMetadata
 from kvserve.engine.layers.norm import RMSNorm
 from kvserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from kvserve.engine.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
-from kvserve.kernels.cpu_abi import DTYPES, RowLayer, RowStep
-from kvserve.kernels.cpu_kernels import CpuKernels, kernels_for, load_kernels
+from kvserve.kernels.cpu.abi import DTYPES, RowLayer, RowStep
+from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for, load_kernels
 
 # the layers whose forward decode_row.c computes (their exact classes: a subclass may change it)
 ROW_LAYERS = {LlamaDecoderLayer: LlamaAttention, Qwen2DecoderLayer: Qwen2Attention}

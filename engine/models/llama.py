@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.activation import SiluAndMul
-from kvserve.engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from kvserve.engine.layers.attention.backend import Attention, AttentionBackend, AttentionMetadata
 from kvserve.engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvserve.engine.layers.norm import RMSNorm
 from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from kvserve.engine.parallel import ParallelContext
-from kvserve.kernels.cpu_abi import MAX_FUSED_ROWS
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
 
 
 def head_dim_of(config) -> int:

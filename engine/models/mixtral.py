@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.moe import ExpertNames, SparseMoeBlock
 from kvserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from kvserve.engine.parallel import ParallelContext
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.moe import ExpertNames, SparseMoeBlock
 from kvserve.engine.models.llama import LlamaModel
 from kvserve.engine.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
 from kvserve.engine.models.qwen3_moe import is_sparse_layer
-from kvserve.engine.parallel import ParallelContext
 
 
 class Qwen2MoeAttention(Qwen2Attention):

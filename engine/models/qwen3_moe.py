@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.moe import ExpertNames, SparseMoeBlock
 from kvserve.engine.models.llama import LlamaModel
 from kvserve.engine.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
-from kvserve.engine.parallel import ParallelContext
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:

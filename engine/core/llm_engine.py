@@ -1,0 +1,356 @@
+"""The engine loop: requests in, per-step token/text deltas out.
+
+``LLMEngine`` owns the scheduler, block manager, model runner (or tensor-parallel executor),
+sampler and detokenizers. It is not thread-safe: one thread drives it (``LLM.generate`` in
+process, the service's engine thread under gRPC). ``add_request`` validates at the door;
+``step`` runs one scheduler + model step; ``abort`` ends a request in any state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+from kvserve.engine.config import EngineConfig, resolve_max_model_len
+from kvserve.engine.core.block_manager import BlockManager
+from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.executor.executor import create_executor
+from kvserve.engine.layers.sampler import Sampler
+from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
+from kvserve.engine.model_loader.loader import (
+    load_generation_eos,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model,
+)
+from kvserve.engine.outputs import RequestOutput, TokenLogprobs
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sequence import FinishReason, Sequence
+from kvserve.engine.structured.constraints import Constraint, constraint_of
+from kvserve.engine.structured.grammar import StructuredOutput
+from kvserve.engine.tokenizer.detokenizer import RequestText
+from kvserve.engine.tokenizer.prompts import PromptEncoder
+
+log = logging.getLogger("kvserve.engine")
+
+COMPILE_WAIT_S = 0.05  # an idle engine waits this long for a grammar compile before stepping again
+
+
+@dataclass
+class _Choice:
+    """One of a request's n completions."""
+
+    seq: Sequence
+    index: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    choices: list[_Choice]
+    unfinished: int = 0  # choices that have not finished yet
+    text: RequestText | None = None  # the detokenizers, when this engine detokenizes
+
+    @property
+    def seq(self) -> Sequence:
+        """Choice 0, the one that is prefilled."""
+        return self.choices[0].seq
+
+
+class LLMEngine:
+    """``detokenize=False`` (the engine-core process) leaves the text to the front-end: outputs carry
+    token ids only, and stop strings end a choice when the front-end calls ``stop_choice``."""
+
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
+        self.detokenize = detokenize
+        self.source = resolve_model(config.model)
+        hf_config = load_hf_config(self.source)
+        config = config.replace(max_model_len=resolve_max_model_len(config, hf_config))
+        self.config = config
+        self.tokenizer = load_tokenizer(self.source)
+        self.eos_token_ids = load_generation_eos(self.source, hf_config, self.tokenizer)
+        self.executor = create_executor(config)
+        self.vocab_size = self.executor.vocab_size
+        self.model_name = self.source.name
+        self.architecture = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
+        self.block_manager = BlockManager(
+            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+            self.eos_token_ids,
+        )
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
+        self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # which row of the runners' persistent block table each running sequence has
+        self.block_tables = BlockTableWriter(
+            config.max_num_seqs, block_table_width(config.max_model_len, config.block_size)
+        )
+        self.requests: dict[str, _Request] = {}
+        self._choices: dict[int, _Choice] = {}  # by seq_id
+        self._forks: dict[int, list[Sequence]] = {}  # choice 0's seq_id -> the choices to fork from it
+        self._aborted: list[RequestOutput] = []
+        self._rejected: list[tuple[str, str]] = []
+        self.started = time.monotonic()
+        self.counters = dict.fromkeys(
+            ("requests_finished", "requests_aborted", "prompt_tokens_total", "generation_tokens_total"), 0
+        )
+
+    # ---- requests in ---------------------------------------------------------------------
+    @functools.cached_property
+    def prompts(self) -> PromptEncoder:
+        """Checks and tokenizes prompts; made at first use (the engine core gets ids already checked)."""
+        return PromptEncoder(self.tokenizer, self.vocab_size, self.config.max_model_len)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.prompts.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.prompts.render_chat(messages)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Validate and queue a request; raises ValueError naming the field and the limit.
+
+        A structured-output constraint is compiled on the grammar thread; the request is
+        scheduled once it compiled, or comes out of ``take_rejected`` when it does not."""
+        constraint = self._check_request(request_id, params)
+        self._queue(request_id, self.encode_prompt(prompt), params, constraint)
+
+    def add_tokenized(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """``add_request`` for a prompt that a ``PromptEncoder`` already produced and checked (the
+        service's front-end does that off the engine core's loop): the ids are not checked again."""
+        constraint = self._check_request(request_id, params)
+        self._queue(request_id, prompt_token_ids, params, constraint)
+
+    def _check_request(self, request_id: str, params: SamplingParams) -> Constraint | None:
+        """Refuse a taken id or bad parameters; returns the request's structured-output constraint."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        params.validate(self.vocab_size)
+        return constraint_of(params)
+
+    def _queue(self, request_id: str, ids: list[int], params: SamplingParams,
+               constraint: Constraint | None) -> None:
+        seqs = [Sequence(request_id, ids, choice_params(params, i)) for i in range(params.n)]
+        self.scheduler.check_fits(seqs[0])  # raises when it could never fit
+        choices = [_Choice(seq, i) for i, seq in enumerate(seqs)]
+        text = RequestText(self.tokenizer, ids, params) if self.detokenize else None
+        req = _Request(request_id, choices, unfinished=len(choices), text=text)
+        self.requests[request_id] = req
+        self._choices.update((c.seq.seq_id, c) for c in choices)
+        if constraint is None:
+            self._schedule(req)
+        else:
+            self.structured.submit(req, constraint)
+        self.counters["prompt_tokens_total"] += len(ids)
+
+    def _schedule(self, req: _Request) -> None:
+        """Hand choice 0 to the scheduler; the other choices fork from it after its prefill."""
+        if len(req.choices) > 1:  # choices 1..n-1 fork from choice 0 after its prefill
+            self._forks[req.seq.seq_id] = [c.seq for c in req.choices[1:]]
+        self.scheduler.add(req.seq)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose constraint compiled; reject those whose did not."""
+        idle = not self.scheduler.has_unfinished()
+        for req, grammar in self.structured.take_compiled(COMPILE_WAIT_S if idle else 0.0):
+            if isinstance(grammar, BaseException):
+                self._drop(req)
+                self._rejected.append((req.request_id, str(grammar)))
+                continue
+            for c in req.choices:
+                self.structured.attach(c.seq, grammar)
+            self._schedule(req)
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """(request_id, message) of the requests refused after ``add_request`` (a constraint that
+        does not compile); they produce no output."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def _drop(self, req: _Request) -> None:
+        """Forget a request whose choices have all ended."""
+        self.requests.pop(req.request_id, None)
+        self._forks.pop(req.seq.seq_id, None)
+        for c in req.choices:
+            self._choices.pop(c.seq.seq_id, None)
+            self.structured.detach(c.seq)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in any state; its blocks return to the pool now, its final output
+        (finish_reason ABORT) comes out of the next ``step``."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.structured.cancel(req)
+        for c in req.choices:
+            if not c.seq.is_finished:
+                self.scheduler.finish(c.seq, FinishReason.ABORT)
+                self._aborted.append(self._output(c, [], []))
+        self._drop(req)
+        self.counters["requests_aborted"] += 1
+        return True
+
+    def stop_choice(self, request_id: str, index: int) -> None:
+        """End choice ``index`` of a request, whose stop string the front-end found in its text
+        (finish reason STOP_STRING); the front-end sent its last output, so none comes from here."""
+        req = self.requests.get(request_id)
+        if req is None or req.choices[index].seq.is_finished:  # it ended meanwhile
+            return
+        self.scheduler.finish(req.choices[index].seq, FinishReason.STOP_STRING)
+        self._choice_finished(req, req.choices[index].seq)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._aborted or self._rejected)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler + model step; returns every request's delta of this step (the outputs
+        of aborted requests included). If the step raises, the abort outputs are kept for the
+        next call, so no request's final output is lost."""
+        aborted, self._aborted = self._aborted, []
+        try:
+            return aborted + self._step()
+        except BaseException:
+            self._aborted = aborted + self._aborted
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if self.structured.num_compiling:
+            self._admit_compiled()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
+        inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
+        logits = self.executor.execute_model(inp)
+        sampling = sched.sampling_seqs
+        self.structured.mask_logits(logits, sampling)
+        sampled = self.sampler(logits, sampling)
+        for seq in self.structured.advance(sampling, sampled.token_ids):
+            log.warning("request %s: its constraint allows no token of this vocabulary here; aborting "
+                        "it after %d tokens", seq.request_id, seq.num_completion_tokens)
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        if self._forks:
+            self._fork_prefilled(sampling)
+        self.scheduler.postprocess(sched, sampled.token_ids)  # the same sampling_seqs (cached)
+        self.counters["generation_tokens_total"] += len(sampling)
+        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            outputs.append(self._emit(self._choices[seq.seq_id], token, lp))
+        return outputs
+
+    def _fork_prefilled(self, sampling: list[Sequence]) -> None:
+        """Fork the other choices of each request whose prompt was prefilled in this step (before
+        ``postprocess``, which may finish choice 0 and free its blocks)."""
+        for seq in sampling:
+            if seq.num_completion_tokens == 0 and seq.seq_id in self._forks:
+                self.scheduler.fork(seq, self._forks.pop(seq.seq_id))
+
+    def _emit(self, choice: _Choice, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        seq = choice.seq
+        out = self._output(choice, [token], [logprobs] if logprobs else [])
+        request = self.requests[seq.request_id]
+        if request.text is not None and request.text.process(out) is RequestText.STOPPED:
+            self.scheduler.finish(seq, FinishReason.STOP_STRING)  # ``out`` says so already
+        if seq.is_finished:
+            self._choice_finished(request, seq)
+        return out
+
+    def _choice_finished(self, request: _Request, seq: Sequence) -> None:
+        self.structured.detach(seq)
+        request.unfinished -= 1
+        if not request.unfinished:
+            self._drop(request)
+            self.counters["requests_finished"] += 1
+
+    def _output(self, choice: _Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
+        seq = choice.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_text="",
+            new_logprobs=logprobs,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_completion_tokens,
+            cached_tokens=seq.num_cached_prompt_tokens or 0,
+            times=seq.times,
+            index=choice.index,
+        )
+
+    # ---- state ----------------------------------------------------------------------------
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + self.structured.num_compiling
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def is_healthy(self) -> bool:
+        return self.executor.is_healthy()
+
+    def stats(self) -> dict:
+        ex = self.executor
+        return {
+            "model": self.model_name,
+            "device": str(ex.device),
+            "dtype": str(ex.dtype).removeprefix("torch."),
+            "tp_size": self.config.tensor_parallel_size,
+            "attention_backend": ex.attention_backend_name,
+            "num_waiting": self.num_waiting(),
+            "num_running": self.num_running(),
+            "num_queued": 0,
+            "max_queue": 0,
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "kv_blocks_free": self.block_manager.num_free_blocks,
+            "kv_block_size": self.config.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "prefix_cache_hit_rate": self.block_manager.hit_rate,
+            "prefix_cache_queries": self.block_manager.query_tokens,  # prompt tokens looked up
+            "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+            "requests_rejected": 0,
+            "uptime_s": time.monotonic() - self.started,
+        }
+
+    def model_info(self) -> dict:
+        """Facts about the loaded model (the ModelInfo RPC's fields the engine knows)."""
+        return {
+            "model": self.model_name,
+            "architecture": self.architecture,
+            "max_model_len": self.config.max_model_len,
+            "vocab_size": self.vocab_size,
+            "dtype": str(self.executor.dtype).removeprefix("torch."),
+            "tp_size": self.config.tensor_parallel_size,
+            "eos_token_ids": list(self.eos_token_ids),
+            "kv_block_size": self.config.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "quantization": self.config.quantization or "",
+        }
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type: "int8", or the serving dtype's name."""
+        if self.config.kv_cache_dtype != "auto":
+            return self.config.kv_cache_dtype
+        return str(self.executor.dtype).removeprefix("torch.")
+
+    def shutdown(self) -> None:
+        self.structured.shutdown()
+        self.executor.shutdown()
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of a request samples with its own seed stream, ``seed + index``."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+

@@ -1,0 +1,235 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Plain Python (no torch). One step mixes decode tokens of running sequences with prefill
+chunks (of running sequences still prefilling, then of newly admitted waiting ones) under
+one token budget, ``max_num_batched_tokens``. Decode-phase sequences are served first so that
+streams keep producing tokens while a long prompt is prefilled in chunks.
+
+When KV blocks run out, the most recently admitted running sequence is preempted: its
+blocks are freed and it returns to the head of the waiting queue, to be recomputed later
+(prefix-cache hits make that cheap). Greedy outputs do not change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from kvserve.engine.core.block_manager import BlockManager
+from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens whose KV is computed in this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the sequence's last token, so its logits give a new token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @cached_property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences this step gives a new token, in batch order (read once scheduling is done)."""
+        return [s.seq for s in self.scheduled if s.samples]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+    ):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        # the most tokens a sequence may reach: max_model_len, and no more than the whole KV cache
+        self.max_seq_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the tail is the preemption victim
+        self.num_preemptions = 0
+
+    # ---- queue management ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        self.waiting.append(seq)
+
+    def max_new_tokens(self, seq: Sequence) -> int:
+        """``max_tokens``, or when it is unset as many as fit: up to max_model_len, and no more
+        than the whole KV cache holds (a sequence larger than the cache could never run)."""
+        if seq.params.max_tokens is not None:
+            return seq.params.max_tokens
+        return self.max_seq_len - seq.num_prompt_tokens
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Refuse a request that could never run, rather than let it wait forever."""
+        new = self.max_new_tokens(seq)
+        if seq.params.max_tokens is None and new < 1:
+            raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) leaves no room for a completion: "
+                             f"max_model_len ({self.max_model_len}) and the KV cache allow "
+                             f"{self.max_seq_len} tokens")
+        total = seq.num_prompt_tokens + new
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {total} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        need = self.bm.blocks_needed(total)
+        if need > self.bm.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {need} KV blocks but the whole cache has {self.bm.num_blocks}"
+            )
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.seq.times.first_scheduled is None:
+                s.seq.times.first_scheduled = now
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # decode-phase sequences first, then those still prefilling, each in admission order
+        decoding, prefilling = [], []
+        for seq in self.running:
+            (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
+        scheduled: dict[int, ScheduledSeq] = {}
+        running, bm = SequenceStatus.RUNNING, self.bm
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            if seq.status is not running:  # preempted earlier in this loop
+                continue
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            missing = bm.missing_blocks(seq, n)
+            while missing > bm.num_free_blocks:
+                victim = self.running[-1]
+                budget += self._preempt(victim, scheduled, out)
+                if victim is seq:
+                    break
+            if seq.status is not running:
+                continue
+            bm.take_blocks(seq, missing)
+            scheduled[seq.seq_id] = ScheduledSeq(seq, n)
+            budget -= n
+        out.scheduled.extend(scheduled.values())
+        return budget
+
+    def _preempt(self, seq: Sequence, scheduled: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
+        """Send ``seq`` back to the head of the waiting queue; return the budget it gave back."""
+        self.running.remove(seq)
+        given_back = scheduled.pop(seq.seq_id).num_tokens if seq.seq_id in scheduled else 0
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        return given_back
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.block_table:  # a forked choice: it holds its share of the prompt's blocks already
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not self.bm.can_grow(seq, n):
+                    break
+                self.waiting.popleft()
+            else:
+                hits = self.bm.match_prefix(seq)
+                n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
+                if not self.bm.can_admit(seq, hits, n):
+                    break
+                self.waiting.popleft()
+                self.bm.admit(seq, hits)
+            self.bm.grow(seq, n)
+            if seq.num_cached_prompt_tokens is None:
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """The other choices of ``parent``'s request (SamplingParams.n), once its prompt's KV is
+        written: each child takes references on the prompt's full blocks and waits at the head of
+        the queue to compute the rest itself, at least the last prompt token, whose logits give
+        its own first token. The prompt is prefilled once whether prefix caching is on or off."""
+        shared = parent.block_table[: (parent.num_prompt_tokens - 1) // self.bm.block_size]
+        for child in reversed(children):  # the parent's prompt and limits: it fits as the parent did
+            self.bm.admit(child, shared)
+            self.waiting.appendleft(child)
+
+    # ---- after the model ran ----------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Advance computed counts, publish full blocks, append sampled tokens (one per
+        sampling sequence, in ``out.sampling_seqs`` order) and finish sequences that are done.
+        Returns the sampling sequences, in order."""
+        sampling = out.sampling_seqs
+        assert len(sampling) == len(sampled), (len(sampling), len(sampled))
+        commit = self.bm.commit
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            commit(s.seq)
+        now = time.monotonic()
+        for seq, token in zip(sampling, sampled, strict=True):
+            seq.token_ids.append(token)
+            if seq.times.first_token is None:
+                seq.times.first_token = now
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+        return sampling
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        num_tokens = len(seq.token_ids)
+        completion = num_tokens - seq.num_prompt_tokens
+        if completion >= p.min_tokens and (
+            (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        ):
+            return FinishReason.STOP
+        limit = self.max_new_tokens(seq)
+        if completion >= limit or num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence in any state and return its blocks to the pool."""
+        if seq.status == SequenceStatus.FINISHED:
+            if reason.replaces(seq.finish_reason):
+                seq.finish_reason = reason
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # else never handed over: still compiling, or a choice not forked yet
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.times.finished = time.monotonic()

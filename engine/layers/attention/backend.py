@@ -1,0 +1,230 @@
+"""Paged attention behind one small interface, in vLLM's split.
+
+- ``AttentionBackend``: built once per model runner. ``build_metadata(inp, device)`` turns a
+  step's ``ModelInput`` into an ``AttentionMetadata`` once per step; ``create_impl(...)`` makes
+  the per-layer ``AttentionImpl``.
+- ``AttentionImpl.forward(q, k, v, k_cache, v_cache, meta)``: writes the new K/V into the paged
+  cache at ``meta.slot_mapping`` (slot -1 = skip) and returns attention over the cached K/V.
+- ``Attention``: the nn.Module a model holds per layer; it owns the layer's cache views.
+
+KV cache layout: each backend allocates the cache in the layout it reads
+(``AttentionBackend.kv_cache_shape``). The kernels' layout, the default, is per layer ``k_cache``
+and ``v_cache`` of shape [num_blocks, block_size, num_kv_heads, head_dim]; the torch backend's is
+head-major, [num_kv_heads, num_blocks, block_size, head_dim]. Either way token slot ``s`` is row
+``s % block_size`` of block ``s // block_size``. The cache holds the model's dtype
+(``kv_cache_dtype="auto"``); the torch backend also keeps an int8 cache (``"int8"``: rows of
+head_dim int8 values and their float32 scale, engine/layers/attention/kv_quant.py), half the bytes of
+bfloat16 to store and to read.
+
+Position rule every backend implements: query token j of a sequence with query length q and
+context length L (cached + new tokens) sits at position L - q + j and attends to keys 0..L-q+j.
+This covers full prefills, prefix-cache hits, chunked-prefill continuations and decodes alike.
+
+Backends are looked up by name in ``BACKENDS`` ("module:Class"), imported on first use, so a
+backend in its own file needs only its entry there.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvserve.engine.model_input import ModelInput, step_block_tables
+
+BACKENDS = {
+    "torch": "kvserve.engine.layers.attention.torch_backend:TorchAttentionBackend",
+    "triton": "kvserve.engine.layers.attention.triton_backend:TritonAttentionBackend",
+    "flash-attn": "kvserve.engine.layers.attention.flash_backend:FlashAttentionBackend",
+}
+AUTO_ORDER_CUDA = ("flash-attn", "triton", "torch")
+FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged KV takes only blocks of a multiple of this
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention inputs, shared by every layer. Tensors live on the model's device."""
+
+    block_size: int
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = do not store
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cu_seqlens_q
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length after this step (cached + new)
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], padded with 0
+    max_query_len: int
+    max_seq_len: int
+    num_decode_tokens: int  # tokens of sequences whose query length is 1
+    query_lens_host: list[int]  # host copies, for planning without a device sync
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host numbers (a list, or a numpy array) as a tensor of ``dtype`` on ``device``; on CUDA
+    through pinned memory without blocking, so building a step's inputs never waits for the GPU
+    to finish queued work. Lists go through numpy, which reads a list of ints ~3x faster than
+    ``torch.tensor`` does."""
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if not isinstance(values, np.ndarray):
+        values = np.array(values, dtype=np_dtype)
+    elif np_dtype is not None and values.dtype != np_dtype:
+        values = values.astype(np_dtype)
+    host = torch.from_numpy(values)
+    if host.dtype != dtype:  # torch's .to costs a few microseconds even when it has nothing to do
+        host = host.to(dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.device) -> dict:
+    """The ``AttentionMetadata`` fields every backend needs, as keyword arguments."""
+    query_start = np.zeros(len(inp.query_lens) + 1, dtype=np.int32)
+    np.cumsum(inp.query_lens, out=query_start[1:])
+    return dict(
+        block_size=block_size,
+        slot_mapping=to_device(inp.slot_mapping, device),
+        query_start_loc=to_device(query_start, device, torch.int32),
+        seq_lens=to_device(inp.context_lens, device, torch.int32),
+        block_tables=to_device(step_block_tables(inp), device, torch.int32),
+        max_query_len=max(inp.query_lens, default=0),
+        max_seq_len=max(inp.context_lens, default=0),
+        num_decode_tokens=inp.query_lens.count(1),
+        query_lens_host=list(inp.query_lens),
+        seq_lens_host=list(inp.context_lens),
+    )
+
+
+class AttentionImpl(ABC):
+    """One layer's attention computation; holds shapes only, no per-step state."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, heads, D], k and v [T, kv_heads, D] -> output [T, heads, D]."""
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)  # the cache element types this backend reads
+
+    def __init__(self, block_size: int, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype not in self.kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not read by the {self.name} attention "
+                             f"backend (it takes {', '.join(self.kv_cache_dtypes)}); the int8 cache needs "
+                             "--attention-backend torch")
+        self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's K (and V) cache in the layout this backend reads."""
+        return (num_blocks, self.block_size, num_kv_heads, head_dim)
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The element type of the cache tensors for a model in ``model_dtype``."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else model_dtype
+
+    @abstractmethod
+    def build_metadata(self, inp: ModelInput, device: torch.device) -> AttentionMetadata:
+        """Called once per step, before the forward pass."""
+
+    @abstractmethod
+    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
+        """Called once per layer when the model is built."""
+
+
+class Attention(nn.Module):
+    """A model's attention layer: runs its impl over this layer's slice of the KV cache."""
+
+    def __init__(self, impl: AttentionImpl):
+        super().__init__()
+        self.impl = impl
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta)
+
+
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn computes in half precision only
+
+
+def resolve_backend_name(name: str, device: torch.device, block_size: int,
+                         dtype: torch.dtype | None = None) -> str:
+    """``auto``: the torch backend on CPU; on CUDA the first of flash-attn (only when
+    ``flash_attn_refusal`` has nothing against it), triton, torch that imports."""
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "torch"
+    for candidate in AUTO_ORDER_CUDA:
+        if candidate == "flash-attn" and flash_attn_refusal(block_size, dtype):
+            continue
+        try:
+            _backend_class(candidate)
+            return candidate
+        except ImportError:
+            continue
+    return "torch"
+
+
+def flash_attn_refusal(block_size: int, dtype: torch.dtype | None) -> str | None:
+    """Why flash-attn cannot serve this block size and dtype (None: not known yet, not checked),
+    or None when it can."""
+    if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+        multiple = FLASH_ATTN_BLOCK_MULTIPLE
+        return (f"needs block_size to be a multiple of {multiple} (flash-attn's paged KV limit), "
+                f"got block_size={block_size}; pass --block-size {multiple} or --attention-backend triton")
+    if dtype is not None and dtype not in FLASH_ATTN_DTYPES:
+        return (f"needs dtype float16 or bfloat16 (flash-attn has no {str(dtype).removeprefix('torch.')} "
+                "kernels), got dtype=" + str(dtype).removeprefix("torch.")
+                + "; pass --dtype bfloat16 or --attention-backend triton")
+    return None
+
+
+def create_attention_backend(name: str, device: torch.device, block_size: int,
+                             dtype: torch.dtype | None = None,
+                             kv_cache_dtype: str = "auto") -> AttentionBackend:
+    """The backend called ``name`` ("auto", "torch", "triton", "flash-attn") for ``device``
+    and a model in ``dtype``, with a cache of ``kv_cache_dtype`` ("auto": the model's dtype)."""
+    if kv_cache_dtype != "auto" and device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is a CPU cache (the torch backend's C kernels "
+                         f"read it); on {device.type} leave kv_cache_dtype at 'auto'")
+    resolved = resolve_backend_name(name, device, block_size, dtype)
+    if resolved == "flash-attn":
+        refusal = flash_attn_refusal(block_size, dtype)
+        if refusal:
+            raise ValueError(f"attention_backend 'flash-attn' {refusal}")
+    return _backend_class(resolved)(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+
+
+def _backend_class(name: str) -> type[AttentionBackend]:
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
+    module_name, class_name = BACKENDS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"attention backend {name!r} is not available: {exc}") from exc
+    return getattr(module, class_name)

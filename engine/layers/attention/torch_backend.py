@@ -1,0 +1,351 @@
+"""The torch attention backend: the CPU path and the reference the kernels are tested against.
+
+Its KV cache is head-major, per layer [kv_heads, num_blocks, block_size, head_dim] (the other
+backends keep the shared [num_blocks, block_size, kv_heads, head_dim]): gathering a sequence's
+blocks along dim 1 then yields, for each KV head, its keys as one contiguous [tokens, head_dim]
+matrix, so a decode multiplies every query head only by its own KV head's keys, in plain
+batched matmuls, with no copy besides the one gather.
+
+Per step, ``build_metadata`` plans the work on the host (no device sync later):
+- every sequence with query length 1 (decodes, and one-token prefill chunks) is a decode. The
+  decodes are sorted by context length and cut into a few groups of similar length, so that
+  padding stays small; each group gathers its K/V blocks with one ``index_select`` per cache
+  into [kv_heads, n, L, head_dim] and attends with two batched matmuls (see ``_decode``);
+- every longer chunk is a prefill: with nothing cached before it, it attends causally to its
+  own new K/V; otherwise it reads its context from the cache under an offset causal mask, as a
+  view when the context's blocks are consecutive (the common case), else through one gather.
+
+Where the CPU kernels take the tensors (kernels/cpu/bindings.py), they serve the decodes instead,
+and on CPUs without AMX the prefills too: every token of the step as one query over the cached
+keys up to its own position (``query_*`` fields; the step's K/V are stored first). With AMX tiles
+torch's SDPA multiplies the prefill's bfloat16 blocks in them and beats the kernel's one query
+row at a time (``benchmarks/attention_cpu.py``: 1.2x at 6 prompts of 300 tokens, 4x at one of
+2,048), so prefills keep the SDPA plans there (``prefill_in_kernel``). The torch-ops plans are
+made only when a layer reads them.
+
+With ``kv_cache_dtype="int8"`` each cache row is head_dim int8 values and their float32 scale
+(engine/layers/attention/kv_quant.py): the kernels store rows quantized and read them scaled as they go;
+the torch-ops paths quantize with the same arithmetic and dequantize what they gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvserve.engine.layers.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    common_metadata_fields,
+    to_device,
+)
+from kvserve.engine.layers.attention.kv_quant import dequantize_rows, quantize_rows
+from kvserve.engine.model_input import ModelInput, blocks_for, step_block_tables
+from kvserve.kernels.cpu.abi import cache_row_width
+from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for
+
+# A decode group is cut where a sequence's context is shorter than this share of the group's
+# longest: below it, padding would cost more than running one more group.
+DECODE_GROUP_MIN_FILL = 0.5
+
+
+@dataclass
+class DecodeGroup:
+    tokens: torch.Tensor  # int64 [n]: where the group's queries sit in the flat batch
+    gather_blocks: torch.Tensor  # int64 [n * max_blocks]: block ids, padded with block 0
+    key_bias: torch.Tensor | None  # [1, n, 1, max_blocks * block_size]: 0 for a key, -inf for padding
+    num_seqs: int
+    padded_len: int
+    cache_rows: torch.Tensor | None = None  # gather_blocks as rows of the [kv_heads * blocks, ...] view
+
+    def rows_in(self, cache: torch.Tensor) -> torch.Tensor:
+        """int64 [kv_heads * n * max_blocks]: for each KV head in turn, this group's blocks as
+        rows of ``cache`` [kv_heads, blocks, block_size, W] seen as [kv_heads * blocks, block_size * W]
+        (W: D, or D + 4 in an int8 cache)
+        (computed by the first layer of the step, reused by the others)."""
+        if self.cache_rows is None:
+            kv_heads, num_blocks = cache.shape[:2]
+            heads = torch.arange(kv_heads, device=cache.device)[:, None] * num_blocks
+            self.cache_rows = (heads + self.gather_blocks[None, :]).view(-1)
+        return self.cache_rows
+
+
+@dataclass
+class DecodePlan:
+    groups: list[DecodeGroup]
+    tokens: torch.Tensor  # int64: every decode query, in group order
+
+
+@dataclass
+class PrefillPlan:
+    start: int  # the chunk's tokens are [start, end) of the flat batch
+    end: int
+    context_len: int
+    blocks: torch.Tensor | None  # int64 block ids holding the context, when they must be gathered
+    block_range: tuple[int, int] | None  # [first, last) block ids when they are consecutive: a view
+    mask: torch.Tensor | None  # bool [query_len, context_len]; None = plain causal over new K/V
+
+
+class _HostStep(NamedTuple):
+    """A step's shape as numpy arrays, for planning."""
+
+    query_lens: np.ndarray  # int64 [num_seqs]
+    context_lens: np.ndarray  # int64 [num_seqs]
+    starts: np.ndarray  # int64 [num_seqs + 1]: where each sequence's tokens begin in the flat batch
+    tables: np.ndarray  # int32 [num_seqs, blocks]: the step's block tables, block 0 past each context
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    store_tokens: torch.Tensor | None = None  # tokens whose slot is not -1; None = every token
+    store_slots: torch.Tensor | None = None  # their slots (``slot_mapping`` when None above)
+    plan_decode: Callable[[], DecodePlan] | None = None  # the torch-ops decode plan, made on first use
+    decode: DecodePlan | None = None
+    plan_prefills: Callable[[], list[PrefillPlan]] | None = None  # the SDPA plans, made on first use
+    prefills: list[PrefillPlan] | None = None
+    # the CPU kernel's queries: every token when each one's K/V is stored (the kernel reads keys
+    # from the cache) and the backend sends prefills to the kernel, else the decodes only; int32
+    # rows, their sequences, and how many keys each sees (its position + 1). None: no query for
+    # the kernel.
+    query_tokens: torch.Tensor | None = None
+    query_seqs: torch.Tensor | None = None
+    query_ctx: torch.Tensor | None = None
+    every_token_queried: bool = False  # the kernel's queries cover the whole step
+
+    def decode_plan(self) -> DecodePlan:
+        """The grouped, padded plan of the torch-ops decode, made once per step by the first
+        layer that needs it (none does when the CPU kernel runs every layer)."""
+        if self.decode is None:
+            self.decode = self.plan_decode()
+        return self.decode
+
+    def prefill_plans(self) -> list[PrefillPlan]:
+        """The SDPA plans of the step's prefill chunks, made once per step by the first layer that
+        needs them (none does when the CPU kernel takes every token)."""
+        if self.prefills is None:
+            self.prefills = self.plan_prefills() if self.plan_prefills is not None else []
+        return self.prefills
+
+
+def amx_prefill() -> bool:
+    """Whether torch's CPU SDPA has AMX tiles to multiply prefills in (then it beats the kernel)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    kv_cache_dtypes = ("auto", "int8")
+
+    def __init__(self, block_size: int, prefill_in_kernel: bool | None = None, kv_cache_dtype: str = "auto"):
+        super().__init__(block_size, kv_cache_dtype)
+        # prefill tokens as the CPU kernel's queries (see the module docstring); the default
+        # follows the CPU
+        self.prefill_in_kernel = not amx_prefill() if prefill_in_kernel is None else prefill_in_kernel
+
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        width = cache_row_width(head_dim, self.kv_cache_dtype == "int8")
+        return (num_kv_heads, num_blocks, self.block_size, width)
+
+    def build_metadata(self, inp: ModelInput, device: torch.device) -> TorchAttentionMetadata:
+        meta = TorchAttentionMetadata(**common_metadata_fields(inp, self.block_size, device))
+        slots = np.asarray(inp.slot_mapping, dtype=np.int64)
+        if (slots < 0).any():
+            meta.store_tokens = to_device(np.flatnonzero(slots >= 0), device)
+            meta.store_slots = meta.slot_mapping.index_select(0, meta.store_tokens)
+        step = self._host_step(inp)  # host-side numpy: no device sync
+        decode_seqs = np.flatnonzero(step.query_lens == 1)
+        if decode_seqs.size:
+            meta.plan_decode = lambda: self._plan_decode(step, decode_seqs, device)
+        prefill_seqs = np.flatnonzero(step.query_lens > 1)
+        if prefill_seqs.size:
+            meta.plan_prefills = lambda: [self._plan_prefill(step, i, device) for i in prefill_seqs]
+        kernel_prefills = self.prefill_in_kernel or not prefill_seqs.size
+        meta.every_token_queried = meta.store_tokens is None and kernel_prefills
+        if meta.every_token_queried:
+            queried = np.arange(step.starts[-1])
+            seq_of = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+        else:
+            queried, seq_of = step.starts[decode_seqs], decode_seqs
+        if queried.size:
+            meta.query_tokens = to_device(queried, device, torch.int32)
+            meta.query_seqs = to_device(seq_of, device, torch.int32)
+            meta.query_ctx = to_device(np.asarray(inp.positions)[queried] + 1, device, torch.int32)
+        return meta
+
+    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
+        return TorchAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
+
+    def _host_step(self, inp: ModelInput) -> _HostStep:
+        query_lens = np.asarray(inp.query_lens, dtype=np.int64)
+        context_lens = np.asarray(inp.context_lens, dtype=np.int64)
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=starts[1:])
+        tables = step_block_tables(inp)
+        if inp.block_tables:  # lists built by hand: they may be short, or longer than their context
+            needed = blocks_for(context_lens, self.block_size)
+            have = np.fromiter(map(len, inp.block_tables), dtype=np.int64, count=len(inp.block_tables))
+            short = np.flatnonzero(have < needed)
+            if short.size:
+                i = int(short[0])
+                raise ValueError(f"sequence {i} has context length {inp.context_lens[i]} but only {have[i]} "
+                                 f"blocks of {self.block_size} in its block table")
+            tables = np.where(np.arange(tables.shape[1]) < needed[:, None], tables, 0).astype(np.int32)
+        return _HostStep(query_lens, context_lens, starts, tables)
+
+    def _plan_decode(self, step: _HostStep, seqs: np.ndarray, device: torch.device) -> DecodePlan:
+        lens = step.context_lens[seqs]
+        order = np.argsort(-lens, kind="stable")  # longest context first
+        seqs, falling = seqs[order], -lens[order]  # ``falling``: ascending negated lengths
+        groups, first = [], 0
+        while first < len(seqs):  # a group ends before the first context below its fill threshold
+            end = int(np.searchsorted(falling, DECODE_GROUP_MIN_FILL * falling[first], side="right"))
+            groups.append(seqs[first : max(end, first + 1)])
+            first = max(end, first + 1)
+        planned = [self._plan_decode_group(step, group, device) for group in groups]
+        return DecodePlan(planned, torch.cat([group.tokens for group in planned]))
+
+    def _plan_decode_group(self, step: _HostStep, seqs: np.ndarray, device: torch.device) -> DecodeGroup:
+        lens = step.context_lens[seqs]
+        max_blocks = -(-int(lens.max()) // self.block_size)
+        padded_len = max_blocks * self.block_size
+        blocks = step.tables[seqs, :max_blocks]  # block 0 past each context (``_HostStep.tables``)
+        key_bias = None
+        if lens.min() < padded_len:
+            is_pad = np.arange(padded_len) >= lens[:, None]
+            key_bias = to_device(np.where(is_pad, np.float32(-np.inf), np.float32(0)), device, torch.float32)
+            key_bias = key_bias.view(1, len(seqs), 1, padded_len)
+        return DecodeGroup(
+            tokens=to_device(step.starts[seqs], device),
+            gather_blocks=to_device(blocks.reshape(-1), device),
+            key_bias=key_bias,
+            num_seqs=len(seqs),
+            padded_len=padded_len,
+        )
+
+    def _plan_prefill(self, step: _HostStep, seq: int, device: torch.device) -> PrefillPlan:
+        q_len, ctx, start = int(step.query_lens[seq]), int(step.context_lens[seq]), int(step.starts[seq])
+        plan = PrefillPlan(start, start + q_len, ctx, None, None, None)
+        if ctx > q_len:  # earlier tokens (prefix hit or earlier chunk) are only in the cache
+            table = step.tables[seq, : -(-ctx // self.block_size)]
+            first = int(table[0])
+            if np.array_equal(table, np.arange(first, first + len(table))):
+                plan.block_range = (first, first + len(table))
+            else:
+                plan.blocks = to_device(table, device)
+            rows = torch.arange(q_len, device=device)[:, None] + (ctx - q_len)
+            plan.mask = torch.arange(ctx, device=device)[None, :] <= rows
+        return plan
+
+
+class TorchAttentionImpl(AttentionImpl):
+    """Over caches of ``TorchAttentionBackend.kv_cache_shape``: [kv_heads, blocks, block_size, D]
+    (D + 4 int8 elements per row in an int8 cache)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        # whether the CPU decode kernel takes this layer's shapes (the dtype is known per call)
+        self._kernel_shapes = CpuKernels.supports_attention(num_heads, num_kv_heads, head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        kernels = kernels_for(q, k, v, out)  # CPU, one supported dtype: the C kernels
+        if kernels is not None and not (CpuKernels.takes_caches(q.dtype, k_cache, v_cache)
+                                        and (self._kernel_shapes or k_cache.dtype != torch.int8)):
+            kernels = None  # (the int8 store quantizes rows of up to MAX_HEAD_DIM)
+        self._store(k, v, k_cache, v_cache, meta, kernels)
+        if kernels is not None and self._kernel_shapes and meta.query_tokens is not None:
+            # prefill and decode tokens alike: each query over the cached keys up to its position
+            kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_seqs,
+                                 meta.query_tokens, out, self.scale, ctx_lens=meta.query_ctx)
+            if meta.every_token_queried:
+                return out
+        elif meta.plan_decode is not None:
+            decode = meta.decode_plan()
+            parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g) for g in decode.groups]
+            out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
+        for plan in meta.prefill_plans():
+            out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
+        return out
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: TorchAttentionMetadata, kernels: CpuKernels | None) -> None:
+        """Writes the step's K/V into the caches. Into an int8 cache, rows quantized, and ``k`` and
+        ``v`` are overwritten with the values those rows hold (the stored tokens'; slot -1, CUDA
+        graph padding, may keep its own): the step's attention over its own fresh tokens then sees
+        what later steps (chunks, prefix hits) read from the cache, so a prompt's tokens do not
+        depend on where its prefix came from."""
+        if kernels is not None:  # one pass over the tokens; slot -1 skipped there
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
+        if k_cache.dtype == torch.int8:
+            k_rows, v_rows = quantize_rows(k), quantize_rows(v)
+            k.copy_(dequantize_rows(k_rows, k.dtype))
+            v.copy_(dequantize_rows(v_rows, v.dtype))
+            k, v = k_rows, v_rows
+        slots = meta.slot_mapping
+        if meta.store_tokens is not None:
+            k, v, slots = k[meta.store_tokens], v[meta.store_tokens], meta.store_slots
+        width = k_cache.shape[-1]
+        k_cache.view(self.num_kv_heads, -1, width).index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.view(self.num_kv_heads, -1, width).index_copy_(1, slots, v.transpose(0, 1))
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                group: DecodeGroup) -> torch.Tensor:
+        """Attention of n one-token queries over their padded contexts.
+
+        One gather per cache gives [kv_heads * n, L, D]; the query heads that share a KV head
+        form the rows of one small matrix, so each product is a batched matmul over
+        (KV head, sequence) pairs that multiplies only what belongs together.
+        """
+        n, length, kv_heads, d = group.num_seqs, group.padded_len, self.num_kv_heads, self.head_dim
+        group_size = self.num_heads // kv_heads
+        rows_of = group.rows_in(k_cache)
+        # a gather of whole rows of a 2-D view: one memcpy per (head, block), several times
+        # faster than index_select along dim 1 of the 4-D cache
+        width = k_cache.shape[-1]
+        row = k_cache.shape[2] * width
+        keys = k_cache.view(-1, row).index_select(0, rows_of).view(kv_heads * n, length, width)
+        values = v_cache.view(-1, row).index_select(0, rows_of).view(kv_heads * n, length, width)
+        if k_cache.dtype == torch.int8:
+            keys, values = dequantize_rows(keys, q.dtype), dequantize_rows(values, q.dtype)
+        rows = (q * self.scale).view(n, kv_heads, group_size, d).transpose(0, 1)
+        rows = rows.reshape(kv_heads * n, group_size, d)
+        scores = torch.bmm(rows, keys.transpose(1, 2)).view(kv_heads, n, group_size, length)
+        if group.key_bias is not None:
+            scores = scores + group.key_bias  # float32 from here: the softmax runs in float32
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs.view(kv_heads * n, group_size, length), values)
+        return out.view(kv_heads, n, group_size, d).transpose(0, 1).reshape(n, self.num_heads, d)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
+        if plan.mask is None:
+            # (over an int8 cache, k and v hold what the cache holds: see _store)
+            keys = k[plan.start : plan.end].transpose(0, 1)
+            values = v[plan.start : plan.end].transpose(0, 1)
+        else:
+            keys, values = (self._context(cache, plan, q.dtype) for cache in (k_cache, v_cache))
+        # 4-D inputs, or CPU SDPA falls back from its flash kernel to the slow math path
+        out = F.scaled_dot_product_attention(
+            q[plan.start : plan.end].transpose(0, 1)[None], keys[None], values[None],
+            attn_mask=plan.mask, is_causal=plan.mask is None, scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return out[0].transpose(0, 1)
+
+    def _context(self, cache: torch.Tensor, plan: PrefillPlan, dtype: torch.dtype) -> torch.Tensor:
+        """[kv_heads, context_len, D] in ``dtype``: a view of the cache when the blocks are
+        consecutive (an int8 cache is read back into a new tensor)."""
+        if plan.block_range is not None:
+            blocks = cache[:, plan.block_range[0] : plan.block_range[1]]
+        else:
+            blocks = cache.index_select(1, plan.blocks)
+        rows = blocks.flatten(1, 2)[:, : plan.context_len]
+        return dequantize_rows(rows, dtype) if cache.dtype == torch.int8 else rows

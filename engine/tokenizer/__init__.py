@@ -1,0 +1,3 @@
+"""Text <-> token ids: prompts and chat templates (``prompts``) and the incremental detokenizer with
+stop strings (``detokenizer``). Used by the in-process engine and by the front-end alike.
+"""

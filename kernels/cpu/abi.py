@@ -1,0 +1,70 @@
+"""The C kernels' interface as Python sees it: the constants of csrc/common.h (written once,
+there), the element-type codes, each exported function's ctypes argument types, and the structs
+the few-row linears and the fused decode step take (mirrors of ``lin_t``, ``row_layer_t`` and
+``row_step_t``). cpu_kernels.py loads the library and calls through these."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve.kernels.cpu.build import header_constant
+
+MAX_HEAD_DIM = header_constant("MAX_HEAD_DIM")
+KV_INT8 = header_constant("KV_INT8")  # the cache code of an int8 KV cache (rows of int8 + a float scale)
+KV_SCALE_BYTES = header_constant("KV_SCALE_BYTES")
+MAX_GROUP = header_constant("MAX_GROUP")
+MAX_FUSED_ROWS = header_constant("MAX_FUSED_ROWS")
+W_INT8 = header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
+W_INT4 = header_constant("W_INT4")  # ... and for int4 weights (a scale and a minimum per INT4_GROUP inputs)
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
+_I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+SIGNATURES = {  # every exported C function: its argument types (each returns int)
+    "paged_decode": [_P, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32,
+                     _F32, _P, _I64, _I64, _I32, _I32, _I32],
+    "rms_norm": [_P, _I64, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _I32, _I32],
+    "silu_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
+    "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
+    "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
+    "argmax_rows": [_P, _I64, _I32, _I32, _P, _I32],
+    "quantized_activation_block": [_I32],
+    "small_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
+    "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
+    "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
+    "linear_rows": [_P, _I32, _P, _P, _I32, _I32],
+    "dequantize_weight": [_P, _P, _I32, _I32],
+    "decode_row": [_P, _I32, _P, _P, _P, _I32],
+    "decode_row_available": [],
+}
+
+
+class Linear(ctypes.Structure):
+    """csrc/common.h ``lin_t``: a few-row linear's weight (int8 with ``scales``, int4 with
+    ``groups``, or the activations' dtype), rows ``row_bytes`` apart."""
+
+    _fields_ = [("w", _P), ("row_bytes", _I64), ("kind", _I32), ("scales", _P), ("bias", _P),
+                ("n_out", _I32), ("k_in", _I32), ("groups", _P)]
+
+
+class RowLayer(ctypes.Structure):
+    """csrc/decode_row.c ``row_layer_t``: one decoder layer's weights and KV cache."""
+
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
+                ("down", Linear), ("k_cache", _P), ("v_cache", _P)]
+
+
+class RowStep(ctypes.Structure):
+    """csrc/decode_row.c ``row_step_t``: the shapes and each row's place in the cache."""
+
+    _fields_ = [("rows", _I32), ("hidden", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32),
+                ("inter", _I32), ("dtype", _I32), ("norm_dtype", _I32), ("cache_dtype", _I32), ("eps", _F32),
+                ("scale", _F32), ("num_blocks", _I64), ("block_size", _I32), ("tables", _P),
+                ("table_stride", _I64), ("ctx", _P), ("slots", _P), ("cos", _P), ("sin", _P)]
+
+
+def cache_row_width(head_dim: int, int8: bool) -> int:
+    """Elements in the last dimension of a cache row: head_dim, or an int8 row's values and the
+    ``KV_SCALE_BYTES`` of its scale (``KV_INT8``)."""
+    return head_dim + KV_SCALE_BYTES if int8 else head_dim

@@ -1,0 +1,368 @@
+"""The CPU kernels (``csrc/*.c``): built once per machine, called through ctypes.
+
+- ``paged_decode`` (csrc/attention.c): attention over the torch backend's head-major paged cache,
+  one query row at a time. In torch ops a decode gathers every sequence's K/V blocks into a padded
+  copy, multiplies in many small batched matmuls and allocates several MiB per layer; the kernel
+  reads each key and value once, in place. Prefill tokens go through it too, each over the keys
+  up to its own position (``ctx_lens``): at prompts of a few hundred tokens that is ~1.8x faster
+  than torch's CPU flash SDPA (which multiplies bfloat16 in float32 GEMMs), and as fast at 2-4k.
+- ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_`` and ``store_kv``
+  (csrc/elementwise.c): one pass each where eager torch runs several ops, each with its own
+  allocation and thread-pool wake-up.
+- ``argmax`` (csrc/sampling.c): the greedy pick; torch's CPU argmax is not vectorized (2.2 ms
+  for 256 rows of 10,240 logits, where a max over the same rows takes 0.1 ms).
+- ``inverse_cdf_draw`` (csrc/sampling.c): the random pick, one pass for the maximum and one
+  for exp and chunk sums, then a walk inside one chunk (torch: amax, exp, cumsum, searchsorted).
+
+Why C: small plain C (no torch headers), so a build takes a second or two, with the compiler
+every Linux image has (the build and its cache: cpu_build.py). It links ``libgomp.so.1``, the
+OpenMP runtime torch has already loaded, so both share one thread pool.
+
+``load_kernels()`` returns None, and every caller keeps its torch-ops path, when there is no
+compiler, the build fails (the log says why, once), or ``KVSERVE_CPU_KERNELS=0`` asks for the
+torch-ops path. ``kernels_for(tensor)`` also returns None for tensors the kernels do not take
+(not on the CPU, not float32/bfloat16).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels.cpu.abi import (
+    DTYPES,
+    KV_INT8,
+    MAX_FUSED_ROWS,
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    SIGNATURES,
+    W_INT4,
+    W_INT8,
+    Linear,
+    RowStep,
+    cache_row_width,
+)
+from kvserve.kernels.cpu.build import build, compiler
+
+log = logging.getLogger("kvserve.kernels")
+
+ENV_SWITCH = "KVSERVE_CPU_KERNELS"
+
+def _check_caches(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
+                  name: str) -> None:
+    """ValueError unless the checked entries' K and V caches are what the kernels read beside
+    queries (or K/V) of ``dtype`` with ``head_dim``."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+            and k_cache.shape == v_cache.shape and CpuKernels.takes_caches(dtype, k_cache, v_cache)):
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: contiguous caches of one shape, of {kind} or int8")
+    row = cache_row_width(head_dim, k_cache.dtype == torch.int8)
+    if k_cache.shape[-1] != row:
+        kind = str(k_cache.dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: a {kind} cache for head_dim {head_dim} has rows of {row}, "
+                         f"got {k_cache.shape[-1]}")
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"CPU kernel {name} failed with status {status} "
+                           "(1: a shape or dtype it does not take, 2: out of memory)")
+
+
+class CpuKernels:
+    """The loaded library. Every method takes CPU tensors of one dtype in ``DTYPES`` whose last
+    dimension is contiguous (callers check with ``takes``); KV caches may be int8 instead
+    (``takes_caches``). ``paged_decode`` and ``store_kv``, run per layer, trust their caller for
+    the rest of their layouts; their ``*_checked`` twins check."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        self._lib = lib
+        self.fused_rows = bool(lib.decode_row_available())  # the fused decode step was built here
+
+    @staticmethod
+    def takes(*tensors: torch.Tensor) -> bool:
+        """CPU tensors of one supported dtype with a contiguous last dimension (None: absent,
+        e.g. no bias)."""
+        dtype = tensors[0].dtype
+        if dtype not in DTYPES:
+            return False
+        for t in tensors:  # noqa: SIM110 - a plain loop: all() over a generator costs twice as much
+            if t is not None and (not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1):
+                return False
+        return True
+
+    @staticmethod
+    def takes_caches(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """CPU caches the attention kernels read beside queries of ``dtype``: that dtype, or int8
+        (rows of int8 values and their float32 scale, ``KV_INT8``), contiguous rows."""
+        kinds = (dtype, torch.int8)
+        return all(c.is_cpu and c.dtype in kinds and c.stride(-1) == 1 for c in (k_cache, v_cache))
+
+    @staticmethod
+    def cache_code(dtype: torch.dtype, cache: torch.Tensor) -> int:
+        """The C sources' code for a cache beside queries of ``dtype``: KV_INT8 or a DTYPE_*."""
+        return KV_INT8 if cache.dtype == torch.int8 else DTYPES[dtype]
+
+    @staticmethod
+    def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether the attention kernel takes this shape (the dtype is checked per call: ``takes``)."""
+        return (head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+                and num_heads // num_kv_heads <= MAX_GROUP)
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
+                     tokens: torch.Tensor, out: torch.Tensor, scale: float,
+                     ctx_lens: torch.Tensor | None = None) -> None:
+        """For each i: ``out[tokens[i]]`` = attention of ``q[tokens[i]]`` [heads, D] over the first
+        ``n`` keys/values of the blocks in ``block_tables[seq_ids[i]]``, where ``n`` is
+        ``ctx_lens[i]`` when given (prefill tokens, each up to its own position), else
+        ``seq_lens[seq_ids[i]]`` (decodes).
+
+        q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous, of q's dtype, or
+        int8 [kv_heads, blocks, block_size, D + 4] (``KV_INT8`` rows: D int8 values, then their
+        float32 scale; engine/layers/attention/kv_quant.py); block_tables
+        int32 [S, W] with contiguous rows; seq_lens, seq_ids, tokens, ctx_lens int32, contiguous
+        (``seq_lens`` is read only when ``ctx_lens`` is None). The caller guarantees these layouts,
+        unchecked here (run per layer; the torch backend's tensors have them):
+        ``paged_decode_checked`` is the entry that checks.
+        """
+        kv_heads, num_blocks, block_size = k_cache.shape[:3]
+        if ctx_lens is None:  # decodes: each over its sequence's whole context
+            ctx_lens = seq_lens.index_select(0, seq_ids.long())
+        _check(self._lib.paged_decode(
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+            block_size, block_tables.data_ptr(), block_tables.stride(0), seq_ids.data_ptr(),
+            tokens.data_ptr(), ctx_lens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, q.shape[2], scale,
+            out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], self.cache_code(q.dtype, k_cache),
+            torch.get_num_threads(),
+        ), "paged_decode")
+
+    def paged_decode_checked(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
+                             tokens: torch.Tensor, out: torch.Tensor, scale: float,
+                             ctx_lens: torch.Tensor | None = None) -> None:
+        """``paged_decode`` for callers that do not guarantee its layouts: ValueError for caches
+        that are not contiguous or mixed dtypes; index tensors are made contiguous."""
+        if not self.takes(q, out):
+            raise ValueError("paged_decode: q/out rows contiguous, q and out of one dtype")
+        _check_caches(q.dtype, k_cache, v_cache, q.shape[2], "paged_decode")
+        if ctx_lens is not None:
+            if ctx_lens.numel() != seq_ids.numel():
+                raise ValueError("paged_decode: one ctx_lens entry per query")
+            ctx_lens = ctx_lens.contiguous()
+        block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        self.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, seq_ids.contiguous(),
+                          tokens.contiguous(), out, scale, ctx_lens)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight * r / rms(r)`` over the last dimension, where ``r`` is ``x``, or, with
+        ``residual``, ``residual + x`` — which is written back into ``residual``. ``x`` is 2-D, or
+        3-D when there is no residual (per-head norms)."""
+        width = x.shape[-1]
+        rows = x
+        outer, inner = rows.shape[0], (rows.shape[1] if rows.dim() == 3 else 1)
+        x_inner = rows.stride(1) if rows.dim() == 3 else 0
+        out = torch.empty(x.shape, dtype=x.dtype)
+        out_inner = out.stride(1) if out.dim() == 3 else 0
+        weight = weight if weight.is_contiguous() else weight.contiguous()
+        res_ptr, res_outer = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        _check(self._lib.rms_norm(
+            rows.data_ptr(), rows.stride(0), x_inner, res_ptr, res_outer, weight.data_ptr(),
+            DTYPES[weight.dtype], out.data_ptr(), out.stride(0), out_inner, outer, inner, width, eps,
+            DTYPES[x.dtype], torch.get_num_threads(),
+        ), "rms_norm")
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[:, :w]) * x[:, w:]`` for 2-D ``x`` of width ``2w``."""
+        rows, width = x.shape[0], x.shape[1] // 2
+        out = torch.empty(rows, width, dtype=x.dtype)
+        _check(self._lib.silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows, width,
+                                      DTYPES[x.dtype], torch.get_num_threads()), "silu_and_mul")
+        return out
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [tokens, heads, D] in place by rows of ``cos``/``sin`` [tokens, 1, D] (sin's
+        first half negated, as ``RotaryEmbedding.cos_sin`` makes them); returns ``x``."""
+        tokens, heads, width = x.shape
+        if cos.stride(0) != sin.stride(0):
+            cos, sin = cos.contiguous(), sin.contiguous()
+        _check(self._lib.rotary(x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, width, cos.data_ptr(),
+                                sin.data_ptr(), cos.stride(0), DTYPES[x.dtype], torch.get_num_threads()),
+               "rotary")
+        return x
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """``cache[h, slots[t]] = src[t, h]`` for K and V into head-major caches seen as
+        [kv_heads, slots, row]; slot -1 is skipped; an int8 cache takes each row quantized
+        (``KV_INT8``), and ``k`` and ``v`` then hold the values the cache holds. Caches contiguous,
+        ``slots`` int64 contiguous: the caller guarantees it, unchecked here (``store_kv_checked``
+        checks)."""
+        tokens, kv_heads, width = k.shape
+        cache_slots = k_cache.numel() // (kv_heads * k_cache.shape[-1])
+        _check(self._lib.store_kv(
+            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),
+            tokens, kv_heads, width, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, DTYPES[k.dtype],
+            self.cache_code(k.dtype, k_cache),
+        ), "store_kv (a slot out of range, or an int8 row wider than MAX_HEAD_DIM)")
+
+    def store_kv_checked(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor) -> None:
+        """``store_kv`` for callers that do not guarantee its layouts: ValueError for caches that
+        are not contiguous or slots that are not int64."""
+        if slots.dtype != torch.int64:
+            raise ValueError("store_kv: int64 slots")
+        _check_caches(k.dtype, k_cache, v_cache, k.shape[2], "store_kv")
+        self.store_kv(k, v, k_cache, v_cache, slots.contiguous())
+
+    def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     scales: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for 2-D ``x`` of at most ``MAX_FUSED_ROWS`` rows: one pass
+        over the weight, at memory speed. With ``scales``, ``weight`` is int8 [out, in] with one
+        scale per output row (in x's dtype). csrc/linear.c's ``linear_rows`` where it was built for
+        AVX-512 (on AVX512-VNNI, int8 weights multiply x as ``quantized_activation_block`` says),
+        else elementwise.c's portable loop."""
+        rows, k_in = x.shape
+        n_out = weight.shape[0]
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if scales is not None:
+            if weight.dtype != torch.int8 or weight.stride(1) != 1:
+                raise ValueError("small_linear: an int8 weight with contiguous rows goes with scales")
+            scales = scales.contiguous()
+        y = self._linear_rows(x, self.linear_of(weight, bias, scales, x.dtype))
+        if y is not None:
+            return y
+        y = torch.empty(rows, n_out, dtype=x.dtype)
+        tail = (y.data_ptr(), y.stride(0), rows, n_out, k_in, DTYPES[x.dtype], torch.get_num_threads())
+        if scales is None:
+            _check(self._lib.small_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                          bias_ptr, *tail), "small_linear")
+        else:
+            _check(self._lib.small_linear_int8(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                                               scales.data_ptr(), bias_ptr, *tail), "small_linear_int8")
+        return y
+
+    def int4_linear(self, x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x W^T + b`` for 2-D ``x`` of at most ``MAX_FUSED_ROWS`` rows and int4 weights (``packed``
+        uint8 [out, in / 2], ``groups`` float16 [out, 2, in / INT4_GROUP]: engine/layers/quantization.py
+        lays them out), or None where the kernel does not take them (no AVX512-VNNI, ``in`` not a
+        multiple of 64): the caller multiplies by the dequantized weight then."""
+        if packed.dtype != torch.uint8 or packed.stride(1) != 1 or groups.dtype != torch.float16:
+            raise ValueError("int4_linear: uint8 packed rows (contiguous) and float16 groups")
+        groups = groups.contiguous()  # (held here: the Linear keeps only its address)
+        return self._linear_rows(x, self.linear_of(packed, bias, None, x.dtype, groups))
+
+    def _linear_rows(self, x: torch.Tensor, linear: Linear) -> torch.Tensor | None:
+        """csrc/linear.c's ``linear_rows``, or None where it does not take the call."""
+        rows = x.shape[0]
+        if not x.is_contiguous() or rows > MAX_FUSED_ROWS:
+            return None
+        y = torch.empty(rows, linear.n_out, dtype=x.dtype)
+        status = self._lib.linear_rows(ctypes.byref(linear), rows, x.data_ptr(), y.data_ptr(),
+                                       DTYPES[x.dtype], torch.get_num_threads())
+        if status == 1:  # not built for AVX-512 here, or int4 without AVX512-VNNI
+            return None
+        _check(status, "linear_rows")
+        return y
+
+    def dequantize(self, linear: Linear, dtype: torch.dtype) -> torch.Tensor | None:
+        """``linear``'s int8 or int4 weight as a [n_out, k_in] tensor of ``dtype`` (csrc/linear.c's
+        ``dequantize_weight``, on every thread), or None where it was not built for AVX-512 or
+        does not take the weight."""
+        out = torch.empty(linear.n_out, linear.k_in, dtype=dtype)
+        status = self._lib.dequantize_weight(ctypes.byref(linear), out.data_ptr(), DTYPES[dtype],
+                                             torch.get_num_threads())
+        if status == 1:
+            return None
+        _check(status, "dequantize_weight")
+        return out
+
+    def quantized_activation_block(self, k_in: int) -> int:
+        """How the few-row kernels (``small_linear``, ``int4_linear``, the fused decode step)
+        multiply int8 and int4 weights by activations of width ``k_in``: on CPUs with AVX512-VNNI,
+        where ``k_in`` is a multiple of 64, the activations are quantized to int8 as well, per
+        block of this many values (scale = max|x| / 127, magnitudes rounded to nearest even), and
+        summed in integers; 0 where they stay floats (and int4 weights are not taken)."""
+        return self._lib.quantized_activation_block(k_in)
+
+    @staticmethod
+    def linear_of(weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor | None,
+                  dtype: torch.dtype, groups: torch.Tensor | None = None) -> Linear:
+        """``Linear`` for ``weight`` [out, in] (int8 when ``scales`` is given; int4, two values a
+        byte, when ``groups`` is), rows contiguous."""
+        kind = W_INT8 if scales is not None else (W_INT4 if groups is not None else DTYPES[dtype])
+        k_in = weight.shape[1] * (2 if groups is not None else 1)
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        row_bytes = weight.stride(0) * weight.element_size()
+        return Linear(weight.data_ptr(), row_bytes, kind, ptr(scales), ptr(bias), weight.shape[0], k_in,
+                      ptr(groups))
+
+    def decode_row(self, layers: ctypes.Array, step: RowStep, hidden: torch.Tensor,
+                   residual: torch.Tensor) -> bool:
+        """One token per row through every layer of ``layers`` (csrc/decode_row.c): ``hidden``
+        [rows, H] in, the last layer's output out; ``residual`` [rows, H] out. False where the
+        library was not built for AVX-512 or refused the step (nothing was done)."""
+        status = self._lib.decode_row(ctypes.addressof(layers), len(layers), ctypes.byref(step),
+                                      hidden.data_ptr(), residual.data_ptr(), torch.get_num_threads())
+        if status == 1:
+            return False
+        _check(status, "decode_row")
+        return True
+
+    def inverse_cdf_draw(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: per row of float32 ``logits`` (overwritten), the token whose interval of
+        the cumulative softmax holds ``uniforms[row]`` of the total (``sampler._inverse_cdf_draw``)."""
+        rows, width = logits.shape
+        uniforms = uniforms.to(torch.float32).contiguous()
+        out = torch.empty(rows, dtype=torch.int64)
+        _check(self._lib.inverse_cdf_draw(logits.data_ptr(), logits.stride(0), rows, width,
+                                          uniforms.data_ptr(), out.data_ptr(), torch.get_num_threads()),
+               "inverse_cdf_draw")
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: ``logits.argmax(-1)`` of 2-D float32 logits (first maximum; first NaN)."""
+        rows, width = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        _check(self._lib.argmax_rows(logits.data_ptr(), logits.stride(0), rows, width, out.data_ptr(),
+                                     torch.get_num_threads()), "argmax_rows")
+        return out
+
+
+@functools.cache
+def load_kernels() -> CpuKernels | None:
+    """The kernels, built if needed; None when disabled or unbuildable (logged once)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("%s=0: the CPU path runs torch ops only", ENV_SWITCH)
+        return None
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler (cc, or $CC) found: the CPU path runs torch ops only (slower)")
+        return None
+    try:
+        return CpuKernels(build(cc))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("building the CPU kernels failed, the CPU path runs torch ops only: %s", exc)
+        return None
+
+
+def kernels_for(*tensors: torch.Tensor) -> CpuKernels | None:
+    """The kernels when they take these tensors (CPU, one dtype of ``DTYPES``, contiguous rows)."""
+    if not CpuKernels.takes(*tensors):
+        return None
+    return load_kernels()

@@ -1,0 +1,146 @@
+"""The ``kvserve.v1.LLMService`` handlers: Generate, Stream, Stats, WatchStats, Tokenize, ModelInfo.
+
+Handlers only produce work for the engine core (through ``AsyncEngine``, which tokenizes
+off the event loop and batches what the handlers produce) and turn its outputs into
+messages; a stream that fell behind gets its waiting deltas as one message. A cancelled call
+(client cancel or deadline) cancels the handler's task; closing the request's stream then
+aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import NoReturn
+
+import grpc
+
+from kvserve.engine.frontend.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from kvserve.engine.model_loader.generation_defaults import sampling_defaults
+from kvserve.service.api.errors import status_for
+from kvserve.service.api.responses import (
+    CompletionBuilder,
+    model_info_response,
+    stats_response,
+    stream_response,
+)
+from kvserve.service.api.validation import EngineRequest, parse_generate_request, parse_tokenize_request
+from kvserve.service.guards.limits import MIN_WATCH_INTERVAL_MS
+from kvserve.service.guards.redact import for_log
+from kvserve.service.telemetry.calls import REQUEST_ID_HEADER, CallTelemetry, current_call
+from kvserve.v1 import llm_pb2, llm_pb2_grpc
+
+log = logging.getLogger("kvserve.service")
+
+DEFAULT_WATCH_INTERVAL_MS = 1000
+
+
+class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
+    def __init__(self, engine: AsyncEngine):
+        self._engine = engine
+        self._started = time.monotonic()
+
+    async def Generate(self, request: llm_pb2.GenerateRequest, context) -> llm_pb2.GenerateResponse:
+        arrival = time.monotonic()
+        call = current_call()
+        req, stream = await self._start(request, context, call, arrival)
+        done = CompletionBuilder(req.request_id, arrival, self._engine.token_text, req.params.n)
+        error = None
+        try:
+            async for out in stream:
+                done.add(out)
+                call.observe(out)
+        except Exception as e:  # noqa: BLE001 - mapped to a status below
+            error = e
+        finally:
+            stream.close()
+        if error is not None:
+            await self._fail(context, error, req.request_id)
+        return done.response
+
+    async def Stream(self, request: llm_pb2.GenerateRequest, context):
+        arrival = time.monotonic()
+        call = current_call()
+        req, stream = await self._start(request, context, call, arrival)
+        error = None
+        try:
+            async for out in stream:
+                if out.new_token_ids or out.new_text or out.finished:
+                    call.observe(out)
+                    yield stream_response(req.request_id, out, arrival, self._engine.token_text)
+        except Exception as e:  # noqa: BLE001 - mapped to a status below
+            error = e
+        finally:
+            stream.close()  # also runs when the call ends while we wait at `yield`
+        if error is not None:
+            await self._fail(context, error, req.request_id)
+
+    async def Stats(self, request: llm_pb2.StatsRequest, context) -> llm_pb2.StatsResponse:
+        return await self._snapshot(context)
+
+    async def WatchStats(self, request: llm_pb2.WatchStatsRequest, context):
+        interval_ms = request.interval_ms or DEFAULT_WATCH_INTERVAL_MS
+        if interval_ms < MIN_WATCH_INTERVAL_MS:
+            await self._fail(
+                context,
+                ValueError(f"interval_ms: must be >= {MIN_WATCH_INTERVAL_MS} (0 = 1000), got {interval_ms}"),
+                "",
+            )
+        while True:
+            yield await self._snapshot(context)
+            await asyncio.sleep(interval_ms / 1000.0)
+
+    async def Tokenize(self, request: llm_pb2.TokenizeRequest, context) -> llm_pb2.TokenizeResponse:
+        try:
+            prompt, messages = parse_tokenize_request(request)
+            ids = await self._engine.tokenize(prompt, messages)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        return llm_pb2.TokenizeResponse(token_ids=ids, count=len(ids))
+
+    async def ModelInfo(self, request: llm_pb2.ModelInfoRequest, context) -> llm_pb2.ModelInfoResponse:
+        try:
+            info = await self._engine.model_info()
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        return model_info_response(info)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    async def _start(
+        self, request: llm_pb2.GenerateRequest, context, call: CallTelemetry, arrival: float
+    ) -> tuple[EngineRequest, RequestStream]:
+        """Validate and admit; any refusal ends the call with its status. The request id goes
+        back as ``x-request-id`` metadata too when the call sent that header."""
+        try:
+            info = self._engine.info
+            if info is None:
+                raise EngineUnavailable("the model is still loading")
+            req = parse_generate_request(request, info.vocab_size, sampling_defaults(info.config.model),
+                                         call.header_request_id)
+            stream = await self._engine.generate(req.request_id, req.prompt, req.params, req.messages)
+            call.admitted(req.request_id, arrival)
+            # echoed to callers that sent the header: sending headers ahead of the first message is
+            # one more write and completion per call (a fifth of the front-end's work per short call)
+            echo = call.header_request_id is not None
+            if echo and req.request_id.isascii() and req.request_id.isprintable():  # else not legal metadata
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, req.request_id),))
+            return req, stream
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            error = e
+        call.refused(request.request_id)
+        await self._fail(context, error, request.request_id)
+
+    async def _snapshot(self, context) -> llm_pb2.StatsResponse:
+        try:
+            stats = await self._engine.stats()
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        stats["uptime_s"] = time.monotonic() - self._started
+        return stats_response(stats)
+
+    async def _fail(self, context, error: BaseException, request_id: str) -> NoReturn:
+        code, message = status_for(error)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("request %s failed", for_log(request_id or "-"), exc_info=error)
+        await context.abort(code, message)  # the call's log line (call_telemetry.py) tells the rest

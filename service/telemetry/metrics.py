@@ -1,0 +1,174 @@
+"""Prometheus metrics over HTTP (``--metrics-port``), named as vLLM names them with the
+``kvserve:`` prefix so that dashboards built for vLLM map over.
+
+Two sources, one registry per server:
+
+- the engine's state (running, waiting, KV cache use, prefix cache, preemptions, token and
+  request counters) is read at scrape time from the same snapshot the ``Stats`` RPC returns
+  (``AsyncEngine.stats()``: the engine-core process's counters plus the front-end's admission
+  fields), so /metrics and Stats agree and the metrics cover the core process too;
+- per-request timings, outcomes by finish reason and gRPC status counts are observed by the
+  front-end as each call's outputs go out (service/telemetry/calls.py).
+
+Every series has a ``model_name`` label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvserve.service.methods import split_method
+
+log = logging.getLogger("kvserve.service.telemetry.metrics")
+
+PREFIX = "kvserve:"
+SNAPSHOT_TIMEOUT_S = 5.0  # a scrape waits this long for the engine's snapshot at most
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
+
+# (metric name without prefix, Stats key, help) of the engine snapshot's gauges and counters
+SNAPSHOT_GAUGES = (
+    ("num_requests_running", "num_running", "Requests being generated (in the running batch)."),
+    ("num_requests_waiting", "num_waiting", "Requests in the scheduler's waiting queue."),
+    ("num_requests_queued", "num_queued", "Requests admitted, not yet handed to the scheduler."),
+    ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache."),
+)
+SNAPSHOT_COUNTERS = (
+    ("num_preemptions", "num_preemptions", "Running requests preempted to free KV cache blocks."),
+    ("prompt_tokens", "prompt_tokens_total", "Prompt tokens of all requests (prefill)."),
+    ("generation_tokens", "generation_tokens_total", "Tokens generated."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("request_aborted", "requests_aborted", "Requests aborted (cancel, deadline, drain)."),
+    ("request_rejected", "requests_rejected", "Requests refused because the admission queue was full."),
+)
+
+
+def metric_name(name: str) -> str:
+    return PREFIX + name
+
+
+class Metrics:
+    """The server's registry: the engine snapshot's series plus what the front-end observes.
+
+    ``snapshot()`` returns the Stats dict, or None while there is none (loading, dead);
+    ``core_pid()`` the engine-core process's pid (None: no series for it)."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], dict | None],
+                 core_pid: Callable[[], int | None] = lambda: None):
+        disable_created_metrics()  # no *_created series: vLLM's dashboards do not use them
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg, labels = self.registry, ["model_name"]
+        self.time_to_first_token = Histogram(
+            metric_name("time_to_first_token_seconds"), "Time from the call's arrival to the first token.",
+            labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.inter_token_latency = Histogram(
+            metric_name("inter_token_latency_seconds"), "Time between two tokens of a request, as sent.",
+            labels, buckets=ITL_BUCKETS, registry=reg)
+        self.e2e_request_latency = Histogram(
+            metric_name("e2e_request_latency_seconds"), "Time from the call's arrival to its last token.",
+            labels, buckets=REQUEST_BUCKETS, registry=reg)
+        self.request_queue_time = Histogram(
+            metric_name("request_queue_time_seconds"), "Time from the call's arrival to its first step.",
+            labels, buckets=REQUEST_BUCKETS, registry=reg)
+        self.request_success = Counter(
+            metric_name("request_success"), "Requests that finished, by finish reason.",
+            [*labels, "finished_reason"], registry=reg)
+        self.grpc_handled = Counter(
+            metric_name("grpc_server_handled"), "gRPC calls completed, by method and status code.",
+            [*labels, "grpc_service", "grpc_method", "grpc_code"], registry=reg)
+        reg.register(SnapshotCollector(model_name, snapshot))
+        ProcessCollector(registry=reg)  # process_*: the front-end
+        ProcessCollector(namespace="kvserve_engine_core", pid=core_pid, registry=reg)  # its CPU, memory
+
+    # each histogram's series of the model is made at its first observation (no empty series
+    # before a request)
+    def observe_request(self, queue_s: float, ttft_s: float | None, e2e_s: float, finish_reason: str) -> None:
+        self.request_queue_time.labels(self.model_name).observe(queue_s)
+        if ttft_s is not None:
+            self.time_to_first_token.labels(self.model_name).observe(ttft_s)
+        self.e2e_request_latency.labels(self.model_name).observe(e2e_s)
+        self.request_success.labels(self.model_name, finish_reason.lower()).inc()
+
+    def observe_token_gap(self, seconds: float, tokens: int) -> None:
+        """One output carried ``tokens`` tokens, ``seconds`` after the previous one: each token
+        counts as one gap of ``seconds / tokens`` (every token but a request's first is one gap)."""
+        child = self.inter_token_latency.labels(self.model_name)
+        for _ in range(tokens):
+            child.observe(seconds / tokens)
+
+    def count_call(self, method: str, code: str) -> None:
+        service, name = split_method(method)
+        self.grpc_handled.labels(self.model_name, service, name, code).inc()
+
+
+class SnapshotCollector(Collector):
+    """The engine snapshot's series, read fresh at every scrape."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], dict | None]):
+        self._model = model_name
+        self._snapshot = snapshot
+
+    def collect(self):
+        stats = self._snapshot()
+        if stats is None:
+            return
+        for name, key, doc in SNAPSHOT_GAUGES:
+            yield self._family(GaugeMetricFamily, name, doc, stats[key])
+        total = stats["kv_blocks_total"]
+        usage = 1.0 - stats["kv_blocks_free"] / total if total else 0.0
+        yield self._family(GaugeMetricFamily, "kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).",
+                           usage)
+        for name, key, doc in SNAPSHOT_COUNTERS:
+            yield self._family(CounterMetricFamily, name, doc, stats[key])
+
+    def _family(self, kind, name: str, doc: str, value: float):
+        family = kind(metric_name(name), doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
+
+def snapshot_from_thread(
+    stats: Callable[[], object], loop: asyncio.AbstractEventLoop
+) -> Callable[[], dict | None]:
+    """A snapshot function for the scrape thread: runs the coroutine ``stats()`` on the server's
+    event loop and waits for it; None when the engine has none to give (loading, dead)."""
+
+    def snapshot() -> dict | None:
+        try:
+            return asyncio.run_coroutine_threadsafe(stats(), loop).result(SNAPSHOT_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a scrape without engine series, not a failed scrape
+            log.debug("no engine snapshot for /metrics: %s", e)
+            return None
+
+    return snapshot
+
+
+class MetricsServer:
+    """/metrics over HTTP on its own thread (prometheus-client's server)."""
+
+    def __init__(self, metrics: Metrics, host: str, port: int):
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
+        except OSError as e:
+            raise OSError(f"cannot serve metrics on {host}:{port}: {e}") from e
+        self.port: int = self._server.server_port
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,66 @@
+"""benchmarks/instruments/procfs.py: a process's descendants, their CPU time, and a zombie counted as gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from kvserve.benchmarks.instruments.procfs import (
+    alive,
+    children,
+    process_tree,
+    process_tree_cpu_s,
+    scheduled_cpu_s,
+    stat,
+)
+
+# a child that starts a grandchild, says its pid, and sleeps
+PARENT = ("import subprocess, sys, time\n"
+          "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+          "print(p.pid, flush=True)\n"
+          "time.sleep(60)\n")
+
+
+def test_tree_holds_children_and_grandchildren_and_a_zombie_is_not_alive():
+    child = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    grandchild = int(child.stdout.readline())
+    try:
+        assert children(child.pid) == [grandchild]
+        assert process_tree(child.pid) == [child.pid, grandchild]
+        assert alive(child.pid) and alive(grandchild)
+        def both() -> float:  # the two processes' CPU seconds, read one by one
+            return (stat(child.pid).cpu_ticks + stat(grandchild).cpu_ticks) / os.sysconf("SC_CLK_TCK")
+
+        before = both()
+        tree = process_tree_cpu_s(child.pid)
+        assert before <= tree <= both()  # the grandchild's share included (ticks only grow)
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
+        child.send_signal(signal.SIGKILL)  # not reaped: a zombie until wait()
+    deadline = time.monotonic() + 10
+    while stat(child.pid).state != "Z":
+        assert time.monotonic() < deadline, stat(child.pid)
+        time.sleep(0.01)
+    assert not alive(child.pid)
+    child.wait()
+    child.stdout.close()
+    assert stat(child.pid) is None and not alive(child.pid)
+
+
+def test_scheduled_cpu_counts_a_busy_process_and_not_a_sleeping_one():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.3)  # both started
+        before = scheduled_cpu_s([busy.pid]), scheduled_cpu_s([idle.pid])
+        time.sleep(0.5)
+        busy_s, idle_s = scheduled_cpu_s([busy.pid]) - before[0], scheduled_cpu_s([idle.pid]) - before[1]
+        assert busy_s > 0.1 and idle_s < 0.05
+        assert scheduled_cpu_s([busy.pid, idle.pid]) >= scheduled_cpu_s([busy.pid])
+    finally:
+        for p in (busy, idle):
+            p.kill()
+            p.wait()

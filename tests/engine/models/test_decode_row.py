@@ -1,0 +1,217 @@
+"""The fused decode step (engine/models/decode_row.py, kernels/cpu/csrc/decode_row.c) against the
+per-op path it replaces: the same kernels in the same order, so the same tokens and the same
+log-probabilities, in float32 and bfloat16, with int8 weights, an int8 KV cache and Qwen2's
+biases, one sequence at a time and several (up to MAX_FUSED_ROWS) side by side."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.benchmarks.attention_cpu import step_input
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.models.decode_row import DecodeRow
+from kvserve.kernels.cpu import bindings as cpu_kernels
+from kvserve.kernels.cpu.bindings import load_kernels
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
+
+
+def _int4_needs_vnni(quantization: str | None) -> None:
+    if quantization == "int4" and not _kernels.quantized_activation_block(576):
+        pytest.skip("int4 weights in the kernels need AVX512-VNNI")
+
+
+def _fused_steps(monkeypatch) -> list[bool]:
+    """Records whether each fused call ran (False: not built for AVX-512 here)."""
+    calls: list[bool] = []
+    real = cpu_kernels.CpuKernels.decode_row
+
+    def counted(self, *args):
+        calls.append(real(self, *args))
+        return calls[-1]
+
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "decode_row", counted)
+    return calls
+
+
+def _generate(llm: LLM, fused: bool, prompts=PROMPTS, together: bool = False
+              ) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their log-probabilities, one prompt at a time (every decode step one
+    token) or all together (decode steps of several rows; the different output lengths make
+    the batch shrink as they finish)."""
+    model = llm.engine.executor.model.model
+    model._decode_row = DecodeRow(model) if fused else None
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=1)
+              for i in range(len(prompts))]
+    if together:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = [llm.generate(p, q, use_tqdm=False)[0] for p, q in zip(prompts, params, strict=True)]
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+
+_kernels = load_kernels()
+needs_kernels = pytest.mark.skipif(_kernels is None or not _kernels.fused_rows,
+                                   reason="the fused decode step is built for AVX-512 CPUs only")
+
+
+@needs_kernels
+@pytest.mark.parametrize(("dtype", "quantization", "kv_cache_dtype"), [
+    ("float32", None, "auto"), ("bfloat16", None, "auto"), ("bfloat16", "int8", "auto"),
+    ("bfloat16", "int4", "auto"),  # (int4 weights: on AVX512-VNNI CPUs; elsewhere neither path's kernel)
+    ("float32", None, "int8"),  # the int8 KV cache: stored and read by the same kernels on both paths
+])
+def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantization, kv_cache_dtype,
+                                                                monkeypatch):
+    """One sequence at a time, the fused step and the per-op path run the same kernels: the same
+    tokens and log-probabilities. Together (decode steps of 4, 3, 2, 1 rows) the per-op path of
+    a float model multiplies in oneDNN's GEMMs, whose sums run in another order: in float32 the
+    same tokens and log-probabilities within 1e-4 (in bfloat16 a near tie may flip a token; the
+    next test pins the rows there)."""
+    _int4_needs_vnni(quantization)
+    options = {"quantization": quantization} if quantization else {}
+    llm = LLM("default", dtype=dtype, max_num_seqs=len(PROMPTS), num_kv_blocks=64,
+              kv_cache_dtype=kv_cache_dtype, **options)
+    assert DecodeRow.fits(llm.engine.executor.model.model)
+    calls = _fused_steps(monkeypatch)
+    alone = _generate(llm, True)
+    assert len(calls) == 5 + 7 + 9 + 11 and all(calls)  # every decode step of every prompt
+    calls.clear()
+    together = _generate(llm, True, together=True)
+    assert len(calls) == 11 and all(calls)  # 4 rows, then 3, 2, 1 as the outputs end
+    calls.clear()
+    pairs = [(alone, _generate(llm, False), 1e-5)]
+    # (an int8 cache rounds K/V to steps of max/127, so the GEMMs' other summation order moves some
+    # values by a step; tests/engine/layers/attention/test_kv_int8.py bounds what that does to batched tokens)
+    if dtype == "float32" and kv_cache_dtype == "auto":
+        pairs.append((together, _generate(llm, False, together=True), 1e-4))
+    for fused, per_op, tol in pairs:
+        assert [t for t, _ in fused] == [t for t, _ in per_op]
+        for (_, a), (_, b) in zip(fused, per_op, strict=True):
+            assert a == pytest.approx(b, abs=tol)
+    assert not calls
+    llm.shutdown()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("dtype", "quantization"),
+                         [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization, monkeypatch):
+    """Five decode rows over different contexts (a cache of random K/V) through the fused step
+    at once, and each alone: bit for bit the same hidden states, so a sequence's tokens do not
+    depend on what else is decoding beside it (up to MAX_FUSED_ROWS rows)."""
+    _int4_needs_vnni(quantization)
+    options = {"quantization": quantization} if quantization else {}
+    llm = LLM("default", dtype=dtype, max_num_seqs=8, num_kv_blocks=64, **options)
+    runner = llm.engine.executor
+    model = runner.model.model
+    gen = torch.Generator().manual_seed(0)
+    runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).to(runner.kv_cache.dtype))
+    block = runner.block_size
+    seqs = [([3, 9], 20, 1), ([1], 4, 1), ([12, 4, 7, 30], 50, 1), ([2, 5], 16, 1), ([40, 41, 42], 33, 1)]
+    ids = torch.tensor([11, 222, 3333, 444, 55])
+    calls = _fused_steps(monkeypatch)
+
+    def forward(rows):
+        inp = step_input(block, [seqs[i] for i in rows])
+        meta = runner.backend.build_metadata(inp, torch.device("cpu"))
+        with torch.inference_mode():
+            return model(ids[rows], torch.tensor(inp.positions), meta)
+
+    together = forward([0, 1, 2, 3, 4])
+    for i in range(5):
+        assert torch.equal(together[i : i + 1], forward([i]))
+    assert len(calls) == 6 and all(calls)
+    llm.shutdown()
+
+
+@needs_kernels
+def test_fused_step_with_qkv_biases(tiny_qwen2_dir, monkeypatch):
+    llm = LLM(str(tiny_qwen2_dir), dtype="float32", max_num_seqs=1, num_kv_blocks=64)
+    model = llm.engine.executor.model.model
+    assert DecodeRow.fits(model) and model.layers[0].self_attn.qkv_proj.bias is not None
+    _assert_fused_matches_per_op(llm, monkeypatch, stride=7)
+    llm.shutdown()
+
+
+def _assert_fused_matches_per_op(llm: LLM, monkeypatch, stride: int) -> None:
+    """Three token-id prompts, one at a time: the fused step runs and gives the per-op path's
+    tokens and (float32) log-probabilities."""
+    calls = _fused_steps(monkeypatch)
+    prompts = [[(stride * i + j) % llm.engine.vocab_size for j in range(4 + i)] for i in range(3)]
+    fused = _generate(llm, True, prompts)
+    assert calls and all(calls)
+    per_op = _generate(llm, False, prompts)
+    assert [t for t, _ in fused] == [t for t, _ in per_op]
+    for (_, a), (_, b) in zip(fused, per_op, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_layers_it_does_not_compute_are_left_to_the_per_op_path(tmp_path):
+    """Qwen3's per-head q/k norms are not in the fused layer: such a model keeps the per-op path."""
+    from kvserve.testing.random_model import main as write_random_model
+    write_random_model(["qwen3-tiny", str(tmp_path)])
+    llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=1, num_kv_blocks=16)
+    model = llm.engine.executor.model.model
+    assert not DecodeRow.fits(model) and model.decode_row() is None
+    llm.shutdown()
+
+
+@needs_kernels
+def test_fused_step_with_output_and_down_projection_biases(tmp_path, monkeypatch):
+    """A Llama with attention_bias and mlp_bias (biases on q/k/v, o, gate/up and down): the fused
+    step adds every one of them as the per-op path does."""
+    from kvserve.testing.random_model import make_config, write_model_dir
+
+    path = write_model_dir(make_config("llama-tiny", attention_bias=True, mlp_bias=True), tmp_path,
+                           dtype=torch.float32)
+    llm = LLM(str(path), dtype="float32", max_num_seqs=1, num_kv_blocks=64)
+    model = llm.engine.executor.model.model
+    layer = model.layers[0]
+    assert DecodeRow.fits(model)
+    assert layer.self_attn.o_proj.bias is not None and layer.mlp.down_proj.bias is not None
+    _assert_fused_matches_per_op(llm, monkeypatch, stride=11)
+    llm.shutdown()
+
+
+@needs_kernels
+def test_rows_without_a_cache_slot_and_batches_above_the_limit_take_the_per_op_path(monkeypatch):
+    """A row whose slot is -1 (nothing to store: a padding row) makes the C call refuse the step,
+    and the per-op path computes it, with the per-op path's result; a decode step of more rows than
+    MAX_FUSED_ROWS never reaches the fused step."""
+    from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
+
+    llm = LLM("default", dtype="float32", max_num_seqs=MAX_FUSED_ROWS + 1, num_kv_blocks=64)
+    runner = llm.engine.executor
+    model = runner.model.model
+    gen = torch.Generator().manual_seed(1)
+    runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).to(runner.kv_cache.dtype))
+    seqs = [([3, 9], 20, 1), ([1], 4, 1)]
+    ids = torch.tensor([11, 222])
+    calls = _fused_steps(monkeypatch)
+
+    def forward(fused: bool):
+        model._decode_row = DecodeRow(model) if fused else None
+        inp = step_input(runner.block_size, seqs)
+        inp.slot_mapping[1] = -1
+        meta = runner.backend.build_metadata(inp, torch.device("cpu"))
+        with torch.inference_mode():
+            return model(ids, torch.tensor(inp.positions), meta)
+
+    assert torch.equal(forward(True), forward(False))
+    assert calls == [False]  # asked once, refused: the per-op path ran
+
+    rows = []
+    real_call = DecodeRow.__call__
+    monkeypatch.setattr(DecodeRow, "__call__", lambda self, hidden, *a: rows.append(hidden.shape[0])
+                        or real_call(self, hidden, *a))
+    calls.clear()
+    n = MAX_FUSED_ROWS + 1
+    prompts = [[(5 * i + j) % llm.engine.vocab_size for j in range(3 + i)] for i in range(n)]
+    # request i makes 4 + 2i tokens: the first decode steps have n rows, then the batch shrinks
+    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(n)]
+    model._decode_row = DecodeRow(model)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert rows and max(rows) == MAX_FUSED_ROWS and all(calls)  # from the step after the first ended
+    llm.shutdown()
