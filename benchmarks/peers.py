@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.model_loader.loader import ModelSource
+from kvserve.engine.model_loader.source import ModelSource
 
 
 def load_transformers_model(src: ModelSource, dtype: torch.dtype = torch.float32, device="cpu"):

@@ -29,7 +29,7 @@ import torch
 from kvserve.benchmarks import write_json
 from kvserve.benchmarks.offline import make_requests
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.model_loader.loader import ModelSource, resolve_model
+from kvserve.engine.model_loader.source import ModelSource, resolve_model
 
 PEER_DIR = Path(__file__).resolve().parent / "llamacpp"
 PEER_SCRIPT = PEER_DIR / "single_stream.mjs"

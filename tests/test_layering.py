@@ -1,7 +1,17 @@
-"""Which part of kvserve may import which: the engine knows nothing of the network, the
-service nothing of the clients, the clients nothing of the server. Only the command line
-(``cli.py``), the benchmarks and the test harness (``testing/``) gather them. And an engine on
-the CPU never imports Triton (kvserve.kernels loads its Triton modules on first use)."""
+"""Which part of kvserve may import which (docs/design/layout.md states the same rules in words).
+
+Between the top-level packages: the engine knows nothing of the network, the service nothing of
+the clients, the clients nothing of the server; only the command line (``cli.py``), the
+benchmarks and the test harness (``testing/``) gather them. Inside the engine: the front-end (and
+so the gRPC process) never reaches the model's code, layers and models never reach the engine
+core, the front-end or the executor, ``distributed/`` and ``process/`` are leaves, and the control
+plane imports no torch. No module imports itself back through others (no circles), no file is over
+400 lines and no folder but ``models/`` and ``layers/`` holds more than eight modules. An engine on
+the CPU never imports Triton (kvserve.kernels loads its Triton modules on first use).
+
+Imports are read from the source (``ast``), lazy ones inside functions included, so a rule
+cannot be dodged by moving an import into a function.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +19,98 @@ import ast
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-# subpackage -> the kvserve subpackages its modules must not import
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Every kvserve module name -> its file, from pyproject.toml's package-dir mapping."""
+    package_dir = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    modules = {}
+    for package, folder in package_dir.items():
+        for path in sorted((root / folder).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            modules[name] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def imported_modules(path: Path, known: dict[str, Path] = MODULES) -> set[str]:
+    """The kvserve modules a file imports (``from pkg import mod`` counts as ``pkg.mod``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        found |= {n for n in names if n == "kvserve" or n.startswith("kvserve.")}
+    return found
+
+
+GRAPH = {name: imported_modules(path) for name, path in MODULES.items()}
+
+
+def reachable(start: str, graph: dict[str, set[str]] = GRAPH) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: strongly connected groups of two or more modules, or a self-import."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph[v]:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def under(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def engine(*groups: str) -> tuple[str, ...]:
+    return tuple(f"kvserve.engine.{g}" for g in groups)
+
+
+# ---- top-level packages: subpackage -> the kvserve subpackages its modules must not import
 FORBIDDEN = {
     "engine": {"service", "clients", "benchmarks", "testing", "cli"},
     "kernels": {"engine", "service", "clients", "benchmarks", "testing", "cli"},
@@ -23,37 +119,91 @@ FORBIDDEN = {
 }
 
 
-def kvserve_imports(path: Path) -> set[str]:
-    """The kvserve subpackages (first name after ``kvserve.``) a module imports, lazily or not."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "kvserve" and len(parts) > 1:
-                found.add(parts[1])
-    return found
-
-
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_imports_stay_in_their_layer(package):
-    modules = sorted((ROOT / package).rglob("*.py"))
+    modules = [m for m in GRAPH if under(m, f"kvserve.{package}")]
     assert modules, f"no modules under {package}/"
-    offenders = {
-        str(m.relative_to(ROOT)): sorted(kvserve_imports(m) & FORBIDDEN[package]) for m in modules
-    }
+    offenders = {m: sorted({i.split(".")[1] for i in GRAPH[m] if i != "kvserve"} & FORBIDDEN[package])
+                 for m in modules}
     assert {m: bad for m, bad in offenders.items() if bad} == {}
 
 
-def test_the_checker_sees_lazy_imports(tmp_path):
+# ---- inside the engine. Transitive: what a module reaches through any chain of imports.
+NEVER_REACHES = {
+    # the gRPC process never loads the model: the front-end and the service stop short of its code
+    "kvserve.engine.frontend": engine("runner", "executor", "layers", "models", "model_loader.loader"),
+    "kvserve.service": engine("runner", "executor", "layers", "models", "model_loader.loader"),
+    # the building blocks know nothing of who drives them
+    "kvserve.engine.layers": engine("core", "frontend", "executor", "runner"),
+    "kvserve.engine.models": engine("core", "frontend", "executor", "runner"),
+    # leaves: what layers see of TP, and process plumbing
+    "kvserve.engine.distributed": engine("core", "frontend", "executor", "runner", "layers", "models"),
+    "kvserve.engine.process": engine("core", "frontend", "executor", "runner", "layers", "models"),
+    "kvserve.kernels": ("kvserve.engine",),
+}
+
+
+@pytest.mark.parametrize("group", sorted(NEVER_REACHES))
+def test_group_never_reaches_what_it_must_not_know(group):
+    modules = [m for m in GRAPH if under(m, group)]
+    assert modules, f"no modules under {group}"
+    offenders = {m: sorted(r for r in reachable(m) if under(r, *NEVER_REACHES[group])) for m in modules}
+    assert {m: bad for m, bad in offenders.items() if bad} == {}
+
+
+@pytest.mark.parametrize("group", ["kvserve.engine.distributed", "kvserve.engine.process"])
+def test_leaves_import_only_the_engine_config(group):
+    imports = {i for m in GRAPH if under(m, group) for i in GRAPH[m]}
+    assert {i for i in imports if not under(i, group)} <= {"kvserve", "kvserve.engine.config"}
+
+
+def test_no_import_circles():
+    assert cycles(GRAPH) == []
+
+
+def test_the_control_plane_imports_no_torch():
+    """The scheduler, block manager and sequence run (and are tested) without torch."""
+    code = ("import sys\nimport kvserve.engine.core.scheduler, kvserve.engine.core.block_manager, "
+            "kvserve.engine.sequence\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+
+
+def test_the_checker_sees_lazy_imports_and_circles(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from kvserve.clients.client import Client\n"
-                      "    import kvserve.service.cli\n")
-    assert kvserve_imports(module) == {"clients", "service"}
+                      "    import kvserve.service.cli\n    from kvserve.engine import llm\n")
+    known = {"kvserve.engine.llm": module}
+    assert imported_modules(module, known) == {"kvserve.clients.client", "kvserve.service.cli",
+                                               "kvserve.engine.llm"}
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"a"}, "b": set()}) == [["a"]]
+    assert reachable("d", {"a": {"b"}, "b": {"c"}, "d": {"a"}}) == {"a", "b", "c"}
+
+
+# ---- sizes
+def tracked_python_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:  # not a git checkout (an unpacked sdist): every file on disk
+        return [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "node_modules" not in p.parts]
+    return [ROOT / line for line in listed.stdout.split()]
+
+
+def test_no_python_file_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in tracked_python_files()
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+# models/ and layers/ grow one file per architecture or building block, like the anchors' own
+ANY_SIZE = {"engine/models", "engine/layers"}
+
+
+def test_no_folder_holds_more_than_eight_modules():
+    per_folder = Counter(str(p.parent.relative_to(ROOT)) for p in tracked_python_files())
+    crowded = {folder: n for folder, n in per_folder.items() if n > 8 and folder not in ANY_SIZE}
+    assert crowded == {}
 
 
 CPU_ENGINE = """

@@ -20,18 +20,15 @@ from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
-from kvserve.engine.model_loader.loader import (
-    load_generation_eos,
-    load_hf_config,
-    load_tokenizer,
-    resolve_model,
-)
+from kvserve.engine.model_loader.loader import load_generation_eos, load_hf_config
+from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import FinishReason, Sequence
 from kvserve.engine.structured.constraints import Constraint, constraint_of
 from kvserve.engine.structured.grammar import StructuredOutput
 from kvserve.engine.tokenizer.detokenizer import RequestText
+from kvserve.engine.tokenizer.load import load_tokenizer
 from kvserve.engine.tokenizer.prompts import PromptEncoder
 
 log = logging.getLogger("kvserve.engine")

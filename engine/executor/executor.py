@@ -37,7 +37,8 @@ from kvserve.engine.distributed import channels as tpd
 from kvserve.engine.distributed.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.engine.executor.worker import WorkerProcesses, WorkerSpec, pin_device
 from kvserve.engine.model_input import ModelInput
-from kvserve.engine.model_loader.loader import load_hf_config, resolve_device, resolve_model
+from kvserve.engine.model_loader.loader import load_hf_config, resolve_device
+from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.process.child_process import PipeDoorbell
 from kvserve.engine.runner.model_runner import ModelRunner
 

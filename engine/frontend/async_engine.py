@@ -331,6 +331,7 @@ class AsyncEngine:
 
 
 def _load_tokenizer(model: str):
-    from kvserve.engine.model_loader.loader import load_tokenizer, resolve_model
+    from kvserve.engine.model_loader.source import resolve_model
+    from kvserve.engine.tokenizer.load import load_tokenizer
 
     return load_tokenizer(resolve_model(model))

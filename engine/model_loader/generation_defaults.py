@@ -24,7 +24,7 @@ def sampling_defaults(model: str) -> dict[str, float | int]:
     """The recommended sampling of ``model`` (the ``--model`` value), for unset fields only."""
     if model == "default":
         return dict(BUNDLED_MODEL_DEFAULTS)
-    from kvserve.engine.model_loader.loader import resolve_model  # torch and transformers: only when needed
+    from kvserve.engine.model_loader.source import resolve_model  # torch and transformers: only when needed
 
     src = resolve_model(model)
     path = os.path.join(src.path, "generation_config.json")

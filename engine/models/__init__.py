@@ -1,4 +1,7 @@
-"""The model registry (architecture name -> class) and builders for real and random-weight models.
+"""The models, and builders for real and random-weight models.
+
+Importing this package imports every model module, and each registers its architectures
+(``registry.register_model``); the loader asks the registry (``model_class_for``).
 
 ``build_model`` makes a model in the serving dtype on the device; ``init_random_weights`` fills
 one with seeded random weights through the same loaders a checkpoint uses, so a small config is
@@ -17,45 +20,9 @@ from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import AttentionBackend, create_attention_backend
 from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from kvserve.engine.layers.moe import FusedExperts
-from kvserve.engine.models.llama import LlamaForCausalLM
-from kvserve.engine.models.mixtral import MixtralForCausalLM
-from kvserve.engine.models.qwen2 import Qwen2ForCausalLM
-from kvserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
-from kvserve.engine.models.qwen3 import Qwen3ForCausalLM
-from kvserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
-
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-}
-SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
-
-
-def model_class_for(hf_config) -> type[nn.Module]:
-    """The registered class of the config's architecture; refuses what we cannot run."""
-    architectures = getattr(hf_config, "architectures", None) or []
-    for name in architectures:
-        if name in MODEL_REGISTRY:
-            _refuse_unsupported_features(hf_config, name)
-            return MODEL_REGISTRY[name]
-    raise ValueError(
-        f"model architecture {architectures or 'unknown'} is not supported; "
-        f"supported architectures: {list(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _refuse_unsupported_features(hf_config, name: str) -> None:
-    if "sliding_attention" in (getattr(hf_config, "layer_types", None) or []):
-        raise ValueError(f"{name} with sliding-window attention layers is not supported")
-    window = getattr(hf_config, "sliding_window", None)  # Mixtral; Qwen's count only when switched on
-    used = getattr(hf_config, "use_sliding_window", True)
-    if used and window and window < hf_config.max_position_embeddings:
-        raise ValueError(f"{name} with sliding_window={window} (below max_position_embeddings="
-                         f"{hf_config.max_position_embeddings}) is not supported: attention here is global")
+from kvserve.engine.model_loader.weights import load_named_weights
+from kvserve.engine.models import llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 - they register
+from kvserve.engine.models.registry import model_class_for
 
 
 def build_model(hf_config, dtype: torch.dtype, device: torch.device | str,
@@ -126,6 +93,4 @@ def random_weights(hf_config, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
 
 def init_random_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill ``model`` (any tensor-parallel rank) with the weights of ``random_weights``."""
-    from kvserve.engine.model_loader.loader import load_named_weights
-
     load_named_weights(model, random_weights(model.config, seed))

@@ -24,13 +24,15 @@ import torch
 
 from kvserve.engine.layers.attention.torch_backend import TorchAttentionImpl, TorchAttentionMetadata
 from kvserve.engine.layers.norm import RMSNorm
-from kvserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from kvserve.engine.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
 from kvserve.kernels.cpu.abi import DTYPES, RowLayer, RowStep
 from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for, load_kernels
 
-# the layers whose forward decode_row.c computes (their exact classes: a subclass may change it)
-ROW_LAYERS = {LlamaDecoderLayer: LlamaAttention, Qwen2DecoderLayer: Qwen2Attention}
+
+def computes(module) -> bool:
+    """Whether decode_row.c computes ``module``'s forward: its class itself says so with
+    ``in_decode_row = True`` in its own body (not inherited: a subclass may change the forward).
+    The models mark their plain decoder layers, attentions and MLPs; this module imports none."""
+    return vars(type(module)).get("in_decode_row", False) is True
 
 
 def _linear(layer, dtype: torch.dtype):
@@ -62,7 +64,8 @@ class DecodeRow:
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if (ROW_LAYERS.get(type(layer)) is not type(attn) or type(mlp) is not LlamaMLP
+            if (not computes(layer) or type(attn) is not layer.attention_class or not computes(attn)
+                    or not computes(mlp)
                     or any(type(norm) is not RMSNorm for norm in norms)
                     or not isinstance(attn.attn.impl, TorchAttentionImpl) or not attn.attn.impl._kernel_shapes
                     or attn.qkv_proj.parallel.size != 1 or attn.qkv_proj.weight.device.type != "cpu"):

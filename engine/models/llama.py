@@ -18,6 +18,8 @@ from kvserve.engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedd
 from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvserve.engine.layers.norm import RMSNorm
 from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from kvserve.engine.models.decode_row import DecodeRow
+from kvserve.engine.models.registry import register_model
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
 
 
@@ -26,6 +28,7 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
+    in_decode_row = True  # decode_row.c computes this class's forward (models/decode_row.py)
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
         super().__init__()
         head_dim = head_dim_of(config)
@@ -67,6 +70,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    in_decode_row = True
     def __init__(self, config, parallel: ParallelContext, bias: bool = False):
         super().__init__()
         size = config.intermediate_size
@@ -80,6 +84,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_class = LlamaAttention
+    in_decode_row = True
 
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int = 0):
         super().__init__()
@@ -135,12 +140,11 @@ class LlamaModel(nn.Module):
         """The fused one-token step over these layers (``models/decode_row.py``), or None when
         they do not fit it; decided once."""
         if self._decode_row is False:
-            from kvserve.engine.models.decode_row import DecodeRow  # it imports the layer classes here
-
             self._decode_row = DecodeRow(self) if DecodeRow.fits(self) else None
         return self._decode_row
 
 
+@register_model
 class LlamaForCausalLM(nn.Module):
     model_class = LlamaModel
     packed_modules_mapping = {

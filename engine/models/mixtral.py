@@ -12,6 +12,7 @@ from torch import nn
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.moe import ExpertNames, SparseMoeBlock
 from kvserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from kvserve.engine.models.registry import register_model
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
@@ -26,6 +27,7 @@ class MixtralModel(LlamaModel):
     layer_class = MixtralDecoderLayer
 
 
+@register_model
 class MixtralForCausalLM(LlamaForCausalLM):
     model_class = MixtralModel
     expert_names = ExpertNames("w1", "w3", "w2")

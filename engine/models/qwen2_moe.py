@@ -14,6 +14,7 @@ from kvserve.engine.layers.moe import ExpertNames, SparseMoeBlock
 from kvserve.engine.models.llama import LlamaModel
 from kvserve.engine.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
 from kvserve.engine.models.qwen3_moe import is_sparse_layer
+from kvserve.engine.models.registry import register_model
 
 
 class Qwen2MoeAttention(Qwen2Attention):
@@ -39,6 +40,7 @@ class Qwen2MoeModel(LlamaModel):
     layer_class = Qwen2MoeDecoderLayer
 
 
+@register_model
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     model_class = Qwen2MoeModel
     expert_names = ExpertNames()

@@ -7,6 +7,7 @@ import torch
 from kvserve.engine.layers.norm import RMSNorm
 from kvserve.engine.layers.rotary import apply_rotary
 from kvserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from kvserve.engine.models.registry import register_model
 
 
 class Qwen3Attention(LlamaAttention):
@@ -32,5 +33,6 @@ class Qwen3Model(LlamaModel):
     layer_class = Qwen3DecoderLayer
 
 
+@register_model
 class Qwen3ForCausalLM(LlamaForCausalLM):
     model_class = Qwen3Model

@@ -13,6 +13,7 @@ from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.moe import ExpertNames, SparseMoeBlock
 from kvserve.engine.models.llama import LlamaModel
 from kvserve.engine.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
+from kvserve.engine.models.registry import register_model
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
@@ -35,6 +36,7 @@ class Qwen3MoeModel(LlamaModel):
     layer_class = Qwen3MoeDecoderLayer
 
 
+@register_model
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     model_class = Qwen3MoeModel
     expert_names = ExpertNames()

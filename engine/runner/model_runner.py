@@ -34,13 +34,8 @@ from kvserve.engine.layers.attention.backend import (
 from kvserve.engine.layers.linear import pack_model_weights
 from kvserve.engine.layers.quantization import quantize_model
 from kvserve.engine.model_input import BlockTableArray, ModelInput, block_table_width, step_block_tables
-from kvserve.engine.model_loader.loader import (
-    load_hf_config,
-    load_weights,
-    resolve_device,
-    resolve_dtype,
-    resolve_model,
-)
+from kvserve.engine.model_loader.loader import load_hf_config, load_weights, resolve_device, resolve_dtype
+from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.models import build_model
 from kvserve.engine.models.llama import head_dim_of
 from kvserve.engine.process.malloc import tune_malloc

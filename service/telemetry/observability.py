@@ -18,7 +18,7 @@ log = logging.getLogger("kvserve.service")
 
 def served_model_name(model: str) -> str:
     """The ``model_name`` label: the name the engine will report for ``model``."""
-    from kvserve.engine.model_loader.loader import resolve_model
+    from kvserve.engine.model_loader.source import resolve_model
 
     try:
         return resolve_model(model).name

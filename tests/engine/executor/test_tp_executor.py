@@ -37,8 +37,9 @@ from kvserve.engine.executor.executor import (
     create_executor,
 )
 from kvserve.engine.model_input import ModelInput
-from kvserve.engine.model_loader.loader import load_tokenizer, resolve_model
+from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.models import random_weights
+from kvserve.engine.tokenizer.load import load_tokenizer
 
 BLOCK = 16
 STEPS = 32

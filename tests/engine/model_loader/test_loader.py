@@ -11,11 +11,11 @@ from kvserve.engine.model_loader import gguf_file, loader
 from kvserve.engine.model_loader.loader import (
     load_generation_eos,
     load_hf_config,
-    load_tokenizer,
     resolve_device,
     resolve_dtype,
-    resolve_model,
 )
+from kvserve.engine.model_loader.source import resolve_model
+from kvserve.engine.tokenizer.load import load_tokenizer
 
 
 @pytest.fixture(scope="module")

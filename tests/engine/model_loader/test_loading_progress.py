@@ -14,7 +14,8 @@ import torch
 
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import create_attention_backend
-from kvserve.engine.model_loader.loader import load_hf_config, load_weights, loading_progress, resolve_model
+from kvserve.engine.model_loader.loader import load_hf_config, load_weights, loading_progress
+from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.models import build_model
 
 

@@ -36,7 +36,7 @@ def hf_model(hf_default_model):
 
 @pytest.fixture(scope="module")
 def prompt_ids(default_source):
-    from kvserve.engine.model_loader.loader import load_tokenizer
+    from kvserve.engine.tokenizer.load import load_tokenizer
 
     ids = load_tokenizer(default_source)(PROMPT).input_ids
     assert 30 <= len(ids) <= 48

@@ -1,0 +1,71 @@
+"""Checkpoint-named tensors into a model's parameters: ``load_named_weights`` routes each tensor
+to its parameter's ``weight_loader``, through the model's ``packed_modules_mapping`` for the
+fused projections (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and its ``expert_names`` for the
+experts of a mixture. Real checkpoints (``loader``) and seeded random weights (``models``) both
+load through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvserve.engine.layers.linear import copy_weight
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Route checkpoint-named tensors to the model's parameters; every parameter must be filled."""
+    params = dict(model.named_parameters())
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    expected = _expected_loads(model, params)
+    loaded = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue
+        target, shard_id = _route(model, name)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+        param = params[target]
+        loader = getattr(param, "weight_loader", _default_weight_loader)
+        with torch.no_grad():
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        loaded.add((target, shard_id))
+    missing = sorted(f"{t}[{s}]" if s is not None else t for t, s in expected - loaded)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weight(s), e.g. {missing[:5]}")
+
+
+def _route(model: nn.Module, name: str) -> tuple[str, object]:
+    """(parameter name, shard id or None) for the checkpoint tensor ``name``: a per-expert tensor
+    of a mixture-of-experts model goes to its layer's fused experts with shard (expert, part)."""
+    for checkpoint, ours in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(checkpoint, ours)
+    expert_names = getattr(model, "expert_names", None)
+    routed = expert_names.route(name) if expert_names else None
+    if routed:
+        return routed
+    for source, (target, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{source}." in name:
+            return name.replace(f".{source}.", f".{target}."), shard_id
+    return name, None
+
+
+def _expected_loads(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
+    packed = getattr(model, "packed_modules_mapping", {})
+    expected = set()
+    for name, param in params.items():
+        if hasattr(param, "checkpoint_shards"):  # fused experts: every (expert, part)
+            expected |= {(name, shard) for shard in param.checkpoint_shards}
+            continue
+        shards = [shard for target, shard in packed.values() if f".{target}." in name]
+        expected |= {(name, shard) for shard in shards} if shards else {(name, None)}
+    return expected
+
+
+def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    copy_weight(param.data, loaded)
