@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def default_source():
     """Where the bundled default model (SmolLM2-135M-Instruct GGUF) lives."""
-    from kvserve.engine.model_loader.loader import resolve_model
+    from kvserve.engine.model_loader.source import resolve_model
 
     return resolve_model("default")
 
@@ -35,7 +35,7 @@ def tiny_qwen2_dir(tmp_path_factory, default_source):
     holding a 2-layer Qwen2 with random weights, random biases and random norm weights."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from kvserve.engine.model_loader.loader import load_tokenizer
+    from kvserve.engine.tokenizer.load import load_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
     config = Qwen2Config(

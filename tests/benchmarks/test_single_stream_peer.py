@@ -11,7 +11,7 @@ import pytest
 
 from kvserve.benchmarks import single_stream
 from kvserve.benchmarks.offline import make_requests
-from kvserve.engine.model_loader.loader import resolve_model
+from kvserve.engine.model_loader.source import resolve_model
 
 needs_node_llama_cpp = pytest.mark.skipif(
     shutil.which("node") is None or not (single_stream.PEER_DIR / "node_modules" / "node-llama-cpp").is_dir(),

@@ -121,7 +121,8 @@ def test_logprobs_give_the_chosen_token_and_top_n(client):
 def test_logprobs_carry_each_tokens_text(client):
     """The chosen token's and every alternative's text, decoded alone; put together, the chosen
     tokens' texts are the completion (this model's tokens decode with their spaces)."""
-    from kvserve.engine.model_loader.loader import load_tokenizer, resolve_model
+    from kvserve.engine.model_loader.source import resolve_model
+    from kvserve.engine.tokenizer.load import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model("default"))
     got = client.generate(PROMPTS[0], temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)

@@ -130,12 +130,9 @@ def test_every_rpc_gets_a_span(traced):
 
 
 def test_model_info_describes_the_served_model(traced, tiny_qwen2_dir):
-    from kvserve.engine.model_loader.loader import (
-        load_generation_eos,
-        load_hf_config,
-        load_tokenizer,
-        resolve_model,
-    )
+    from kvserve.engine.model_loader.loader import load_generation_eos, load_hf_config
+    from kvserve.engine.model_loader.source import resolve_model
+    from kvserve.engine.tokenizer.load import load_tokenizer
 
     info = traced[0]["info"]
     assert info.model == tiny_qwen2_dir.name and info.architecture == "Qwen2ForCausalLM"
@@ -148,7 +145,7 @@ def test_model_info_describes_the_served_model(traced, tiny_qwen2_dir):
 
 
 def test_tokenize_returns_the_ids_generate_would_use(traced, default_source):
-    from kvserve.engine.model_loader.loader import load_tokenizer
+    from kvserve.engine.tokenizer.load import load_tokenizer
 
     tok = load_tokenizer(default_source)  # the tiny model carries the default model's tokenizer
     results = traced[0]
