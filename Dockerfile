@@ -5,13 +5,13 @@
 #
 # Security: the server listens on 0.0.0.0 (a container must, to be reachable through -p) and is
 # then plaintext and open to whoever reaches the port, with reflection on. Beyond a trusted
-# network, mount a certificate and set a key (README "Reliability and security"):
+# network, mount a certificate and set a key (docs/deployment/security.md):
 #   docker run --gpus all -p 50051:50051 -v $PWD/tls:/tls:ro -e KVSERVE_API_KEY=... kvserve \
 #     kvserve serve --host 0.0.0.0 --tls-cert /tls/server.pem --tls-key /tls/server.key --no-reflection
 # (--tls-client-ca for mutual TLS). The HEALTHCHECK works the same with TLS on: KVSERVE_HEALTH_PORT
 # (below) makes any `kvserve serve` also answer grpc.health.v1, and nothing else, in plaintext on
 # port 50052 (not published unless you -p it), and the HEALTHCHECK probes that port. Health never
-# needs the key. To probe the TLS port itself: kvserve health --tls-ca ... (README).
+# needs the key. To probe the TLS port itself: kvserve health --tls-ca ... (docs/serving/gpu.md).
 #
 # Two stages. `build` (CUDA devel image: nvcc) makes a virtual environment with torch,
 # flash-attn compiled against that toolkit, kvserve with its gpu extra, and the bundled

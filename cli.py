@@ -22,7 +22,7 @@ PASS_THROUGH = {
     "worker": ("kvserve.engine.executor.worker",
                "tensor-parallel workers of a further machine (see `kvserve worker -h`)"),
     "bench": ("kvserve.benchmarks.serving.bench", "serving benchmark (see `kvserve bench -h`)"),
-    "engine-core": ("kvserve.engine.core.core_process", argparse.SUPPRESS),  # started by the server
+    "engine-core": ("kvserve.engine.core.core_process", None),  # started by the server: not listed
 }
 
 
@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_command(sub)
     for name, (_, help_text) in PASS_THROUGH.items():
-        sub.add_parser(name, add_help=False, help=help_text).add_argument("args", nargs=argparse.REMAINDER)
+        if help_text is not None:  # listed in `kvserve -h`; _run dispatches all of them before parsing
+            sub.add_parser(name, add_help=False, help=help_text).add_argument("args", nargs=argparse.REMAINDER)
     add_client_commands(sub)
     for name, subparser in sub.choices.items():
         if name not in PASS_THROUGH:

@@ -97,7 +97,7 @@ if not missing:
     import kvserve.benchmarks, kvserve.engine, kvserve.kernels
     for pkg in (kvserve.engine, kvserve.kernels, kvserve.benchmarks):
         for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-            if mod.name.endswith(".attention_flash"):
+            if mod.name.endswith(".flash_backend"):
                 continue  # optional: flash-attn is not needed here
             try:
                 importlib.import_module(mod.name)

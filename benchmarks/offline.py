@@ -48,7 +48,7 @@ def make_requests(n: int, prompt_range, output_range, seed: int, vocab: int = 10
 def active_parameters(hf_config) -> tuple[int, int]:
     """(all, active per token) matmul weights: a token of a mixture of experts runs ``top_k`` of
     ``num_experts`` experts. The embedding is a lookup, so it counts only as the LM head."""
-    from kvserve.engine.models import checkpoint_shapes
+    from kvserve.engine.model_loader.checkpoint import checkpoint_shapes
 
     share = getattr(hf_config, "num_experts_per_tok", 1) / (getattr(hf_config, "num_experts", 1) or 1)
     total = active = hf_config.vocab_size * hf_config.hidden_size if hf_config.tie_word_embeddings else 0

@@ -17,7 +17,7 @@ import json
 import sys
 
 PERCENTILES = ("p50", "p90", "p99")
-DPI = 80  # small files: the README carries one
+DPI = 80  # small files: docs/performance/serving.md carries one
 
 
 def _pyplot():

@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.constraints import Constraint
 from kvserve.engine.sequence import FinishReason
-from kvserve.engine.structured.constraints import Constraint
 
 ROUNDS = 2
 

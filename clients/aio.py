@@ -13,10 +13,10 @@ import time
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
+from kvserve.clients.base import ClientBase
 from kvserve.clients.messages import (
-    DEFAULT_TARGET,
     SERVICE_NAME,
     Completion,
     Delta,
@@ -25,21 +25,13 @@ from kvserve.clients.messages import (
     build_tokenize_request,
     completion_from_proto,
     delta_from_proto,
-    open_channel,
     stats_to_dict,
 )
-from kvserve.contract import auth_metadata
-from kvserve.v1 import llm_pb2, llm_pb2_grpc
+from kvserve.v1 import llm_pb2
 
 
-class AsyncClient:
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
-        self.channel = open_channel(grpc.aio, target, credentials)
-        self.timeout = timeout
-        self._metadata = auth_metadata(api_key)  # sent with every call (health needs none)
-        self._stub = llm_pb2_grpc.LLMServiceStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+class AsyncClient(ClientBase):
+    grpc_module = grpc.aio
 
     async def generate(self, prompt: str | None = None, *, token_ids: Iterable[int] | None = None,
                        messages: Iterable[Message] | None = None, request_id: str = "",
@@ -98,10 +90,6 @@ class AsyncClient:
             if time.monotonic() > end:
                 raise TimeoutError(f"the server was not SERVING within {timeout} s")
             await asyncio.sleep(poll_s)
-
-    def _call_options(self, timeout: float | None) -> dict:
-        """The deadline (this call's, else the client's) and the API key's metadata."""
-        return {"timeout": timeout if timeout is not None else self.timeout, "metadata": self._metadata}
 
     async def close(self) -> None:
         await self.channel.close()

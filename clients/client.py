@@ -15,10 +15,10 @@ import time
 from collections.abc import Iterable, Iterator
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
+from kvserve.clients.base import ClientBase
 from kvserve.clients.messages import (
-    DEFAULT_TARGET,
     SERVICE_NAME,
     Completion,
     Delta,
@@ -27,24 +27,13 @@ from kvserve.clients.messages import (
     build_tokenize_request,
     completion_from_proto,
     delta_from_proto,
-    open_channel,
     stats_to_dict,
 )
-from kvserve.contract import auth_metadata
-from kvserve.v1 import llm_pb2, llm_pb2_grpc
+from kvserve.v1 import llm_pb2
 
 
-class Client:
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None):
-        """``timeout``: default deadline in seconds for every call (None = no deadline).
-        ``credentials``: for a TLS server (``tls_credentials(ca=..., cert=..., key=...)``);
-        ``api_key``: for a server started with ``--api-key``."""
-        self.channel = open_channel(grpc, target, credentials)
-        self.timeout = timeout
-        self._metadata = auth_metadata(api_key)  # sent with every call (health needs none)
-        self._stub = llm_pb2_grpc.LLMServiceStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+class Client(ClientBase):
+    grpc_module = grpc
 
     def generate(self, prompt: str | None = None, *, token_ids: Iterable[int] | None = None,
                  messages: Iterable[Message] | None = None, request_id: str = "",
@@ -106,10 +95,6 @@ class Client:
             if time.monotonic() > end:
                 raise TimeoutError(f"the server was not SERVING within {timeout} s")
             time.sleep(poll_s)
-
-    def _call_options(self, timeout: float | None) -> dict:
-        """The deadline (this call's, else the client's) and the API key's metadata."""
-        return {"timeout": timeout if timeout is not None else self.timeout, "metadata": self._metadata}
 
     def close(self) -> None:
         self.channel.close()

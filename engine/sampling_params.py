@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvserve.engine.structured.constraints import check_structured
+from kvserve.engine.constraints import check_structured
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -45,7 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]
     logprobs: int = 0  # top-N alternatives per token, 0 = none
     skip_special_tokens: bool = True
-    # structured output, at most one of the five (engine/structured/: constraints.py, grammar.py)
+    # structured output, at most one of the five (engine/constraints.py; engine/structured/grammar.py)
     json_schema: str | None = None  # a JSON Schema document
     json_object: bool = False  # any JSON object
     regex: str | None = None

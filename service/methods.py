@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from kvserve.v1 import llm_pb2
 
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"]
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
+REFLECTION_SERVICE = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
 
 
 def split_method(method: str) -> tuple[str, str]:

@@ -82,7 +82,7 @@ def write_model_dir(config, out_dir: str | Path, seed: int = 0, dtype: torch.dty
     """A model directory with ``config`` and its seeded random weights (tests vary a named shape)."""
     from safetensors.torch import save_file
 
-    from kvserve.engine.models import random_weights
+    from kvserve.engine.model_loader.checkpoint import random_weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,21 @@ def test_an_unknown_quantization_is_a_usage_error_naming_the_choices():
     assert "argument --quantization: invalid choice: 'int3' (choose from 'int8', 'int4')" in out.stderr
 
 
+@pytest.mark.parametrize("command", ["worker", "engine-core", "bench"])
+def test_child_processes_start_by_stable_names(command):
+    """The engine's children run as `python -m kvserve worker|engine-core` (names that do not move
+    with a file); each command's own parser answers, under that name."""
+    out = kvserve(command, "-h")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: kvserve {command}")
+
+
+def test_the_engine_core_command_is_not_listed_for_people():
+    listed = kvserve("-h")
+    assert listed.returncode == 0 and "worker" in listed.stdout
+    assert "engine-core" not in listed.stdout and "SUPPRESS" not in listed.stdout
+
+
 def test_every_engine_option_has_a_help_text():
     assert [f.name for f in dataclasses.fields(EngineConfig) if f.name not in HELP] == []
     serve_help = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())

@@ -161,6 +161,24 @@ def test_no_import_circles():
     assert cycles(GRAPH) == []
 
 
+def engine_group(module: str) -> str:
+    """``kvserve.engine.core.scheduler`` -> ``core``; the vocabulary at the engine's top -> ``""``;
+    ``llm`` (the offline ``LLM``, which drives the core) is a group of its own, above the rest."""
+    parts = module.split(".")
+    package = MODULES[module].name == "__init__.py" if module in MODULES else False
+    return parts[2] if len(parts) > 3 or package or parts[2:] == ["llm"] else ""
+
+
+def test_no_two_engine_groups_import_each_other():
+    """The shared vocabulary sits at the engine's top so that the groups form layers, not rings."""
+    groups: dict[str, set[str]] = {}
+    for m, imports in GRAPH.items():
+        if under(m, "kvserve.engine") and m != "kvserve.engine":  # __init__ re-exports LLM lazily
+            groups.setdefault(engine_group(m), set()).update(
+                engine_group(i) for i in imports if under(i, "kvserve.engine") and i != "kvserve.engine")
+    assert cycles({g: deps - {g} for g, deps in groups.items()}) == []
+
+
 def test_the_control_plane_imports_no_torch():
     """The scheduler, block manager and sequence run (and are tested) without torch."""
     code = ("import sys\nimport kvserve.engine.core.scheduler, kvserve.engine.core.block_manager, "

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.engine.config import EngineConfig, resolve_max_model_len
+from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.executor.executor import create_executor
@@ -25,7 +26,6 @@ from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import FinishReason, Sequence
-from kvserve.engine.structured.constraints import Constraint, constraint_of
 from kvserve.engine.structured.grammar import StructuredOutput
 from kvserve.engine.tokenizer.detokenizer import RequestText
 from kvserve.engine.tokenizer.load import load_tokenizer

@@ -16,7 +16,7 @@ step uses the same ones). On CPUs with AVX512-VNNI those quantize the activation
 values (scale = max|x| / 127), and sum 64 products per instruction in integers, as llama.cpp does
 for its quantized files; widening each weight to float instead kept them compute-bound at about
 half the speed the weights stream from cache (``CpuKernels.quantized_activation_block`` says which
-applies; README "Where a step's time goes" has the figures and the accuracy cost). Without the
+applies; docs/serving/quantization.md has the figures and the accuracy cost). Without the
 kernels, int8 rows go through PyTorch's weight-only kernel (``_weight_int8pack_mm``). At more rows
 the matmul is bound by arithmetic, so larger batches (prefill chunks) multiply by the weight
 dequantized on the fly, with activations in the serving dtype; so do int4 weights the kernels do

@@ -7,13 +7,10 @@ the q/k/v bias follows ``qkv_bias``.
 
 from __future__ import annotations
 
-from torch import nn
-
-from kvserve.engine.distributed.parallel import ParallelContext
-from kvserve.engine.layers.moe import ExpertNames, SparseMoeBlock
+from kvserve.engine.layers.moe import ExpertNames
 from kvserve.engine.models.llama import LlamaModel
 from kvserve.engine.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
-from kvserve.engine.models.qwen3_moe import is_sparse_layer
+from kvserve.engine.models.qwen3_moe import QwenMoeMlps
 from kvserve.engine.models.registry import register_model
 
 
@@ -23,17 +20,9 @@ class Qwen2MoeAttention(Qwen2Attention):
         return bool(getattr(config, "qkv_bias", True))
 
 
-class Qwen2MoeDecoderLayer(Qwen2DecoderLayer):
+class Qwen2MoeDecoderLayer(QwenMoeMlps, Qwen2DecoderLayer):
     attention_class = Qwen2MoeAttention
-
-    def make_mlp(self, config, parallel: ParallelContext, layer_idx: int) -> nn.Module:
-        if not is_sparse_layer(config, layer_idx):
-            return super().make_mlp(config, parallel, layer_idx)
-        return SparseMoeBlock(
-            config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-            renormalize=bool(getattr(config, "norm_topk_prob", False)), parallel=parallel,
-            shared_expert_size=config.shared_expert_intermediate_size,
-        )
+    shared_expert = True
 
 
 class Qwen2MoeModel(LlamaModel):

@@ -22,14 +22,24 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
             and config.num_experts > 0 and (layer_idx + 1) % step == 0)
 
 
-class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+class QwenMoeMlps:
+    """A decoder-layer mixin: Qwen's sparse layers get a ``SparseMoeBlock``, the others their base
+    class's MLP; ``shared_expert`` adds Qwen2-MoE's sigmoid-gated shared expert."""
+
+    shared_expert = False
+
     def make_mlp(self, config, parallel: ParallelContext, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
             return super().make_mlp(config, parallel, layer_idx)
         return SparseMoeBlock(
             config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
             renormalize=bool(getattr(config, "norm_topk_prob", False)), parallel=parallel,
+            shared_expert_size=config.shared_expert_intermediate_size if self.shared_expert else 0,
         )
+
+
+class Qwen3MoeDecoderLayer(QwenMoeMlps, Qwen3DecoderLayer):
+    pass
 
 
 class Qwen3MoeModel(LlamaModel):

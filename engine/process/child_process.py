@@ -67,23 +67,34 @@ class Child:
             self.sentinel = None
 
 
-class Lifeline:
-    """The parent's end: children get ``read_fd``; closing (or dying) tells them to end."""
+class _Pipe:
+    """A pipe whose ends are handed to children: the parent closes the read end once they have
+    started (only they should hold it) and the write end when done; each end closes once."""
 
-    def __init__(self) -> None:
-        self.read_fd, self._write_fd = os.pipe()
+    def __init__(self, read_fd: int | None = None, write_fd: int | None = None):
+        if read_fd is None and write_fd is None:
+            read_fd, write_fd = os.pipe()
+        self.read_fd, self.write_fd = read_fd, write_fd
 
     def close_read_end(self) -> None:
-        """Once every child has started: only children should hold the read end."""
         if self.read_fd is not None:
-            os.close(self.read_fd)
+            with contextlib.suppress(OSError):
+                os.close(self.read_fd)
             self.read_fd = None
 
     def close(self) -> None:
         self.close_read_end()
-        if self._write_fd is not None:
-            os.close(self._write_fd)
-            self._write_fd = None
+        if self.write_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.write_fd)
+            self.write_fd = None
+
+
+class Lifeline(_Pipe):
+    """The parent's end: children get ``read_fd``; closing (or dying) tells them to end."""
+
+    def __init__(self) -> None:
+        super().__init__()
 
 
 def describe_exit(returncode: int) -> str:
@@ -107,14 +118,10 @@ def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> None:
     threading.Thread(target=watch, name="kvserve-lifeline", daemon=True).start()
 
 
-class PipeDoorbell:
+class PipeDoorbell(_Pipe):
     """A wake-up count over a pipe: ``release`` (leader) writes a byte, ``acquire`` (worker)
-    reads one. A dead worker's doorbell fails the ringing with BrokenPipeError, never hangs."""
-
-    def __init__(self, read_fd: int | None = None, write_fd: int | None = None):
-        if read_fd is None and write_fd is None:
-            read_fd, write_fd = os.pipe()
-        self.read_fd, self.write_fd = read_fd, write_fd
+    reads one. A dead worker's doorbell fails the ringing with BrokenPipeError, never hangs.
+    The leader makes one (both ends); a worker opens its inherited ``read_fd``."""
 
     def release(self) -> None:
         os.write(self.write_fd, b"\0")
@@ -122,15 +129,3 @@ class PipeDoorbell:
     def acquire(self) -> None:
         if not os.read(self.read_fd, 1):
             raise EOFError("the tensor-parallel leader closed the doorbell")
-
-    def close_read_end(self) -> None:
-        if self.read_fd is not None:
-            os.close(self.read_fd)
-            self.read_fd = None
-
-    def close(self) -> None:
-        self.close_read_end()
-        if self.write_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.write_fd)
-            self.write_fd = None

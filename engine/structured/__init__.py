@@ -1,3 +1,4 @@
-"""Structured output: the request-side constraint (``constraints``, torch-free, checked by
-``SamplingParams.validate``) and the xgrammar matchers and token masks (``grammar``).
+"""Structured output's engine side: xgrammar matchers and token masks (``grammar``), built from a
+request's ``Constraint`` (``kvserve.engine.constraints``, torch-free, part of the vocabulary that
+``SamplingParams.validate`` checks). The core's engine loop drives it.
 """

@@ -1,7 +1,7 @@
 """Structured output: constraints compiled with xgrammar, one matcher per constrained sequence,
 and the allowed-token bitmask applied to the logits before the sampler sees them.
 
-- ``GrammarCompiler`` (one per process) turns a ``Constraint`` (engine/structured/constraints.py) into
+- ``GrammarCompiler`` (one per process) turns a ``Constraint`` (engine/constraints.py) into
   xgrammar's compiled grammar over this model's vocabulary. Compiled grammars are cached by
   (kind, text), so a schema that many requests share is compiled once. A constraint that does
   not compile raises ValueError naming its field and xgrammar's message.
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from kvserve.engine.constraints import Constraint
 from kvserve.engine.sequence import Sequence
-from kvserve.engine.structured.constraints import Constraint
 
 GRAMMAR_CACHE_SIZE = 64
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; the client needs what follows

@@ -1,7 +1,7 @@
 """The C kernels' interface as Python sees it: the constants of csrc/common.h (written once,
 there), the element-type codes, each exported function's ctypes argument types, and the structs
 the few-row linears and the fused decode step take (mirrors of ``lin_t``, ``row_layer_t`` and
-``row_step_t``). cpu_kernels.py loads the library and calls through these."""
+``row_step_t``). bindings.py loads the library and calls through these."""
 
 from __future__ import annotations
 

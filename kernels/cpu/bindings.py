@@ -15,7 +15,7 @@
   for exp and chunk sums, then a walk inside one chunk (torch: amax, exp, cumsum, searchsorted).
 
 Why C: small plain C (no torch headers), so a build takes a second or two, with the compiler
-every Linux image has (the build and its cache: cpu_build.py). It links ``libgomp.so.1``, the
+every Linux image has (the build and its cache: build.py). It links ``libgomp.so.1``, the
 OpenMP runtime torch has already loaded, so both share one thread pool.
 
 ``load_kernels()`` returns None, and every caller keeps its torch-ops path, when there is no

@@ -1,4 +1,4 @@
-"""Building the CPU kernels (``csrc/*.c``) and caching the shared object (cpu_kernels.py loads it).
+"""Building the CPU kernels (``csrc/*.c``) and caching the shared object (bindings.py loads it).
 
 Build: ``$CC`` or ``cc`` with ``-O3 -march=native -fopenmp`` and the flags below, each source on
 its own process (as many at once as there are CPUs), then linked; the shared object is cached

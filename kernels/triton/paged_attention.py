@@ -40,6 +40,20 @@ MAX_SPLITS = 16  # decode splits per sequence at most; also the reduce kernel's 
 
 
 @triton.jit
+def _query_tile(q_ptr, row_offs, d, io_mask,
+                BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Both kernels' start: the tile's query rows (``row_offs``: each row's offset in q; masked rows
+    read as zero) and the online softmax's empty state (running max, running sum, accumulator)."""
+    q = tl.load(q_ptr + row_offs[:, None] + d[None, :], mask=io_mask, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    return q, m_i, l_i, acc
+
+
+@triton.jit
 def _attend_keys(q, m_i, l_i, acc, q_pos, key_lo, key_hi, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, scale,
                  c_stride_block, c_stride_slot, c_stride_head, d, d_ok,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr):
@@ -96,14 +110,8 @@ def _paged_prefill_kernel(
     d_ok = d < HEAD_DIM
     q_row = (q_start + tok).to(tl.int64)
     io_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + q_row[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :], mask=io_mask,
-                other=0.0)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
-
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    q, m_i, l_i, acc = _query_tile(q_ptr, q_row * q_stride_t + head * q_stride_h, d, io_mask,
+                                   BLOCK_M, D_PAD, UPCAST_DOT)
     kv_end = tl.minimum(seq_len, q_offset + first + TOKENS_PER_TILE)
     m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, q_offset + tok, 0, kv_end, k_cache_ptr, v_cache_ptr,
                                  block_tables_ptr + seq.to(tl.int64) * bt_stride, kv_head, scale,
@@ -137,14 +145,8 @@ def _paged_decode_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     io_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + seq.to(tl.int64) * q_stride_t + head[:, None] * q_stride_h + d[None, :], mask=io_mask,
-                other=0.0)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
-
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    q, m_i, l_i, acc = _query_tile(q_ptr, seq.to(tl.int64) * q_stride_t + head * q_stride_h, d, io_mask,
+                                   BLOCK_M, D_PAD, UPCAST_DOT)
     m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1,
                                  key_lo, key_hi, k_cache_ptr, v_cache_ptr,
                                  block_tables_ptr + seq.to(tl.int64) * bt_stride, kv_head, scale,

@@ -6,7 +6,10 @@
   ``ps``): every call except the health service must carry the metadata
   ``authorization: Bearer <key>``; the key is compared in constant time; anything else ends
   the call with UNAUTHENTICATED. Health stays open so that load balancers and orchestrators
-  can probe without the key.
+  can probe without the key, and so does reflection: it serves the schema (the public .proto),
+  no data, and grpcurl resolves even ``grpc.health.v1.Health/Check`` through it. A method the
+  server does not have is UNIMPLEMENTED with or without the key (grpcurl asks for reflection v1
+  first and falls back to v1alpha only on UNIMPLEMENTED).
 - ``--no-reflection`` turns server reflection off (it describes the whole API to anyone).
 """
 
@@ -23,11 +26,12 @@ import grpc
 
 from kvserve.contract import API_KEY_ENV, AUTHORIZATION, BEARER, api_key_or_env
 from kvserve.service.guards.interceptors import GuardedHandlers, guarded
-from kvserve.service.methods import HEALTH_SERVICE, split_method
+from kvserve.service.methods import HEALTH_SERVICE, REFLECTION_SERVICE, split_method
 
 log = logging.getLogger("kvserve.service")
 
-OPEN_SERVICES = frozenset({HEALTH_SERVICE.full_name})  # callable without the key
+# callable without the key: probes, and the schema (not data)
+OPEN_SERVICES = frozenset({HEALTH_SERVICE.full_name, REFLECTION_SERVICE.full_name})
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,8 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
                    help="mutual TLS: clients must present a certificate signed by this CA")
     # the environment is read later, so that --help (which prints defaults) never shows the key
     g.add_argument("--api-key", metavar="KEY", default=None,
-                   help=f"require 'authorization: Bearer KEY' on every call but health (env {API_KEY_ENV}, "
-                        "which keeps the key out of the process list)")
+                   help=f"require 'authorization: Bearer KEY' on every call but health and reflection "
+                        f"(env {API_KEY_ENV}, which keeps the key out of the process list)")
     g.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="serve gRPC server reflection (--no-reflection: grpcurl then needs the .proto)")
 
@@ -104,7 +108,7 @@ def warn_if_exposed(settings: SecuritySettings, host: str) -> None:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for any call but health that lacks ``authorization: Bearer <key>``."""
+    """UNAUTHENTICATED for any call but health and reflection that lacks ``authorization: Bearer <key>``."""
 
     def __init__(self, api_key: str):
         self._key = api_key.encode()
@@ -112,8 +116,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if split_method(handler_call_details.method)[0] in OPEN_SERVICES:
-            return handler
+        if handler is None or split_method(handler_call_details.method)[0] in OPEN_SERVICES:
+            return handler  # None: no such method, UNIMPLEMENTED for everyone
         problem = self._problem(handler_call_details.invocation_metadata or ())
         if problem is None:
             return handler

@@ -74,18 +74,18 @@ class Metrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg, labels = self.registry, ["model_name"]
-        self.time_to_first_token = Histogram(
-            metric_name("time_to_first_token_seconds"), "Time from the call's arrival to the first token.",
-            labels, buckets=TTFT_BUCKETS, registry=reg)
-        self.inter_token_latency = Histogram(
-            metric_name("inter_token_latency_seconds"), "Time between two tokens of a request, as sent.",
-            labels, buckets=ITL_BUCKETS, registry=reg)
-        self.e2e_request_latency = Histogram(
-            metric_name("e2e_request_latency_seconds"), "Time from the call's arrival to its last token.",
-            labels, buckets=REQUEST_BUCKETS, registry=reg)
-        self.request_queue_time = Histogram(
-            metric_name("request_queue_time_seconds"), "Time from the call's arrival to its first step.",
-            labels, buckets=REQUEST_BUCKETS, registry=reg)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(metric_name(name), doc, labels, buckets=buckets, registry=reg)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from the call's arrival to the first token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between two tokens of a request, as sent.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from the call's arrival to its last token.", REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Time from the call's arrival to its first step.", REQUEST_BUCKETS)
         self.request_success = Counter(
             metric_name("request_success"), "Requests that finished, by finish reason.",
             [*labels, "finished_reason"], registry=reg)

@@ -15,7 +15,7 @@ from kvserve.benchmarks import plots  # noqa: E402
 from kvserve.benchmarks.serving import bench as serving  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-MAX_PNG_BYTES = 150_000  # the README carries one: keep them small
+MAX_PNG_BYTES = 150_000  # docs/performance/serving.md carries one: keep them small
 
 
 def png_size(path) -> tuple[int, int]:

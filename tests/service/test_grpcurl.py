@@ -118,3 +118,33 @@ def test_x_request_id_header_names_the_request(grpcurl):
     assert out.returncode == 0, out.stderr
     assert "x-request-id: grpcurl-7" in out.stdout  # echoed as response metadata (-v shows it)
     assert '"requestId": "grpcurl-7"' in out.stdout
+
+
+def test_with_an_api_key_grpcurl_checks_health_and_lists_without_it(tiny_qwen2_dir):
+    """Health and reflection (the schema, no data) stay open under --api-key, so that the
+    newcomer's `grpcurl -plaintext HOST:PORT grpc.health.v1.Health/Check` works; a call of
+    LLMService still needs the key, and a method the server lacks is UNIMPLEMENTED either way."""
+    if not os.access(GRPCURL, os.X_OK):
+        pytest.skip(f"no grpcurl binary at {GRPCURL}")
+    from kvserve.contract import API_KEY_ENV
+    from kvserve.testing.process import ServerProcess
+
+    key = "grpcurl-test-key"
+    flags = ("--model", str(tiny_qwen2_dir), "--dtype", "float32", "--kv-cache-memory", "0.05")
+    with ServerProcess(*flags, env={"OMP_NUM_THREADS": "1", API_KEY_ENV: key},
+                       client_options={"api_key": key}) as server:
+        def grpcurl(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([GRPCURL, "-plaintext", *args[:-1], server.target, args[-1]],
+                                  capture_output=True, text=True, timeout=120)
+
+        health = grpcurl("grpc.health.v1.Health/Check")
+        assert health.returncode == 0, health.stderr
+        assert json.loads(health.stdout) == {"status": "SERVING"}
+        listed = grpcurl("list")
+        assert listed.returncode == 0, listed.stderr
+        assert "kvserve.v1.LLMService" in listed.stdout.split()
+        refused = grpcurl("kvserve.v1.LLMService/Stats")
+        assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stderr
+        allowed = grpcurl("-H", f"authorization: Bearer {key}", "kvserve.v1.LLMService/Stats")
+        assert allowed.returncode == 0, allowed.stderr
+        assert json.loads(allowed.stdout)["model"] == tiny_qwen2_dir.name

@@ -9,7 +9,8 @@ from kvserve.testing.random_model import make_config, write_random_model
 
 
 def test_qwen3_06b_shape_has_the_parameter_count_of_qwen3_06b():
-    from kvserve.engine.models import checkpoint_shapes, model_class_for
+    from kvserve.engine.model_loader.checkpoint import checkpoint_shapes
+    from kvserve.engine.models import model_class_for
 
     config = make_config("qwen3-0.6b")
     assert model_class_for(config).__name__ == "Qwen3ForCausalLM"

@@ -1,7 +1,7 @@
 """The int8 KV cache (``kv_cache_dtype="int8"``, the torch backend): each cache row, one token of
 one KV head, holds ``head_dim`` int8 values followed by the 4 bytes of their float32 scale, so a
 row is ``head_dim + 4`` bytes instead of ``2 * head_dim`` (bfloat16) or ``4 * head_dim``
-(``cpu_abi.cache_row_width``; the layout is written once, in kernels/cpu/csrc/common.h).
+(``kernels.cpu.abi.cache_row_width``; the layout is written once, in kernels/cpu/csrc/common.h).
 
 A row is quantized symmetrically on its own: ``scale = max|x| / 127``, ``q = round(x / scale)``
 (half to even; an all-zero row stores zeros and scale 0), and read back as ``q * scale``. A

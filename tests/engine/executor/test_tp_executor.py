@@ -37,8 +37,8 @@ from kvserve.engine.executor.executor import (
     create_executor,
 )
 from kvserve.engine.model_input import ModelInput
+from kvserve.engine.model_loader.checkpoint import random_weights
 from kvserve.engine.model_loader.source import resolve_model
-from kvserve.engine.models import random_weights
 from kvserve.engine.tokenizer.load import load_tokenizer
 
 BLOCK = 16

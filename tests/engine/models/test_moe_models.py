@@ -174,8 +174,9 @@ def test_moe_on_the_gpu_with_cuda_graphs_matches_the_cpu(model_dirs, name):
 
 
 def test_a_checkpoint_lacking_one_experts_tensor_is_refused_by_name():
+    from kvserve.engine.model_loader.checkpoint import random_weights
     from kvserve.engine.model_loader.weights import load_named_weights
-    from kvserve.engine.models import build_model, random_weights
+    from kvserve.engine.models import build_model
 
     config = make_config("mixtral-tiny")
     model = build_model(config, torch.float32, "cpu")

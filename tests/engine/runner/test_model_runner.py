@@ -11,7 +11,8 @@ import torch
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.layers.attention.backend import create_attention_backend
 from kvserve.engine.model_input import ModelInput
-from kvserve.engine.models import build_model, init_random_weights, random_weights
+from kvserve.engine.model_loader.checkpoint import init_random_weights, random_weights
+from kvserve.engine.models import build_model
 from kvserve.engine.runner.model_runner import ModelRunner, prepare_inputs
 
 BLOCK = 16

@@ -17,10 +17,10 @@ import pytest
 import xgrammar as xgr
 
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.constraints import MAX_N, Constraint
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason
-from kvserve.engine.structured.constraints import MAX_N, Constraint
 from kvserve.engine.structured.grammar import GrammarCompiler, choice_grammar
 
 SCHEMA = {

@@ -157,7 +157,8 @@ def tiny_config(architecture: str):
 
 
 def build_tiny_model(config, backend, device: torch.device):
-    from kvserve.engine.models import build_model, init_random_weights
+    from kvserve.engine.model_loader.checkpoint import init_random_weights
+    from kvserve.engine.models import build_model
 
     model = build_model(config, torch.float32, device, backend=backend)
     init_random_weights(model, seed=0)
