@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(sub)
     for name, (_, help_text) in PASS_THROUGH.items():
         if help_text is not None:  # listed in `kvserve -h`; _run dispatches all of them before parsing
-            sub.add_parser(name, add_help=False, help=help_text).add_argument("args", nargs=argparse.REMAINDER)
+            listed = sub.add_parser(name, add_help=False, help=help_text)
+            listed.add_argument("args", nargs=argparse.REMAINDER)
     add_client_commands(sub)
     for name, subparser in sub.choices.items():
         if name not in PASS_THROUGH:
