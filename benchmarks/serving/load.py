@@ -1,7 +1,8 @@
 """The serving benchmark's workload and load generator: random token-id prompts (a concurrency
 limit or Poisson arrivals), one gRPC stream per request on the raw stub, and what each request
-saw (``Trace``). The benchmark (``bench``), the concurrency sweep (``sweep``) and the gRPC floor
-(``floor``) all drive their load through here.
+saw (``Trace``). The benchmark (``bench``), the concurrency sweep (``sweep``), the gRPC floor
+(``floor``) and the peers' harness (``benchmarks/peers``, over HTTP too, through ``drive``) all
+drive their load through here.
 """
 
 from __future__ import annotations
@@ -71,33 +72,45 @@ def make_workload(args: argparse.Namespace, seed: int | None = None) -> list[Req
 
 
 # ---- the gRPC run --------------------------------------------------------------------------
-async def run_grpc(target: str, work: list[Request], concurrency: int | None) -> tuple[list[Trace], float]:
+GREEDY = {"temperature": 0}  # the sampling of every request unless a caller gives its own
+
+
+async def drive(work: list[Request], concurrency: int | None, one) -> tuple[list[Trace], float]:
+    """The load generator's loop, whatever the protocol: each request sent at its arrival time
+    (rate mode) and at most ``concurrency`` in flight (a closed loop: the next one is sent when
+    one ends); ``one(req)`` streams one request and returns its ``Trace``."""
+    limit = asyncio.Semaphore(concurrency or len(work))
+    start = time.perf_counter()
+
+    async def timed(req: Request) -> Trace:
+        await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
+        async with limit:
+            return await one(req)
+
+    traces = await asyncio.gather(*(timed(r) for r in work))
+    return list(traces), time.perf_counter() - start
+
+
+async def run_grpc(target: str, work: list[Request], concurrency: int | None,
+                   sampling: dict | None = None) -> tuple[list[Trace], float]:
     from kvserve.clients.aio import AsyncClient
     from kvserve.v1 import llm_pb2_grpc
 
-    limit = asyncio.Semaphore(concurrency or len(work))
     async with AsyncClient(target) as client:
         await client.generate(token_ids=work[0].prompt[:8], max_tokens=2)  # warm-up
         stub = llm_pb2_grpc.LLMServiceStub(client.channel)
-        start = time.perf_counter()
-
-        async def one(req: Request) -> Trace:
-            await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
-            async with limit:
-                return await stream_one(stub, req)
-
-        traces = await asyncio.gather(*(one(r) for r in work))
-        return list(traces), time.perf_counter() - start
+        return await drive(work, concurrency, lambda req: stream_one(stub, req, sampling))
 
 
-async def stream_one(stub, req: Request) -> Trace:
+async def stream_one(stub, req: Request, sampling: dict | None = None) -> Trace:
     """One request on the raw stub: the load generator reads each message and notes the time and
-    the token count, nothing more (it shares the CPU with the server it measures)."""
+    the token count, nothing more (it shares the CPU with the server it measures). ``sampling``:
+    SamplingParams fields (default ``GREEDY``); every request ignores EOS."""
     from kvserve.clients.messages import build_request
 
     tr = Trace(sent=time.perf_counter())
-    call = stub.Stream(build_request(token_ids=req.prompt, max_tokens=req.max_tokens, temperature=0,
-                                     ignore_eos=True))
+    call = stub.Stream(build_request(token_ids=req.prompt, max_tokens=req.max_tokens, ignore_eos=True,
+                                     **(GREEDY if sampling is None else sampling)))
     times = tr.token_times
     try:
         while (msg := await call.read()) is not grpc.aio.EOF:

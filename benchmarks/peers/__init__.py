@@ -1,9 +1,16 @@
 """The peers kvserve is measured and checked against, on the very same weights.
 
-``load_transformers_model`` builds Hugging Face transformers' own model for a kvserve model
+``load_transformers_model`` (here) builds Hugging Face transformers' own model for a kvserve model
 source: from a Hugging Face directory as usual, and from a GGUF file with transformers' own
 dequantization (``load_gguf_checkpoint``) into a model built from the GGUF's config — the
 ``from_pretrained(gguf_file=...)`` route would also need the ``accelerate`` package.
+
+The serving peers, vLLM's CPU build and llama.cpp's ``llama-server``, served side by side with
+kvserve on the same requests (``python -m kvserve.benchmarks.peers``, docs/performance/peers.md):
+where they are installed and how (``setup``, ``make bench-peers``), starting and stopping them
+(``servers``), the HTTP/1.1 client and Server-Sent Events reader of their streams (``sse``), one
+request in each system's dialect (``dialects``), the command (``compare``) and its table, ratios
+and goodput figure (``table``).
 """
 
 from __future__ import annotations
