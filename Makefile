@@ -26,7 +26,7 @@ run: $(STAMP)
 	$(VENV)/bin/kvserve serve --model default --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
