@@ -52,7 +52,8 @@ HELP = {
                   "auto picks",
     "tensor_parallel_size": "tensor-parallel ranks",
     "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens)",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens); default: 512 on "
+                              "the CPU, 2048 on a GPU (docs/performance/tuning.md)",
     "max_model_len": "longest prompt + completion (default: the model's, capped at 8192)",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "GiB for the KV cache on CPU",

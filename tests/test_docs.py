@@ -227,6 +227,11 @@ def test_the_cli_reference_lists_every_flag_of_kvserve_serve():
     doc_flags = documented_flags(CLI_DOC.read_text())
     assert sorted(parser_flags - doc_flags) == [], "missing from docs/reference/cli.md"
     assert sorted(doc_flags - parser_flags) == [], "in docs/reference/cli.md, not in `kvserve serve`"
+    # and each flag's row as the parser has it today: environment variable, default, help text
+    doc_lines = set(CLI_DOC.read_text().splitlines())
+    rows = [line for line in serve_flag_tables().splitlines() if line.startswith("| `--")]
+    stale = [row for row in rows if row not in doc_lines]
+    assert stale == [], "docs/reference/cli.md is stale: run .venv/bin/python tests/test_docs.py"
 
 
 if __name__ == "__main__":

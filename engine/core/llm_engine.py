@@ -14,14 +14,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvserve.engine.config import EngineConfig, resolve_max_model_len
+from kvserve.engine.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
 from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
-from kvserve.engine.model_loader.loader import load_generation_eos, load_hf_config
+from kvserve.engine.model_loader.loader import load_generation_eos, load_hf_config, resolve_device
 from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sampling_params import SamplingParams
@@ -65,7 +65,10 @@ class LLMEngine:
         self.detokenize = detokenize
         self.source = resolve_model(config.model)
         hf_config = load_hf_config(self.source)
-        config = config.replace(max_model_len=resolve_max_model_len(config, hf_config))
+        config = config.replace(
+            max_model_len=resolve_max_model_len(config, hf_config),
+            max_num_batched_tokens=resolve_max_num_batched_tokens(config, resolve_device(config.device).type),
+        )
         self.config = config
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = load_generation_eos(self.source, hf_config, self.tokenizer)

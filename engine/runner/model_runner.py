@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.config import EngineConfig, resolve_max_model_len
+from kvserve.engine.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import (
     AttentionBackend,
@@ -100,6 +100,8 @@ class ModelRunner:
         self.hf_config = load_hf_config(self.source)
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.device = self._pick_device()
+        # the engine resolves it before it starts its runners; a runner made on its own does the same
+        self.max_num_batched_tokens = resolve_max_num_batched_tokens(config, self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self._threads_before = torch.get_num_threads()
         if self.device.type == "cpu":
@@ -270,7 +272,7 @@ class ModelRunner:
         """The largest prefill one step can hold: ``max_num_batched_tokens`` tokens in sequences
         of at most ``max_model_len``, with blocks numbered from 0."""
         max_len = self.max_model_len
-        tokens = self.config.max_num_batched_tokens
+        tokens = self.max_num_batched_tokens
         lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
         lens = lens[: self.config.max_num_seqs]
         inp = ModelInput([], [], [], [], [], [], [])
