@@ -25,6 +25,7 @@ import contextlib
 import os
 import shlex
 import sys
+import time
 from types import SimpleNamespace
 
 from kvserve.benchmarks import write_json
@@ -166,10 +167,24 @@ def started(system: str, args: argparse.Namespace, paths: setup.PeerPaths):
         yield lambda work, c: drive(work, c, one)
 
 
+def busy_cpus(window_s: float = 2.0) -> float:
+    """CPUs' worth of work the machine did over the last ``window_s`` seconds, read from /proc/stat
+    while no system of ours runs. (The load average would still count the previous system's run.)"""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # all jiffies, idle + iowait
+    total0, idle0 = sample()
+    time.sleep(window_s)
+    total1, idle1 = sample()
+    cpus = len(os.sched_getaffinity(0))
+    return cpus * (1 - (idle1 - idle0) / max(1, total1 - total0))
+
+
 def run_system(system: str, args, paths, levels: list[dict], works: list[list[Request]]) -> dict:
-    load = os.getloadavg()[0]
-    quiet = "" if load < 0.5 else "  (not quiet: another job shares the CPUs, the figures will suffer)"
-    print(f"\n== {system}: load average {load:.2f}{quiet}\n{HEADER}", flush=True)
+    busy = busy_cpus()
+    quiet = "" if busy < 0.2 else "  (not quiet: another job shares the CPUs, the figures will suffer)"
+    print(f"\n== {system}: {busy:.2f} CPUs busy before it started{quiet}\n{HEADER}", flush=True)
     runs = []
     try:
         with started(system, args, paths) as run_level:
