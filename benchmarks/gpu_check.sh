@@ -99,6 +99,8 @@ if not missing:
         for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
             if mod.name.endswith(".flash_backend"):
                 continue  # optional: flash-attn is not needed here
+            if mod.name.endswith(".__main__"):
+                continue  # a command (python -m kvserve.benchmarks.serving): importing it runs it
             try:
                 importlib.import_module(mod.name)
             except Exception as exc:
