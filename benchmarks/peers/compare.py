@@ -33,6 +33,7 @@ from kvserve.benchmarks.peers import dialects, servers, setup
 from kvserve.benchmarks.peers.table import HEADER, level_label, print_ratios, print_table, row
 from kvserve.benchmarks.serving.load import (
     Request,
+    add_engine_flags,
     drive,
     make_workload,
     parse_levels,
@@ -90,14 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-gguf", help="the GGUF llama-server loads (default: the bundled model's)")
     p.add_argument("--server-timeout", type=float, default=900.0, help="seconds a server may take to start")
     e = p.add_argument_group("kvserve's server (--dtype also vLLM's)")
-    e.add_argument("--model", default="default", help="kvserve's model; the peers serve the bundled one")
-    e.add_argument("--dtype", default="bfloat16")
-    e.add_argument("--device", default="auto")
-    e.add_argument("--max-num-seqs", type=int)
-    e.add_argument("--max-num-batched-tokens", type=int)
-    e.add_argument("--kv-cache-memory", type=float)
-    e.add_argument("--block-size", type=int)
-    e.add_argument("--max-model-len", type=int)
+    add_engine_flags(e, "bfloat16", model_help="kvserve's model; the peers serve the bundled one")
     e.add_argument("--stream-interval", type=int, default=1)
     e.add_argument("--kvserve-flags", default="", help="more `kvserve serve` flags, as one string")
     return p

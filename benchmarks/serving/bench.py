@@ -35,6 +35,7 @@ from kvserve.benchmarks.instruments.procfs import process_tree_cpu_s
 from kvserve.benchmarks.serving.load import (
     Request,
     Trace,
+    add_engine_flags,
     engine_kwargs,
     make_workload,
     parse_levels,
@@ -149,15 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tokens of one message as arriving together)")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--plot", metavar="FILE.png", help="draw throughput and TTFT/ITL against concurrency")
-    e = p.add_argument_group("engine (for the started server and the in-process engine)")
-    e.add_argument("--model", default="default")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--device", default="auto")
-    e.add_argument("--max-num-seqs", type=int)
-    e.add_argument("--max-num-batched-tokens", type=int)
-    e.add_argument("--kv-cache-memory", type=float)
-    e.add_argument("--block-size", type=int)
-    e.add_argument("--max-model-len", type=int)
+    add_engine_flags(p.add_argument_group("engine (for the started server and the in-process engine)"),
+                     "auto")
     return p
 
 

@@ -18,6 +18,16 @@ import grpc
 ENGINE_FLAGS = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                 "block_size", "max_model_len")
 
+
+def add_engine_flags(group, dtype: str, model_help: str | None = None) -> None:
+    """The ``ENGINE_FLAGS`` as command-line flags of a benchmark that starts a server (bench, peers)."""
+    group.add_argument("--model", default="default", help=model_help)
+    group.add_argument("--dtype", default=dtype)
+    group.add_argument("--device", default="auto")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+        group.add_argument("--" + name.replace("_", "-"), type=int)
+    group.add_argument("--kv-cache-memory", type=float)
+
 @dataclass
 class Request:
     prompt: list[int]
