@@ -84,8 +84,8 @@ class EngineConfig:
 
 
 # A step's token budget when none is given, by device. On the 2-core CPU, chunks of 512 tokens
-# beside the running decodes gave a third of the first-token latency and of the worst
-# inter-token gap that 2,048-token chunks gave, at equal or better throughput (served, 96
+# beside the running decodes gave about 0.4x the median first-token latency and a third of the
+# worst inter-token gap that 2,048-token chunks gave, at equal or better throughput (served, 96
 # requests at concurrency 32, docs/performance/tuning.md); GPUs keep vLLM's 2,048.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
