@@ -22,6 +22,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: by device (resolve_max_num_batched_tokens)
+    max_step_time_ms: float | None = None  # None: by device (resolve_max_step_time); 0: no time bound
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     block_size: int = 16
     kv_cache_memory: float = 1.0  # GiB for the KV cache on CPU
@@ -59,6 +60,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
+        if self.max_step_time_ms is not None and self.max_step_time_ms < 0:
+            raise ValueError(f"max_step_time_ms must be >= 0 (0: no bound), got {self.max_step_time_ms}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -97,6 +100,23 @@ def resolve_max_num_batched_tokens(config: EngineConfig, device_type: str) -> in
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
     return max(DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device_type, 2048), config.max_num_seqs)
+
+
+# A step's time bound by device when --max-step-time-ms is unset. On the CPU a step's time is the
+# gap every running stream sees between two tokens, and a chunk late in a long prompt costs
+# several times one at its start (issue 29: an 8,000-token prompt stalled the streams 2.8-14.9 s
+# per step); 500 ms is about what a full 512-token budget takes on the 2-core development machine
+# at short contexts, so the bound bites only where chunks get dearer than that. GPUs: no bound.
+DEFAULT_MAX_STEP_TIME_MS = {"cpu": 500.0}
+
+
+def resolve_max_step_time(config: EngineConfig, device_type: str) -> float | None:
+    """Seconds a step may take (the scheduler cuts prefill chunks to fit), or None for no bound:
+    the configured milliseconds (0: none); unset, the device's default."""
+    ms = config.max_step_time_ms
+    if ms is None:
+        ms = DEFAULT_MAX_STEP_TIME_MS.get(device_type, 0.0)
+    return ms / 1000 if ms > 0 else None
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:

@@ -54,6 +54,10 @@ HELP = {
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens); default: 512 on "
                               "the CPU, 2048 on a GPU (docs/performance/tuning.md)",
+    "max_step_time_ms": "time bound of one step, the gap running streams see between tokens: prefill chunks "
+                        "shrink so that a step's predicted time (a model fitted to the steps that ran) stays "
+                        "under it (where decodes alone take longer, a prefill chunk may take as long again); "
+                        "0 = no bound; default: 500 on the CPU, none on a GPU",
     "max_model_len": "longest prompt + completion (default: the model's, capped at 8192)",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "GiB for the KV cache on CPU",

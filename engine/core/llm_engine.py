@@ -14,7 +14,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvserve.engine.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
+from kvserve.engine.config import (
+    EngineConfig,
+    resolve_max_model_len,
+    resolve_max_num_batched_tokens,
+    resolve_max_step_time,
+)
 from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
@@ -85,6 +90,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_model_len,
             self.eos_token_ids,
+            max_step_time=resolve_max_step_time(config, resolve_device(config.device).type),
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -225,9 +231,11 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if self.structured.num_compiling:
             self._admit_compiled()
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
+        pairs = sched.attended_pairs if self.scheduler.step_time else 0
         self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
         inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
         logits = self.executor.execute_model(inp)
@@ -244,6 +252,8 @@ class LLMEngine:
         self.counters["generation_tokens_total"] += len(sampling)
         for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
             outputs.append(self._emit(self._choices[seq.seq_id], token, lp))
+        if self.scheduler.step_time:
+            self.scheduler.step_time.observe(sched.num_tokens, pairs, time.perf_counter() - started)
         return outputs
 
     def _fork_prefilled(self, sampling: list[Sequence]) -> None:

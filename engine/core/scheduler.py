@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvserve.engine.core.block_manager import BlockManager
+from kvserve.engine.core.step_time import StepTimeModel, attended_pairs
 from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -38,6 +39,11 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
+    def attended_pairs(self) -> int:
+        """Query-key pairs the step attends (read before ``postprocess`` advances the counts)."""
+        return sum(attended_pairs(s.seq.num_computed_tokens, s.num_tokens) for s in self.scheduled)
+
+    @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
@@ -55,8 +61,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int] | tuple[int, ...] = (),
+        max_step_time: float | None = None,
     ):
         self.bm = block_manager
+        # seconds a step may take (prefill chunks shrink to fit; engine/core/step_time.py); None: no bound
+        self.step_time = StepTimeModel(max_step_time) if max_step_time else None
+        self._spent = 0.0  # predicted seconds of the step being scheduled
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -104,6 +114,9 @@ class Scheduler:
     # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        coef = self.step_time.coef if self.step_time else None
+        self._spent = coef[0] if coef else 0.0
+        self._prefilled = False
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -125,7 +138,9 @@ class Scheduler:
                 break
             if seq.status is not running:  # preempted earlier in this loop
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            n = self._chunk(seq.num_computed_tokens, min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            if n == 0:  # a prefill chunk that no longer fits the step's time
+                continue
             missing = bm.missing_blocks(seq, n)
             while missing > bm.num_free_blocks:
                 victim = self.running[-1]
@@ -139,6 +154,20 @@ class Scheduler:
             budget -= n
         out.scheduled.extend(scheduled.values())
         return budget
+
+    def _chunk(self, position: int, n: int) -> int:
+        """``n`` tokens from ``position``, cut to what keeps the step under ``max_step_time`` (a
+        decode token is never cut; the first prefill chunk of a step keeps a minimum, so prompts
+        always progress; later ones may get 0). Adds the chunk's predicted time to the step's."""
+        model = self.step_time
+        if model is None or model.coef is None:
+            return n
+        if n > 1:
+            n = model.prefill_tokens_within(self._spent, position, n, floor=not self._prefilled)
+            self._prefilled = self._prefilled or n > 0
+        _, a, b = model.coef
+        self._spent += a * n + b * attended_pairs(position, n)
+        return n
 
     def _preempt(self, seq: Sequence, scheduled: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
         """Send ``seq`` back to the head of the waiting queue; return the budget it gave back."""
@@ -156,14 +185,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.block_table:  # a forked choice: it holds its share of the prompt's blocks already
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self.bm.can_grow(seq, n):
+                n = self._chunk(seq.num_computed_tokens, min(seq.num_tokens - seq.num_computed_tokens, budget))
+                if n == 0 or not self.bm.can_grow(seq, n):
                     break
                 self.waiting.popleft()
             else:
                 hits = self.bm.match_prefix(seq)
-                n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
-                if not self.bm.can_admit(seq, hits, n):
+                start = len(hits) * self.bm.block_size
+                n = self._chunk(start, min(seq.num_tokens - start, budget))
+                if n == 0 or not self.bm.can_admit(seq, hits, n):
                     break
                 self.waiting.popleft()
                 self.bm.admit(seq, hits)

@@ -1,0 +1,137 @@
+"""How long a step will take, learned from the steps that ran: the scheduler's time bound.
+
+A token budget alone does not bound a step's time: a chunk late in a long prompt attends to
+every key before it, so 512 tokens at position 8,000 cost several times what they cost at
+position 0, and a slower (or busier) machine takes longer for the same tokens. Every running
+stream waits for the whole step, so the step's time is the gap between its tokens.
+
+The model is linear in three features of a step: a fixed part, the tokens computed (the
+projections and the MLP, per token), and the query-key pairs attended (each new token against
+every key up to its own position):
+
+    seconds ~= c0 + a * tokens + b * pairs
+
+fitted by least squares over the recent steps (older ones weigh less, so the fit follows the
+machine's speed), after every step the engine runs. The scheduler asks it how many prefill
+tokens still fit under ``max_step_time`` at a given position; until enough steps have been seen
+it answers "no limit" and the token budget alone applies. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+MIN_STEPS = 8  # steps seen before the model limits anything
+MIN_PREFILL_CHUNK = 32  # prefill tokens a step may always take: waiting prompts always progress
+DECAY = 0.97  # weight of a step relative to the next one (an effective window of ~33 steps)
+_TOKEN_UNIT = 1e3  # features scaled to similar magnitudes for the 3x3 solve
+_PAIR_UNIT = 1e6
+
+
+def attended_pairs(position: int, num_tokens: int) -> int:
+    """Query-key pairs of ``num_tokens`` new tokens starting at ``position`` (causal: token i
+    attends to ``position + i + 1`` keys)."""
+    return num_tokens * position + num_tokens * (num_tokens + 1) // 2
+
+
+class StepTimeModel:
+    def __init__(self, max_step_time: float):
+        if max_step_time <= 0:
+            raise ValueError(f"max_step_time must be > 0 seconds, got {max_step_time}")
+        self.max_step_time = max_step_time
+        self._sxx = [[0.0] * 3 for _ in range(3)]
+        self._sxy = [0.0] * 3
+        self.steps_seen = 0
+        self.coef: tuple[float, float, float] | None = None  # (c0 s, a s/token, b s/pair)
+
+    # ---- learning ----------------------------------------------------------------------------
+    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
+        """One step that ran: its tokens, its attended pairs, its wall time."""
+        x = (1.0, tokens / _TOKEN_UNIT, pairs / _PAIR_UNIT)
+        sxx, sxy = self._sxx, self._sxy
+        for i in range(3):
+            sxy[i] = sxy[i] * DECAY + x[i] * seconds
+            row = sxx[i]
+            for j in range(3):
+                row[j] = row[j] * DECAY + x[i] * x[j]
+        self.steps_seen += 1
+        if self.steps_seen >= MIN_STEPS:
+            self.coef = self._fit()
+
+    def _fit(self) -> tuple[float, float, float] | None:
+        """Non-negative least squares over three features: the full fit, else the best fit of the
+        subsets whose coefficients are all >= 0 (a small ridge keeps steps that never varied a
+        feature solvable)."""
+        best, best_err = None, math.inf
+        for keep in ((0, 1, 2), (1, 2), (0, 1), (1,), (2,)):
+            sol = _solve([[self._sxx[i][j] for j in keep] for i in keep], [self._sxy[i] for i in keep])
+            if sol is None or min(sol) < 0:
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, v in zip(keep, sol, strict=True):
+                full[i] = v
+            err = self._residual(full)
+            if err < best_err:
+                best, best_err = full, err
+        if best is None:
+            return None
+        return best[0], best[1] / _TOKEN_UNIT, best[2] / _PAIR_UNIT
+
+    def _residual(self, w: list[float]) -> float:
+        # sum of weighted squared errors minus the constant sum of y^2: w'Sxx w - 2 w'Sxy
+        quad = sum(w[i] * self._sxx[i][j] * w[j] for i in range(3) for j in range(3))
+        return quad - 2 * sum(w[i] * self._sxy[i] for i in range(3))
+
+    # ---- asking ------------------------------------------------------------------------------
+    def predict(self, tokens: int, pairs: int) -> float | None:
+        if self.coef is None:
+            return None
+        c0, a, b = self.coef
+        return c0 + a * tokens + b * pairs
+
+    def prefill_tokens_within(self, spent: float, position: int, wanted: int, floor: bool = True) -> int:
+        """How many of ``wanted`` prompt tokens from ``position`` keep the step under the bound,
+        given ``spent`` seconds already predicted for the step (the fixed part included). With
+        ``floor`` (the step's first prefill chunk) at least ``MIN_PREFILL_CHUNK`` (or ``wanted`` if
+        smaller) and at least what takes ``spent`` again, so that waiting prompts always progress;
+        without it possibly 0."""
+        floor = min(wanted, MIN_PREFILL_CHUNK) if floor else 0
+        if self.coef is None:
+            return wanted
+        _, a, b = self.coef
+        # where the step's other work alone takes the bound or more (many long decodes, a busy
+        # machine), prefill may still take as long as that work: the step at most doubles rather
+        # than prompts crawling a few tokens per step, each step paying the whole fixed part
+        left = max(self.max_step_time - spent, spent if floor else 0.0)
+        if left <= 0:
+            return floor
+        # largest n with a*n + b*(n*position + n*(n+1)/2) <= left
+        lin, quad = a + b * (position + 0.5), b / 2
+        if quad > 0:
+            n = (-lin + math.sqrt(lin * lin + 4 * quad * left)) / (2 * quad)
+        elif lin > 0:
+            n = left / lin
+        else:
+            return wanted
+        return max(floor, min(wanted, int(n)))
+
+
+def _solve(m: list[list[float]], y: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting on a small system (with a tiny ridge)."""
+    n = len(y)
+    a = [row[:] + [y[i]] for i, row in enumerate(m)]
+    for i in range(n):
+        a[i][i] += 1e-9 * (1.0 + abs(a[i][i]))
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-12:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            for c in range(col, n + 1):
+                a[r][c] -= f * a[col][c]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
