@@ -132,7 +132,16 @@ async def _load(target: str, n: int, max_tokens: int, then=None) -> list:
         requests = [build_request(token_ids=[1, 2, 3 + i % 100], max_tokens=max_tokens, ignore_eos=True)
                     for i in range(n)]
         calls = [stub.Stream(r, timeout=120) for r in requests]
-        firsts = await asyncio.gather(*(c.read() for c in calls), return_exceptions=True)
+        t0 = time.monotonic()
+
+        async def first(call):
+            try:
+                return await call.read()
+            except grpc.aio.AioRpcError as e:
+                e.after_s = time.monotonic() - t0  # when the refusal came (printed, not asserted)
+                raise
+
+        firsts = await asyncio.gather(*(first(c) for c in calls), return_exceptions=True)
         if then is not None:
             then()
         ends = []
@@ -154,6 +163,8 @@ def test_200_at_once_are_refused_beyond_the_queue_and_sigterm_under_load_drains(
         results = asyncio.run(_load(server.target, 200, 16))
         refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
         assert len(refused) >= 150, len(refused)  # 8 running + 8 queued when the burst lands
+        print(f"{len(refused)} of 200 refused, the last {max(e.after_s for e in refused) * 1000:.0f} ms "
+              f"after the burst was sent")
         for e in refused:
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queue 8" in e.details(), e
         for msgs in results:
