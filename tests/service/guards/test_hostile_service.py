@@ -223,6 +223,8 @@ async def _unread_streams(server, client, n: int, hold_s: float) -> tuple[int, i
 def _check_slow_consumers(server, client, n: int, hold_s: float) -> None:
     total = client.stats()["kv_blocks_total"]
     grown, free, times = asyncio.run(_unread_streams(server, client, n, hold_s))
+    print(f"{n} unread streams for {hold_s:g} s: front-end RSS +{grown / 1024:.1f} MiB; another client's "
+          f"4-token Generate took {min(times) * 1000:.0f}-{max(times) * 1000:.0f} ms ({len(times)} calls)")
     # every choice's backlog is its own tokens: 240 x (1 + 20 alternatives) per stream at most
     assert grown < 64 * 1024, f"front-end RSS grew {grown / 1024:.0f} MiB"
     assert free == total
@@ -307,7 +309,7 @@ def test_header_blocks_never_finished_do_not_disturb_others(server):
 
 @pytest.mark.slow
 def test_header_blocks_never_finished_are_closed_by_keepalive(server):
-    """A connection stuck in a header block answers no ping: keepalive (60 s + 20 s) closes it."""
+    """A connection stuck in a header block is closed by the server within keepalive's 60 s + 20 s."""
     socks = _raw_connections(server.port, 50, PREFACE + SETTINGS + HALF_HEADERS)
     try:
         assert _wait_all_closed(socks, 120) == 0
