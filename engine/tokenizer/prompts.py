@@ -36,21 +36,25 @@ class PromptEncoder:
         # still renders the message's content, and a message is no use without any)
         self.max_messages = max_model_len // max(1, self.message_tokens)
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """Text or token ids -> checked token ids; raises ValueError naming the field."""
+    def encode(self, prompt: str | list[int], generate: bool = True) -> list[int]:
+        """Text or token ids -> checked token ids; raises ValueError naming the field. With
+        ``generate`` False (Tokenize: the ids, not a request) a text's ids are not held to
+        max_model_len and the model's vocabulary."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
             self._check_chars("prompt", len(prompt))
-            return self._check_tokens("prompt", self.tokenizer.encode(prompt))
+            ids = self.tokenizer.encode(prompt)
+            return self.check_tokens("prompt", ids) if generate else ids
         ids = list(prompt)
         if not ids:
             raise ValueError("token_ids: must not be empty")
-        return self._check_tokens("token_ids", ids)
+        return self.check_tokens("token_ids", ids)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages -> the chat template's token ids. Any error of the template (jinja
-        raises its own exception types) is the request's fault: a ValueError for that request."""
+    def render_chat(self, messages: list[dict[str, str]], generate: bool = True) -> list[int]:
+        """Chat messages -> the chat template's token ids (``generate`` as in ``encode``; the bounds
+        before rendering hold either way). Any error of the template (jinja raises its own
+        exception types) is the request's fault: a ValueError for that request."""
         if not messages:
             raise ValueError("messages: must not be empty")
         if len(messages) > self.max_messages:
@@ -64,8 +68,8 @@ class PromptEncoder:
                 raise ValueError(f"messages[{i}].role: {role!r} is not one of {list(CHAT_ROLES)}")
         content = sum(len(m.get("content") or "") for m in messages)
         self._check_chars("messages (rendered)", content + len(messages) * self.message_chars)
-        text = self._render(messages)
-        return self._check_tokens("messages", self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.tokenizer.encode(self._render(messages), add_special_tokens=False)
+        return self.check_tokens("messages", ids) if generate else ids
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         try:
@@ -96,7 +100,7 @@ class PromptEncoder:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def _check_tokens(self, field: str, ids: list[int]) -> list[int]:
+    def check_tokens(self, field: str, ids: list[int]) -> list[int]:
         """A prompt's ids, checked: shorter than max_model_len, every id in the model's vocabulary
         (a tokenizer can know more ids than the model's embedding has rows)."""
         if len(ids) >= self.max_model_len:

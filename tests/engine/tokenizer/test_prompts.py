@@ -62,6 +62,9 @@ def test_ids_the_model_does_not_have_are_refused_even_when_the_tokenizer_makes_t
         enc.encode("The capital of France is")
     with pytest.raises(ValueError, match=r"token_ids: id 512 is outside the vocabulary"):
         enc.encode([1, 512])
+    # Tokenize's ids are the tokenizer's, whatever the model: only a request is held to them
+    assert max(enc.encode("The capital of France is", generate=False)) >= 512
+    assert max(enc.render_chat([{"role": "user", "content": "Hi"}], generate=False)) >= 512
 
 
 def test_a_tokenizer_without_a_chat_template_bounds_messages_by_max_model_len(tokenizer):
