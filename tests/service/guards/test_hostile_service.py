@@ -398,16 +398,3 @@ def test_idle_metrics_connections_hold_no_threads_and_scrapes_are_answered(serve
     finally:
         for s in idle:
             s.close()
-
-
-@pytest.mark.slow
-def test_idle_metrics_connections_are_closed_after_the_read_timeout(server):
-    from kvserve.service.telemetry.metrics_http import MAX_CONNECTIONS as METRICS_CONNECTIONS
-    from kvserve.service.telemetry.metrics_http import READ_TIMEOUT_S
-
-    idle = _raw_connections(_metrics_port(server), METRICS_CONNECTIONS, b"GET /metrics HTTP/1.1\r\n")
-    try:
-        assert _wait_all_closed(idle, READ_TIMEOUT_S + 20) == 0
-    finally:
-        for s in idle:
-            s.close()
