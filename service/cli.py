@@ -25,7 +25,7 @@ from kvserve.engine.config import (
 )
 from kvserve.engine.frontend.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.logs import LOG_FORMATS, configure_logging
-from kvserve.service.guards.limits import add_limit_flags, stream_limits
+from kvserve.service.guards.limits import add_limit_flags, connection_limits, stream_limits
 from kvserve.service.guards.security import add_security_flags, security_settings
 from kvserve.service.health import HEALTH_PORT_ENV
 
@@ -185,7 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  log_level=args.log_level, metrics_port=args.metrics_port,
                                  health_port=args.health_port,
                                  otlp_endpoint=args.otlp_endpoint,
-                                 security=security_settings(args), limits=stream_limits(args))
+                                 security=security_settings(args), limits=stream_limits(args),
+                                 connections=connection_limits(args))
         credentials = server_credentials(settings.security)  # unreadable or non-PEM: refused before loading
     except ValueError as e:
         raise SystemExit(f"kvserve serve: {e}") from None

@@ -34,7 +34,7 @@ from kvserve.engine.frontend.async_engine import (
     EngineState,
 )
 from kvserve.service.api.servicer import LLMServicer
-from kvserve.service.guards.limits import StreamLimitInterceptor, StreamLimits
+from kvserve.service.guards.limits import ConnectionLimits, StreamLimitInterceptor, StreamLimits
 from kvserve.service.guards.malformed import MalformedRequestInterceptor
 from kvserve.service.guards.security import ApiKeyInterceptor, SecuritySettings, warn_if_exposed
 from kvserve.service.health import Health
@@ -46,6 +46,7 @@ from kvserve.v1 import llm_pb2_grpc
 log = logging.getLogger("kvserve.service")
 
 MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_METADATA_BYTES = 16 * 1024
 
 # Every key here is one gRPC core reads (checked against the compiled core library by
 # tests/test_service_options.py). vLLM and SGLang shipped
@@ -59,6 +60,10 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # clients may ping every 10 s
     ("grpc.http2.max_ping_strikes", 0),  # never close a connection for pinging too often
     ("grpc.so_reuseport", 0),  # a port in use is an error, not a silently shared socket
+    # metadata over 16 KiB is refused (RESOURCE_EXHAUSTED), always: equal soft and hard limits
+    # (a soft limit below the hard one refuses at random in between)
+    ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+    ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
 ]
 
 
@@ -74,6 +79,7 @@ class ServeSettings:
     log_level: str = "info"
     security: SecuritySettings = field(default_factory=SecuritySettings)  # TLS, API key, reflection
     limits: StreamLimits = field(default_factory=StreamLimits)  # concurrent calls
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # open connections, handshakes
     metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port (0 = any free port)
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)
     health_port: int | None = None  # plaintext grpc.health.v1 alone on host:health_port (0 = any free)
@@ -83,7 +89,7 @@ def build_server(engine: AsyncEngine, health: Health, observability: Observabili
                  settings: ServeSettings | None = None) -> grpc.aio.Server:
     settings = settings or ServeSettings()
     # telemetry outermost, so that calls refused by auth or limits are counted and traced too
-    server = grpc.aio.server(options=SERVER_OPTIONS,
+    server = grpc.aio.server(options=[*SERVER_OPTIONS, *settings.connections.server_options()],
                              interceptors=[observability.interceptor, *interceptors(settings)])
     llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
@@ -92,9 +98,10 @@ def build_server(engine: AsyncEngine, health: Health, observability: Observabili
     return server
 
 
-def build_health_server(health: Health) -> grpc.aio.Server:
+def build_health_server(health: Health, connections: ConnectionLimits | None = None) -> grpc.aio.Server:
     """grpc.health.v1 and nothing else (no reflection: a prober needs none)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    connections = connections or ConnectionLimits()
+    server = grpc.aio.server(options=[*SERVER_OPTIONS, *connections.server_options()])
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     return server
 
@@ -149,7 +156,7 @@ async def _serve(config: EngineConfig, settings: ServeSettings, credentials: grp
     warn_if_exposed(settings.security, settings.host)
     health_server = None
     if settings.health_port is not None:
-        health_server = build_health_server(health)
+        health_server = build_health_server(health, settings.connections)
         health_port = bind(health_server, settings.host, settings.health_port)
         await health_server.start()
         print(f"kvserve: health checks (grpc.health.v1 only, plaintext) on {settings.host}:{health_port}",

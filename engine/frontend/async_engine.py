@@ -216,18 +216,20 @@ class AsyncEngine:
             raise ValueError("give exactly one of prompt and messages")
         if self._prompts is None:
             raise EngineUnavailable(self._unavailable_reason())
-        return await self._loop.run_in_executor(self._pool, self._encode, prompt, messages)
+        return await self._loop.run_in_executor(self._pool, self._encode, prompt, messages, False)
 
     async def _call_core(self, name: str) -> dict:
         if not self._serving():
             raise EngineUnavailable(self._unavailable_reason())
         return await self._core.call(name)
 
-    def _encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
-        """Runs on the tokenizer pool."""
+    def _encode(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
+                generate: bool = True) -> list[int]:
+        """Runs on the tokenizer pool (short token-id prompts: on the loop). ``generate``: the ids
+        of a request, held to max_model_len and the vocabulary (else Tokenize's, only tokenized)."""
         if messages is not None:
-            return self._prompts.render_chat(messages)
-        return self._prompts.encode(prompt)
+            return self._prompts.render_chat(messages, generate)
+        return self._prompts.encode(prompt, generate)
 
     def _prepare(self, prompt, messages, params: SamplingParams) -> tuple[list[int], RequestText]:
         """The prompt's ids and the request's detokenizers; runs on the tokenizer pool."""

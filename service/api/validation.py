@@ -2,6 +2,13 @@
 tokenizer. Every error is a ``ValueError`` whose message names the field and the limit
 (the servicer answers INVALID_ARGUMENT with it). Checks that need the tokenizer (prompt +
 max_tokens over max_model_len, unknown chat roles) are done by the engine's ``add_request``.
+
+This runs on the event loop, so the size of a repeated field is checked (``len()`` costs
+nothing) before any of it becomes Python objects: a request of 15.9 M token ids (under the
+16 MiB message limit) used to be copied into a list and walked id by id, stalling every
+stream for a second and leaving hundreds of MiB behind. A prompt of ``max_model_len`` ids or
+more can never run (it leaves no room for a completion), and every chat message adds at least
+one token, so neither list is ever walked beyond ``max_model_len`` entries.
 """
 
 from __future__ import annotations
@@ -25,26 +32,29 @@ class EngineRequest:
 
 def parse_generate_request(
     req: llm_pb2.GenerateRequest, vocab_size: int, sampling_defaults: dict | None = None,
-    header_request_id: str | None = None,
+    header_request_id: str | None = None, max_model_len: int | None = None,
 ) -> EngineRequest:
     """Check and convert a GenerateRequest; raises ValueError naming the bad field.
     ``sampling_defaults`` (the model's recommended sampling) fill the fields the request leaves unset.
-    The request id is the ``request_id`` field, else the call's ``x-request-id`` metadata, else a new one."""
+    The request id is the ``request_id`` field, else the call's ``x-request-id`` metadata, else a new one.
+    ``max_model_len`` (None: unchecked here) bounds the token ids and the chat messages."""
     request_id = req.request_id or header_request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         field = "request_id" if req.request_id else "x-request-id"
         raise ValueError(f"{field}: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
-    prompt, messages = _parse_input(req, vocab_size)
+    prompt, messages = _parse_input(req, vocab_size, max_model_len)
     params = sampling_from_proto(req.sampling, sampling_defaults).validate(vocab_size)
     return EngineRequest(request_id, prompt, messages, params)
 
 
-def parse_tokenize_request(req: llm_pb2.TokenizeRequest) -> tuple[str | None, list[dict[str, str]] | None]:
+def parse_tokenize_request(req: llm_pb2.TokenizeRequest, max_model_len: int | None = None,
+                           ) -> tuple[str | None, list[dict[str, str]] | None]:
     """(prompt, messages) of a TokenizeRequest, one of them None; ValueError naming the field."""
-    return _parse_input(req, 0)  # it has no token_ids, the only input that needs the vocabulary
+    return _parse_input(req, 0, max_model_len)  # no token_ids: the only input that needs the vocabulary
 
 
-def _parse_input(req: llm_pb2.GenerateRequest | llm_pb2.TokenizeRequest, vocab_size: int):
+def _parse_input(req: llm_pb2.GenerateRequest | llm_pb2.TokenizeRequest, vocab_size: int,
+                 max_model_len: int | None):
     which = req.WhichOneof("input")
     if which is None:
         raise ValueError("input: give one of prompt, token_ids or messages")
@@ -53,17 +63,24 @@ def _parse_input(req: llm_pb2.GenerateRequest | llm_pb2.TokenizeRequest, vocab_s
             raise ValueError("prompt: must not be empty")
         return req.prompt, None
     if which == "token_ids":
-        ids = list(req.token_ids.ids)
-        if not ids:
+        n = len(req.token_ids.ids)
+        if not n:
             raise ValueError("token_ids.ids: must not be empty")
-        for t in ids:
-            if t >= vocab_size:
-                raise ValueError(f"token_ids.ids: id {t} is outside the vocabulary [0, {vocab_size})")
+        if max_model_len is not None and n >= max_model_len:
+            raise ValueError(f"token_ids.ids: {n} ids leave no room for a completion: a prompt must be "
+                             f"shorter than max_model_len ({max_model_len} tokens)")
+        ids = list(req.token_ids.ids)
+        top = max(ids)  # one pass in C, not a Python loop per id
+        if top >= vocab_size:
+            raise ValueError(f"token_ids.ids: id {top} is outside the vocabulary [0, {vocab_size})")
         return ids, None
-    messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
-    if not messages:
+    n = len(req.messages.messages)
+    if not n:
         raise ValueError("messages.messages: must not be empty")
-    return None, messages
+    if max_model_len is not None and n > max_model_len:
+        raise ValueError(f"messages.messages: {n} messages cannot fit max_model_len ({max_model_len} tokens; "
+                         f"every message adds at least one token)")
+    return None, [{"role": m.role, "content": m.content} for m in req.messages.messages]
 
 
 def sampling_from_proto(msg: llm_pb2.SamplingParams, defaults: dict | None = None) -> SamplingParams:

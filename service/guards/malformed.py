@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvserve.service.guards.interceptors import GuardedHandlers, guarded
+from kvserve.service.guards.interceptors import GuardedHandlers, guarded, refuse
 
 
 @dataclass(frozen=True)
@@ -37,15 +37,15 @@ def _safe(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], o
     return deserialize
 
 
-async def _reject(context: grpc.aio.ServicerContext, bad: Malformed) -> None:
-    message = f"request: not a valid message of this method's type ({bad.error[:200]})"
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+def _message(bad: Malformed) -> str:
+    return f"request: not a valid message of this method's type ({bad.error[:200]})"
 
 
 @asynccontextmanager
 async def _check(request, context: grpc.aio.ServicerContext):
     if isinstance(request, Malformed):
-        await _reject(context, request)
+        yield refuse(context, grpc.StatusCode.INVALID_ARGUMENT, _message(request))
+        return
     if hasattr(request, "__aiter__"):
         request = _checked_stream(request, context)
     yield request
@@ -53,8 +53,8 @@ async def _check(request, context: grpc.aio.ServicerContext):
 
 async def _checked_stream(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
     async for request in requests:
-        if isinstance(request, Malformed):
-            await _reject(context, request)
+        if isinstance(request, Malformed):  # mid-stream the call can only end by raising
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(request))
         yield request
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 
 from kvserve.contract import API_KEY_ENV, AUTHORIZATION, BEARER, api_key_or_env
-from kvserve.service.guards.interceptors import GuardedHandlers, guarded
+from kvserve.service.guards.interceptors import GuardedHandlers, guarded, refuse
 from kvserve.service.methods import HEALTH_SERVICE, REFLECTION_SERVICE, split_method
 
 log = logging.getLogger("kvserve.service")
@@ -140,8 +140,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 def _refuse(message: str):
     @asynccontextmanager
-    async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield request  # never reached: abort raises
+    async def unauthenticated(request, context):
+        yield refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)
 
-    return refuse
+    return unauthenticated

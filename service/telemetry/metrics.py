@@ -25,12 +25,12 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvserve.service.methods import split_method
+from kvserve.service.telemetry.metrics_http import MetricsHttpServer
 
 log = logging.getLogger("kvserve.service.telemetry.metrics")
 
@@ -160,15 +160,15 @@ def snapshot_from_thread(
 
 
 class MetricsServer:
-    """/metrics over HTTP on its own thread (prometheus-client's server)."""
+    """/metrics over HTTP on a thread of its own (service/telemetry/metrics_http.py: bounded
+    connections, read timeouts, one rendering shared by concurrent scrapes)."""
 
     def __init__(self, metrics: Metrics, host: str, port: int):
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
+            self._server = MetricsHttpServer(metrics.registry, host, port)
         except OSError as e:
             raise OSError(f"cannot serve metrics on {host}:{port}: {e}") from e
-        self.port: int = self._server.server_port
+        self.port: int = self._server.port
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.stop()

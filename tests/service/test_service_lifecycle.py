@@ -2,16 +2,22 @@
 burst's excess into RESOURCE_EXHAUSTED while the admitted requests complete; SIGTERM drains
 (new calls UNAVAILABLE, health NOT_SERVING, short streams finish, the rest are aborted with a
 clear status after --drain-timeout) and the process exits 0. The SIGTERM test stops the
-server, so it comes last."""
+module's server, so it comes after the other test of it. On a tiny model's server of their
+own: 200 calls at once against --max-queue 8 --max-num-seqs 8 and SIGTERM under that load; a
+second SIGTERM exits at once and leaves no process."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvserve.benchmarks.instruments.procfs import alive
 from kvserve.clients.messages import SERVICE_NAME, build_request
 from kvserve.testing.plugin import TEST_SERVER_ENV
 from kvserve.testing.process import ServerProcess
@@ -106,3 +112,97 @@ def test_sigterm_drains_active_streams_and_exits_zero(server):
     log = server.log_text()
     assert "draining" in log and "stopped" in log
 
+
+
+# ---- 200 at once against --max-queue 8 --max-num-seqs 8, then SIGTERM (a tiny model's server) ----
+def _loaded_server(model, *flags: str) -> ServerProcess:
+    return ServerProcess("--model", str(model), "--dtype", "float32", "--num-kv-blocks", "256",
+                         "--max-queue", "8", "--max-num-seqs", "8", *flags, env=TEST_SERVER_ENV).start()
+
+
+def _core_pid(server: ServerProcess) -> int:
+    return int(re.search(r"engine core: pid (\d+)", server.log_text()).group(1))
+
+
+async def _load(target: str, n: int, max_tokens: int, then=None) -> list:
+    """``n`` Stream calls at once, read to the end (``then()`` once every admitted one has
+    sent a message); returns, per call, its messages or its error."""
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = llm_pb2_grpc.LLMServiceStub(ch)
+        requests = [build_request(token_ids=[1, 2, 3 + i % 100], max_tokens=max_tokens, ignore_eos=True)
+                    for i in range(n)]
+        calls = [stub.Stream(r, timeout=120) for r in requests]
+        t0 = time.monotonic()
+
+        async def first(call):
+            try:
+                return await call.read()
+            except grpc.aio.AioRpcError as e:
+                e.after_s = time.monotonic() - t0  # when the refusal came (printed, not asserted)
+                raise
+
+        firsts = await asyncio.gather(*(first(c) for c in calls), return_exceptions=True)
+        if then is not None:
+            then()
+        ends = []
+        for call, first in zip(calls, firsts, strict=True):
+            if isinstance(first, BaseException):
+                ends.append(first)
+                continue
+            try:
+                ends.append([first, *await _read_all(call)])
+            except grpc.aio.AioRpcError as e:
+                ends.append(e)
+        return ends
+
+
+def test_200_at_once_are_refused_beyond_the_queue_and_sigterm_under_load_drains(tiny_qwen2_dir):
+    server = _loaded_server(tiny_qwen2_dir, "--drain-timeout", "5")
+    try:
+        core = _core_pid(server)
+        results = asyncio.run(_load(server.target, 200, 16))
+        refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(refused) >= 150, len(refused)  # 8 running + 8 queued when the burst lands
+        print(f"{len(refused)} of 200 refused, the last {max(e.after_s for e in refused) * 1000:.0f} ms "
+              f"after the burst was sent")
+        for e in refused:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queue 8" in e.details(), e
+        for msgs in results:
+            if not isinstance(msgs, BaseException):
+                assert sum(len(m.token_ids) for m in msgs) == 16 and msgs[-1].finish_reason == llm_pb2.LENGTH
+        # SIGTERM while 16 long streams are admitted (8 running, 8 waiting) and 34 more are refused
+        ends = asyncio.run(_load(server.target, 50, 240, then=server.signal))
+        assert server.wait(timeout=60) == 0
+        for end in ends:
+            if isinstance(end, grpc.aio.AioRpcError):
+                ok = end.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+                    end.code() == grpc.StatusCode.UNAVAILABLE and "drain timeout" in end.details())
+                assert ok, end
+            else:
+                assert end[-1].finish_reason == llm_pb2.LENGTH
+        assert "draining" in server.log_text() and "stopped" in server.log_text()
+        assert not alive(core)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_under_load_exits_at_once_and_leaves_no_process(tiny_qwen2_dir):
+    server = _loaded_server(tiny_qwen2_dir, "--drain-timeout", "300")
+    try:
+        core = _core_pid(server)
+
+        def twice():
+            server.signal()
+            time.sleep(0.3)
+            server.signal()
+
+        asyncio.run(_load(server.target, 16, 240, then=twice))
+        assert server.wait(timeout=10) == 128 + signal.SIGTERM
+        assert "exiting at once" in server.log_text()
+        end = time.monotonic() + 10
+        while alive(core) and time.monotonic() < end:  # the core sees its lifeline close
+            time.sleep(0.1)
+        assert not alive(core)
+    finally:
+        server.stop()

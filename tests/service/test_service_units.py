@@ -21,6 +21,7 @@ from kvserve.engine.frontend.async_engine import EngineOverloaded, EngineUnavail
 from kvserve.service.api.errors import status_for
 from kvserve.service.api.validation import parse_generate_request
 from kvserve.service.cli import engine_config
+from kvserve.service.guards.limits import ConnectionLimits
 from kvserve.service.server import SERVER_OPTIONS
 from kvserve.v1 import llm_pb2
 
@@ -31,7 +32,8 @@ def _core_strings() -> bytes:
     return pathlib.Path(cygrpc.__file__).read_bytes()
 
 
-@pytest.mark.parametrize("key", sorted({k for k, _ in SERVER_OPTIONS + CHANNEL_OPTIONS}))
+@pytest.mark.parametrize(
+    "key", sorted({k for k, _ in SERVER_OPTIONS + CHANNEL_OPTIONS + ConnectionLimits().server_options()}))
 def test_channel_option_keys_are_ones_grpc_core_reads(key):
     # The compiled core holds every channel-argument name it reads as a C string.
     assert key.encode() + b"\0" in _core_strings(), f"{key} is not a gRPC core channel argument"
@@ -190,3 +192,27 @@ def test_unset_sampling_fields_take_the_models_recommendation(tmp_path):
     assert (p.temperature, p.top_p, p.max_tokens) == (0.2, 0.9, 5)
     p = sampling_from_proto(llm_pb2.SamplingParams(temperature=1.0), defaults)  # set wins, even 1.0
     assert (p.temperature, p.top_p) == (1.0, 0.9)
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), [
+    ({"max_connections": 0}, "--max-connections"),
+    ({"handshake_timeout": 0.0}, "--handshake-timeout"),
+])
+def test_connection_limits_refuse_values_naming_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        ConnectionLimits(**kwargs)
+
+
+def test_connection_limits_become_core_options_in_milliseconds():
+    assert dict(ConnectionLimits(100, 2.5).server_options()) == {
+        "grpc.max_allowed_incoming_connections": 100, "grpc.server_handshake_timeout_ms": 2500}
+
+
+def test_a_token_id_prompt_is_refused_by_its_length_before_its_ids_are_read():
+    req = llm_pb2.GenerateRequest(token_ids=llm_pb2.TokenIds(ids=[10**6] * 300))  # ids out of range too
+    with pytest.raises(ValueError, match=r"token_ids.ids: 300 ids leave no room .* max_model_len \(256"):
+        parse_generate_request(req, VOCAB, max_model_len=256)
+    turns = [llm_pb2.ChatMessage(role="user")] * 257
+    chat = llm_pb2.GenerateRequest(messages=llm_pb2.ChatMessages(messages=turns))
+    with pytest.raises(ValueError, match=r"messages.messages: 257 messages cannot fit max_model_len \(256"):
+        parse_generate_request(chat, VOCAB, max_model_len=256)

@@ -145,24 +145,29 @@ def test_watch_stats_and_connections_have_call_limits(secure_server):
             next(b.watch_stats(100))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-watch-streams" in e.value.details()
-        # health Watch streams are cheap to hold open and count like any call
-        holds = [a._health.Watch(health_pb2.HealthCheckRequest()) for _ in range(2)]
+        # health Watch streams (open without the key) hold slots of their own (--max-open-streams):
+        # none of the keyed calls'
+        watches = [a._health.Watch(health_pb2.HealthCheckRequest()) for _ in range(2)]
+        for h in watches:
+            next(h)
+        assert rpc_code(a.stats) == grpc.StatusCode.OK
+        holds = [a.stream(token_ids=[1, 2, 3 + i], max_tokens=2000, ignore_eos=True) for i in range(2)]
         for h in holds:
             next(h)
-        with pytest.raises(grpc.RpcError) as e:  # a holds 4 calls: its limit
+        with pytest.raises(grpc.RpcError) as e:  # a holds 4 keyed calls: its limit
             a.stats()
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-streams-per-connection" in e.value.details()
-        holds += [b._health.Watch(health_pb2.HealthCheckRequest()) for _ in range(2)]
+        holds += [b.stream(token_ids=[4, 5, 6 + i], max_tokens=2000, ignore_eos=True) for i in range(2)]
         for h in holds[2:]:
             next(h)
         with Client(secure_server.target, **opts) as c, pytest.raises(grpc.RpcError) as e:
-            c.stats()  # 6 calls over all connections: the server's limit
+            c.stats()  # 6 keyed calls over all connections: the server's limit
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams " in e.value.details()
         assert a.health() == "SERVING"  # health checks are never refused
-        for w in watchers:
+        for w in watchers + holds:
             w.close()  # the client cancels the call
-        for h in holds:
+        for h in watches:
             h.cancel()
         for _ in range(50):  # slots come back when the calls end
             if rpc_code(b.stats) == grpc.StatusCode.OK:
