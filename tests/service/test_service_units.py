@@ -21,7 +21,7 @@ from kvserve.engine.frontend.async_engine import EngineOverloaded, EngineUnavail
 from kvserve.service.api.errors import status_for
 from kvserve.service.api.validation import parse_generate_request
 from kvserve.service.cli import engine_config
-from kvserve.service.server import SERVER_OPTIONS
+from kvserve.service.server import SERVER_OPTIONS, ServeSettings, server_options
 from kvserve.v1 import llm_pb2
 
 VOCAB = 49152
@@ -31,10 +31,18 @@ def _core_strings() -> bytes:
     return pathlib.Path(cygrpc.__file__).read_bytes()
 
 
-@pytest.mark.parametrize("key", sorted({k for k, _ in SERVER_OPTIONS + CHANNEL_OPTIONS}))
+AGED = server_options(ServeSettings(max_connection_age=2.5))
+
+
+@pytest.mark.parametrize("key", sorted({k for k, _ in AGED + CHANNEL_OPTIONS}))
 def test_channel_option_keys_are_ones_grpc_core_reads(key):
     # The compiled core holds every channel-argument name it reads as a C string.
     assert key.encode() + b"\0" in _core_strings(), f"{key} is not a gRPC core channel argument"
+
+
+def test_max_connection_age_sets_the_age_and_an_equal_grace_in_ms():
+    assert server_options(ServeSettings()) == SERVER_OPTIONS
+    assert AGED[-2:] == [("grpc.max_connection_age_ms", 2500), ("grpc.max_connection_age_grace_ms", 2500)]
 
 
 def test_the_misspelled_ping_key_would_be_caught():
