@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from google.protobuf import descriptor_pb2
 
 from kvserve.engine.sampling_params import SamplingParams

@@ -118,8 +118,8 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(vllm):
      grpc.StatusCode.INVALID_ARGUMENT, "structural_tag"),
     (pb.GenerateRequest(text="x", kv_transfer_params_json="{}"), grpc.StatusCode.INVALID_ARGUMENT,
      "kv_transfer_params_json"),
-    (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[10 ** 9])), grpc.StatusCode.INVALID_ARGUMENT,
-     "tokenized.input_ids"),
+    (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[10 ** 9])),
+     grpc.StatusCode.INVALID_ARGUMENT, "tokenized.input_ids"),
     (pb.GenerateRequest(text="x", mm_inputs=pb.MultimodalInputs()), grpc.StatusCode.UNIMPLEMENTED, "mm_inputs"),
 ])
 def test_what_kvserve_lacks_is_refused_by_name(vllm, request_, code, field):
@@ -156,7 +156,8 @@ def test_management_rpcs_describe_the_server(vllm, ours):
     assert server.server_type == "vllm-grpc" and server.block_size == stats.kv_block_size
     loads = vllm.GetLoads(pb.GetLoadsRequest())
     (load,) = loads.loads
-    assert loads.dp_rank_count == 1 and load.max_total_num_tokens == stats.kv_blocks_total * stats.kv_block_size
+    assert loads.dp_rank_count == 1
+    assert load.max_total_num_tokens == stats.kv_blocks_total * stats.kv_block_size
     assert 0.0 <= load.token_usage <= 1.0
     with pytest.raises(grpc.RpcError) as e:
         vllm.GetLoads(pb.GetLoadsRequest(dp_rank=3))
