@@ -149,11 +149,12 @@ class SnapshotCollector(Collector):
     def _vllm_aliases(self, stats: dict, usage: float):
         alias = VLLM_PREFIX
         gauge = GaugeMetricFamily
-        yield self._family(gauge, "num_requests_waiting", "Requests admitted and not yet running (vLLM's name).",
+        yield self._family(gauge, "num_requests_waiting", "Requests admitted, not yet running (vLLM's name).",
                            stats["num_waiting"] + stats["num_queued"], alias)
         yield self._family(gauge, "num_requests_running", "Requests being generated (vLLM's name).",
                            stats["num_running"], alias)
-        yield self._family(gauge, "kv_cache_usage_perc", "KV-cache usage, 1 = full (vLLM's name).", usage, alias)
+        yield self._family(gauge, "kv_cache_usage_perc", "KV-cache usage, 1 = full (vLLM's name).", usage,
+                           alias)
         info = GaugeMetricFamily(alias + "cache_config_info", "KV cache configuration (vLLM's name).",
                                  labels=["model_name", "block_size", "num_gpu_blocks"])
         info.add_metric([self._model, str(stats["kv_block_size"]), str(stats["kv_blocks_total"])], 1.0)

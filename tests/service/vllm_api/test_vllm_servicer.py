@@ -120,7 +120,8 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(vllm):
      "kv_transfer_params_json"),
     (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[10 ** 9])),
      grpc.StatusCode.INVALID_ARGUMENT, "tokenized.input_ids"),
-    (pb.GenerateRequest(text="x", mm_inputs=pb.MultimodalInputs()), grpc.StatusCode.UNIMPLEMENTED, "mm_inputs"),
+    (pb.GenerateRequest(text="x", mm_inputs=pb.MultimodalInputs()), grpc.StatusCode.UNIMPLEMENTED,
+     "mm_inputs"),
 ])
 def test_what_kvserve_lacks_is_refused_by_name(vllm, request_, code, field):
     with pytest.raises(grpc.RpcError) as e:
