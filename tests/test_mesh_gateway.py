@@ -95,9 +95,10 @@ def test_greedy_answers_through_the_gateway_equal_a_replicas_own(oai, gateway, r
     reply = oai.chat.completions.create(model=gateway.model, messages=messages, max_tokens=10, temperature=0)
     assert reply.choices[0].message.content.strip() == chat.text.strip()
     assert reply.usage.prompt_tokens == len(chat_ids)
-    streamed = oai.chat.completions.create(model=gateway.model, messages=messages, max_tokens=10, temperature=0,
-                                           stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices).strip() == chat.text.strip()
+    streamed = oai.chat.completions.create(model=gateway.model, messages=messages, max_tokens=10,
+                                           temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text.strip() == chat.text.strip()
 
 
 def test_shared_prefix_requests_land_on_the_replica_holding_the_prefix(oai, gateway, replicas):
