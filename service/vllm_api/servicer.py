@@ -24,6 +24,7 @@ from kvserve.engine.frontend.engine_state import EngineState
 from kvserve.engine.model_loader.generation_defaults import sampling_defaults
 from kvserve.service.api.errors import status_for
 from kvserve.service.guards.redact import for_log
+from kvserve.service.telemetry.calls import current_call
 from kvserve.service.vllm_api import responses, tokenizer_bundle
 from kvserve.service.vllm_api.requests import VllmRequest, parse_request
 from kvserve.vllm import smg_common_pb2 as common
@@ -51,13 +52,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     # ---- generation -----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
         self._last_receive = time.time()
-        req, stream = await self._start(request, context)
+        arrival = time.monotonic()
+        call = current_call()  # the request's metrics, span and log line, as for kvserve.v1
+        try:
+            req, stream = await self._start(request, context)
+        except BaseException:
+            call.refused(request.request_id)
+            raise
+        call.admitted(req.request_id, arrival)
         stops = req.params.stop_token_ids
         choices = [responses.Choice() for _ in range(req.params.n)]
         open_choices = set(range(req.params.n))
         self._live.setdefault(req.request_id, set()).add(stream)
         try:
             async for out in stream:
+                call.observe(out)
                 choice = choices[out.index]
                 choice.add(out)
                 if req.stream and out.new_token_ids:
