@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -77,7 +76,9 @@ class Gateway:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        """Until the gateway lists a model and has every worker."""
+        """Until the gateway lists a model, has every worker and has its tokenizer (it answers 503
+        until the tokenizer fetched with GetTokenizer is registered): a one-token completion of a
+        one-word prompt (no full KV block, so no replica's prefix cache changes) must succeed."""
         end = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -87,6 +88,8 @@ class Gateway:
                 workers = self.get_json("/workers")
                 if models and len(workers.get("workers", [])) == len(self.targets):
                     self.model = models[0]["id"]
+                    probe = {"model": self.model, "prompt": "ready", "max_tokens": 1}
+                    self.post_json("/v1/completions", probe)
                     return
             except (OSError, KeyError, ValueError):
                 pass
@@ -96,6 +99,12 @@ class Gateway:
 
     def get_json(self, path: str):
         with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def post_json(self, path: str, body: dict):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())
 
     def stop(self) -> int | None:
