@@ -48,6 +48,7 @@ class Gateway:
         self.policy = policy
         self.extra = list(extra)
         self.port = free_port()
+        self.metrics_port = free_port()
         self.proc: subprocess.Popen | None = None
         fd, path = tempfile.mkstemp(prefix="smg-", suffix=".log")
         os.close(fd)
@@ -64,7 +65,7 @@ class Gateway:
     def start(self, timeout: float = 120.0) -> Gateway:
         cmd = [*smg_command(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
                "--worker-urls", *[f"grpc://{t}" for t in self.targets], "--policy", self.policy,
-               "--prometheus-port", str(free_port()), "--log-level", "info", *self.extra]
+               "--prometheus-port", str(self.metrics_port), "--log-level", "info", *self.extra]
         env = {**os.environ, "NO_COLOR": "1"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -100,6 +101,14 @@ class Gateway:
     def get_json(self, path: str):
         with urllib.request.urlopen(self.url + path, timeout=10) as r:
             return json.loads(r.read())
+
+    def metric(self, name: str) -> float:
+        """The sum of the gateway's Prometheus samples named ``name`` (0 when it has none)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
     def post_json(self, path: str, body: dict):
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),

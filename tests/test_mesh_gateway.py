@@ -115,6 +115,9 @@ def test_shared_prefix_requests_land_on_the_replica_holding_the_prefix(oai, gate
     assert holder["prefix_cache_hit_rate"] > 0
     assert done.usage.prompt_tokens_details.cached_tokens >= 160
     assert "Failed to subscribe to KV events" not in gateway.log_text()
+    # the gateway followed the replicas' caches through their events
+    assert gateway.metric("smg_kv_event_batches_total") > 0
+    assert gateway.metric("smg_kv_event_blocks_total") >= 10
 
 
 def test_a_client_that_hangs_up_mid_stream_frees_the_replicas_blocks(oai, gateway, replicas):
