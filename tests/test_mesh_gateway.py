@@ -11,6 +11,7 @@ import json
 import signal
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -118,6 +119,16 @@ def test_shared_prefix_requests_land_on_the_replica_holding_the_prefix(oai, gate
     # the gateway followed the replicas' caches through their events
     assert gateway.metric("smg_kv_event_batches_total") > 0
     assert gateway.metric("smg_kv_event_blocks_total") >= 10
+
+
+def test_the_gateways_flush_cache_reaches_every_replica(oai, gateway, replicas):
+    prompt = f"{words(1000, 160)} {words(6000, 3)}"  # the prefix the previous test cached
+    request = urllib.request.Request(gateway.url + "/flush_cache", data=b"{}", method="POST",
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert r.status == 200, r.read()
+    done = oai.completions.create(model=gateway.model, prompt=prompt, max_tokens=2, temperature=0)
+    assert done.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_a_client_that_hangs_up_mid_stream_frees_the_replicas_blocks(oai, gateway, replicas):
