@@ -149,8 +149,35 @@ def test_a_client_that_hangs_up_mid_stream_frees_the_replicas_blocks(oai, gatewa
 
 def test_killing_one_replica_leaves_requests_succeeding_on_the_other(oai, gateway, replicas):
     victim, survivor = replicas
+    outcomes: list[str] = []
+
+    def stream(i: int) -> None:  # long streams running on both replicas when the victim dies
+        try:
+            chunks = oai.completions.create(model=gateway.model, prompt=words(9000 + 40 * i, 20),
+                                            max_tokens=300, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+            for _ in chunks:
+                pass
+            outcomes.append("done")
+        except openai.APIError as e:  # the client sees the error: no hang
+            outcomes.append(f"error: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 30
+    while not stats(victim)["num_running"]:
+        assert time.monotonic() < end, "no stream reached the victim"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    running = [stats(s)["num_running"] for s in replicas]
     victim.signal(signal.SIGKILL)
     victim.wait(30)
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and len(outcomes) == 4, outcomes
+    # only the streams the victim was running may fail; those on the survivor finish
+    assert sum(o != "done" for o in outcomes) <= running[0], (running, outcomes)
     before = stats(survivor)["requests_finished"]
     for i in range(4):
         done = oai.completions.create(model=gateway.model, prompt=words(8000 + 10 * i, 10), max_tokens=3,
