@@ -21,6 +21,9 @@ from kvserve.testing.gateway import Gateway
 from kvserve.testing.process import ServerProcess
 from kvserve.testing.random_model import write_random_model
 
+# a dev dependency (pyproject.toml); its wheels are built for the common Linux and macOS machines
+pytest.importorskip("smg", reason="smg (the gateway) is not installed: pip install -e '.[dev]'")
+
 # the word-level test tokenizer has no chat template: this one marks roles with tokens of its own
 CHAT_TEMPLATE = ("{% for m in messages %}<t1> {{ m['content'] }} <t2> {% endfor %}"
                  "{% if add_generation_prompt %}<t3>{% endif %}")
