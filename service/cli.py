@@ -115,7 +115,42 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--otlp-endpoint", default=None,
                    help="send OpenTelemetry traces to this OTLP/gRPC collector, e.g. http://otel:4317 "
                         "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; neither: no tracing)")
+    add_mesh_flags(serve.add_argument_group("mesh (docs/deployment/mesh.md)"))
     serve.set_defaults(func=cmd_serve)
+
+
+def add_mesh_flags(m) -> None:
+    """Connection age and KV-cache events: what routers in front of many replicas use."""
+    m.add_argument("--max-connection-age", type=float, default=None, metavar="SECONDS",
+                   help="send GOAWAY to a connection after this many seconds (calls in flight get as long "
+                        "again), so clients balancing over DNS reconnect and reach new replicas "
+                        "(default: never)")
+    m.add_argument("--kv-events", action="store_true",
+                   help="publish KV-cache events on the SubscribeKvEvents RPC (on by itself with "
+                        "--kv-events-endpoint)")
+    m.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ADDRESS",
+                   help="also publish them in vLLM's format on a ZeroMQ PUB socket, e.g. tcp://*:5557 "
+                        "(default: none)")
+    m.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ADDRESS",
+                   help="answer replay requests for the last 10000 batches on a ZeroMQ ROUTER socket, "
+                        "e.g. tcp://*:5558 (default: none)")
+    m.add_argument("--kv-events-topic", default=None,
+                   help="the ZeroMQ topic (default: kv@POD@MODEL, POD from $POD_NAME, else the host name)")
+
+
+def mesh_settings(args: argparse.Namespace) -> dict:
+    """ServeSettings' keywords for the mesh flags; ValueError naming a bad one."""
+    from kvserve.service.server import KvEventSettings
+
+    if args.max_connection_age is not None and not args.max_connection_age > 0:
+        raise ValueError(f"--max-connection-age must be > 0 seconds, got {args.max_connection_age}")
+    for flag, value in (("--kv-events-endpoint", args.kv_events_endpoint),
+                        ("--kv-events-replay-endpoint", args.kv_events_replay_endpoint)):
+        if value is not None and "://" not in value:
+            raise ValueError(f"{flag} must be a ZeroMQ address such as tcp://*:5557, got {value!r}")
+    kv = KvEventSettings(args.kv_events, args.kv_events_endpoint, args.kv_events_replay_endpoint,
+                         args.kv_events_topic)
+    return {"max_connection_age": args.max_connection_age, "kv_events": kv}
 
 
 def _env_port(name: str) -> int | None:
@@ -186,7 +221,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  health_port=args.health_port,
                                  otlp_endpoint=args.otlp_endpoint,
                                  security=security_settings(args), limits=stream_limits(args),
-                                 connections=connection_limits(args))
+                                 connections=connection_limits(args),
+                                 **mesh_settings(args))
         credentials = server_credentials(settings.security)  # unreadable or non-PEM: refused before loading
     except ValueError as e:
         raise SystemExit(f"kvserve serve: {e}") from None

@@ -9,8 +9,10 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from kvserve.v1 import llm_pb2
+from kvserve.vllm import vllm_engine_pb2
 
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"]
+VLLM_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"]
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
 REFLECTION_SERVICE = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
 

@@ -1,4 +1,5 @@
-"""Regenerates the Python stubs of ``proto/kvserve/v1/*.proto`` (``make proto``).
+"""Regenerates the Python stubs of ``proto/kvserve/v1/*.proto`` (kvserve's API) and
+``proto/kvserve/vllm/*.proto`` (vLLM's engine protocol, for the mesh gateways) (``make proto``).
 
 The stubs are committed beside the .proto files so that the package installs without a
 build step; ``tests/service/test_proto_stubs.py`` fails when they no longer match the .proto.
@@ -14,11 +15,13 @@ import kvserve.v1
 # proto/kvserve/v1 in the source tree, site-packages/kvserve/v1 in an installed wheel
 PROTO_DIR = Path(kvserve.v1.__file__).resolve().parent
 PROTO_ROOT = PROTO_DIR.parents[1]
+# the packages whose stubs are generated: kvserve's API and vLLM's engine protocol
+PROTO_PACKAGES = ("v1", "vllm")
 
 
 def proto_files() -> list[Path]:
-    """The .proto files of the public API, sorted."""
-    return sorted(PROTO_DIR.glob("*.proto"))
+    """The .proto files of every package, sorted."""
+    return sorted(p for pkg in PROTO_PACKAGES for p in (PROTO_ROOT / "kvserve" / pkg).glob("*.proto"))
 
 
 def proto_names() -> list[str]:
@@ -41,7 +44,7 @@ def generate(out_dir: Path = PROTO_ROOT) -> list[Path]:
     """Write ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` for every .proto under ``out_dir``."""
     outs = [f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
     protoc([*outs, *proto_names()])
-    return sorted((out_dir / "kvserve" / "v1").glob("*_pb2*.py*"))
+    return sorted(p for pkg in PROTO_PACKAGES for p in (out_dir / "kvserve" / pkg).glob("*_pb2*.py*"))
 
 
 def descriptor_set(path: Path) -> bytes:

@@ -17,9 +17,11 @@ UNAVAILABLE and the server exits with status 1, so a supervisor restarts it
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -33,15 +35,18 @@ from kvserve.engine.frontend.async_engine import (
     AsyncEngine,
     EngineState,
 )
+from kvserve.engine.frontend.kv_events import KvEventHub
 from kvserve.service.api.servicer import LLMServicer
 from kvserve.service.guards.limits import ConnectionLimits, StreamLimitInterceptor, StreamLimits
 from kvserve.service.guards.malformed import MalformedRequestInterceptor
 from kvserve.service.guards.security import ApiKeyInterceptor, SecuritySettings, warn_if_exposed
 from kvserve.service.health import Health
-from kvserve.service.methods import HEALTH_SERVICE, LLM_SERVICE
+from kvserve.service.methods import HEALTH_SERVICE, LLM_SERVICE, VLLM_SERVICE
 from kvserve.service.reflection import enable_reflection
 from kvserve.service.telemetry.observability import Observability, served_model_name
+from kvserve.service.vllm_api.servicer import VllmEngineServicer
 from kvserve.v1 import llm_pb2_grpc
+from kvserve.vllm import vllm_engine_pb2_grpc
 
 log = logging.getLogger("kvserve.service")
 
@@ -83,19 +88,66 @@ class ServeSettings:
     metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port (0 = any free port)
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)
     health_port: int | None = None  # plaintext grpc.health.v1 alone on host:health_port (0 = any free)
+    max_connection_age: float | None = None  # seconds before a connection gets GOAWAY (None = never)
+    kv_events: KvEventSettings = field(default_factory=lambda: KvEventSettings())
+
+
+@dataclass(frozen=True)
+class KvEventSettings:
+    """KV-cache events (engine/frontend/kv_events.py): on with any endpoint or with ``enabled``."""
+
+    enabled: bool = False  # SubscribeKvEvents only, no ZeroMQ socket
+    endpoint: str | None = None  # ZeroMQ PUB, e.g. tcp://*:5557
+    replay_endpoint: str | None = None  # ZeroMQ ROUTER for replays, e.g. tcp://*:5558
+    topic: str | None = None  # None: kv@<pod>@<model>, the pod from $POD_NAME else the host name
+
+    @property
+    def on(self) -> bool:
+        return self.enabled or self.endpoint is not None or self.replay_endpoint is not None
+
+
+def server_options(settings: ServeSettings) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS, the connection limits and the connection age: after it a client gets GOAWAY and reconnects, so
+    DNS round-robin clients spread over replicas that appeared since they connected."""
+    options = [*SERVER_OPTIONS, *settings.connections.server_options()]
+    if settings.max_connection_age is None:
+        return options
+    age_ms = int(settings.max_connection_age * 1000)
+    # calls in flight at GOAWAY get as long again to finish before the connection is closed
+    return [*options, ("grpc.max_connection_age_ms", age_ms), ("grpc.max_connection_age_grace_ms", age_ms)]
 
 
 def build_server(engine: AsyncEngine, health: Health, observability: Observability,
                  settings: ServeSettings | None = None) -> grpc.aio.Server:
     settings = settings or ServeSettings()
     # telemetry outermost, so that calls refused by auth or limits are counted and traced too
-    server = grpc.aio.server(options=[*SERVER_OPTIONS, *settings.connections.server_options()],
+    server = grpc.aio.server(options=server_options(settings),
                              interceptors=[observability.interceptor, *interceptors(settings)])
     llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
+    vllm_engine = VllmEngineServicer(engine, kvserve_version())
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_engine, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     if settings.security.reflection:
-        enable_reflection((LLM_SERVICE.full_name, HEALTH_SERVICE.full_name), server)
+        enable_reflection((LLM_SERVICE.full_name, VLLM_SERVICE.full_name, HEALTH_SERVICE.full_name), server)
     return server
+
+
+def kv_event_hub(config: EngineConfig, kv: KvEventSettings) -> KvEventHub | None:
+    """The KV-event hub the settings ask for (None: events off); OSError if a socket cannot bind."""
+    if not kv.on:
+        return None
+    topic = kv.topic
+    if topic is None:
+        pod = os.environ.get("POD_NAME") or socket.gethostname()
+        topic = f"kv@{pod}@{served_model_name(config.model)}"
+    return KvEventHub(config.block_size, kv.endpoint, kv.replay_endpoint, topic)
+
+
+def kvserve_version() -> str:
+    try:
+        return importlib.metadata.version("kvserve")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def build_health_server(health: Health, connections: ConnectionLimits | None = None) -> grpc.aio.Server:
@@ -141,12 +193,15 @@ async def serve(config: EngineConfig, settings: ServeSettings,
     engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
                          step_timeout=settings.step_timeout, log_level=settings.log_level,
                          stream_interval=settings.stream_interval)
+    engine.kv_events = kv_event_hub(config, settings.kv_events)
     observability = Observability.start(served_model_name(config.model), engine, settings.host,
                                         settings.metrics_port, settings.otlp_endpoint)
     try:
         return await _serve(config, settings, credentials, engine, health, observability)
     finally:
         observability.stop()
+        if engine.kv_events is not None:
+            engine.kv_events.close()
 
 
 async def _serve(config: EngineConfig, settings: ServeSettings, credentials: grpc.ServerCredentials | None,

@@ -209,8 +209,10 @@ def tracked_python_files() -> list[Path]:
 
 
 def test_no_python_file_over_400_lines():
+    # protoc's stubs are generated, never read or edited (ruff skips them too); vLLM's ten RPCs
+    # make proto/kvserve/vllm/vllm_engine_pb2_grpc.py longer than that
     long = {str(p.relative_to(ROOT)): n for p in tracked_python_files()
-            if (n := len(p.read_text().splitlines())) > 400}
+            if "_pb2" not in p.name and (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
 
 

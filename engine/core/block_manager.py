@@ -19,6 +19,11 @@
   at first touch, so reusing warm blocks keeps the resident KV at the working set instead of
   walking through the whole cache; only cached prefixes (which are worth their memory) make
   it grow towards the configured size.
+- KV-cache events (``kv_events``, a list when the server publishes them, else None): a tuple is
+  appended when a hash enters the table (``STORED``), leaves it (``REMOVED``: the last block
+  holding it was reused) or the whole table is dropped (``CLEARED``); the engine core hands the
+  list over after each step. That append is the only cost on the step; the front-end groups and
+  encodes them (engine/frontend/kv_events.py).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ def block_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) ->
         h.update(prev_hash.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
     return h.intdigest()
+
+
+# the kinds of KV-cache event tuples: (STORED, hash, parent_hash, token_ids), (REMOVED, hash), (CLEARED,)
+STORED, REMOVED, CLEARED = 0, 1, 2
 
 
 @dataclass
@@ -66,6 +75,28 @@ class BlockManager:
         self.duplicates: dict[int, set[int]] = {}
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found
+        self.kv_events: list[tuple] | None = None  # see the module's docstring
+
+    def take_kv_events(self) -> list[tuple]:
+        """The events since the last call (empty when they are not collected)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is in use, since running
+        sequences chain their next hashes on the blocks they hold."""
+        if len(self.free_ids) != len(self.blocks):
+            return False
+        for block in self.blocks:
+            block.hash, block.token_ids, block.parent_hash = None, None, None
+        self.hash_to_block.clear()
+        self.duplicates.clear()
+        if self.kv_events is not None:
+            self.kv_events.append((CLEARED,))
+        return True
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -175,6 +206,8 @@ class BlockManager:
         registered = self.hash_to_block.setdefault(block.hash, block.block_id)
         if registered != block.block_id:
             self.duplicates.setdefault(block.hash, set()).add(block.block_id)
+        elif self.kv_events is not None:
+            self.kv_events.append((STORED, block.hash, block.parent_hash, block.token_ids))
 
     def _unpublish(self, block: Block) -> None:
         """``block`` is being reused: its hash leaves the table, or passes to a surviving copy."""
@@ -185,6 +218,8 @@ class BlockManager:
                 self.hash_to_block[h] = copies.pop()
             else:
                 del self.hash_to_block[h]
+                if self.kv_events is not None:
+                    self.kv_events.append((REMOVED, h))
         elif copies is not None:
             copies.discard(block.block_id)
         if copies is not None and not copies:

@@ -102,7 +102,8 @@ class EngineCore:
         return getattr(self.engine, name)()
 
     def _send_step(self, outputs) -> None:
-        msg = StepDone(self._acked, self.engine.num_waiting(), outputs, self._rejected, self._replies)
+        msg = StepDone(self._acked, self.engine.num_waiting(), outputs, self._rejected, self._replies,
+                       self.engine.take_kv_events())
         self._rejected, self._replies = [], []
         self._outbox.send(self._codec.encode(msg), copy=False)
 

@@ -5,9 +5,9 @@ pickle crosses the boundary. The front-end sends ``ToCore`` batches: the new req
 tokenized), the aborts and the calls (e.g. ``stats``) gathered during one turn of its event
 loop. The core sends one ``StepDone`` per engine step: every request's delta of that step
 (``RequestOutput``: new token ids, text and logprobs, and on the last one the finish reason and
-usage), the requests it refused, and the calls' answers; when idle it sends an empty one every
-``HEARTBEAT_S`` seconds, so a silent core is a stuck core. ``Ready`` comes once the model is
-loaded, ``Failed`` when the core gives up.
+usage), the requests it refused, the calls' answers and the step's KV-cache events; when idle
+it sends an empty one every ``HEARTBEAT_S`` seconds, so a silent core is a stuck core.
+``Ready`` comes once the model is loaded, ``Failed`` when the core gives up.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Call(msgspec.Struct, array_like=True):
     name: str  # one of CALLS
 
 
-CALLS = ("stats", "model_info")
+CALLS = ("stats", "model_info", "enable_kv_events", "reset_prefix_cache")
 
 
 class ToCore(msgspec.Struct, array_like=True):
@@ -71,6 +71,8 @@ class StepDone(msgspec.Struct, tag="step", array_like=True):
     outputs: list[RequestOutput] = []
     rejected: list[Rejected] = []
     replies: list[Reply] = []
+    # the step's KV-cache events (block_manager's tuples), once the front-end enabled them
+    kv_events: list[tuple] = []
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):

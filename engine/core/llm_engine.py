@@ -331,6 +331,21 @@ class LLMEngine:
             "uptime_s": time.monotonic() - self.started,
         }
 
+    def enable_kv_events(self) -> dict:
+        """Collect KV-cache events from now on (``take_kv_events``; the server publishes them)."""
+        if self.block_manager.kv_events is None:
+            self.block_manager.kv_events = []
+        return {}
+
+    def take_kv_events(self) -> list[tuple]:
+        return self.block_manager.take_kv_events()
+
+    def reset_prefix_cache(self) -> dict:
+        """Forget every cached prefix; refused while requests hold blocks (FlushCache)."""
+        ok = self.block_manager.reset_prefix_cache()
+        return {"success": ok, "message": "" if ok else
+                f"{self.num_running()} requests hold KV blocks; the prefix cache is flushed only when idle"}
+
     def model_info(self) -> dict:
         """Facts about the loaded model (the ModelInfo RPC's fields the engine knows)."""
         return {

@@ -21,6 +21,7 @@ with ``EngineUnavailable``. Closing a stream before it finished aborts the reque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.ipc import NewRequest, Ready, StepDone, StopChoice
 from kvserve.engine.frontend.core_client import CoreClient
 from kvserve.engine.frontend.engine_state import EngineInfo, EngineOverloaded, EngineState, EngineUnavailable
+from kvserve.engine.frontend.kv_events import KvEventHub
 from kvserve.engine.frontend.request_stream import RequestStream
 from kvserve.engine.process.gc_tuning import tune_gc
 from kvserve.engine.sampling_params import SamplingParams
@@ -83,6 +85,8 @@ class AsyncEngine:
         self._tokenizing = 0
         self._core_waiting = 0
         self._rejected = 0
+        # KV-cache events (engine/frontend/kv_events.py): set before start() to have them published
+        self.kv_events: KvEventHub | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -198,11 +202,24 @@ class AsyncEngine:
                      requests_rejected=self._rejected)
         return stats
 
+    async def reset_prefix_cache(self, wait_s: float = 0.0) -> dict:
+        """Forget the core's cached prefixes, waiting up to ``wait_s`` for the requests in flight to
+        end; ``{"success", "message"}`` (refused while requests hold blocks)."""
+        if wait_s > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), wait_s)
+        return await self._call_core("reset_prefix_cache")
+
     async def model_info(self) -> dict:
         """The loaded model's facts (``LLMEngine.model_info()``) and whether it has a chat template."""
         info = await self._call_core("model_info")
         info["has_chat_template"] = bool(getattr(self._prompts.tokenizer, "chat_template", None))
         return info
+
+    @property
+    def tokenizer(self):
+        """The front-end's tokenizer (None until the engine is ready)."""
+        return self._prompts.tokenizer if self._prompts is not None else None
 
     def token_text(self, token_id: int) -> str:
         """A token's text decoded alone (for logprobs); the tokenizer is loaded once ready."""
@@ -272,6 +289,8 @@ class AsyncEngine:
     # ---- from the core ------------------------------------------------------------------------------
     def _on_step(self, msg: StepDone) -> None:
         self._core_waiting = msg.num_waiting
+        if msg.kv_events and self.kv_events is not None:
+            self.kv_events.publish(msg.kv_events)
         for r in msg.rejected:
             stream = self._live.pop(r.key, None)
             if stream is not None:
@@ -298,6 +317,8 @@ class AsyncEngine:
             self._fail(f"loading the tokenizer failed: {type(e).__name__}: {e}")
             return
         self.info = EngineInfo(msg.model_name, msg.vocab_size, msg.config)
+        if self.kv_events is not None:  # the core collects them from its next batch on
+            self._enabling = asyncio.ensure_future(self._core.call("enable_kv_events"))
         self._prompts = PromptEncoder(tokenizer, msg.vocab_size, msg.config.max_model_len)
         tune_gc()  # everything the front-end loaded is in place
         if self._state == EngineState.LOADING:

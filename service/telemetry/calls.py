@@ -28,14 +28,15 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.service.api.responses import timing_of
 from kvserve.service.guards.interceptors import GuardedHandlers, guarded
 from kvserve.service.guards.redact import for_log
-from kvserve.service.methods import LLM_SERVICE, method_path, split_method
+from kvserve.service.methods import LLM_SERVICE, VLLM_SERVICE, method_path, split_method
 from kvserve.service.telemetry.metrics import Metrics
 from kvserve.service.telemetry.tracing import Tracing, end_span, monotonic_to_ns
 
 log = logging.getLogger("kvserve.service")
 
 REQUEST_ID_HEADER = "x-request-id"
-GENERATION_METHODS = frozenset(method_path(LLM_SERVICE, name) for name in ("Generate", "Stream"))
+GENERATION_METHODS = frozenset((*(method_path(LLM_SERVICE, name) for name in ("Generate", "Stream")),
+                                method_path(VLLM_SERVICE, "Generate")))
 _CURRENT: contextvars.ContextVar[CallTelemetry | None] = contextvars.ContextVar("kvserve_call", default=None)
 
 

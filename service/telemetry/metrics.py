@@ -11,6 +11,13 @@ Two sources, one registry per server:
   front-end as each call's outputs go out (service/telemetry/calls.py).
 
 Every series has a ``model_name`` label.
+
+The gauges endpoint pickers read (the Gateway API Inference Extension's model-server protocol)
+are also exported under vLLM's own names (``VLLM_PREFIX``), so a picker configured for vLLM
+needs no engine config: ``vllm:num_requests_waiting`` (the scheduler's queue plus the admission
+queue: every request admitted and not yet running), ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc`` (0-1, as vLLM's) and ``vllm:cache_config_info`` (value 1, labels
+``block_size`` and ``num_gpu_blocks``: the KV blocks, on any device).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from kvserve.service.telemetry.metrics_http import MetricsHttpServer
 log = logging.getLogger("kvserve.service.telemetry.metrics")
 
 PREFIX = "kvserve:"
+VLLM_PREFIX = "vllm:"
 SNAPSHOT_TIMEOUT_S = 5.0  # a scrape waits this long for the engine's snapshot at most
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -136,9 +144,24 @@ class SnapshotCollector(Collector):
                            usage)
         for name, key, doc in SNAPSHOT_COUNTERS:
             yield self._family(CounterMetricFamily, name, doc, stats[key])
+        yield from self._vllm_aliases(stats, usage)
 
-    def _family(self, kind, name: str, doc: str, value: float):
-        family = kind(metric_name(name), doc, labels=["model_name"])
+    def _vllm_aliases(self, stats: dict, usage: float):
+        alias = VLLM_PREFIX
+        gauge = GaugeMetricFamily
+        yield self._family(gauge, "num_requests_waiting", "Requests admitted, not yet running (vLLM's name).",
+                           stats["num_waiting"] + stats["num_queued"], alias)
+        yield self._family(gauge, "num_requests_running", "Requests being generated (vLLM's name).",
+                           stats["num_running"], alias)
+        yield self._family(gauge, "kv_cache_usage_perc", "KV-cache usage, 1 = full (vLLM's name).", usage,
+                           alias)
+        info = GaugeMetricFamily(alias + "cache_config_info", "KV cache configuration (vLLM's name).",
+                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+        info.add_metric([self._model, str(stats["kv_block_size"]), str(stats["kv_blocks_total"])], 1.0)
+        yield info
+
+    def _family(self, kind, name: str, doc: str, value: float, prefix: str = PREFIX):
+        family = kind(prefix + name, doc, labels=["model_name"])
         family.add_metric([self._model], value)
         return family
 

@@ -76,7 +76,8 @@ def test_the_validator_would_catch_a_misspelled_field(deployment):
 def test_container_ports_are_the_servers(container, serve_args, deployment):
     assert serve_args.host == "0.0.0.0"  # reachable from other pods
     assert ports(container) == {"grpc": serve_args.port, "metrics": serve_args.metrics_port,
-                                "health": serve_args.health_port}
+                                "health": serve_args.health_port,
+                                "kv-events": int(serve_args.kv_events_endpoint.rsplit(":", 1)[1])}
     notes = deployment["spec"]["template"]["metadata"]["annotations"]
     assert notes["prometheus.io/scrape"] == "true"
     assert int(notes["prometheus.io/port"]) == serve_args.metrics_port

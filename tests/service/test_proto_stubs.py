@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from google.protobuf import descriptor_pb2
 
 from kvserve.engine.sampling_params import SamplingParams
@@ -12,14 +13,16 @@ from kvserve.engine.sequence import FinishReason
 from kvserve.service import protogen
 from kvserve.service.api.validation import sampling_from_proto
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
+from kvserve.vllm import smg_common_pb2, vllm_engine_pb2
 
 
-def test_stubs_in_use_match_the_proto_file(tmp_path):
-    fresh = descriptor_pb2.FileDescriptorSet.FromString(protogen.descriptor_set(tmp_path / "llm.pb"))
-    (fresh_file,) = [f for f in fresh.file if f.name == "kvserve/v1/llm.proto"]
-    in_use = descriptor_pb2.FileDescriptorProto.FromString(llm_pb2.DESCRIPTOR.serialized_pb)
+@pytest.mark.parametrize("module", [llm_pb2, vllm_engine_pb2, smg_common_pb2], ids=lambda m: m.__name__)
+def test_stubs_in_use_match_the_proto_file(tmp_path, module):
+    fresh = descriptor_pb2.FileDescriptorSet.FromString(protogen.descriptor_set(tmp_path / "api.pb"))
+    (fresh_file,) = [f for f in fresh.file if f.name == module.DESCRIPTOR.name]
+    in_use = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
     assert _without_json_names(in_use) == _without_json_names(fresh_file), (
-        "stale stubs: run `make proto` and commit proto/kvserve/v1/*_pb2*.py*"
+        "stale stubs: run `make proto` and commit proto/kvserve/*/*_pb2*.py*"
     )
 
 

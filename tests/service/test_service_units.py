@@ -20,9 +20,9 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.frontend.async_engine import EngineOverloaded, EngineUnavailable
 from kvserve.service.api.errors import status_for
 from kvserve.service.api.validation import parse_generate_request
-from kvserve.service.cli import engine_config
+from kvserve.service.cli import engine_config, mesh_settings
 from kvserve.service.guards.limits import ConnectionLimits
-from kvserve.service.server import SERVER_OPTIONS
+from kvserve.service.server import SERVER_OPTIONS, ServeSettings, server_options
 from kvserve.v1 import llm_pb2
 
 VOCAB = 49152
@@ -32,11 +32,37 @@ def _core_strings() -> bytes:
     return pathlib.Path(cygrpc.__file__).read_bytes()
 
 
+AGED = server_options(ServeSettings(max_connection_age=2.5))
+
+
 @pytest.mark.parametrize(
-    "key", sorted({k for k, _ in SERVER_OPTIONS + CHANNEL_OPTIONS + ConnectionLimits().server_options()}))
+    "key", sorted({k for k, _ in AGED + CHANNEL_OPTIONS + ConnectionLimits().server_options()}))
 def test_channel_option_keys_are_ones_grpc_core_reads(key):
     # The compiled core holds every channel-argument name it reads as a C string.
     assert key.encode() + b"\0" in _core_strings(), f"{key} is not a gRPC core channel argument"
+
+
+def test_max_connection_age_sets_the_age_and_an_equal_grace_in_ms():
+    assert server_options(ServeSettings()) == SERVER_OPTIONS + ConnectionLimits().server_options()
+    assert AGED[-2:] == [("grpc.max_connection_age_ms", 2500), ("grpc.max_connection_age_grace_ms", 2500)]
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--max-connection-age", "0"], "--max-connection-age"),
+    (["--kv-events-endpoint", "5557"], "--kv-events-endpoint"),
+    (["--kv-events-replay-endpoint", "localhost:5558"], "--kv-events-replay-endpoint"),
+])
+def test_bad_mesh_flags_are_refused_by_name(flags, named):
+    with pytest.raises(ValueError, match=named):
+        mesh_settings(build_parser().parse_args(["serve", *flags]))
+
+
+def test_mesh_flags_become_serve_settings():
+    args = build_parser().parse_args(["serve", "--max-connection-age", "30", "--kv-events-endpoint", "tcp://*:5557"])
+    settings = mesh_settings(args)
+    assert settings["max_connection_age"] == 30 and settings["kv_events"].on
+    assert settings["kv_events"].endpoint == "tcp://*:5557" and settings["kv_events"].topic is None
+    assert not mesh_settings(build_parser().parse_args(["serve"]))["kv_events"].on
 
 
 def test_the_misspelled_ping_key_would_be_caught():

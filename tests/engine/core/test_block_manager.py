@@ -1,6 +1,6 @@
 """Block manager: hash chain, collision guard, reference counts, LRU reuse, the fully cached prompt."""
 
-from kvserve.engine.core.block_manager import BlockManager, block_hash
+from kvserve.engine.core.block_manager import CLEARED, REMOVED, STORED, BlockManager, block_hash
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
 
@@ -201,3 +201,44 @@ def test_blocks_with_nothing_cached_are_reused_before_untouched_ones():
         # with caching on, each full block is new content that stays cached until needed
         assert len(touched) == (51 if caching else 2), (caching, len(touched))
         bm.check_integrity()
+
+
+def test_kv_events_follow_the_hash_table():
+    bm = BlockManager(4, BS)
+    a = make_seq(list(range(9)))  # two full blocks and a partial one
+    run_prefill(bm, a)
+    assert bm.take_kv_events() == []  # not collected until enabled
+    bm.free(a)
+    bm.kv_events = []
+    a0 = block_hash(None, tuple(range(4)))
+    a1 = block_hash(a0, tuple(range(4, 8)))
+    b = make_seq(list(range(100, 109)))
+    bm.admit(b, bm.match_prefix(b))
+    bm.grow(b, b.num_tokens)
+    # the partial block, the unused one, then a's least recently freed cached block: its hash goes
+    assert bm.take_kv_events() == [(REMOVED, a1)]
+    b.num_computed_tokens = b.num_tokens  # the KV is written: now b's full blocks are published
+    bm.commit(b)
+    b0 = block_hash(None, tuple(range(100, 104)))
+    b1 = block_hash(b0, tuple(range(104, 108)))
+    assert bm.take_kv_events() == [(STORED, b0, None, tuple(range(100, 104))),
+                                   (STORED, b1, b0, tuple(range(104, 108)))]
+    assert not bm.reset_prefix_cache()  # b still holds blocks
+    bm.free(b)
+    assert bm.reset_prefix_cache() and bm.take_kv_events() == [(CLEARED,)]
+    assert bm.match_prefix(make_seq(list(range(100, 109)))) == []
+    assert bm.match_prefix(make_seq(list(range(9)))) == []
+    bm.check_integrity()
+
+
+def test_a_duplicate_block_is_not_stored_twice():
+    bm = BlockManager(8, BS)
+    bm.kv_events = []
+    a, b = make_seq(list(range(5))), make_seq(list(range(5)))
+    for s in (a, b):  # both computed the same block before either published it
+        bm.admit(s, bm.match_prefix(s))
+        bm.grow(s, s.num_tokens)
+    for s in (a, b):
+        s.num_computed_tokens = s.num_tokens
+        bm.commit(s)
+    assert [e[0] for e in bm.take_kv_events()] == [STORED]

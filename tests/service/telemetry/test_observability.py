@@ -156,6 +156,17 @@ def test_metrics_agree_with_stats_after_a_known_workload(server, stub, workload)
     assert m[("process_resident_memory_bytes", ())] > 0
 
 
+def test_vllm_named_gauges_alias_kvserves_for_endpoint_pickers(server, stub, workload):
+    stats = stub.Stats(llm_pb2.StatsRequest())
+    m = scrape(server)
+    assert m[("vllm:num_requests_waiting", ())] == stats.num_waiting + stats.num_queued
+    assert m[("vllm:num_requests_running", ())] == m[("kvserve:num_requests_running", ())]
+    assert m[("vllm:kv_cache_usage_perc", ())] == m[("kvserve:kv_cache_usage_perc", ())]
+    assert 0.0 <= m[("vllm:kv_cache_usage_perc", ())] <= 1.0
+    labels = (("block_size", str(stats.kv_block_size)), ("num_gpu_blocks", str(stats.kv_blocks_total)))
+    assert m[("vllm:cache_config_info", labels)] == 1.0
+
+
 def test_metrics_count_grpc_status_by_method_and_code(server, workload):
     m = scrape(server)
 

@@ -1,0 +1,267 @@
+"""The ``vllm.grpc.engine.VllmEngine`` handlers: vLLM's engine protocol, which the mesh gateways
+(SMG's gRPC workers, llm-d's vLLM-gRPC parser) speak, over the same engine as kvserve.v1.
+
+Generate streams per the request's ``stream`` flag: a chunk per delta of a choice, then one
+``complete`` per choice (with stream = false only the completes, carrying the whole output).
+Abort ends the named requests (their calls end with ``complete`` messages whose finish reason is
+"abort"); a cancelled call aborts its request as kvserve's own API does. FlushCache, GetLoads,
+GetTokenizer and SubscribeKvEvents report and act on the same engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import time
+from typing import NoReturn
+
+import grpc
+
+from kvserve.engine.frontend.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from kvserve.engine.frontend.engine_state import EngineState
+from kvserve.engine.model_loader.generation_defaults import sampling_defaults
+from kvserve.service.api.errors import status_for
+from kvserve.service.guards.redact import for_log
+from kvserve.service.telemetry.calls import current_call
+from kvserve.service.vllm_api import responses, tokenizer_bundle
+from kvserve.service.vllm_api.requests import VllmRequest, parse_request
+from kvserve.vllm import smg_common_pb2 as common
+from kvserve.vllm import vllm_engine_pb2 as pb
+from kvserve.vllm import vllm_engine_pb2_grpc
+
+log = logging.getLogger("kvserve.service")
+
+SERVER_TYPE = "vllm-grpc"  # what vLLM's own servicer reports; gateways key behaviour on it
+
+
+class RequestAborted(Exception):
+    """The Abort RPC named this request."""
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    def __init__(self, engine: AsyncEngine, version: str = ""):
+        self._engine = engine
+        self._version = version
+        self._started = time.monotonic()
+        self._last_receive = 0.0
+        self._live: dict[str, set[RequestStream]] = {}  # request_id -> its streams (ids may repeat)
+        self._bundle: asyncio.Future | None = None
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):
+        self._last_receive = time.time()
+        arrival = time.monotonic()
+        call = current_call()  # the request's metrics, span and log line, as for kvserve.v1
+        try:
+            req, stream = await self._start(request, context)
+        except BaseException:
+            call.refused(request.request_id)
+            raise
+        call.admitted(req.request_id, arrival)
+        stops = req.params.stop_token_ids
+        choices = [responses.Choice() for _ in range(req.params.n)]
+        open_choices = set(range(req.params.n))
+        self._live.setdefault(req.request_id, set()).add(stream)
+        try:
+            async for out in stream:
+                call.observe(out)
+                choice = choices[out.index]
+                choice.add(out)
+                if req.stream and out.new_token_ids:
+                    yield responses.chunk(out, req.logprobs)
+                if out.finished:
+                    open_choices.discard(out.index)
+                    matched = self._matched(req, choice)
+                    yield responses.complete(choice, out.index, req.logprobs, stops, matched,
+                                             whole=not req.stream)
+        except RequestAborted:
+            for i in sorted(open_choices):
+                yield responses.complete(choices[i], i, req.logprobs, stops, None, whole=not req.stream,
+                                         reason="abort")
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, req.request_id)
+        finally:
+            stream.close()
+            streams = self._live.get(req.request_id)
+            if streams is not None:
+                streams.discard(stream)
+                if not streams:
+                    del self._live[req.request_id]
+
+    async def _start(self, request: pb.GenerateRequest, context) -> tuple[VllmRequest, RequestStream]:
+        try:
+            info = self._engine.info
+            if info is None:
+                raise EngineUnavailable("the model is still loading")
+            req = parse_request(request, info.vocab_size, info.config.max_model_len,
+                                sampling_defaults(info.config.model))
+            prompt = req.prompt
+            if req.truncate is not None:
+                if isinstance(prompt, str):
+                    prompt = await self._engine.tokenize(prompt)
+                prompt = prompt[-req.truncate:]
+            return req, await self._engine.generate(req.request_id, prompt, req.params)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, request.request_id)
+
+    def _matched(self, req: VllmRequest, choice: responses.Choice) -> str | None:
+        """The stop string that ended the choice (None unless one did)."""
+        last = choice.last
+        if not req.params.stop or last is None or last.finish_reason is None or \
+                last.finish_reason.name != "STOP_STRING":
+            return None
+        skip = req.params.skip_special_tokens
+        text = self._engine.tokenizer.decode(choice.token_ids, skip_special_tokens=skip)
+        return responses.matched_stop(text, req.params.stop)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        for request_id in request.request_ids:
+            for stream in list(self._live.get(request_id, ())):
+                stream.fail(RequestAborted(request_id))
+        return pb.AbortResponse()
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "Embed: kvserve serves generative models only; it computes no embeddings")
+
+    # ---- state ------------------------------------------------------------------------------------
+    async def HealthCheck(self, request: pb.HealthCheckRequest, context) -> pb.HealthCheckResponse:
+        state = self._engine.state
+        if state == EngineState.READY:
+            return pb.HealthCheckResponse(healthy=True, message="serving")
+        reason = self._engine.error if state == EngineState.DEAD else state.value
+        return pb.HealthCheckResponse(healthy=False, message=f"not serving: {reason}")
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
+        try:
+            info = await self._engine.model_info()
+            config = self._engine.info.config
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        tokenizer = self._engine.tokenizer
+        return pb.GetModelInfoResponse(
+            model_path=config.model, is_generation=True, max_context_length=info["max_model_len"],
+            vocab_size=info["vocab_size"], supports_vision=False, served_model_name=info["model"],
+            tokenizer_path=config.model, model_type=info["architecture"],
+            architectures=[info["architecture"]],
+            eos_token_ids=info["eos_token_ids"],
+            pad_token_id=_token_id(tokenizer, "pad_token_id"),
+            bos_token_id=_token_id(tokenizer, "bos_token_id"),
+            max_req_input_len=info["max_model_len"] - 1,
+            default_sampling_params_json=json.dumps(sampling_defaults(config.model)),
+        )
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.GetServerInfoResponse:
+        try:
+            stats = await self._engine.stats()
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        return pb.GetServerInfoResponse(
+            active_requests=self._engine.num_in_flight, is_paused=False,
+            last_receive_timestamp=self._last_receive, uptime_seconds=time.monotonic() - self._started,
+            server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype=stats["kv_cache_dtype"],
+            block_size=stats["kv_block_size"], attention_backend=stats.get("attention_backend", ""),
+            model_dtype=stats["dtype"],
+        )
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"dp_rank: kvserve runs one data-parallel rank (0), got {request.dp_rank}")
+        try:
+            s = await self._engine.stats()
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        total, free, block = s["kv_blocks_total"], s["kv_blocks_free"], s["kv_block_size"]
+        load = pb.SchedulerLoad(
+            dp_rank=0, num_running_reqs=s["num_running"], num_waiting_reqs=s["num_waiting"] + s["num_queued"],
+            num_total_reqs=s["num_running"] + s["num_waiting"] + s["num_queued"],
+            num_used_tokens=(total - free) * block, max_total_num_tokens=total * block,
+            token_usage=(total - free) / total if total else 0.0, cache_hit_rate=s["prefix_cache_hit_rate"],
+            max_running_requests=self._engine.config.max_num_seqs,
+        )
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        return pb.GetLoadsResponse(timestamp=now, version=self._version, dp_rank_count=1, loads=[load])
+
+    # ---- the gateway's needs ----------------------------------------------------------------------------
+    async def GetTokenizer(self, request: common.GetTokenizerRequest, context):
+        tokenizer = self._engine.tokenizer
+        if tokenizer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if self._bundle is None:
+            self._bundle = asyncio.get_running_loop().run_in_executor(
+                None, tokenizer_bundle.build_bundle, tokenizer, _model_dir(self._engine.config.model))
+        data, sha = await self._bundle
+        pieces = tokenizer_bundle.chunks(data)
+        for i, piece in enumerate(pieces):
+            yield common.GetTokenizerChunk(data=piece, sha256=sha if i == len(pieces) - 1 else "")
+
+    async def FlushCache(self, request: common.FlushCacheRequest, context) -> common.FlushCacheResponse:
+        if request.timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"timeout_s: must be >= 0, got {request.timeout_s}")
+        try:
+            result = await self._engine.reset_prefix_cache(request.timeout_s)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await self._fail(context, e, "")
+        return common.FlushCacheResponse(success=result["success"], message=result["message"])
+
+    async def SubscribeKvEvents(self, request: common.SubscribeKvEventsRequest, context):
+        hub = self._engine.kv_events
+        if hub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "KV-cache events are off: start the server with --kv-events (or "
+                                "--kv-events-endpoint)")
+        # the headers at once: a subscriber (SMG) counts a stream without them after 2 s as a dead worker
+        await context.send_initial_metadata(())
+        try:
+            async for batch in hub.subscribe(request.start_sequence_number):
+                yield _kv_batch(batch)
+        except OverflowError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
+    async def _fail(self, context, error: BaseException, request_id: str) -> NoReturn:
+        if isinstance(error, NotImplementedError):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(error))
+        code, message = status_for(error)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("request %s failed", for_log(request_id or "-"), exc_info=error)
+        await context.abort(code, message)
+
+
+def _kv_batch(batch) -> common.KvEventBatch:
+    """A hub batch (engine/frontend/kv_events.py) as the gateway's message."""
+    from kvserve.engine.frontend.kv_events import BlockRemoved, BlockStored
+
+    events = []
+    for i, e in enumerate(batch.events):
+        event_id = batch.sequence * 1_000_000 + i  # unique while a batch holds under a million events
+        if isinstance(e, BlockStored):
+            bs = e.block_size
+            blocks = [common.KvBlock(block_hash=h, token_ids=e.token_ids[j * bs:(j + 1) * bs], block_size=bs)
+                      for j, h in enumerate(e.block_hashes)]
+            stored = common.KvBlocksStored(blocks=blocks, parent_block_hash=e.parent_block_hash)
+            events.append(common.KvCacheEvent(event_id=event_id, stored=stored))
+        elif isinstance(e, BlockRemoved):
+            events.append(common.KvCacheEvent(event_id=event_id,
+                                              removed=common.KvBlocksRemoved(block_hashes=e.block_hashes)))
+        else:
+            events.append(common.KvCacheEvent(event_id=event_id, cleared=common.KvCacheCleared()))
+    return common.KvEventBatch(sequence_number=batch.sequence, timestamp=batch.timestamp, events=events,
+                               dp_rank=0)
+
+
+def _token_id(tokenizer, name: str) -> int:
+    value = getattr(tokenizer, name, None) if tokenizer is not None else None
+    return -1 if value is None else int(value)
+
+
+def _model_dir(model: str) -> str | None:
+    from kvserve.engine.model_loader.source import resolve_model
+
+    try:
+        return resolve_model(model).path
+    except ValueError:
+        return None
