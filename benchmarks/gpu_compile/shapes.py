@@ -27,11 +27,9 @@ from kvserve.kernels.triton.launch import (
 
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 3, 4, 8)
-KV_HEADS = 8
 BLOCK_SIZES = (16, 32)
 DTYPES = ("bf16", "fp16")
 ESIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-DECODE_BATCH, CONTEXT, DECODE_SPLITS, PREFILL_TOKENS = 64, 2048, 4, 2048
 # (model, hidden, expert intermediate size, experts, experts per token)
 MOE_MODELS = (
     ("Mixtral-8x7B", 4096, 14336, 8, 2),
@@ -39,6 +37,21 @@ MOE_MODELS = (
     ("Qwen3-30B-A3B", 2048, 768, 128, 8),
 )
 MOE_TOKENS = (64, 4096)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The step a roofline time is for (and that ``timing`` runs): a decode of ``decode_batch``
+    sequences of ``context`` keys, split ``splits`` ways when split; a prefill of one chunk of
+    ``context`` tokens; the KV store of ``context`` tokens; over ``kv_heads`` KV heads."""
+
+    decode_batch: int = 64
+    context: int = 2048
+    splits: int = 4
+    kv_heads: int = 8
+
+
+REFERENCE = Workload()
 
 
 @dataclass(frozen=True)
@@ -68,30 +81,32 @@ def _attention_pointers(dtype: str) -> dict[str, str]:
     }
 
 
-def attention_cases(head_dim: int, group: int, block_size: int, dtype: str) -> list[Case]:
-    """Decode (split and unsplit), its reduce, prefill and the KV store at one shape."""
-    e, heads = ESIZE[dtype], KV_HEADS * group
-    label = f"d{head_dim} g{group} kv{KV_HEADS} blk{block_size}"
+def attention_cases(
+    head_dim: int, group: int, block_size: int, dtype: str, w: Workload = REFERENCE
+) -> list[Case]:
+    """Decode (unsplit, split), its reduce, prefill and the KV store at one shape, in that order."""
+    batch, context, splits, kv_heads = w.decode_batch, w.context, w.splits, w.kv_heads
+    e, heads = ESIZE[dtype], kv_heads * group
+    label = f"d{head_dim} g{group} kv{kv_heads} blk{block_size}"
     ptrs = _attention_pointers(dtype)
-    kv_bytes = 2 * CONTEXT * KV_HEADS * head_dim * e  # one sequence's K and V
+    kv_bytes = 2 * context * kv_heads * head_dim * e  # one sequence's K and V
     qo_bytes = 2 * heads * head_dim * e
-    attn_flops = 4 * CONTEXT * heads * head_dim  # q.k and p.v per key and head
-    parts = DECODE_BATCH * DECODE_SPLITS * heads * (head_dim + 2) * 4
+    attn_flops = 4 * context * heads * head_dim  # q.k and p.v per key and head
+    parts = batch * splits * heads * (head_dim + 2) * 4
     cases = [
         Case("_paged_decode_kernel", label, dtype, decode_launch(head_dim, group, block_size, False, True),
-             DECODE_BATCH * (kv_bytes + qo_bytes), DECODE_BATCH * attn_flops, ptrs),
+             batch * (kv_bytes + qo_bytes), batch * attn_flops, ptrs),
         Case("_paged_decode_kernel", label + " split", dtype,
              decode_launch(head_dim, group, block_size, True, True),
-             DECODE_BATCH * (kv_bytes + qo_bytes / 2) + parts, DECODE_BATCH * attn_flops, ptrs),
-        Case("_reduce_splits_kernel", f"d{head_dim} h{heads} splits{DECODE_SPLITS}", dtype,
+             batch * (kv_bytes + qo_bytes / 2) + parts, batch * attn_flops, ptrs),
+        Case("_reduce_splits_kernel", f"d{head_dim} h{heads} splits{splits}", dtype,
              reduce_launch(head_dim),
-             parts + DECODE_BATCH * heads * head_dim * e, 0.0, ptrs),
+             parts + batch * heads * head_dim * e, 0.0, ptrs),
         Case("_paged_prefill_kernel", label, dtype, prefill_launch(head_dim, group, block_size, True),
-             kv_bytes + PREFILL_TOKENS * qo_bytes, PREFILL_TOKENS * attn_flops / 2, ptrs),
+             kv_bytes + context * qo_bytes, context * attn_flops / 2, ptrs),
     ]  # fmt: skip
-    if group == GROUPS[0]:  # the store does not depend on the group
-        cases.append(Case("_store_kv_kernel", f"d{head_dim} kv{KV_HEADS} blk{block_size}", dtype,
-                          kv_store_launch(KV_HEADS, head_dim, block_size), 2 * kv_bytes, 0.0,
+    cases.append(Case("_store_kv_kernel", f"d{head_dim} kv{kv_heads} blk{block_size}", dtype,
+                          kv_store_launch(kv_heads, head_dim, block_size), 2 * kv_bytes, 0.0,
                           {"k_ptr": dtype, "v_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
                            "slot_mapping_ptr": "i64"}))  # fmt: skip
     return cases
@@ -144,8 +159,9 @@ def quick_table() -> list[Case]:
     the head_dim-128 attention kernels that spilled at four warps, the default model's shape in
     bf16 and fp32."""
     cases = attention_cases(128, 4, 16, "bf16")
-    cases += [c for c in attention_cases(128, 1, 16, "bf16") if c.kernel == "_store_kv_kernel"]
-    cases += [c for c in attention_cases(64, 3, 16, "bf16") if c.shape.endswith("blk16")]  # decode, prefill
+    cases += [
+        c for c in attention_cases(64, 3, 16, "bf16") if c.shape.endswith("blk16") and "store" not in c.kernel
+    ]
     cases += [c for c in attention_cases(64, 3, 16, "fp32") if c.shape.endswith("split")]
     cases += moe_cases(*MOE_MODELS[2], MOE_TOKENS[0], "bf16")[:1]
     return _unique(cases)

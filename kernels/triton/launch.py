@@ -46,9 +46,17 @@ def d_pad(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def attention_block_n(on_gpu: bool) -> int:
-    """Keys per tile of the attention kernels (independent of the cache's block size)."""
-    return 64 if on_gpu else 16
+def attention_block_n(head_dim: int, on_gpu: bool) -> int:
+    """Keys per tile of the attention kernels (independent of the cache's block size): 64 on a
+    GPU, 32 from head_dim 256 on (64 x 256 tiles spill and overflow sm_89's shared memory)."""
+    if not on_gpu:
+        return 16
+    return 32 if d_pad(head_dim) >= 256 else 64
+
+
+def attention_stages(head_dim: int) -> int:
+    """Software-pipelining depth of the key loop (K/V tiles in flight in shared memory)."""
+    return 2 if d_pad(head_dim) >= 256 else 3
 
 
 def attention_warps(head_dim: int, on_gpu: bool) -> int:
@@ -68,12 +76,12 @@ def decode_launch(head_dim: int, group: int, block_size: int, split: bool, on_gp
     """``_paged_decode_kernel``: rows are the group's query heads (padded to >= 16)."""
     return Launch(
         constexprs={
-            "GROUP": group, "BLOCK_M": max(16, next_power_of_2(group)), "BLOCK_N": attention_block_n(on_gpu),
-            "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "D_PAD": d_pad(head_dim), "SPLIT": split,
-            "UPCAST_DOT": not on_gpu,
+            "GROUP": group, "BLOCK_M": max(16, next_power_of_2(group)),
+            "BLOCK_N": attention_block_n(head_dim, on_gpu), "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim,
+            "D_PAD": d_pad(head_dim), "SPLIT": split, "UPCAST_DOT": not on_gpu,
         },
         num_warps=attention_warps(head_dim, on_gpu),
-        num_stages=3,
+        num_stages=attention_stages(head_dim),
     )  # fmt: skip
 
 
@@ -90,12 +98,12 @@ def prefill_launch(head_dim: int, group: int, block_size: int, on_gpu: bool) -> 
     """``_paged_prefill_kernel``: a tile of (query token, group head) rows per program."""
     return Launch(
         constexprs={
-            "GROUP": group, **prefill_tile(on_gpu, group), "BLOCK_N": attention_block_n(on_gpu),
+            "GROUP": group, **prefill_tile(on_gpu, group), "BLOCK_N": attention_block_n(head_dim, on_gpu),
             "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "D_PAD": d_pad(head_dim),
             "UPCAST_DOT": not on_gpu,
         },
         num_warps=attention_warps(head_dim, on_gpu),
-        num_stages=3,
+        num_stages=attention_stages(head_dim),
     )  # fmt: skip
 
 
