@@ -23,10 +23,11 @@ def _nvidia_backend() -> bool:
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="this triton build has no NVIDIA backend")
-def test_quick_table_compiles_for_every_target_without_spills():
+def test_quick_table_compiles_for_every_target_without_spills(tmp_path):
     """Runs in a fresh process: the interpreter (TRITON_INTERPRET=1, set for the other kernel
-    tests) patches triton.language and compiles nothing."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    tests) patches triton.language and compiles nothing. An empty Triton cache: every cubin is
+    compiled here, none read back from an earlier run."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "kvserve.benchmarks.gpu_compile", "--table", "quick", "--jobs", "2"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
