@@ -102,7 +102,7 @@ def attention_cases(
         Case("_reduce_splits_kernel", f"d{head_dim} h{heads} splits{splits}", dtype,
              reduce_launch(head_dim),
              parts + batch * heads * head_dim * e, 0.0, ptrs),
-        Case("_paged_prefill_kernel", label, dtype, prefill_launch(head_dim, group, block_size, True),
+        Case("_paged_prefill_kernel", label, dtype, prefill_launch(head_dim, group, block_size, True, e),
              kv_bytes + context * qo_bytes, context * attn_flops / 2, ptrs),
     ]  # fmt: skip
     cases.append(Case("_store_kv_kernel", f"d{head_dim} kv{kv_heads} blk{block_size}", dtype,

@@ -54,9 +54,10 @@ def attention_block_n(head_dim: int, on_gpu: bool) -> int:
     return 32 if d_pad(head_dim) >= 256 else 64
 
 
-def attention_stages(head_dim: int) -> int:
-    """Software-pipelining depth of the key loop (K/V tiles in flight in shared memory)."""
-    return 2 if d_pad(head_dim) >= 256 else 3
+def attention_stages(head_dim: int, prefill: bool) -> int:
+    """Software-pipelining depth of the key loop (K/V tiles in flight in shared memory): 2 from
+    head_dim 256 on, and for prefill from 128 on (3 spilled 16 B on sm_89), else 3."""
+    return 2 if d_pad(head_dim) >= (128 if prefill else 256) else 3
 
 
 def attention_warps(head_dim: int, on_gpu: bool) -> int:
@@ -81,7 +82,7 @@ def decode_launch(head_dim: int, group: int, block_size: int, split: bool, on_gp
             "D_PAD": d_pad(head_dim), "SPLIT": split, "UPCAST_DOT": not on_gpu,
         },
         num_warps=attention_warps(head_dim, on_gpu),
-        num_stages=attention_stages(head_dim),
+        num_stages=attention_stages(head_dim, prefill=False),
     )  # fmt: skip
 
 
@@ -94,16 +95,21 @@ def reduce_launch(head_dim: int) -> Launch:
     )
 
 
-def prefill_launch(head_dim: int, group: int, block_size: int, on_gpu: bool) -> Launch:
-    """``_paged_prefill_kernel``: a tile of (query token, group head) rows per program."""
+def prefill_launch(head_dim: int, group: int, block_size: int, on_gpu: bool,
+                   element_bytes: int = 2) -> Launch:
+    """``_paged_prefill_kernel``: a tile of (query token, group head) rows per program. In float32
+    (``element_bytes`` 4) tl.dot runs on FMA units, not tensor cores, and 4 warps over 64-key tiles
+    spilled kilobytes: 8 warps over 32-key tiles."""
+    fp32 = on_gpu and element_bytes >= 4
     return Launch(
         constexprs={
-            "GROUP": group, **prefill_tile(on_gpu, group), "BLOCK_N": attention_block_n(head_dim, on_gpu),
+            "GROUP": group, **prefill_tile(on_gpu, group),
+            "BLOCK_N": 32 if fp32 else attention_block_n(head_dim, on_gpu),
             "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "D_PAD": d_pad(head_dim),
             "UPCAST_DOT": not on_gpu,
         },
-        num_warps=attention_warps(head_dim, on_gpu),
-        num_stages=attention_stages(head_dim),
+        num_warps=8 if fp32 else attention_warps(head_dim, on_gpu),
+        num_stages=attention_stages(head_dim, prefill=True),
     )  # fmt: skip
 
 

@@ -317,7 +317,7 @@ def paged_prefill_attention(
     q, out = _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, out)
     head_dim = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
-    launch = prefill_launch(head_dim, group, k_cache.shape[1], q.device.type == "cuda")
+    launch = prefill_launch(head_dim, group, k_cache.shape[1], q.device.type == "cuda", q.element_size())
     if work is None:
         q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
         work = prefill_work(q_lens, seq_lens.tolist(), launch.constexprs["TOKENS_PER_TILE"], q.device)

@@ -3,6 +3,7 @@ configurations themselves run under the interpreter (the GPU's key tiles, row ti
 the tiles the compile check passes are also right, not only spill-free."""
 
 import dataclasses
+import inspect
 import os
 
 import pytest
@@ -22,6 +23,9 @@ def test_head_dims_from_128_launch_eight_warps_and_256_smaller_key_tiles():
     assert (small.num_warps, mid.num_warps, big.num_warps) == (4, 8, 8)
     assert (small.constexprs["BLOCK_N"], mid.constexprs["BLOCK_N"], big.constexprs["BLOCK_N"]) == (64, 64, 32)
     assert big.num_stages == 2 and launch.prefill_launch(256, 8, 16, True).num_stages == 2
+    assert mid.num_stages == 3 and launch.prefill_launch(128, 8, 16, True).num_stages == 2
+    fp32 = launch.prefill_launch(64, 3, 16, True, element_bytes=4)
+    assert (fp32.num_warps, fp32.constexprs["BLOCK_N"]) == (8, 32)
     cpu = launch.prefill_launch(128, 3, 16, False)
     assert cpu.constexprs["BLOCK_N"] == 16 and cpu.constexprs["UPCAST_DOT"]
     assert cpu.constexprs["TOKENS_PER_TILE"] * cpu.constexprs["GROUP_PAD"] == cpu.constexprs["BLOCK_M"]
@@ -32,7 +36,9 @@ def _on_gpu_tiles(make):
     """``make``'s GPU configuration, with tl.dot in float32 (the interpreter's bf16 dot is wrong)."""
 
     def gpu(*args):
-        cfg = make(*args[:-1], True)
+        bound = inspect.signature(make).bind(*args)
+        bound.arguments["on_gpu"] = True
+        cfg = make(*bound.args, **bound.kwargs)
         return dataclasses.replace(cfg, constexprs={**cfg.constexprs, "UPCAST_DOT": True})
 
     return gpu
