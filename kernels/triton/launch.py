@@ -9,9 +9,11 @@ much shared memory; the two cannot drift apart. Pure Python: no torch, no Triton
 and tl.dot runs in float32 there (the interpreter multiplies bfloat16 operands of tl.dot as raw
 16-bit integers, triton 3.9). On a GPU every tl.dot dimension is at least 16.
 
-The warp counts were chosen from the compile table (docs/performance/gpu_compile.md): with four
-warps, head_dim 128 and up spilled registers in both attention kernels on every target; eight
-warps hold them in registers.
+The choices come from the compile table (docs/performance/gpu_compile.md), which is spill-free on
+every target with them: 8 warps from head_dim 128 on (4 spilled in prefill, and in every kernel
+compiled without the JIT's alignment specialization); prefill keeps 2 stages from head_dim 128
+on, decode from 256 on (3 spilled on sm_89, or overflowed its shared memory); 32-key tiles from
+head_dim 256 on and in float32 prefill (whose tl.dot runs on FMA units).
 """
 
 from __future__ import annotations
