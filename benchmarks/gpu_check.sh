@@ -201,7 +201,7 @@ bench() {
 
 for step in "${STEPS[@]}"; do
   case $step in
-    kernels) run_step kernels "$(limit_for 150)" "${PYTEST[@]}" tests/kernels/triton/test_kernels.py tests/kernels/triton/test_kernel_variants.py \
+    kernels) run_step kernels "$(limit_for 150)" "${PYTEST[@]}" tests/kernels/triton/test_kernels.py tests/kernels/triton/test_kernel_variants.py tests/kernels/triton/test_launch.py \
                tests/engine/layers/test_moe.py ;;
     parity) run_step parity "$(limit_for 90)" "${PYTEST[@]}" tests/engine/layers/attention/test_attention_triton.py -k "not graph" ;;
     moe) run_step moe "$(limit_for 120)" "${PYTEST[@]}" tests/engine/models/test_moe_models.py -k "gpu or logits" ;;

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the dev and gpu extras bring it)")
@@ -58,6 +59,7 @@ def _reference(q, keys, values, scale, causal_offset=None):
 
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_gpu_configurations_give_the_reference_attention_under_the_interpreter(head_dim, monkeypatch):
+    """On a GPU the same configurations run compiled (tl.dot in float32 there too)."""
     monkeypatch.setattr(paged_attention, "decode_launch", _on_gpu_tiles(launch.decode_launch))
     monkeypatch.setattr(paged_attention, "prefill_launch", _on_gpu_tiles(launch.prefill_launch))
     gen = torch.Generator().manual_seed(head_dim)
@@ -69,12 +71,14 @@ def test_gpu_configurations_give_the_reference_attention_under_the_interpreter(h
     lens = torch.tensor([context], dtype=torch.int32)
     q = torch.randn(1, kv_heads * group, head_dim, generator=gen)
     want = _reference(q, *flat, scale)
+    on = [t.to(DEVICE) for t in (*caches, blocks, lens)]
     for splits in (1, 3):
-        got = paged_decode_attention(q, *caches, blocks, lens, scale, num_splits=splits)
-        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        got = paged_decode_attention(q.to(DEVICE), *on, scale, num_splits=splits)
+        torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=1e-5)
     q_new = torch.randn(new, kv_heads * group, head_dim, generator=gen)
-    cu = torch.tensor([0, new], dtype=torch.int32)
-    got = paged_prefill_attention(q_new, *caches, cu, lens, blocks, scale)
+    cu = torch.tensor([0, new], dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, blocks_on, lens_on = on
+    got = paged_prefill_attention(q_new.to(DEVICE), k_cache, v_cache, cu, lens_on, blocks_on, scale)
     torch.testing.assert_close(
-        got.double(), _reference(q_new, *flat, scale, context - new), atol=1e-5, rtol=1e-5
+        got.cpu().double(), _reference(q_new, *flat, scale, context - new), atol=1e-5, rtol=1e-5
     )
