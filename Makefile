@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.stamp-install
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 
-.PHONY: run test test-slow soak shell lint proto bench bench-single bench-peers bench-serving-peers clean
+.PHONY: run test test-slow soak gpu-compile shell lint proto bench bench-single bench-peers bench-serving-peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 soak: test-slow
+
+# Every Triton kernel compiled for sm_80, sm_89 and sm_90 at every shape of the compile table, no GPU
+# needed; fails on a compile error, a register spill or too much shared memory
+# (docs/performance/gpu_compile.md). `make test` compiles its quick subset.
+gpu-compile: $(STAMP)
+	$(PY) -m kvserve.benchmarks.gpu_compile --table full
 
 shell: $(STAMP)
 	@echo "kvserve shell: .venv/bin is first on PATH (kvserve, grpcurl, python); exit to leave"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kvserve's GPU checks in one go, about 3-5 minutes on one GPU and never more than
-# GPU_CHECK_BUDGET_S (default 420 s) for the five steps together:
+# GPU_CHECK_BUDGET_S (default 480 s) for the six steps together:
 #   1. kernels     the Triton kernel tests (attention with split-K decode, KV store, fused MoE)
 #                  compiled for the GPU, and the count of compiled variants over a varied run (no
 #                  recompiles after warm-up)
@@ -13,6 +13,9 @@
 #                  its eager path, and whole engines (LLM on random Llama- and Qwen3-shaped model
 #                  directories) with CUDA graphs against enforce_eager=True: equal greedy tokens
 #                  (the engine comparison needs CUDA: in a CPU smoke run it is skipped)
+#   3b. timing     each Triton kernel through its launcher at the compile table's reference step
+#                  (python -m kvserve.benchmarks.gpu_compile.timing), measured beside its expected
+#                  H200 roofline time; the summary gets that table under its own
 #   4. throughput  nano-vllm's workload (256 requests, prompts and outputs of 100-1024 tokens,
 #                  ignore_eos) on a Qwen3-0.6B-shaped model with random weights, no download
 #   5. peer        optional, only with GPU_CHECK_PEER=1, after the summary of 1-4 is written:
@@ -20,7 +23,7 @@
 #                  the ratio (its own time limit, GPU_CHECK_PEER_S, default 600 s)
 # It ends with one summary table, rewritten after every step so that a run cut short still leaves
 # one. The output folder ($OUT) receives only summary.md and one short log per step (at most the
-# last 200 lines, 1 MiB): at most 7 files. The random model, a path shim and the full logs go to
+# last 200 lines, 1 MiB): at most 8 files. The random model, a path shim and the full logs go to
 # a temporary directory that is removed at exit.
 #
 # Needs torch (CUDA), triton, transformers, safetensors, tokenizers, xxhash, numpy, tqdm and
@@ -38,9 +41,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 ON_CPU="${GPU_CHECK_ON_CPU:-0}"
 WITH_PEER="${GPU_CHECK_PEER:-0}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-420}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
 PEER_S="${GPU_CHECK_PEER_S:-600}"
-ALL_STEPS=(kernels parity moe graphs throughput)
+ALL_STEPS=(kernels parity moe graphs timing throughput)
 if (( $# )); then STEPS=("$@"); else STEPS=("${ALL_STEPS[@]}"); fi
 OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/kvserve-gpu-check.XXXXXX")}"
 mkdir -p "$OUT"
@@ -126,6 +129,12 @@ write_summary() {
     echo "| step | result | time | detail |"
     echo "|---|---|---|---|"
     printf '%s\n' "${ROWS[@]}"
+    if [[ -s "$SCRATCH/timing.log" ]] && grep -q '^| kernel' "$SCRATCH/timing.log"; then
+      echo
+      echo "Kernel times, measured beside expected (the H200 roofline of docs/performance/gpu_compile.md):"
+      echo
+      grep '^|' "$SCRATCH/timing.log"
+    fi
   } >"$OUT/summary.md"
 }
 
@@ -159,7 +168,9 @@ limit_for() {
 
 # summarize NAME LOG: one line from a step's log (pytest's tally, or the benchmark's figures)
 summarize() {
-  if [[ "$1" == throughput || "$1" == peer ]]; then
+  if [[ "$1" == timing ]]; then
+    echo "$(grep -c '^| [a-z]' "$2" | awk '{print $1 - 1}') kernels timed; measured vs expected below"
+  elif [[ "$1" == throughput || "$1" == peer ]]; then
     grep -E "^(requests=|kvserve |transformers |ratio )" "$2" | sed -E 's/ +/ /g' | paste -sd ';' -
   elif grep -qE "[0-9]+ (passed|failed|error)" "$2"; then
     grep -E "[0-9]+ (passed|failed|error)" "$2" | tail -1 | sed -E 's/=//g; s/^ +| +$//g'
@@ -171,8 +182,10 @@ summarize() {
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="")
 
 if [[ "$ON_CPU" == 1 ]]; then
+  TIMING=(--smoke)
   SHAPE=qwen3-tiny; BENCH=(--num-requests 8 --min-prompt 10 --max-prompt 40 --min-output 4 --max-output 12 --max-num-seqs 8)
 else
+  TIMING=()
   SHAPE=qwen3-0.6b; BENCH=(--num-requests 256 --min-prompt 100 --max-prompt 1024 --min-output 100 --max-output 1024
                            --max-num-seqs 256 --max-num-batched-tokens 16384)
 fi
@@ -188,13 +201,14 @@ bench() {
 
 for step in "${STEPS[@]}"; do
   case $step in
-    kernels) run_step kernels "$(limit_for 150)" "${PYTEST[@]}" tests/kernels/triton/test_kernels.py tests/kernels/triton/test_kernel_variants.py \
+    kernels) run_step kernels "$(limit_for 150)" "${PYTEST[@]}" tests/kernels/triton/test_kernels.py tests/kernels/triton/test_kernel_variants.py tests/kernels/triton/test_launch.py \
                tests/engine/layers/test_moe.py ;;
     parity) run_step parity "$(limit_for 90)" "${PYTEST[@]}" tests/engine/layers/attention/test_attention_triton.py -k "not graph" ;;
     moe) run_step moe "$(limit_for 120)" "${PYTEST[@]}" tests/engine/models/test_moe_models.py -k "gpu or logits" ;;
     graphs) run_step graphs "$(limit_for 150)" "${PYTEST[@]}" tests/engine/runner/test_cuda_graphs.py tests/engine/runner/test_model_runner_graphs.py \
               tests/engine/layers/attention/test_attention_triton.py::test_graph_decode_metadata_over_padded_static_buffers_gives_the_same_rows \
               tests/engine/layers/attention/test_attention_triton.py::test_decode_graph_replay_of_a_tiny_model_matches_its_eager_decode ;;
+    timing) run_step timing "$(limit_for 120)" "$PY" -m kvserve.benchmarks.gpu_compile.timing "${TIMING[@]}" ;;
     throughput) run_step throughput "$(limit_for 300)" bash -c "$(bench none)" ;;
   esac
 done

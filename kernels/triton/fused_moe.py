@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton.paged_attention import upcast_dot
+from kvserve.kernels.triton.launch import moe_launch
 
 
 @triton.jit
@@ -116,38 +116,30 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if num_tokens == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    tile = _tile_shape(x.device, num_tokens * top_k)
-    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tile["BLOCK_M"])
+    on_gpu = x.device.type == "cuda"
+    gate_up_launch = moe_launch(num_tokens * top_k, top_k, num_experts, False, on_gpu)
+    down_launch = moe_launch(num_tokens * top_k, 1, num_experts, True, on_gpu)
+    sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, gate_up_launch.constexprs["BLOCK_M"])
     weights = topk_weights.flatten().float().contiguous()
     gate_up = torch.empty(num_tokens * top_k, two_i, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, weights, top_k, False, tile)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, weights, gate_up_launch)
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) * up
     down = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    _grouped_gemm(act, w2, down, sorted_ids, block_expert, weights, 1, True, tile)
+    _grouped_gemm(act, w2, down, sorted_ids, block_expert, weights, down_launch)
     return down.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
-def _grouped_gemm(a, w, c, sorted_ids, block_expert, weights, top_k: int, mul_weight: bool, tile) -> None:
-    """``c[entry] = a[entry // top_k] @ w[expert(entry)]^T`` (times the entry's weight)."""
+def _grouped_gemm(a, w, c, sorted_ids, block_expert, weights, launch) -> None:
+    """``c[entry] = a[entry // TOP_K] @ w[expert(entry)]^T`` (times the entry's weight)."""
     num_experts, n, k = w.shape
     if w.stride(2) != 1:
         w = w.contiguous()
-    grid = (block_expert.shape[0], triton.cdiv(n, tile["BLOCK_N"]))
+    grid = (block_expert.shape[0], triton.cdiv(n, launch.constexprs["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, weights, c.shape[0], n, k,
-        a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        TOP_K=top_k, NUM_EXPERTS=num_experts, MUL_WEIGHT=mul_weight,
-        UPCAST_DOT=upcast_dot(a.device), **tile,
+        a.stride(0), w.stride(0), w.stride(1), c.stride(0), **launch.kwargs(),
     )  # fmt: skip
-
-
-def _tile_shape(device: torch.device, num_entries: int) -> dict[str, int]:
-    """tl.dot wants every dimension >= 16. On a GPU, bigger row blocks pay once an expert has
-    many entries (prefill); decode keeps them small so that little of a block is padding."""
-    if device.type != "cuda":
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
-    return {"BLOCK_M": 64 if num_entries >= 1024 else 16, "BLOCK_N": 64, "BLOCK_K": 64}
 
 
 def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:

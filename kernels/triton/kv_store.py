@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels.triton.launch import kv_store_launch
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -63,21 +65,10 @@ def store_kv_cache(
     if num_tokens == 0:
         return
     k, v = _heads_contiguous(k), _heads_contiguous(v)
-    width = kv_heads * head_dim
     _store_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        v.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        BLOCK_SIZE=k_cache.shape[1],
-        WIDTH=width,
-        WIDTH_PAD=triton.next_power_of_2(width),
-    )
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
+        **kv_store_launch(kv_heads, head_dim, k_cache.shape[1]).kwargs(),
+    )  # fmt: skip
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:

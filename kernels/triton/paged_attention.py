@@ -35,8 +35,14 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.triton.kv_store import check_paged_cache
-
-MAX_SPLITS = 16  # decode splits per sequence at most; also the reduce kernel's split tile
+from kvserve.kernels.triton.launch import (
+    MAX_SPLITS,
+    d_pad,
+    decode_launch,
+    prefill_launch,
+    prefill_tile,
+    reduce_launch,
+)
 
 
 @triton.jit
@@ -210,7 +216,7 @@ class DecodeWorkspace:
     @classmethod
     def allocate(cls, rows: int, num_heads: int, head_dim: int, device: torch.device) -> DecodeWorkspace:
         return cls(
-            out=torch.empty(rows, num_heads, _d_pad(head_dim), dtype=torch.float32, device=device),
+            out=torch.empty(rows, num_heads, d_pad(head_dim), dtype=torch.float32, device=device),
             max=torch.empty(rows, num_heads, dtype=torch.float32, device=device),
             sum=torch.empty(rows, num_heads, dtype=torch.float32, device=device),
         )
@@ -273,19 +279,15 @@ def paged_decode_attention(
         raise ValueError(f"the decode workspace holds {workspace.rows()} rows, "
                          f"{num_seqs} sequences x {num_splits} splits need {num_seqs * num_splits}")
     parts = (workspace.out, workspace.max, workspace.sum) if split else (out, out, out)
-    group = num_heads // kv_heads
+    launch = decode_launch(head_dim, num_heads // kv_heads, k_cache.shape[1], split, q.device.type == "cuda")
     _paged_decode_kernel[(num_splits, kv_heads, num_seqs)](
         q, k_cache, v_cache, out, *parts, block_tables, seq_lens, scale, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(q.device),
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, D_PAD=_d_pad(head_dim), SPLIT=split,
-        UPCAST_DOT=upcast_dot(q.device),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **launch.kwargs(),
     )  # fmt: skip
     if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](
-            *parts, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=_d_pad(head_dim), SPLITS_PAD=MAX_SPLITS,
+            *parts, out, num_splits, out.stride(0), out.stride(1), **reduce_launch(head_dim).kwargs(),
         )  # fmt: skip
     return out
 
@@ -313,20 +315,18 @@ def paged_prefill_attention(
     if cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens_q must have shape ({num_seqs + 1},), got {tuple(cu_seqlens_q.shape)}")
     q, out = _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, out)
+    head_dim = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
-    tile = prefill_tile_shape(q.device, group)
+    launch = prefill_launch(head_dim, group, k_cache.shape[1], q.device.type == "cuda", q.element_size())
     if work is None:
         q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-        work = prefill_work(q_lens, seq_lens.tolist(), tile["TOKENS_PER_TILE"], q.device)
+        work = prefill_work(q_lens, seq_lens.tolist(), launch.constexprs["TOKENS_PER_TILE"], q.device)
     if work.shape[0] == 0:
         return out
-    head_dim = q.shape[2]
     _paged_prefill_kernel[(work.shape[0], k_cache.shape[2])](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, work, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, BLOCK_N=_block_n(q.device), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        D_PAD=_d_pad(head_dim), UPCAST_DOT=upcast_dot(q.device), **tile,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **launch.kwargs(),
     )  # fmt: skip
     return out
 
@@ -348,12 +348,8 @@ def prefill_work(query_lens: list[int], seq_lens: list[int], tokens_per_tile: in
 
 
 def prefill_tile_shape(device: torch.device, group: int) -> dict[str, int]:
-    """A prefill tile's rows (query tokens x the group's heads, padded to a power of two) and the
-    tokens it covers. tl.dot wants every dimension >= 16; bigger tiles pay on a GPU, smaller ones
-    keep the CPU interpreter fast at test shapes."""
-    group_pad = triton.next_power_of_2(group)
-    block_m = max(64 if device.type == "cuda" else 16, group_pad)
-    return {"GROUP_PAD": group_pad, "TOKENS_PER_TILE": block_m // group_pad, "BLOCK_M": block_m}
+    """A prefill tile's rows and the query tokens it covers on ``device`` (``launch.prefill_tile``)."""
+    return prefill_tile(device.type == "cuda", group)
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, out):
@@ -369,14 +365,6 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, out):
     if q.stride(2) != 1:
         q = q.contiguous()
     return q, torch.empty_like(q) if out is None else out
-
-
-def _d_pad(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def _block_n(device: torch.device) -> int:
-    return 64 if device.type == "cuda" else 16
 
 
 def upcast_dot(device: torch.device) -> bool:

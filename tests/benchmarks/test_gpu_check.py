@@ -43,7 +43,8 @@ def test_throughput_step_leaves_a_summary_and_one_short_log_and_no_scratch(tmp_p
 def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     done, out, _ = run_check(tmp_path, "kernels", "speed", timeout=60)
     assert done.returncode == 2
-    assert "unknown step 'speed'" in done.stderr and "kernels parity moe graphs throughput" in done.stderr
+    assert "unknown step 'speed'" in done.stderr
+    assert "kernels parity moe graphs timing throughput" in done.stderr
     assert [p.name for p in out.iterdir()] == ["preflight.log"]
 
 
@@ -51,6 +52,7 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
 def test_every_step_passes_on_the_cpu_within_the_budget(tmp_path):
     done, out, scratch = run_check(tmp_path, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = assert_small_output(out, ["kernels", "parity", "moe", "graphs", "throughput"])
-    assert summary.count("| pass |") == 5
+    summary = assert_small_output(out, ["kernels", "parity", "moe", "graphs", "timing", "throughput"])
+    assert summary.count("| pass |") == 6
+    assert "| kernel (cpu) | measured us | expected us (H200 roofline) | measured / expected |" in summary
     assert not list(scratch.glob("kvserve-gpu-scratch.*"))

@@ -1,0 +1,94 @@
+"""python -m kvserve.benchmarks.gpu_compile [--table quick|full] [--targets sm_80,sm_89,sm_90] [--jobs N]
+
+Compiles the table's kernels for each target, prints one row per (kernel, shape, target) and
+exits 1 on a compile error, a spill, or shared memory over the target's limit (2 when this
+triton cannot compile for CUDA at all). No GPU is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from kvserve.benchmarks.gpu_compile.compile import Result, compile_case, nvidia_bin
+from kvserve.benchmarks.gpu_compile.shapes import full_table, quick_table
+from kvserve.benchmarks.gpu_compile.targets import TARGETS
+
+HEADER = ("kernel", "shape", "dtype", "target", "warps", "stages", "regs", "spill B", "smem B",
+          "warps/SM", "H200 roofline us", "status")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvserve.benchmarks.gpu_compile", description=__doc__.split("\n\n")[1]
+    )
+    parser.add_argument(
+        "--table",
+        choices=("quick", "full"),
+        default="full",
+        help="quick: the representative subset `make test` compiles; full: every shape",
+    )
+    parser.add_argument(
+        "--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}"
+    )
+    parser.add_argument("--kernel", default="", help="only kernels whose name contains this")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles in parallel")
+    return parser.parse_args(argv)
+
+
+def row(r: Result) -> tuple[str, ...]:
+    c = r.case
+    status = "; ".join(r.problems()) or "ok"
+    if r.error:
+        return (c.kernel, c.shape, c.dtype, r.target.name, str(c.launch.num_warps), str(c.launch.num_stages),
+                "-", "-", "-", "-", f"{r.roofline_us:.1f}", status)  # fmt: skip
+    return (c.kernel, c.shape, c.dtype, r.target.name, str(c.launch.num_warps), str(c.launch.num_stages),
+            str(r.regs), str(r.spills), str(r.smem), str(r.warps_per_sm), f"{r.roofline_us:.1f}",
+            status)  # fmt: skip
+
+
+def markdown(rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _compile(job):
+    return compile_case(*job)
+
+
+def run(table: str, targets: list[str], kernel: str = "", jobs: int = 1) -> list[Result]:
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        raise SystemExit(f"unknown targets {unknown}; known: {', '.join(TARGETS)}")
+    cases = [c for c in (quick_table() if table == "quick" else full_table()) if kernel in c.kernel]
+    work = [(case, TARGETS[t]) for case in cases for t in targets]
+    if jobs <= 1:
+        return [_compile(w) for w in work]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_compile, work))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault(
+        "TRITON_DEFAULT_FP_FUSION", "1"
+    )  # Triton 3.9's default, stated to silence its warning
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it", file=sys.stderr)
+        return 2
+    try:
+        nvidia_bin()
+    except (ImportError, RuntimeError) as e:
+        print(f"cannot compile for CUDA: {e}", file=sys.stderr)
+        return 2
+    results = run(args.table, [t for t in args.targets.split(",") if t], args.kernel, args.jobs)
+    print(markdown([row(r) for r in results]))
+    bad = [r for r in results if r.problems()]
+    print(f"\n{len(results)} compiles, {len(bad)} with problems", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
