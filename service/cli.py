@@ -68,6 +68,10 @@ HELP = {
                     "projections (a float16 scale and min per 32 inputs, as GGUF's Q4_1) and an int8 LM "
                     "head; on AVX512-VNNI CPUs small decode steps quantize activations too, per 32 values "
                     "(default: weights in --dtype)",
+    "grammar_compile_timeout": "seconds one structured-output constraint may take to compile; a longer "
+                               "compile is stopped and its request refused (INVALID_ARGUMENT)",
+    "grammar_compile_workers": "structured-output constraints compiled at once, each in a child process "
+                               "(started at the first constrained request)",
     "kv_cache_dtype": "auto = the model's dtype; int8 = an int8 KV cache on the CPU (one scale per token "
                       "and KV head): about half of bfloat16's bytes per token, so about twice the tokens "
                       "in --kv-cache-memory",

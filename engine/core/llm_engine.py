@@ -87,7 +87,8 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
-        self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                           config.grammar_compile_workers, config.grammar_compile_timeout)
         # which row of the runners' persistent block table each running sequence has
         self.block_tables = BlockTableWriter(
             config.max_num_seqs, block_table_width(config.max_model_len, config.block_size)
