@@ -34,6 +34,7 @@ from kvserve.engine.frontend.async_engine import (
     EngineState,
 )
 from kvserve.service.api.servicer import LLMServicer
+from kvserve.service.api.validation import CacheSalting
 from kvserve.service.guards.limits import StreamLimitInterceptor, StreamLimits
 from kvserve.service.guards.malformed import MalformedRequestInterceptor
 from kvserve.service.guards.security import ApiKeyInterceptor, SecuritySettings, warn_if_exposed
@@ -77,6 +78,7 @@ class ServeSettings:
     metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port (0 = any free port)
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)
     health_port: int | None = None  # plaintext grpc.health.v1 alone on host:health_port (0 = any free)
+    cache_salting: CacheSalting = field(default_factory=CacheSalting)  # prefix-cache isolation by caller
 
 
 def build_server(engine: AsyncEngine, health: Health, observability: Observability,
@@ -85,7 +87,7 @@ def build_server(engine: AsyncEngine, health: Health, observability: Observabili
     # telemetry outermost, so that calls refused by auth or limits are counted and traced too
     server = grpc.aio.server(options=SERVER_OPTIONS,
                              interceptors=[observability.interceptor, *interceptors(settings)])
-    llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
+    llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine, settings.cache_salting), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     if settings.security.reflection:
         enable_reflection((LLM_SERVICE.full_name, HEALTH_SERVICE.full_name), server)
