@@ -115,6 +115,7 @@ def tiny_model(tmp_path_factory):
     return str(write_random_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny"), dtype=torch.float32))
 
 
+@pytest.mark.slow  # ~12 s on the shared CPU; the server recipe below runs the same engine path by default
 def test_engine_runs_n_gt_1_requests_to_the_end_in_a_tiny_cache(tiny_model):
     from kvserve.engine import LLM
 
