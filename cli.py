@@ -23,6 +23,7 @@ PASS_THROUGH = {
                "tensor-parallel workers of a further machine (see `kvserve worker -h`)"),
     "bench": ("kvserve.benchmarks.serving.bench", "serving benchmark (see `kvserve bench -h`)"),
     "engine-core": ("kvserve.engine.core.core_process", None),  # started by the server: not listed
+    "grammar-compiler": ("kvserve.engine.structured.compile_worker", None),  # started by the engine
 }
 
 

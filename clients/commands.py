@@ -43,6 +43,7 @@ SAMPLING_HELP = {  # short forms of the field comments in llm.proto
     "frequency_penalty": "subtracted per occurrence from tokens already generated, in [-2, 2]",
     "logprobs": "log probabilities with this many top alternatives per token (0-20)",
     "skip_special_tokens": "leave special tokens out of the text (default on)",
+    "cache_salt": "share prefix-cache blocks only with requests of the same salt",
 }
 
 

@@ -35,6 +35,9 @@ class EngineConfig:
     threads: int | None = None  # CPU intra-op threads per rank; None: the usable CPUs / local ranks
     quantization: str | None = None  # "int8" / "int4": quantized weights on the CPU; None: in dtype
     kv_cache_dtype: str = "auto"  # "int8": an int8 KV cache on the CPU; auto: the model's dtype
+    # structured output: constraints compile in child processes, each within a time budget
+    grammar_compile_timeout: float = 10.0  # seconds
+    grammar_compile_workers: int = 2
     # tensor parallel across machines (torch.distributed); see engine/distributed/channels.py
     nnodes: int = 1
     node_rank: int = 0
@@ -50,7 +53,8 @@ class EngineConfig:
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.quantization is not None:
             _one_of("quantization", self.quantization, QUANTIZATIONS)
-        positive = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes")
+        positive = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes",
+                    "grammar_compile_workers")
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -68,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 s, got {self.grammar_compile_timeout}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:

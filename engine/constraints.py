@@ -10,12 +10,18 @@ object), ``regex``, ``grammar`` (EBNF / GBNF) or ``choice`` (one of a list of st
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 MAX_N = 16
 MAX_CONSTRAINT_CHARS = 65536  # a schema, regex or grammar text
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
+# objects and arrays nested in a json_schema: its compile time grows with the cube of the
+# nesting (6,500 levels took hours), while real schemas nest a few levels
+MAX_SCHEMA_DEPTH = 64
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
 CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
@@ -56,6 +62,9 @@ def check_structured(params) -> None:
         return
     if c.kind in ("json_schema", "regex", "grammar") and len(c.text) > MAX_CONSTRAINT_CHARS:
         raise ValueError(f"{c.kind}: at most {MAX_CONSTRAINT_CHARS} characters, got {len(c.text)}")
+    if c.kind == "json_schema" and (depth := json_depth(c.text)) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"json_schema: nests objects and arrays {depth} levels deep; "
+                         f"at most {MAX_SCHEMA_DEPTH}")
     if c.kind == "choice":
         _check_choices(c.choices)
     # the grammar decides where the output ends: EOS is its only way out, so neither can be kept off
@@ -63,6 +72,17 @@ def check_structured(params) -> None:
         raise ValueError(f"ignore_eos: cannot be combined with {c.kind} (the constraint ends the output)")
     if params.min_tokens:
         raise ValueError(f"min_tokens: cannot be combined with {c.kind} (the constraint ends the output)")
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of objects and arrays in a JSON text, read without parsing it (a parser
+    recurses once per level: deep nesting is what this guards against). Brackets inside strings
+    do not count; a text that is not JSON gets a number all the same, and fails to compile later."""
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _check_choices(choices: tuple[str, ...]) -> None:

@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 256
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (1e-38 gave
 # inf logits and then token 0 forever), and long before that the draw is an argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -52,6 +53,8 @@ class SamplingParams:
     grammar: str | None = None  # EBNF / GBNF
     choice: list[str] = field(default_factory=list)  # exactly one of these strings
     n: int = 1  # completions of the prompt, [1, MAX_N]; choice i samples with seed + i
+    # only requests with the same salt share prefix-cache blocks (engine/core/block_manager.py)
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +112,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.cache_salt is not None and len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(
+                f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}"
+            )
         check_structured(self)
         return self
 

@@ -25,6 +25,7 @@ from kvserve.engine.config import (
 )
 from kvserve.engine.frontend.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
 from kvserve.logs import LOG_FORMATS, configure_logging
+from kvserve.service.api.validation import CACHE_SALT_SOURCES, DEFAULT_CACHE_SALT_HEADER, CacheSalting
 from kvserve.service.guards.limits import add_limit_flags, connection_limits, stream_limits
 from kvserve.service.guards.security import add_security_flags, security_settings
 from kvserve.service.health import HEALTH_PORT_ENV
@@ -72,6 +73,10 @@ HELP = {
                     "projections (a float16 scale and min per 32 inputs, as GGUF's Q4_1) and an int8 LM "
                     "head; on AVX512-VNNI CPUs small decode steps quantize activations too, per 32 values "
                     "(default: weights in --dtype)",
+    "grammar_compile_timeout": "seconds one structured-output constraint may take to compile; a longer "
+                               "compile is stopped and its request refused (INVALID_ARGUMENT)",
+    "grammar_compile_workers": "structured-output constraints compiled at once, each in a child process "
+                               "(started at the first constrained request)",
     "kv_cache_dtype": "auto = the model's dtype; int8 = an int8 KV cache on the CPU (one scale per token "
                       "and KV head): about half of bfloat16's bytes per token, so about twice the tokens "
                       "in --kv-cache-memory",
@@ -101,6 +106,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="exit with status 1 once the engine died and its requests were failed "
                         "(--no-exit-on-engine-failure: stay up, NOT_SERVING)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    s.add_argument("--cache-salt-from", default="none", choices=CACHE_SALT_SOURCES,
+                   help="isolate the prefix cache by caller: api-key = by the bearer credential in "
+                        "`authorization`, header = by the value of --cache-salt-header; only requests "
+                        "with the same salt share cached blocks (docs/deployment/security.md)")
+    s.add_argument("--cache-salt-header", default=DEFAULT_CACHE_SALT_HEADER, metavar="KEY",
+                   help="the metadata key naming the tenant, with --cache-salt-from header")
     add_security_flags(serve)
     add_limit_flags(serve)
     s.add_argument("--log-format", default="text", choices=LOG_FORMATS,
@@ -222,6 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  otlp_endpoint=args.otlp_endpoint,
                                  security=security_settings(args), limits=stream_limits(args),
                                  connections=connection_limits(args),
+                                 cache_salting=CacheSalting(args.cache_salt_from, args.cache_salt_header),
                                  **mesh_settings(args))
         credentials = server_credentials(settings.security)  # unreadable or non-PEM: refused before loading
     except ValueError as e:

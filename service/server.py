@@ -37,6 +37,7 @@ from kvserve.engine.frontend.async_engine import (
 )
 from kvserve.engine.frontend.kv_events import KvEventHub
 from kvserve.service.api.servicer import LLMServicer
+from kvserve.service.api.validation import CacheSalting
 from kvserve.service.guards.limits import ConnectionLimits, StreamLimitInterceptor, StreamLimits
 from kvserve.service.guards.malformed import MalformedRequestInterceptor
 from kvserve.service.guards.security import ApiKeyInterceptor, SecuritySettings, warn_if_exposed
@@ -90,6 +91,7 @@ class ServeSettings:
     health_port: int | None = None  # plaintext grpc.health.v1 alone on host:health_port (0 = any free)
     max_connection_age: float | None = None  # seconds before a connection gets GOAWAY (None = never)
     kv_events: KvEventSettings = field(default_factory=lambda: KvEventSettings())
+    cache_salting: CacheSalting = field(default_factory=CacheSalting)  # prefix-cache isolation by caller
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,8 @@ class KvEventSettings:
 
 
 def server_options(settings: ServeSettings) -> list[tuple[str, int]]:
-    """SERVER_OPTIONS, the connection limits and the connection age: after it a client gets GOAWAY and reconnects, so
-    DNS round-robin clients spread over replicas that appeared since they connected."""
+    """SERVER_OPTIONS, the connection limits and the connection age: after that age a client gets
+    GOAWAY and reconnects, so DNS round-robin clients spread over replicas that appeared since."""
     options = [*SERVER_OPTIONS, *settings.connections.server_options()]
     if settings.max_connection_age is None:
         return options
@@ -123,7 +125,7 @@ def build_server(engine: AsyncEngine, health: Health, observability: Observabili
     # telemetry outermost, so that calls refused by auth or limits are counted and traced too
     server = grpc.aio.server(options=server_options(settings),
                              interceptors=[observability.interceptor, *interceptors(settings)])
-    llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine), server)
+    llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine, settings.cache_salting), server)
     vllm_engine = VllmEngineServicer(engine, kvserve_version())
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_engine, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)

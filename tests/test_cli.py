@@ -48,7 +48,7 @@ def test_an_unknown_quantization_is_a_usage_error_naming_the_choices():
     assert "argument --quantization: invalid choice: 'int3' (choose from 'int8', 'int4')" in out.stderr
 
 
-@pytest.mark.parametrize("command", ["worker", "engine-core", "bench"])
+@pytest.mark.parametrize("command", ["worker", "engine-core", "grammar-compiler", "bench"])
 def test_child_processes_start_by_stable_names(command):
     """The engine's children run as `python -m kvserve worker|engine-core` (names that do not move
     with a file); each command's own parser answers, under that name."""
@@ -60,7 +60,8 @@ def test_child_processes_start_by_stable_names(command):
 def test_the_engine_core_command_is_not_listed_for_people():
     listed = kvserve("-h")
     assert listed.returncode == 0 and "worker" in listed.stdout
-    assert "engine-core" not in listed.stdout and "SUPPRESS" not in listed.stdout
+    assert "engine-core" not in listed.stdout and "grammar-compiler" not in listed.stdout
+    assert "SUPPRESS" not in listed.stdout
 
 
 def test_every_engine_option_has_a_help_text():

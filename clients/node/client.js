@@ -4,6 +4,7 @@
 //   npm install
 //   node client.js --target 127.0.0.1:50051 --prompt "Write a haiku about the sea." --max-tokens 32
 //   node client.js --logprobs 2 ...   then one line per token: id, text, log probability, top 2
+//   node client.js --cache-salt TEAM ...   share prefix-cache blocks only with requests of this salt
 //   node client.js --json ...    one JSON line per message (what tests read)
 //   node client.js --stats       the Stats RPC
 //   node client.js --tls-ca ca.pem [--tls-cert client.pem --tls-key client.key] ...   TLS / mutual TLS
@@ -31,6 +32,7 @@ function parseArgs(argv) {
     else if (a === '--max-tokens') opts.maxTokens = Number(argv[++i]);
     else if (a === '--temperature') opts.temperature = Number(argv[++i]);
     else if (a === '--logprobs') opts.logprobs = Number(argv[++i]);
+    else if (a === '--cache-salt') opts.cacheSalt = argv[++i];
     else if (a === '--json') opts.json = true;
     else if (a === '--stats') opts.stats = true;
     else if (a === '--tls') opts.tls = true;
@@ -94,6 +96,7 @@ function logprobTable(rows) {
 function stream(client, opts) {
   const sampling = { temperature: opts.temperature, max_tokens: opts.maxTokens };
   if (opts.logprobs !== undefined) sampling.logprobs = opts.logprobs;
+  if (opts.cacheSalt !== undefined) sampling.cache_salt = opts.cacheSalt;
   const call = client.Stream({ prompt: opts.prompt, sampling }, metadata(opts));
   const logprobs = [];
   call.on('data', (msg) => {

@@ -4,6 +4,8 @@
 - Prefix caching: a *full* block is identified by a chained xxhash64 over (previous block's
   hash, this block's token ids). A hit also needs equal token ids and an equal parent hash
   (collision guard: the block stores both, so a hash collision anywhere in the chain misses).
+  A request's ``cache_salt`` stands in for the first block's previous hash (``salt_root``), so
+  only requests with the same salt share blocks.
 - Two sequences that compute the same block at once leave two blocks with one hash; only
   one is in the hash table. When that one is evicted, a surviving duplicate takes its place,
   so the prefix stays cached as long as one copy of its KV exists.
@@ -49,6 +51,13 @@ def block_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) ->
 
 # the kinds of KV-cache event tuples: (STORED, hash, parent_hash, token_ids), (REMOVED, hash), (CLEARED,)
 STORED, REMOVED, CLEARED = 0, 1, 2
+
+
+def salt_root(salt: str | None) -> int | None:
+    """The hash a salted sequence's first block chains from (None: unsalted, the shared cache)."""
+    if salt is None:
+        return None
+    return xxhash.xxh64(b"kvserve cache_salt\0" + salt.encode("utf-8", "surrogatepass")).intdigest()
 
 
 @dataclass
@@ -137,7 +146,7 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        prev: int | None = None
+        prev = salt_root(seq.params.cache_salt)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(prev, tokens)
@@ -232,7 +241,7 @@ class BlockManager:
         start = seq.num_hashed_blocks
         if full <= start or not self.enable_prefix_caching:  # most steps: no block filled up
             return
-        prev = self.blocks[seq.block_table[start - 1]].hash if start else None
+        prev = self.blocks[seq.block_table[start - 1]].hash if start else salt_root(seq.params.cache_salt)
         for i in range(start, full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:

@@ -93,7 +93,8 @@ class LLMEngine:
             max_step_time=resolve_max_step_time(config, resolve_device(config.device).type),
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
-        self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                           config.grammar_compile_workers, config.grammar_compile_timeout)
         # which row of the runners' persistent block table each running sequence has
         self.block_tables = BlockTableWriter(
             config.max_num_seqs, block_table_width(config.max_model_len, config.block_size)

@@ -8,6 +8,12 @@ streams keep producing tokens while a long prompt is prefilled in chunks.
 When KV blocks run out, the most recently admitted running sequence is preempted: its
 blocks are freed and it returns to the head of the waiting queue, to be recomputed later
 (prefix-cache hits make that cheap). Greedy outputs do not change.
+
+Forward progress: the other choices of a request (``n`` > 1) wait holding references on its
+prompt's blocks (``fork``). Those pins are released before a sequence would preempt itself,
+and when nothing runs and the head of the queue cannot be admitted; so the oldest running
+sequence always gets its blocks (``check_fits`` made sure the whole cache holds it) and an
+empty engine always admits its head: every request finishes.
 """
 
 from __future__ import annotations
@@ -144,6 +150,8 @@ class Scheduler:
             missing = bm.missing_blocks(seq, n)
             while missing > bm.num_free_blocks:
                 victim = self.running[-1]
+                if victim is seq and self._release_pinned():
+                    continue  # the pins were the last blocks to take before giving up seq's own
                 budget += self._preempt(victim, scheduled, out)
                 if victim is seq:
                     break
@@ -181,29 +189,49 @@ class Scheduler:
         out.preempted.append(seq)
         return given_back
 
+    def _release_pinned(self, keep: Sequence | None = None) -> bool:
+        """Free the blocks that waiting forked choices (other than ``keep``) hold: they will compute
+        their prompt again, as a preempted sequence does. Returns whether any held blocks."""
+        pinned = [seq for seq in self.waiting if seq.block_table and seq is not keep]
+        for seq in pinned:
+            self.bm.free(seq)
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+        return bool(pinned)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.block_table:  # a forked choice: it holds its share of the prompt's blocks already
-                n = self._chunk(seq.num_computed_tokens, min(seq.num_tokens - seq.num_computed_tokens, budget))
-                if n == 0 or not self.bm.can_grow(seq, n):
-                    break
-                self.waiting.popleft()
-            else:
-                hits = self.bm.match_prefix(seq)
-                start = len(hits) * self.bm.block_size
-                n = self._chunk(start, min(seq.num_tokens - start, budget))
-                if n == 0 or not self.bm.can_admit(seq, hits, n):
-                    break
-                self.waiting.popleft()
-                self.bm.admit(seq, hits)
-            self.bm.grow(seq, n)
+            n = self._admit_head(seq, budget)
+            if n is None and not self.running and self._release_pinned(keep=seq):
+                n = self._admit_head(seq, budget)  # nothing runs: only the pins stood in the way
+            if n is None:
+                break
+            self.waiting.popleft()
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _admit_head(self, seq: Sequence, budget: int) -> int | None:
+        """Give the head of the queue blocks for its next chunk; returns the chunk's size, or
+        None (and changes no blocks) when the free blocks do not cover it or the step's time
+        bound leaves it no tokens."""
+        if seq.block_table:  # a forked choice: it holds its share of the prompt's blocks already
+            n = self._chunk(seq.num_computed_tokens, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if n == 0 or not self.bm.can_grow(seq, n):
+                return None
+        else:
+            hits = self.bm.match_prefix(seq)
+            start = len(hits) * self.bm.block_size
+            n = self._chunk(start, min(seq.num_tokens - start, budget))
+            if n == 0 or not self.bm.can_admit(seq, hits, n):
+                return None
+            self.bm.admit(seq, hits)
+        self.bm.grow(seq, n)
+        return n
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """The other choices of ``parent``'s request (SamplingParams.n), once its prompt's KV is

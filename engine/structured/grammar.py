@@ -1,13 +1,16 @@
 """Structured output: constraints compiled with xgrammar, one matcher per constrained sequence,
 and the allowed-token bitmask applied to the logits before the sampler sees them.
 
-- ``GrammarCompiler`` (one per process) turns a ``Constraint`` (engine/constraints.py) into
-  xgrammar's compiled grammar over this model's vocabulary. Compiled grammars are cached by
-  (kind, text), so a schema that many requests share is compiled once. A constraint that does
-  not compile raises ValueError naming its field and xgrammar's message.
-- ``StructuredOutput`` (one per engine) compiles on a thread of its own, never on the engine's
+- ``GrammarCompiler`` (one per engine) turns a ``Constraint`` (engine/constraints.py) into
+  xgrammar's compiled grammar over this model's vocabulary, in child processes
+  (``compile_worker``: ``grammar_compile_workers`` of them, each compile within
+  ``grammar_compile_timeout`` seconds, killed when its request goes away). Compiled grammars are
+  cached by (kind, text), so a schema that many requests share is compiled once. A constraint
+  that does not compile, or not in time, raises ValueError naming its field (and the budget).
+- ``StructuredOutput`` (one per engine) compiles on threads of its own, never on the engine's
   loop: the engine hands a constrained request over with ``submit`` and schedules it once
-  ``take_compiled`` returns it, so prefill and decode steps of other requests go on meanwhile.
+  ``take_compiled`` returns it, so prefill and decode steps of other requests go on meanwhile;
+  ``cancel`` stops the compile of a request that went away.
   Each constrained sequence then has a ``GrammarMatcher``; every step, ``mask_logits`` fills
   the bitmask rows of the constrained sequences (batched: one bitmask, one in-place apply)
   and ``advance`` feeds each sampled token to its matcher.
@@ -20,7 +23,6 @@ so only rank 0 holds matchers.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -31,93 +33,121 @@ import xgrammar as xgr
 
 from kvserve.engine.constraints import Constraint
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.structured.compile_worker import CompileCancelled, CompileWorker, choice_grammar
 
 GRAMMAR_CACHE_SIZE = 64
-# xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; the client needs what follows
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+__all__ = ["CompileCancelled", "GrammarCompiler", "StructuredOutput", "choice_grammar"]
 
 
 class GrammarCompiler:
-    """xgrammar's compiler for one vocabulary, with an LRU cache of compiled grammars."""
+    """Compiles constraints for one vocabulary in child processes (``compile_worker``), at most
+    ``workers`` at once (the callers' threads), each within ``timeout_s``; an LRU cache keeps
+    compiled grammars. One process more than ``workers`` is kept: a stopped compile's process
+    starts afresh (seconds: it imports xgrammar and reads the vocabulary) at the back of the
+    line, so the next compile takes the spare, which is ready."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 cache_size: int = GRAMMAR_CACHE_SIZE):
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], workers: int = 2,
+                 timeout_s: float = 10.0, cache_size: int = GRAMMAR_CACHE_SIZE):
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=list(stop_token_ids))
+        vocabulary = self._info.serialize_json().encode()
+        self._workers = [CompileWorker(vocabulary) for _ in range(workers + 1)]
+        for w in self._workers:
+            w.start()  # they load the vocabulary while the first compile is on its way
+        self._idle = list(self._workers)
+        self._idle_changed = threading.Condition()
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
 
-    def compile(self, c: Constraint) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``c`` (cached); ValueError naming the field when it does not compile."""
-        grammar = self._cache.get(c.key)
-        if grammar is None:
-            grammar = self._compile(c)
+    def cached(self, c: Constraint) -> xgr.CompiledGrammar | None:
+        with self._lock:
+            grammar = self._cache.get(c.key)
+            if grammar is not None:
+                self._cache.move_to_end(c.key)
+            return grammar
+
+    def compile(self, c: Constraint, cancelled: threading.Event | None = None) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``c`` (cached). ValueError naming the field when it does not
+        compile or not within the time budget; CompileCancelled once ``cancelled`` is set."""
+        grammar = self.cached(c)
+        if grammar is not None:
+            return grammar
+        worker = self._take_worker()
+        try:
+            serialized = worker.compile(c, self.timeout_s, cancelled or threading.Event())
+        finally:
+            with self._idle_changed:
+                self._idle.append(worker)
+                self._idle_changed.notify()
+        grammar = xgr.CompiledGrammar.deserialize_json(serialized, self._info)
+        with self._lock:
             self._cache[c.key] = grammar
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        self._cache.move_to_end(c.key)
         return grammar
 
-    def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
-        try:
-            if c.kind == "json_schema":
-                # compact JSON: a small model offered free whitespace may spend its tokens on it
-                return self._compiler.compile_json_schema(c.text, any_whitespace=False)
-            if c.kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if c.kind == "regex":
-                return self._compiler.compile_regex(c.text)
-            if c.kind == "grammar":
-                return self._compiler.compile_grammar(c.text)
-            return self._compiler.compile_grammar(choice_grammar(c.choices))
-        except RuntimeError as e:  # xgrammar reports every parse / conversion error this way
-            message = _LOG_PREFIX.sub("", str(e).strip()).strip()
-            raise ValueError(f"{c.kind}: does not compile: {message}") from None
+    def _take_worker(self) -> CompileWorker:
+        """An idle process, one that is ready when there is one."""
+        with self._idle_changed:
+            self._idle_changed.wait_for(lambda: self._idle)
+            worker = next((w for w in self._idle if w.is_ready()), self._idle[0])
+            self._idle.remove(worker)
+            return worker
 
-
-def choice_grammar(choices: tuple[str, ...]) -> str:
-    """An EBNF grammar whose language is exactly ``choices``."""
-    return "root ::= " + " | ".join(_ebnf_literal(s) for s in choices)
-
-
-def _ebnf_literal(s: str) -> str:
-    escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-    out = [escapes.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x20 else ch) for ch in s]
-    return '"' + "".join(out) + '"'
+    def shutdown(self) -> None:
+        for w in self._workers:
+            w.stop()
 
 
 @dataclass
 class _Compiling:
     item: object  # whatever the engine submitted with the constraint (its request)
     future: Future
+    cancelled: threading.Event
 
 
 class StructuredOutput:
     """The engine's structured-output state: compiles in flight and a matcher per sequence."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], workers: int = 2,
+                 timeout_s: float = 10.0):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
+        self._workers, self._timeout_s = workers, timeout_s
         self._compiler: GrammarCompiler | None = None  # built on first use (about 1 s for the vocabulary)
-        self._compile_lock = threading.Lock()  # the grammar thread and direct callers share the cache
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
+        self._compiler_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvserve-grammar")
         self._compiling: list[_Compiling] = []
         self._matchers: dict[int, xgr.GrammarMatcher] = {}
         self._bitmask: torch.Tensor | None = None
 
     # ---- compiling, off the engine's loop ---------------------------------------------------------
-    def compile(self, c: Constraint) -> xgr.CompiledGrammar:
-        """Compile now, in the calling thread (cached)."""
-        with self._compile_lock:
+    @property
+    def compiler(self) -> GrammarCompiler:
+        with self._compiler_lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size, self._stop_token_ids)
-            return self._compiler.compile(c)
+                self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size, self._stop_token_ids,
+                                                 self._workers, self._timeout_s)
+            return self._compiler
+
+    def compile(self, c: Constraint, cancelled: threading.Event | None = None) -> xgr.CompiledGrammar:
+        """Compile now, waiting in the calling thread (cached)."""
+        return self.compiler.compile(c, cancelled)
 
     def submit(self, item: object, c: Constraint) -> None:
-        """Compile ``c`` on the grammar thread; ``item`` comes back from ``take_compiled``."""
-        self._compiling.append(_Compiling(item, self._pool.submit(self.compile, c)))
+        """Compile ``c`` on a grammar thread (at most ``workers`` at once); ``item`` comes back from
+        ``take_compiled``. A grammar in the cache is ready at once, behind no compile."""
+        cancelled = threading.Event()
+        grammar = self._compiler.cached(c) if self._compiler is not None else None
+        if grammar is not None:
+            future: Future = Future()
+            future.set_result(grammar)
+        else:
+            future = self._pool.submit(self.compile, c, cancelled)
+        self._compiling.append(_Compiling(item, future, cancelled))
 
     @property
     def num_compiling(self) -> int:
@@ -135,7 +165,11 @@ class StructuredOutput:
         return [(c.item, c.future.exception() or c.future.result()) for c in done]
 
     def cancel(self, item: object) -> None:
-        """Forget a submitted item (its request was aborted)."""
+        """Forget a submitted item (its request was aborted) and stop its compile."""
+        for c in self._compiling:
+            if c.item is item:
+                c.cancelled.set()
+                c.future.cancel()
         self._compiling = [c for c in self._compiling if c.item is not item]
 
     # ---- matchers ----------------------------------------------------------------------------------
@@ -181,4 +215,8 @@ class StructuredOutput:
         return self._bitmask[:rows]
 
     def shutdown(self) -> None:
+        for c in self._compiling:
+            c.cancelled.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._compiler is not None:
+            self._compiler.shutdown()

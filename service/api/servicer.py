@@ -24,7 +24,12 @@ from kvserve.service.api.responses import (
     stats_response,
     stream_response,
 )
-from kvserve.service.api.validation import EngineRequest, parse_generate_request, parse_tokenize_request
+from kvserve.service.api.validation import (
+    CacheSalting,
+    EngineRequest,
+    parse_generate_request,
+    parse_tokenize_request,
+)
 from kvserve.service.guards.interceptors import refuse
 from kvserve.service.guards.limits import MIN_WATCH_INTERVAL_MS
 from kvserve.service.guards.redact import for_log
@@ -37,8 +42,9 @@ DEFAULT_WATCH_INTERVAL_MS = 1000
 
 
 class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, cache_salting: CacheSalting | None = None):
         self._engine = engine
+        self._salting = cache_salting or CacheSalting()
         self._started = time.monotonic()
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context) -> llm_pb2.GenerateResponse:
@@ -127,6 +133,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                 raise EngineUnavailable("the model is still loading")
             req = parse_generate_request(request, info.vocab_size, sampling_defaults(info.config.model),
                                          call.header_request_id, info.max_model_len)
+            if self._salting.source != "none":
+                own = req.params.cache_salt
+                req.params.cache_salt = self._salting.salt(context.invocation_metadata(), own)
             stream = await self._engine.generate(req.request_id, req.prompt, req.params, req.messages)
             call.admitted(req.request_id, arrival)
             # echoed to callers that sent the header: sending headers ahead of the first message is

@@ -13,13 +13,52 @@ one token, so neither list is ever walked beyond ``max_model_len`` entries.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvserve.contract import AUTHORIZATION, BEARER
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.v1 import llm_pb2
 
 MAX_REQUEST_ID_CHARS = 256
+CACHE_SALT_SOURCES = ("none", "api-key", "header")
+DEFAULT_CACHE_SALT_HEADER = "x-tenant-id"
+
+
+@dataclass(frozen=True)
+class CacheSalting:
+    """Where the server takes a caller's prefix-cache salt from (``--cache-salt-from``): nowhere
+    (only the request's own ``cache_salt``), the bearer credential in ``authorization``, or the
+    metadata ``header``. The value is hashed (the engine never holds a key or a tenant name) and
+    goes in front of the request's own salt, so a caller can split its own traffic further but
+    never reach another caller's blocks. Callers without the credential or header share one salt
+    of their own, apart from every caller who has one."""
+
+    source: str = "none"
+    header: str = DEFAULT_CACHE_SALT_HEADER
+
+    def __post_init__(self) -> None:
+        if self.source not in CACHE_SALT_SOURCES:
+            raise ValueError(f"--cache-salt-from must be one of {', '.join(CACHE_SALT_SOURCES)}, "
+                             f"got {self.source!r}")
+        if not self.header or self.header != self.header.lower() or not self.header.isascii() \
+                or any(c.isspace() or c == ":" for c in self.header):
+            raise ValueError(f"--cache-salt-header must be a lower-case metadata key, got {self.header!r}")
+
+    def salt(self, metadata: Iterable[tuple[str, str | bytes]] | None, own: str | None) -> str | None:
+        """The salt a request runs with: the server's, derived from the call's metadata, then ``own``."""
+        if self.source == "none":
+            return own
+        key = AUTHORIZATION if self.source == "api-key" else self.header
+        value = next((v for k, v in metadata or () if k == key), "")
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        if self.source == "api-key" and value[: len(BEARER)].lower() == BEARER:
+            value = value[len(BEARER):]
+        derived = f"{self.source}:{hashlib.sha256(value.encode()).hexdigest() if value else ''}"
+        return derived if own is None else f"{derived}\0{own}"
 
 
 @dataclass

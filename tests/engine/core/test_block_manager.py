@@ -242,3 +242,19 @@ def test_a_duplicate_block_is_not_stored_twice():
         s.num_computed_tokens = s.num_tokens
         bm.commit(s)
     assert [e[0] for e in bm.take_kv_events()] == [STORED]
+
+
+def test_cache_salt_shares_blocks_only_within_the_same_salt():
+    bm = BlockManager(32, BS)
+    tokens = list(range(1, 14))  # three full blocks before the last token's
+    salted = Sequence("a", tokens, SamplingParams(max_tokens=4, cache_salt="tenant-a"))
+    run_prefill(bm, salted)
+    same = Sequence("b", tokens, SamplingParams(max_tokens=4, cache_salt="tenant-a"))
+    assert bm.match_prefix(same) == salted.block_table[:3]
+    for other in (None, "tenant-b", ""):  # unsalted, another salt, and the empty salt all miss
+        assert bm.match_prefix(Sequence("c", tokens, SamplingParams(max_tokens=4, cache_salt=other))) == []
+    plain = make_seq(tokens)
+    run_prefill(bm, plain)
+    assert bm.match_prefix(make_seq(tokens)) == plain.block_table[:3]
+    assert bm.match_prefix(Sequence("d", tokens, SamplingParams(max_tokens=4, cache_salt="tenant-b"))) == []
+    bm.check_integrity()

@@ -136,9 +136,12 @@ def test_bad_constraint_or_n_is_refused_naming_the_field(llm, params, field):
 
 def test_compiled_grammars_are_cached_by_text(llm):
     compiler = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, llm.engine.eos_token_ids)
-    first = compiler.compile(Constraint("regex", DATE))
-    assert compiler.compile(Constraint("regex", DATE)) is first
-    assert compiler.compile(Constraint("regex", EMAIL)) is not first
+    try:
+        first = compiler.compile(Constraint("regex", DATE))
+        assert compiler.compile(Constraint("regex", DATE)) is first
+        assert compiler.compile(Constraint("regex", EMAIL)) is not first
+    finally:
+        compiler.shutdown()  # its compile processes
     assert choice_grammar(("a\\b", 'q"', "x\ny")) == 'root ::= "a\\\\b" | "q\\"" | "x\\ny"'
 
 

@@ -81,6 +81,8 @@ def test_generate_n_choices_regex_and_choice(client):
     (dict(grammar="root ::= missing"), "grammar: does not compile"),
     (dict(regex="a", json_object=True), "json_object, regex"),
     (dict(n=17), "n must be in [1, 16]"),
+    # issue 29: 65,002 characters nesting 6,500 deep compile for hours; refused before compiling
+    (dict(json_schema='{"items":' * 6500 + "{}" + "}" * 6500), "json_schema: nests objects and arrays 6501"),
 ])
 def test_bad_constraint_or_n_is_invalid_argument(client, sampling, field):
     with pytest.raises(grpc.RpcError) as err:
@@ -115,3 +117,23 @@ def test_request_stream_of_n_choices_coalesces_per_choice_and_ends_after_all():
     got = asyncio.run(run())
     assert [(o.index, o.new_token_ids, o.finished) for o in got] == [
         (0, [1, 3], True), (1, [2, 4], False), (1, [5], True)]
+
+
+def slow_schema(name: str) -> str:
+    """Small and legal, yet slow: 8 strings whose pattern repeats a character class thousands of
+    times compile for about a minute (about 6 s each on the development machine)."""
+    strings = {f"{name}{i}": {"type": "string", "pattern": f"[a-z]{{{3000 + i},9000}}"} for i in range(8)}
+    return json.dumps({"type": "object", "properties": strings})
+
+
+def test_abandoned_slow_compiles_do_not_hold_up_the_next_constraint(client):
+    """Two callers give up on slow schemas after 1 s: their compiles are killed, and a small
+    schema sent next compiles at once rather than after theirs (two minutes on one thread)."""
+    for name in ("a", "b"):
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("Hello", max_tokens=4, json_schema=slow_schema(name), timeout=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    small = {"type": "object", "properties": {"abandoned_test": {"type": "integer"}}}  # not cached yet
+    done = client.generate("Give a number as JSON.", max_tokens=16, json_schema=small, temperature=0.0,
+                           timeout=25.0)  # a deadline for liveness, far above a small compile
+    assert done.finish_reason in ("STOP", "LENGTH")
