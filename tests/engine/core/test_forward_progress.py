@@ -149,10 +149,10 @@ async def _recipe(target: str) -> list:
     async with grpc.aio.insecure_channel(target) as ch:
         stub = llm_pb2_grpc.LLMServiceStub(ch)
         long = stub.Stream(build_request(token_ids=list(range(1, 11)), max_tokens=118, ignore_eos=True))
-        await long.read()  # L runs: now B arrives
+        first = await long.read()  # L runs: now B arrives
         b_request = build_request(token_ids=list(range(100, 120)), max_tokens=100, n=2, ignore_eos=True)
         b = stub.Generate(b_request, timeout=30)
-        tokens = 0
+        tokens = len(first.token_ids)  # a message carries every token its stream had pending
         while (msg := await long.read()) is not grpc.aio.EOF:
             tokens += len(msg.token_ids)
         b = await b
@@ -169,6 +169,6 @@ def test_server_recipe_n2_in_an_8_block_cache_finishes(tiny_model):
              "--max-num-seqs", "2")
     with ServerProcess(*flags, env=TEST_SERVER_ENV) as server:
         tokens, b_choices, other, stats = asyncio.run(asyncio.wait_for(_recipe(server.target), 60))
-    assert tokens >= 117 and b_choices == [100, 100] and other == 4
+    assert tokens == 118 and b_choices == [100, 100] and other == 4
     assert stats.kv_blocks_free == stats.kv_blocks_total == 8
     assert stats.num_running == stats.num_waiting == 0
