@@ -24,12 +24,13 @@ from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens whose KV is computed in this step
+    num_tokens: int  # tokens whose KV is computed in this step (the drafts included)
+    drafts: list[int] = field(default_factory=list)  # draft tokens verified after the last token
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the sequence's last token, so its logits give a new token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.drafts) == self.seq.num_tokens
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int] | tuple[int, ...] = (),
+        last_prompt_token_alone: bool = False,
     ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -63,6 +65,9 @@ class Scheduler:
         # the most tokens a sequence may reach: max_model_len, and no more than the whole KV cache
         self.max_seq_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
+        # compute a prompt's last token in a step of its own, as a decode row, so that the first
+        # token's logits do not depend on how much of the prompt the prefix cache held
+        self.last_prompt_token_alone = last_prompt_token_alone
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is the preemption victim
         self.num_preemptions = 0
@@ -106,6 +111,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
+            budget = self._schedule_drafts(out, budget)
             self._schedule_waiting(out, budget)
         now = time.monotonic()
         for s in out.scheduled:
@@ -125,7 +131,7 @@ class Scheduler:
                 break
             if seq.status is not running:  # preempted earlier in this loop
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, len(seq.token_ids) - seq.num_computed_tokens, budget)
             missing = bm.missing_blocks(seq, n)
             while missing > bm.num_free_blocks:
                 victim = self.running[-1]
@@ -138,6 +144,34 @@ class Scheduler:
             scheduled[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
         out.scheduled.extend(scheduled.values())
+        return budget
+
+    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
+        """Tokens of ``seq`` to compute now: as many as the budget allows, but with
+        ``last_prompt_token_alone`` a prefill chunk stops before the prompt's last token."""
+        if self.last_prompt_token_alone and remaining > 1 and seq.num_completion_tokens == 0:
+            remaining -= 1
+        return min(remaining, budget)
+
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Verify the draft tokens of decode sequences (``Sequence.draft_token_ids``) as extra query
+        tokens, as far as the budget, max_model_len, max_tokens and free blocks allow: drafts never
+        preempt anything. Returns the budget left."""
+        for s in out.scheduled:
+            seq = s.seq
+            if not seq.draft_token_ids or s.num_tokens != 1 or not s.samples or budget <= 0:
+                continue
+            # every draft kept plus the bonus token must fit max_tokens and max_model_len
+            room = min(self.max_new_tokens(seq) - seq.num_completion_tokens,
+                       self.max_seq_len - seq.num_tokens) - 1
+            k = max(0, min(len(seq.draft_token_ids), budget, room))
+            while k and self.bm.missing_blocks(seq, 1 + k) > self.bm.num_free_blocks:
+                k -= 1
+            if k:
+                self.bm.take_blocks(seq, self.bm.missing_blocks(seq, 1 + k))
+                s.drafts = seq.draft_token_ids[:k]
+                s.num_tokens += k
+                budget -= k
         return budget
 
     def _preempt(self, seq: Sequence, scheduled: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
@@ -156,13 +190,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.block_table:  # a forked choice: it holds its share of the prompt's blocks already
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self.bm.can_grow(seq, n):
                     break
                 self.waiting.popleft()
             else:
                 hits = self.bm.match_prefix(seq)
-                n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
+                n = self._chunk(seq, seq.num_tokens - len(hits) * self.bm.block_size, budget)
                 if not self.bm.can_admit(seq, hits, n):
                     break
                 self.waiting.popleft()
@@ -186,22 +220,32 @@ class Scheduler:
             self.waiting.appendleft(child)
 
     # ---- after the model ran ----------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        """Advance computed counts, publish full blocks, append sampled tokens (one per
-        sampling sequence, in ``out.sampling_seqs`` order) and finish sequences that are done.
-        Returns the sampling sequences, in order."""
+    def postprocess(self, out: SchedulerOutput, sampled: list[int] | list[list[int]]) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens (per sampling sequence, in
+        ``out.sampling_seqs`` order: one token, or the run a verification kept), publish full
+        blocks of committed tokens, return the slots of rejected drafts and finish sequences that
+        are done. A run ends at the first token that ends the sequence (EOS, a stop id, a length
+        limit), exactly where plain decoding would have stopped. Returns the sampling sequences."""
         sampling = out.sampling_seqs
         assert len(sampling) == len(sampled), (len(sampling), len(sampled))
         commit = self.bm.commit
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            commit(s.seq)
+            if not s.samples:
+                s.seq.num_computed_tokens += s.num_tokens
+                commit(s.seq)
         now = time.monotonic()
-        for seq, token in zip(sampling, sampled, strict=True):
-            seq.token_ids.append(token)
+        for seq, tokens in zip(sampling, sampled, strict=True):
+            reason = None
+            for token in [tokens] if isinstance(tokens, int) else tokens:
+                seq.token_ids.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            seq.num_computed_tokens = len(seq.token_ids) - 1  # the KV of every token but the newest
+            commit(seq)
+            self.bm.trim(seq, seq.num_tokens)  # blocks that held only rejected drafts
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
         return sampling
