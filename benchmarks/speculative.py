@@ -9,7 +9,8 @@ prompt sets the project writes from its own files.
 
 One engine (``--speculative ngram``) serves both arms: each request says ``speculative="off"`` or
 ``"auto"`` (SamplingParams), so the arms share the model, the cache sizing and the start-up
-step-cost table, and they alternate (off, then on) per set and batch size. Greedy, so the two arms
+step-cost table; they alternate (off, on, off, on) per set and batch size, prefix caching off so
+that neither finds the other's prompts cached. Greedy, so the two arms
 must give the same tokens: the table says whether they did. Per set and batch size (1 = one stream,
 then ``--batches``): output tok/s off and on, the ratio, the acceptance rate and mean accepted length.
 
@@ -55,7 +56,9 @@ def _excerpts(count: int, chars: int = 900) -> list[str]:
 
 def prompt_set(llm: LLM, name: str, count: int) -> tuple[list[list[int]], dict]:
     """(prompt ids, extra SamplingParams fields) of a set, rendered with the chat template."""
-    def chat(text: str) -> list[int]:
+    def chat(text: str) -> list[int]:  # the text as it is where the model has no chat template
+        if getattr(llm.tokenizer, "chat_template", None) is None:
+            return llm.engine.encode_prompt(text)
         return llm.engine.apply_chat_template([{"role": "user", "content": text}])
     if name == "grounded":
         return [chat(f"{GROUNDED_TASKS[i % len(GROUNDED_TASKS)]}\n\n{text}")
@@ -79,21 +82,24 @@ def run_arm(llm: LLM, prompts: list[list[int]], batch: int,
     return tokens, seconds, {k: after[k] - before[k] for k in keys}
 
 
-def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requests: int) -> list[dict]:
+def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requests: int,
+            rounds: int = 2) -> list[dict]:
     rows = []
     for name in sets:
         for batch in batches:
             prompts, extra = prompt_set(llm, name, max(requests, batch))
-            arms = {}
-            for mode in ("off", "auto"):
-                params = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculative=mode, **extra)
-                arms[mode] = run_arm(llm, prompts, batch, params)
+            arms = {"off": [None, 0.0, None], "auto": [None, 0.0, None]}
+            for _ in range(rounds):  # off, on, off, on: drift on a shared machine hits both arms
+                for mode, arm in arms.items():
+                    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculative=mode, **extra)
+                    ids, seconds, spec = run_arm(llm, prompts, batch, params)
+                    arm[0], arm[1], arm[2] = ids, arm[1] + seconds, spec
             (off_ids, off_s, _), (on_ids, on_s, spec) = arms["off"], arms["auto"]
             out_tokens = sum(map(len, on_ids))
             drafts, drafted, accepted = spec.values()
             rows.append({
                 "set": name, "batch": batch, "requests": len(prompts), "output_tokens": out_tokens,
-                "tok_s_off": sum(map(len, off_ids)) / off_s, "tok_s_on": out_tokens / on_s,
+                "tok_s_off": rounds * sum(map(len, off_ids)) / off_s, "tok_s_on": rounds * out_tokens / on_s,
                 "speedup": off_s / on_s * out_tokens / max(1, sum(map(len, off_ids))),
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
                 "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
@@ -123,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
+    # no prefix caching: the arms run the same prompts, and the second must not find them cached
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, speculative="ngram",
-              num_speculative_tokens=args.num_speculative_tokens, max_num_seqs=max(args.batches))
+              num_speculative_tokens=args.num_speculative_tokens, max_num_seqs=max(args.batches),
+              enable_prefix_caching=False)
     try:
         print(f"step costs c(n): {llm.engine.speculator.costs.relative()}", flush=True)
         rows = measure(llm, args.sets, args.batches, args.max_tokens, args.requests)

@@ -106,27 +106,32 @@ def spec_usage(seq: Sequence) -> tuple[int, int]:
 def measure_step_costs(execute, num_kv_blocks: int, block_size: int, max_rows: int) -> StepCosts:
     """T(rows) of decode steps of 1..64 rows (as far as the cache and the budget allow) through
     ``execute`` (the executor's ``execute_model``): rows of one synthetic sequence at positions
-    MEASURE_CONTEXT.., written into the first blocks of the still empty cache. Median of 3 runs
-    after a warm-up."""
+    MEASURE_CONTEXT.., written into the first blocks of the still empty cache. A warm-up round,
+    then 3 rounds over every size in turn (a burst of other load then hits every size alike), and
+    the fastest time of each size (others' load only adds time)."""
     context = min(MEASURE_CONTEXT, num_kv_blocks * block_size // 2)
     sizes = [r for r in MEASURED_ROWS if r <= max_rows and context + r <= num_kv_blocks * block_size]
-    measured = {}
-    for rows in sizes:
-        end = context + rows
-        table = list(range(-(-end // block_size)))
-        positions = list(range(context, end))
-        slots = [table[p // block_size] * block_size + p % block_size for p in positions]
-        inp = ModelInput([0] * rows, positions, [1] * rows, [p + 1 for p in positions], [table] * rows, slots,
-                         list(range(rows)))
-        times = []
-        for _ in range(4):
+    inputs = {rows: _synthetic_rows(context, rows, block_size) for rows in sizes}
+    measured = dict.fromkeys(sizes, float("inf"))
+    for round_ in range(4):
+        for rows, inp in inputs.items():
             t0 = time.perf_counter()
             logits = execute(inp)
             if logits is not None:
                 logits[-1, 0].item()  # wait for the device
-            times.append(time.perf_counter() - t0)
-        measured[rows] = sorted(times[1:])[1]
+            if round_:
+                measured[rows] = min(measured[rows], time.perf_counter() - t0)
     costs = StepCosts(measured)
     log.info("speculative decoding: c(n) = %s",
              ", ".join(f"{r}:{c:.2f}" for r, c in costs.relative().items()))
     return costs
+
+
+def _synthetic_rows(context: int, rows: int, block_size: int) -> ModelInput:
+    """Decode rows of one sequence at positions context.., over blocks numbered from 0."""
+    end = context + rows
+    table = list(range(-(-end // block_size)))
+    positions = list(range(context, end))
+    slots = [table[p // block_size] * block_size + p % block_size for p in positions]
+    return ModelInput([0] * rows, positions, [1] * rows, [p + 1 for p in positions], [table] * rows, slots,
+                      list(range(rows)))
