@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvserve.engine import LLM
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
-from kvserve.engine.core.speculation import Speculator
+from kvserve.engine.core.speculation import Speculator, exact_rows
 from kvserve.engine.spec_decode.policy import StepCosts
 
 # a step-cost table under which drafting up to 8 rows is nearly free: tests of speculation then do
@@ -19,7 +19,8 @@ def with_control_plane(llm: LLM, step_costs: StepCosts = FLAT_STEP_COSTS, **chan
     control plane)."""
     eng = llm.engine
     cfg = eng.config.replace(**changes)
-    eng.speculator = None if cfg.speculative == "off" else Speculator(cfg, step_costs)
+    eng.speculator = (None if cfg.speculative == "off"
+                      else Speculator(cfg, step_costs, exact_rows(eng.executor.device)))
     blocks = min(cfg.num_kv_blocks or eng.executor.num_kv_blocks, eng.executor.num_kv_blocks)
     eng.config = cfg
     eng.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)

@@ -18,7 +18,13 @@ from kvserve.engine.config import EngineConfig, resolve_max_model_len, resolve_m
 from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
-from kvserve.engine.core.speculation import Speculator, measure_step_costs, spec_usage, speculation_stats
+from kvserve.engine.core.speculation import (
+    Speculator,
+    exact_rows,
+    measure_step_costs,
+    spec_usage,
+    speculation_stats,
+)
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
@@ -92,7 +98,7 @@ class LLMEngine:
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self.speculator = None if config.speculative == "off" else Speculator(config, measure_step_costs(
             self.executor.execute_model, self.executor.num_kv_blocks, config.block_size,
-            config.max_num_batched_tokens))
+            config.max_num_batched_tokens), exact_rows=exact_rows(self.executor.device))
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # which row of the runners' persistent block table each running sequence has
         self.block_tables = BlockTableWriter(

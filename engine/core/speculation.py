@@ -29,7 +29,12 @@ SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, costs: StepCosts):
+    """``exact_rows``: where a step of that many decode rows or fewer computes each row as a
+    one-row step would (the CPU's fused decode step), drafts never take a step that fits past it,
+    so that a batch of up to that many sequences gives the tokens of plain decoding bit for bit."""
+
+    def __init__(self, config: EngineConfig, costs: StepCosts, exact_rows: int | None = None):
+        self.exact_rows = exact_rows
         self.max_drafts = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.costs = costs
@@ -54,7 +59,9 @@ class Speculator:
                 drafting.append((seq, drafts))
         if not drafting:
             return
-        for (seq, drafts), k in zip(drafting, allocate(self.costs, len(running), candidates), strict=True):
+        base = len(running)
+        cap = self.exact_rows if self.exact_rows is not None and base <= self.exact_rows else None
+        for (seq, drafts), k in zip(drafting, allocate(self.costs, base, candidates, cap), strict=True):
             seq.draft_token_ids = drafts[:k]
 
     def _cap(self, seq: Sequence) -> int:
@@ -96,6 +103,16 @@ def speculation_stats(counters: dict | None) -> dict:
             "spec_decode_acceptance_rate": accepted / tokens if tokens else 0.0,
             # tokens a verification step emits per sequence, the bonus token included
             "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else 0.0}
+
+
+def exact_rows(device) -> int | None:
+    """How many decode rows a step may hold and still compute each row as alone: the fused decode
+    step's MAX_FUSED_ROWS on the CPU, None elsewhere."""
+    if device.type != "cpu":
+        return None
+    from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
+
+    return MAX_FUSED_ROWS
 
 
 def spec_usage(seq: Sequence) -> tuple[int, int]:

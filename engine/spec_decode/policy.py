@@ -73,10 +73,12 @@ class SpecState:
             self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * x
 
 
-def allocate(costs: StepCosts, base_rows: int, candidates: list[tuple[float, int]]) -> list[int]:
+def allocate(costs: StepCosts, base_rows: int, candidates: list[tuple[float, int]],
+             max_rows: int | None = None) -> list[int]:
     """Draft tokens per candidate: ``candidates`` are (acceptance, most drafts it may take) of the
     sequences that have drafts; ``base_rows`` is the step's rows without drafts. Greedy: add the
-    draft with the largest expected gain while expected tokens per second of the step grow."""
+    draft with the largest expected gain while expected tokens per second of the step grow, and
+    the step stays within ``max_rows`` rows (None: no limit)."""
     ks = [0] * len(candidates)
     # expected tokens of the step: one per sampling row, plus each sequence's expected accepted run
     expected = float(base_rows)
@@ -84,7 +86,7 @@ def allocate(costs: StepCosts, base_rows: int, candidates: list[tuple[float, int
     gains = [a if cap > 0 else 0.0 for a, cap in candidates]  # the value of each one's next draft
     while True:
         best = max(range(len(candidates)), key=gains.__getitem__, default=None)
-        if best is None or gains[best] <= 0.0:
+        if best is None or gains[best] <= 0.0 or (max_rows is not None and rows + 1 > max_rows):
             return ks
         if (expected + gains[best]) / costs(rows + 1) <= expected / costs(rows):
             return ks

@@ -37,3 +37,9 @@ def test_a_large_batch_drafts_less_when_rows_cost_in_proportion():
     assert allocate(linear, 32, [(0.7, 5)] * 32) == [0] * 32
     ks = allocate(CPU_LIKE, 4, [(0.9, 5), (0.3, 5), (0.9, 5), (0.9, 5)])
     assert sum(ks) <= 4 and ks[1] == 0  # the 8-row step is the cheap one; the weak drafter gets none
+
+
+def test_drafts_keep_a_step_within_the_rows_computed_exactly():
+    flat = StepCosts({1: 1.0, 64: 1.0})
+    assert sum(allocate(flat, 3, [(0.9, 5), (0.9, 5)], max_rows=8)) == 5
+    assert sum(allocate(flat, 3, [(0.9, 5), (0.9, 5)])) == 10
