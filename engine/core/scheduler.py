@@ -111,7 +111,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
-            budget = self._schedule_drafts(out, budget)
+            if not self._prefills_this_step(out):
+                budget = self._schedule_drafts(out, budget)
             self._schedule_waiting(out, budget)
         now = time.monotonic()
         for s in out.scheduled:
@@ -152,6 +153,13 @@ class Scheduler:
         if self.last_prompt_token_alone and remaining > 1 and seq.num_completion_tokens == 0:
             remaining -= 1
         return min(remaining, budget)
+
+    def _prefills_this_step(self, out: SchedulerOutput) -> bool:
+        """Whether the step computes a prefill chunk (a running sequence's, or an admission's): drafts
+        then stay out, since the step's rows run through GEMMs whose rounding depends on how many
+        there are, and plain decoding's tokens would not be kept bit for bit."""
+        admitting = self.waiting and len(self.running) < self.max_num_seqs
+        return bool(admitting) or any(s.num_tokens > 1 for s in out.scheduled)
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
         """Verify the draft tokens of decode sequences (``Sequence.draft_token_ids``) as extra query

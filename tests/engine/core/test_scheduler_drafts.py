@@ -97,3 +97,12 @@ def test_the_last_prompt_token_is_computed_alone_when_asked():
     s.postprocess(out, [])
     out = s.schedule()
     assert [(x.num_tokens, x.samples) for x in out.scheduled] == [(1, True)]
+
+
+def test_no_drafts_in_a_step_that_prefills():
+    s = make()
+    seq = decoding(s)
+    s.add(Sequence("late", list(range(200, 209)), SamplingParams(max_tokens=4)))
+    seq.draft_token_ids = [60, 61]
+    out = s.schedule()
+    assert [(x.seq.request_id, x.num_tokens, x.drafts) for x in out.scheduled] == [("r1", 1, []), ("late", 9, [])]
