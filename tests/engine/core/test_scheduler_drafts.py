@@ -105,4 +105,5 @@ def test_no_drafts_in_a_step_that_prefills():
     s.add(Sequence("late", list(range(200, 209)), SamplingParams(max_tokens=4)))
     seq.draft_token_ids = [60, 61]
     out = s.schedule()
-    assert [(x.seq.request_id, x.num_tokens, x.drafts) for x in out.scheduled] == [("r1", 1, []), ("late", 9, [])]
+    scheduled = [(x.seq.request_id, x.num_tokens, x.drafts) for x in out.scheduled]
+    assert scheduled == [("r1", 1, []), ("late", 9, [])]
