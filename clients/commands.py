@@ -44,6 +44,8 @@ SAMPLING_HELP = {  # short forms of the field comments in llm.proto
     "logprobs": "log probabilities with this many top alternatives per token (0-20)",
     "skip_special_tokens": "leave special tokens out of the text (default on)",
     "cache_salt": "share prefix-cache blocks only with requests of the same salt",
+    "speculative": "auto (default) or off: speculative decoding for this request, where the server has it",
+    "max_draft_tokens": "most draft tokens verified per step for this request (0 = none)",
 }
 
 

@@ -57,6 +57,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    accepted_draft_tokens: int = 0  # of which accepted
 
 
 @dataclass
@@ -190,7 +192,8 @@ def _logprobs(msgs) -> list[TokenLogprob]:
 
 
 def _usage(u: llm_pb2.Usage) -> Usage:
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.draft_tokens,
+                 u.accepted_draft_tokens)
 
 
 def _timing(t: llm_pb2.Timing) -> Timing:

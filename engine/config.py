@@ -10,6 +10,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own limit when max_model_len is not given
+SPECULATIVE_MODES = ("off", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PROMPT_LOOKUP = 32
 QUANTIZATIONS = ("int8", "int4")  # quantized weights, CPU (engine/layers/quantization.py)
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: CPU (engine/layers/attention/kv_quant.py)
 
@@ -44,6 +47,11 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port is chosen
     tp_channel: str = "auto"  # "shm" (one machine), "dist" (torch.distributed), "auto"
+    # speculative decoding without a draft model (engine/spec_decode/): "ngram" (prompt lookup) or "off"
+    speculative: str = "off"
+    num_speculative_tokens: int = 5  # the most draft tokens a sequence verifies in one step
+    prompt_lookup_min: int = 2  # shortest suffix n-gram the drafter matches
+    prompt_lookup_max: int = 5  # longest, tried first
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -51,6 +59,13 @@ class EngineConfig:
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("tp_channel", self.tp_channel, ("auto", "shm", "dist"))
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _one_of("speculative", self.speculative, SPECULATIVE_MODES)
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max}) <= {MAX_PROMPT_LOOKUP}")
         if self.quantization is not None:
             _one_of("quantization", self.quantization, QUANTIZATIONS)
         positive = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes",

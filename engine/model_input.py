@@ -159,6 +159,9 @@ def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter
     for s in scheduled:
         seq, n = s.seq, s.num_tokens
         start = seq.num_computed_tokens
+        if s.drafts:
+            _add_verification_rows(inp, s, block_size, tables)
+            continue
         end = start + n
         table = seq.block_table
         if n == 1:  # a decode: the common case, kept to a few operations
@@ -181,3 +184,32 @@ def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter
         if update is not None:
             inp.table_updates.append(update)
     return inp
+
+
+def _add_verification_rows(inp: ModelInput, s, block_size: int, tables: BlockTableWriter | None) -> None:
+    """A sequence verifying drafts, as one decode row per query token (its last token, then each
+    draft) over the same block table, each row's context ending at its own position. The rows
+    write their K/V before any of them attends (every backend stores a layer's new K/V first), so
+    row j sees the drafts before it. Computed as decode rows, each row's logits are those a plain
+    decode step of that one token gives: on the CPU, up to MAX_FUSED_ROWS rows in all, bit for
+    bit (the fused decode step computes each row on its own)."""
+    seq = s.seq
+    start = seq.num_computed_tokens
+    table = seq.block_table
+    row = None
+    if tables is not None:
+        row, update = tables.place(seq.seq_id, table)
+        if update is not None:
+            inp.table_updates.append(update)
+    for j, token in enumerate([seq.token_ids[start], *s.drafts]):
+        pos = start + j
+        inp.input_ids.append(token)
+        inp.positions.append(pos)
+        inp.slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        inp.query_lens.append(1)
+        inp.context_lens.append(pos + 1)
+        inp.logits_indices.append(len(inp.input_ids) - 1)
+        if row is None:
+            inp.block_tables.append(list(table))
+        else:
+            inp.seq_rows.append(row)

@@ -30,6 +30,9 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache
     times: SequenceTimes  # time.monotonic() stamps: arrival, first_scheduled, first_token, finished
     index: int = 0  # which of the request's n completions (SamplingParams.n) this delta belongs to
+    # speculative decoding so far: draft tokens verified for this choice, and how many were accepted
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -44,5 +47,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs]
     cached_tokens: int = 0
     index: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified for this completion
+    accepted_draft_tokens: int = 0  # of which accepted
     # all n completions, in index order, when SamplingParams.n > 1 (this object is choice 0)
     choices: list[CompletionOutput] = field(default_factory=list)

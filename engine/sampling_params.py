@@ -16,6 +16,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256
+MAX_DRAFT_TOKENS = 16
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (1e-38 gave
 # inf logits and then token 0 forever), and long before that the draw is an argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -34,7 +35,7 @@ class SamplingParams:
     top_p: float = 1.0  # (0, 1]
     top_k: int = 0  # 0 = no limit
     min_p: float = 0.0  # [0, 1]
-    seed: int | None = None  # same seed and prompt => same output, whatever else runs
+    seed: int | None = None  # draws keyed by (seed + choice index, position): see llm.proto for the promise
     # None = as many as fit: up to max_model_len (and the whole KV cache), as vLLM's API does
     max_tokens: int | None = None
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens exist
@@ -55,6 +56,9 @@ class SamplingParams:
     n: int = 1  # completions of the prompt, [1, MAX_N]; choice i samples with seed + i
     # only requests with the same salt share prefix-cache blocks (engine/core/block_manager.py)
     cache_salt: str | None = None
+    # speculative decoding, where the server has it on: "auto" (the server decides per step) or "off"
+    speculative: str = "auto"
+    max_draft_tokens: int | None = None  # the most draft tokens per step for this request (0 = none)
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +120,11 @@ class SamplingParams:
             raise ValueError(
                 f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}"
             )
+        if self.speculative not in ("auto", "off"):
+            raise ValueError(f"speculative must be 'auto' or 'off', got {self.speculative!r}")
+        if self.max_draft_tokens is not None and not 0 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"max_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.max_draft_tokens}")
         check_structured(self)
         return self
 

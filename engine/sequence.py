@@ -63,6 +63,10 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.times = SequenceTimes()
         self.num_preemptions = 0
+        # speculative decoding (engine/spec_decode/): the drafts proposed for the next step, and the
+        # sequence's drafter state (None until it first drafts)
+        self.draft_token_ids: list[int] = []
+        self.spec = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

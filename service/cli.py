@@ -21,6 +21,7 @@ from kvserve.engine.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    SPECULATIVE_MODES,
     EngineConfig,
 )
 from kvserve.engine.frontend.async_engine import DEFAULT_MAX_QUEUE, DEFAULT_STEP_TIMEOUT_S
@@ -38,6 +39,7 @@ CHOICES = {
     "tp_channel": ("auto", "shm", "dist"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "quantization": QUANTIZATIONS,
+    "speculative": SPECULATIVE_MODES,
 }
 HELP = {
     "model": "'default' (the bundled SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file",
@@ -80,6 +82,14 @@ HELP = {
     "kv_cache_dtype": "auto = the model's dtype; int8 = an int8 KV cache on the CPU (one scale per token "
                       "and KV head): about half of bfloat16's bytes per token, so about twice the tokens "
                       "in --kv-cache-memory",
+    "speculative": "speculative decoding without a draft model: ngram = drafts from each request's own "
+                   "prompt and output (prompt lookup), verified by sampling each drafted position and "
+                   "keeping the drafts while they match, so the tokens are those of plain decoding; the "
+                   "draft length is chosen per step from step costs measured at start-up "
+                   "(docs/serving/speculative.md); off = none",
+    "num_speculative_tokens": "most draft tokens a request verifies in one step (--speculative ngram)",
+    "prompt_lookup_min": "shortest suffix n-gram the prompt-lookup drafter matches",
+    "prompt_lookup_max": "longest suffix n-gram the prompt-lookup drafter matches (tried first)",
 }
 
 

@@ -5,17 +5,27 @@ from __future__ import annotations
 from kvserve.engine import LLM
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.core.speculation import Speculator, exact_rows
+from kvserve.engine.spec_decode.policy import StepCosts
+
+# a step-cost table under which drafting up to 8 rows is nearly free: tests of speculation then do
+# not depend on what the start-up measurement gave on a busy machine
+FLAT_STEP_COSTS = StepCosts({1: 1.0, 8: 1.05, 9: 4.0, 64: 20.0})
 
 
-def with_control_plane(llm: LLM, **changes) -> LLM:
-    """Swap the engine's scheduler/block manager for ones built with other settings, over the
-    same loaded model (loading costs seconds; these settings live only in the control plane)."""
+def with_control_plane(llm: LLM, step_costs: StepCosts = FLAT_STEP_COSTS, **changes) -> LLM:
+    """Swap the engine's scheduler/block manager (and speculator) for ones built with other
+    settings, over the same loaded model (loading costs seconds; these settings live only in the
+    control plane)."""
     eng = llm.engine
     cfg = eng.config.replace(**changes)
+    eng.speculator = (None if cfg.speculative == "off"
+                      else Speculator(cfg, step_costs, exact_rows(eng.executor.device)))
     blocks = min(cfg.num_kv_blocks or eng.executor.num_kv_blocks, eng.executor.num_kv_blocks)
     eng.config = cfg
     eng.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
     eng.scheduler = Scheduler(
-        eng.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eng.eos_token_ids
+        eng.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eng.eos_token_ids,
+        last_prompt_token_alone=cfg.enable_prefix_caching,
     )
     return llm

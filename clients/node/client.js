@@ -5,6 +5,7 @@
 //   node client.js --target 127.0.0.1:50051 --prompt "Write a haiku about the sea." --max-tokens 32
 //   node client.js --logprobs 2 ...   then one line per token: id, text, log probability, top 2
 //   node client.js --cache-salt TEAM ...   share prefix-cache blocks only with requests of this salt
+//   node client.js --speculative off --max-draft-tokens 4 ...   speculative decoding per request
 //   node client.js --json ...    one JSON line per message (what tests read)
 //   node client.js --stats       the Stats RPC
 //   node client.js --tls-ca ca.pem [--tls-cert client.pem --tls-key client.key] ...   TLS / mutual TLS
@@ -33,6 +34,8 @@ function parseArgs(argv) {
     else if (a === '--temperature') opts.temperature = Number(argv[++i]);
     else if (a === '--logprobs') opts.logprobs = Number(argv[++i]);
     else if (a === '--cache-salt') opts.cacheSalt = argv[++i];
+    else if (a === '--speculative') opts.speculative = argv[++i];
+    else if (a === '--max-draft-tokens') opts.maxDraftTokens = Number(argv[++i]);
     else if (a === '--json') opts.json = true;
     else if (a === '--stats') opts.stats = true;
     else if (a === '--tls') opts.tls = true;
@@ -97,6 +100,8 @@ function stream(client, opts) {
   const sampling = { temperature: opts.temperature, max_tokens: opts.maxTokens };
   if (opts.logprobs !== undefined) sampling.logprobs = opts.logprobs;
   if (opts.cacheSalt !== undefined) sampling.cache_salt = opts.cacheSalt;
+  if (opts.speculative !== undefined) sampling.speculative = opts.speculative;
+  if (opts.maxDraftTokens !== undefined) sampling.max_draft_tokens = opts.maxDraftTokens;
   const call = client.Stream({ prompt: opts.prompt, sampling }, metadata(opts));
   const logprobs = [];
   call.on('data', (msg) => {
@@ -109,7 +114,8 @@ function stream(client, opts) {
         const u = msg.usage;
         const t = msg.timing;
         console.error(`\n[${msg.finish_reason}: ${u.prompt_tokens} prompt + ${u.completion_tokens} ` +
-          `completion tokens, ttft ${t.ttft_ms.toFixed(0)} ms, total ${t.total_ms.toFixed(0)} ms]`);
+          `completion tokens, ${u.accepted_draft_tokens}/${u.draft_tokens} drafts accepted, ` +
+          `ttft ${t.ttft_ms.toFixed(0)} ms, total ${t.total_ms.toFixed(0)} ms]`);
       }
     }
   });

@@ -251,6 +251,19 @@ class BlockManager:
             prev = block.hash
         seq.num_hashed_blocks = full
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past those ``num_tokens`` tokens need: slots a verification step
+        took for drafts it rejected (never published: only committed tokens are hashed)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[bid] = None
+                if block.hash is None:
+                    self.free_ids.move_to_end(bid, last=False)
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks at zero keep their hash for later hits.
 

@@ -14,15 +14,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvserve.engine.config import (
-    EngineConfig,
-    resolve_max_model_len,
-    resolve_max_num_batched_tokens,
-    resolve_max_step_time,
-)
+from kvserve.engine.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
+from kvserve.engine.config import resolve_max_step_time
 from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.core.speculation import Speculator, exact_rows, measure_step_costs, spec_usage
+from kvserve.engine.core.speculation import speculation_stats
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
@@ -31,6 +29,7 @@ from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import FinishReason, Sequence
+from kvserve.engine.spec_decode.verify import sampling_rows
 from kvserve.engine.structured.grammar import StructuredOutput
 from kvserve.engine.tokenizer.detokenizer import RequestText
 from kvserve.engine.tokenizer.load import load_tokenizer
@@ -91,8 +90,12 @@ class LLMEngine:
             config.max_model_len,
             self.eos_token_ids,
             max_step_time=resolve_max_step_time(config, resolve_device(config.device).type),
+            last_prompt_token_alone=config.enable_prefix_caching,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
+        self.speculator = None if config.speculative == "off" else Speculator(config, measure_step_costs(
+            self.executor.execute_model, self.executor.num_kv_blocks, config.block_size,
+            config.max_num_batched_tokens), exact_rows=exact_rows(self.executor.device))
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                            config.grammar_compile_workers, config.grammar_compile_timeout)
         # which row of the runners' persistent block table each running sequence has
@@ -232,7 +235,9 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if self.structured.num_compiling:
             self._admit_compiled()
-        started = time.perf_counter()
+        started = time.perf_counter()  # the step's wall time trains the scheduler's time bound
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.structured.is_constrained)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
@@ -241,18 +246,26 @@ class LLMEngine:
         inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
         logits = self.executor.execute_model(inp)
         sampling = sched.sampling_seqs
-        self.structured.mask_logits(logits, sampling)
-        sampled = self.sampler(logits, sampling)
-        for seq in self.structured.advance(sampling, sampled.token_ids):
+        rows, counts = sampling_rows(sched.scheduled)  # a row per sequence, and one per draft
+        self.structured.mask_logits(logits, rows)
+        sampled = self.sampler(logits, rows)
+        for seq in self.structured.advance(rows, sampled.token_ids):
             log.warning("request %s: its constraint allows no token of this vocabulary here; aborting "
                         "it after %d tokens", seq.request_id, seq.num_completion_tokens)
             self.scheduler.finish(seq, FinishReason.ABORT)
         if self._forks:
             self._fork_prefilled(sampling)
-        self.scheduler.postprocess(sched, sampled.token_ids)  # the same sampling_seqs (cached)
-        self.counters["generation_tokens_total"] += len(sampling)
-        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
-            outputs.append(self._emit(self._choices[seq.seq_id], token, lp))
+        runs = sampled.token_ids if len(rows) == len(sampling) else self.speculator.runs(sched.scheduled,
+                                                                                          sampled.token_ids)
+        before = [seq.num_tokens for seq in sampling]
+        self.scheduler.postprocess(sched, runs)  # the same sampling_seqs (cached)
+        first_row = 0
+        for seq, count, start in zip(sampling, counts, before, strict=True):
+            kept = seq.num_tokens - start  # a run ends early where a token ended the sequence
+            self.counters["generation_tokens_total"] += kept
+            lps = [lp for lp in sampled.logprobs[first_row : first_row + kept] if lp is not None]
+            outputs.append(self._emit(self._choices[seq.seq_id], seq.token_ids[start:], lps))
+            first_row += count
         if self.scheduler.step_time:
             self.scheduler.step_time.observe(sched.num_tokens, pairs, time.perf_counter() - started)
         return outputs
@@ -264,9 +277,9 @@ class LLMEngine:
             if seq.num_completion_tokens == 0 and seq.seq_id in self._forks:
                 self.scheduler.fork(seq, self._forks.pop(seq.seq_id))
 
-    def _emit(self, choice: _Choice, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _emit(self, choice: _Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         seq = choice.seq
-        out = self._output(choice, [token], [logprobs] if logprobs else [])
+        out = self._output(choice, tokens, logprobs)
         request = self.requests[seq.request_id]
         if request.text is not None and request.text.process(out) is RequestText.STOPPED:
             self.scheduler.finish(seq, FinishReason.STOP_STRING)  # ``out`` says so already
@@ -295,6 +308,8 @@ class LLMEngine:
             cached_tokens=seq.num_cached_prompt_tokens or 0,
             times=seq.times,
             index=choice.index,
+            draft_tokens=spec_usage(seq)[0],
+            accepted_draft_tokens=spec_usage(seq)[1],
         )
 
     # ---- state ----------------------------------------------------------------------------
@@ -328,6 +343,7 @@ class LLMEngine:
             "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
+            **speculation_stats(self.speculator.counters if self.speculator is not None else None),
             "requests_rejected": 0,
             "uptime_s": time.monotonic() - self.started,
         }

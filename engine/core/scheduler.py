@@ -31,12 +31,13 @@ from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens whose KV is computed in this step
+    num_tokens: int  # tokens whose KV is computed in this step (the drafts included)
+    drafts: list[int] = field(default_factory=list)  # draft tokens verified after the last token
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the sequence's last token, so its logits give a new token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.drafts) == self.seq.num_tokens
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: list[int] | tuple[int, ...] = (),
         max_step_time: float | None = None,
+        last_prompt_token_alone: bool = False,
     ):
         self.bm = block_manager
         # seconds a step may take (prefill chunks shrink to fit; engine/core/step_time.py); None: no bound
@@ -79,6 +81,11 @@ class Scheduler:
         # the most tokens a sequence may reach: max_model_len, and no more than the whole KV cache
         self.max_seq_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
+        # compute a seeded request's last prompt token in a step of its own, as a decode row, so
+        # that its first token's logits do not depend on how much of the prompt the prefix cache
+        # held (llm.proto's seed promise). Only seeded requests: it costs one step of first-token
+        # latency, which the others (no reproducibility asked) do not pay
+        self.last_prompt_token_alone = last_prompt_token_alone
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is the preemption victim
         self.num_preemptions = 0
@@ -125,6 +132,8 @@ class Scheduler:
         self._prefilled = False
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
+            if not self._prefills_this_step(out):
+                budget = self._schedule_drafts(out, budget)
             self._schedule_waiting(out, budget)
         now = time.monotonic()
         for s in out.scheduled:
@@ -144,7 +153,7 @@ class Scheduler:
                 break
             if seq.status is not running:  # preempted earlier in this loop
                 continue
-            n = self._chunk(seq.num_computed_tokens, min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            n = self._chunk(seq, seq.num_computed_tokens, len(seq.token_ids) - seq.num_computed_tokens, budget)
             if n == 0:  # a prefill chunk that no longer fits the step's time
                 continue
             missing = bm.missing_blocks(seq, n)
@@ -163,10 +172,16 @@ class Scheduler:
         out.scheduled.extend(scheduled.values())
         return budget
 
-    def _chunk(self, position: int, n: int) -> int:
-        """``n`` tokens from ``position``, cut to what keeps the step under ``max_step_time`` (a
-        decode token is never cut; the first prefill chunk of a step keeps a minimum, so prompts
-        always progress; later ones may get 0). Adds the chunk's predicted time to the step's."""
+    def _chunk(self, seq: Sequence, position: int, remaining: int, budget: int) -> int:
+        """Tokens of ``seq`` to compute now, from ``position``: as many as the budget allows; with
+        ``last_prompt_token_alone`` a seeded request's prefill chunk stops before the prompt's last
+        token (see __init__); then cut to what keeps the step under ``max_step_time`` (a decode
+        token is never cut; the first prefill chunk of a step keeps a minimum, so prompts always
+        progress; later ones may get 0). Adds the chunk's predicted time to the step's."""
+        if (self.last_prompt_token_alone and remaining > 1 and seq.num_completion_tokens == 0
+                and seq.params.seed is not None):
+            remaining -= 1
+        n = min(remaining, budget)
         model = self.step_time
         if model is None or model.coef is None:
             return n
@@ -176,6 +191,34 @@ class Scheduler:
         _, a, b = model.coef
         self._spent += a * n + b * attended_pairs(position, n)
         return n
+
+    def _prefills_this_step(self, out: SchedulerOutput) -> bool:
+        """Whether the step computes a prefill chunk (a running sequence's, or an admission's): drafts
+        then stay out, since the step's rows run through GEMMs whose rounding depends on how many
+        there are, and plain decoding's tokens would not be kept bit for bit."""
+        admitting = self.waiting and len(self.running) < self.max_num_seqs
+        return bool(admitting) or any(s.num_tokens > 1 for s in out.scheduled)
+
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Verify the draft tokens of decode sequences (``Sequence.draft_token_ids``) as extra query
+        tokens, as far as the budget, max_model_len, max_tokens and free blocks allow: drafts never
+        preempt anything. Returns the budget left."""
+        for s in out.scheduled:
+            seq = s.seq
+            if not seq.draft_token_ids or s.num_tokens != 1 or not s.samples or budget <= 0:
+                continue
+            # every draft kept plus the bonus token must fit max_tokens and max_model_len
+            room = min(self.max_new_tokens(seq) - seq.num_completion_tokens,
+                       self.max_seq_len - seq.num_tokens) - 1
+            k = max(0, min(len(seq.draft_token_ids), budget, room))
+            while k and self.bm.missing_blocks(seq, 1 + k) > self.bm.num_free_blocks:
+                k -= 1
+            if k:
+                self.bm.take_blocks(seq, self.bm.missing_blocks(seq, 1 + k))
+                s.drafts = seq.draft_token_ids[:k]
+                s.num_tokens += k
+                budget -= k
+        return budget
 
     def _preempt(self, seq: Sequence, scheduled: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
         """Send ``seq`` back to the head of the waiting queue; return the budget it gave back."""
@@ -220,13 +263,13 @@ class Scheduler:
         None (and changes no blocks) when the free blocks do not cover it or the step's time
         bound leaves it no tokens."""
         if seq.block_table:  # a forked choice: it holds its share of the prompt's blocks already
-            n = self._chunk(seq.num_computed_tokens, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            n = self._chunk(seq, seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0 or not self.bm.can_grow(seq, n):
                 return None
         else:
             hits = self.bm.match_prefix(seq)
             start = len(hits) * self.bm.block_size
-            n = self._chunk(start, min(seq.num_tokens - start, budget))
+            n = self._chunk(seq, start, seq.num_tokens - start, budget)
             if n == 0 or not self.bm.can_admit(seq, hits, n):
                 return None
             self.bm.admit(seq, hits)
@@ -244,22 +287,32 @@ class Scheduler:
             self.waiting.appendleft(child)
 
     # ---- after the model ran ----------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        """Advance computed counts, publish full blocks, append sampled tokens (one per
-        sampling sequence, in ``out.sampling_seqs`` order) and finish sequences that are done.
-        Returns the sampling sequences, in order."""
+    def postprocess(self, out: SchedulerOutput, sampled: list[int] | list[list[int]]) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens (per sampling sequence, in
+        ``out.sampling_seqs`` order: one token, or the run a verification kept), publish full
+        blocks of committed tokens, return the slots of rejected drafts and finish sequences that
+        are done. A run ends at the first token that ends the sequence (EOS, a stop id, a length
+        limit), exactly where plain decoding would have stopped. Returns the sampling sequences."""
         sampling = out.sampling_seqs
         assert len(sampling) == len(sampled), (len(sampling), len(sampled))
         commit = self.bm.commit
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            commit(s.seq)
+            if not s.samples:
+                s.seq.num_computed_tokens += s.num_tokens
+                commit(s.seq)
         now = time.monotonic()
-        for seq, token in zip(sampling, sampled, strict=True):
-            seq.token_ids.append(token)
+        for seq, tokens in zip(sampling, sampled, strict=True):
+            reason = None
+            for token in [tokens] if isinstance(tokens, int) else tokens:
+                seq.token_ids.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            seq.num_computed_tokens = len(seq.token_ids) - 1  # the KV of every token but the newest
+            commit(seq)
+            self.bm.trim(seq, seq.num_tokens)  # blocks that held only rejected drafts
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
         return sampling

@@ -16,6 +16,7 @@ from torch import nn
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.linear import linear
 from kvserve.engine.layers.quantization import QuantizedWeight, quantize_int8
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -62,7 +63,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.quantized is not None:
             logits = self.quantized.linear(hidden_states)
         else:
-            logits = linear(hidden_states, self.weight, packed=self.packed)
+            # a decode step's rows (up to MAX_FUSED_ROWS) row by row alike, as the fused decode step
+            # computes the layers: a speculative verification row's logits are those of a plain decode
+            logits = linear(hidden_states, self.weight, packed=self.packed, few_rows=MAX_FUSED_ROWS)
         if self.parallel.size == 1:
             return logits
         logits = self.parallel.gather_last_dim(logits)

@@ -28,12 +28,13 @@ GiB = 1 << 30
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; on the CPU, one row (a single stream's decode step) goes through the C kernel,
-    which reads the weight at memory speed where torch's one-row bfloat16 matmul reads it at
-    less than half of that (kernels/cpu/bindings.py ``small_linear``), and more rows through
-    ``packed`` (``pack_weight``) where there is one."""
-    if x.dim() == 2 and x.shape[0] == 1 and (kernels := kernels_for(x, weight, bias)) is not None:
+           packed: torch.Tensor | None = None, few_rows: int = 1) -> torch.Tensor:
+    """``F.linear``; on the CPU, up to ``few_rows`` rows (one: a single stream's decode step) go
+    through the C kernel, which reads the weight at memory speed where torch's one-row bfloat16
+    matmul reads it at less than half of that (kernels/cpu/bindings.py ``small_linear``), and
+    computes each row alike whatever rows are beside it (up to MAX_FUSED_ROWS); more rows go
+    through ``packed`` (``pack_weight``) where there is one."""
+    if x.dim() == 2 and 0 < x.shape[0] <= few_rows and (kernels := kernels_for(x, weight, bias)) is not None:
         return kernels.small_linear(x, weight, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -11,8 +11,10 @@ read-back of the results at the end.
 The random draw is by inverse CDF: one uniform per row, looked up in the row's cumulative
 (unnormalised) probabilities with a binary search, so a draw costs one number per row, not one
 per vocabulary entry; greedy rows draw nothing. The uniforms are made on the host: a seeded
-row's is a hash of (seed, completion tokens so far), so its output does not depend on batch
-composition and survives a recompute after preemption; unseeded rows take theirs from one
+row's is a hash of (seed, absolute position of the token drawn), so its output does not depend on
+batch composition, survives a recompute after preemption, and is the same whether the position is
+sampled by a plain decode step or as a speculative draft's verification row (n > 1: choice i's seed
+is seed + i); unseeded rows take theirs from one
 generator seeded by the engine's ``seed``.
 """
 
@@ -120,11 +122,11 @@ class Sampler:
         return _inverse_cdf_draw(logits, _to_device(self._uniforms(seqs), torch.float32, device))
 
     def _uniforms(self, seqs: list[Sequence]) -> list[float]:
-        """One U[0, 1) per row: a seeded row's from (seed, step), the others' from the engine's."""
+        """One U[0, 1) per row: a seeded row's from (seed, position), the others' from the engine's."""
         draws = []
         for s in seqs:
             seed = s.params.seed
-            draws.append(self._rng.random() if seed is None else _row_uniform(seed, s.num_completion_tokens))
+            draws.append(self._rng.random() if seed is None else _row_uniform(seed, s.num_tokens))
         return draws
 
 
@@ -346,9 +348,9 @@ def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.de
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _row_uniform(seed: int, step: int) -> float:
-    """A U[0, 1) draw that depends on (request seed, completion tokens so far) alone."""
-    mixed = _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64)
+def _row_uniform(seed: int, position: int) -> float:
+    """A U[0, 1) draw that depends on (request seed, absolute position of the drawn token) alone."""
+    mixed = _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64)
     return (mixed >> 11) * 2.0**-53
 
 

@@ -173,6 +173,10 @@ class StructuredOutput:
         self._compiling = [c for c in self._compiling if c.item is not item]
 
     # ---- matchers ----------------------------------------------------------------------------------
+    def is_constrained(self, seq: Sequence) -> bool:
+        """Whether ``seq`` samples under a grammar (such sequences do not draft)."""
+        return seq.seq_id in self._matchers
+
     def attach(self, seq: Sequence, grammar: xgr.CompiledGrammar) -> None:
         self._matchers[seq.seq_id] = xgr.GrammarMatcher(grammar)
 

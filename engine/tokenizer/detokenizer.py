@@ -161,7 +161,15 @@ class RequestText:
         # the EOS / stop token that ended the request is reported as a token, not as text; so is the
         # token its constraint refused (an ABORT)
         ended_by_token = out.finish_reason in (FinishReason.STOP, FinishReason.ABORT)
-        text = "" if ended_by_token else "".join(detok.add(t) for t in out.new_token_ids)
+        pieces = []
+        # a delta may hold several tokens (a speculative run): a stop string completed inside it
+        # ends the output at the token that completed it, as plain decoding would have
+        for j, token in enumerate(out.new_token_ids[:-1] if ended_by_token else out.new_token_ids):
+            pieces.append(detok.add(token))
+            if detok.stopped:
+                _keep_tokens(out, j + 1)
+                break
+        text = "".join(pieces)
         verdict = self.KEEP
         if detok.stopped:  # also when this token hit max_tokens: the stop string ended the text
             out.finished, out.finish_reason, verdict = True, FinishReason.STOP_STRING, self.STOPPED
@@ -170,3 +178,12 @@ class RequestText:
         out.new_text = text
         self._ended[out.index] = out.finished
         return verdict
+
+
+def _keep_tokens(out, count: int) -> None:
+    """Cut a delta to its first ``count`` tokens (their logprobs and the usage with them)."""
+    dropped = len(out.new_token_ids) - count
+    if dropped:
+        out.new_token_ids = out.new_token_ids[:count]
+        out.new_logprobs = out.new_logprobs[:count]
+        out.completion_tokens -= dropped

@@ -36,6 +36,8 @@ def usage_of(out: RequestOutput) -> llm_pb2.Usage:
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens,
         cached_tokens=out.cached_tokens,
+        draft_tokens=out.draft_tokens,
+        accepted_draft_tokens=out.accepted_draft_tokens,
     )
 
 

@@ -54,6 +54,10 @@ SNAPSHOT_GAUGES = (
     ("num_requests_waiting", "num_waiting", "Requests in the scheduler's waiting queue."),
     ("num_requests_queued", "num_queued", "Requests admitted, not yet handed to the scheduler."),
     ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache."),
+    ("spec_decode_acceptance_rate", "spec_decode_acceptance_rate",
+     "Speculative decoding: share of verified draft tokens that were accepted."),
+    ("spec_decode_mean_accepted_length", "spec_decode_mean_accepted_length",
+     "Speculative decoding: tokens per verification step of a sequence, the sampled one included."),
 )
 SNAPSHOT_COUNTERS = (
     ("num_preemptions", "num_preemptions", "Running requests preempted to free KV cache blocks."),
@@ -63,6 +67,12 @@ SNAPSHOT_COUNTERS = (
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     ("request_aborted", "requests_aborted", "Requests aborted (cancel, deadline, drain)."),
     ("request_rejected", "requests_rejected", "Requests refused because the admission queue was full."),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Speculative decoding: verification steps with drafts."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+     "Speculative decoding: draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Speculative decoding: draft tokens accepted."),
 )
 
 

@@ -82,7 +82,8 @@ def test_messages_have_the_contract_field_names():
     assert fields(llm_pb2.StreamResponse) >= {
         "request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "timing"
     }
-    assert fields(llm_pb2.Usage) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
+    assert fields(llm_pb2.Usage) == {"prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens",
+                                     "accepted_draft_tokens"}
     assert fields(llm_pb2.Timing) == {"queue_ms", "ttft_ms", "total_ms"}
     assert fields(llm_pb2.WatchStatsRequest) == {"interval_ms"}
     assert fields(llm_pb2.StatsResponse) >= {

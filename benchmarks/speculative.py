@@ -1,0 +1,146 @@
+"""Speculative decoding (n-gram drafts): tokens/s with and without it, in the same run, on three
+prompt sets the project writes from its own files.
+
+- ``grounded``: input-grounded tasks (repeat, quote, reformat a given text or code) over the
+  project's documentation and source files, where the answer copies from the prompt;
+- ``structured``: JSON output under a schema that forces its keys (structured-output requests
+  do not draft yet: grammar drafts are not built, so this set shows their cost, about 1.0x);
+- ``chat``: open-ended questions, whose answers seldom repeat the prompt.
+
+One engine (``--speculative ngram``) serves both arms: each request says ``speculative="off"`` or
+``"auto"`` (SamplingParams), so the arms share the model, the cache sizing and the start-up
+step-cost table; they alternate (off, on, off, on) per set and batch size, prefix caching off so
+that neither finds the other's prompts cached. Greedy, so the two arms
+must give the same tokens: the table says whether they did. Per set and batch size (1 = one stream,
+then ``--batches``): output tok/s off and on, the ratio, the acceptance rate and mean accepted length.
+
+    python -m kvserve.benchmarks.speculative [--dtype bfloat16] [--quantization int4]
+        [--batches 1 8 32] [--sets grounded structured chat] [--max-tokens 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from kvserve.benchmarks import write_json
+from kvserve.engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+MATERIAL = ["docs/design/architecture.md", "docs/serving/grpc.md", "docs/performance/tuning.md",
+            "engine/core/scheduler.py", "engine/core/block_manager.py", "engine/spec_decode/ngram.py",
+            "engine/sampling_params.py", "engine/tokenizer/detokenizer.py"]
+GROUNDED_TASKS = ["Repeat the following text exactly, word for word.",
+                  "Copy the following code, unchanged.",
+                  "Quote the first paragraph of the following text.",
+                  "Rewrite the following text as a Markdown bullet list, keeping its sentences."]
+CHAT = ["Tell me a story about a lighthouse keeper.", "What should I pack for a week of hiking?",
+        "Why is the sky blue?", "Give me three ideas for a birthday party.", "How do bees make honey?",
+        "Write a short poem about autumn.", "What is a good way to learn a new language?",
+        "Describe your ideal weekend."]
+SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "summary": {"type": "string"},
+                   "keywords": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+                   "difficulty": {"type": "string", "enum": ["easy", "medium", "hard"]}},
+    "required": ["title", "summary", "keywords", "difficulty"], "additionalProperties": False})
+
+
+def _excerpts(count: int, chars: int = 900) -> list[str]:
+    """``count`` excerpts of the project's own files, cycling through them."""
+    texts = [(ROOT / path).read_text() for path in MATERIAL]
+    return [texts[i % len(texts)][(i // len(texts)) * chars:][:chars] for i in range(count)]
+
+
+def prompt_set(llm: LLM, name: str, count: int) -> tuple[list[list[int]], dict]:
+    """(prompt ids, extra SamplingParams fields) of a set, rendered with the chat template."""
+    def chat(text: str) -> list[int]:  # the text as it is where the model has no chat template
+        if getattr(llm.tokenizer, "chat_template", None) is None:
+            return llm.engine.encode_prompt(text)
+        return llm.engine.apply_chat_template([{"role": "user", "content": text}])
+    if name == "grounded":
+        return [chat(f"{GROUNDED_TASKS[i % len(GROUNDED_TASKS)]}\n\n{text}")
+                for i, text in enumerate(_excerpts(count))], {}
+    if name == "structured":
+        task = "Describe this file as JSON with a title, a summary, keywords and a difficulty."
+        return [chat(f"{task}\n\n{text}") for text in _excerpts(count, 500)], {"json_schema": SCHEMA}
+    return [chat(CHAT[i % len(CHAT)]) for i in range(count)], {}
+
+
+def run_arm(llm: LLM, prompts: list[list[int]], batch: int,
+            params: SamplingParams) -> tuple[list, float, dict]:
+    """Generate ``prompts`` ``batch`` at a time; (token ids, seconds, spec counters' increase)."""
+    before = llm.stats()
+    tokens, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        tokens += [o.token_ids for o in llm.generate(prompts[i : i + batch], params, use_tqdm=False)]
+    seconds = time.perf_counter() - start
+    after = llm.stats()
+    keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    return tokens, seconds, {k: after[k] - before[k] for k in keys}
+
+
+def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requests: int,
+            rounds: int = 2) -> list[dict]:
+    rows = []
+    for name in sets:
+        for batch in batches:
+            prompts, extra = prompt_set(llm, name, max(requests, batch))
+            arms = {"off": [None, 0.0, None], "auto": [None, 0.0, None]}
+            for _ in range(rounds):  # off, on, off, on: drift on a shared machine hits both arms
+                for mode, arm in arms.items():
+                    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculative=mode, **extra)
+                    ids, seconds, spec = run_arm(llm, prompts, batch, params)
+                    arm[0], arm[1], arm[2] = ids, arm[1] + seconds, spec
+            (off_ids, off_s, _), (on_ids, on_s, spec) = arms["off"], arms["auto"]
+            out_tokens = sum(map(len, on_ids))
+            drafts, drafted, accepted = spec.values()
+            rows.append({
+                "set": name, "batch": batch, "requests": len(prompts), "output_tokens": out_tokens,
+                "tok_s_off": rounds * sum(map(len, off_ids)) / off_s, "tok_s_on": rounds * out_tokens / on_s,
+                "speedup": off_s / on_s * out_tokens / max(1, sum(map(len, off_ids))),
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+                "same_tokens": on_ids == off_ids,
+            })
+            print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _line(r: dict) -> str:
+    return (f"{r['set']:<11} batch {r['batch']:>3}: off {r['tok_s_off']:7.1f} tok/s, "
+            f"on {r['tok_s_on']:7.1f} tok/s, {r['speedup']:.2f}x; acceptance {r['acceptance_rate']:.2f}, "
+            f"mean accepted length {r['mean_accepted_length']:.2f}; same tokens: {r['same_tokens']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=("int8", "int4"))
+    ap.add_argument("--sets", nargs="+", default=["grounded", "structured", "chat"],
+                    choices=("grounded", "structured", "chat"))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--requests", type=int, default=4, help="requests per set (at least the batch size)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-speculative-tokens", type=int, default=5)
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args(argv)
+    # no prefix caching: the arms run the same prompts, and the second must not find them cached
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, speculative="ngram",
+              num_speculative_tokens=args.num_speculative_tokens, max_num_seqs=max(args.batches),
+              enable_prefix_caching=False)
+    try:
+        print(f"step costs c(n): {llm.engine.speculator.costs.relative()}", flush=True)
+        rows = measure(llm, args.sets, args.batches, args.max_tokens, args.requests)
+    finally:
+        llm.shutdown()
+    write_json(args.json, {"rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

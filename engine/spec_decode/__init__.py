@@ -1,0 +1,10 @@
+"""Speculative decoding without a draft model (plain Python, no torch).
+
+``ngram`` proposes a request's next tokens from its own prompt and output (prompt lookup, one
+incremental index per request, nothing shared across requests); ``policy`` decides how many of
+them each step verifies (from the step-cost table measured at start-up and each request's
+acceptance so far); ``verify`` lays the drafted positions out as sampling rows and keeps the
+drafts that the sampled tokens confirm (sample-then-match, lossless). The engine core
+(``core/llm_engine.py``) drives them; the scheduler only sees how many draft tokens a decode
+sequence brings (``Sequence.draft_token_ids``).
+"""

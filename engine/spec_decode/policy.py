@@ -1,0 +1,97 @@
+"""How many draft tokens each decode sequence verifies in a step: the draft length that makes the
+step's expected tokens per second largest.
+
+``StepCosts`` holds T(r), the time of a decode step of r query rows on the serving path in use,
+measured at start-up (``LLMEngine`` times the runner on synthetic rows) and interpolated between
+the measured sizes. A sequence that verifies k drafts adds k rows; with acceptance a per drafted
+position (each request's running average, ``SpecState.acceptance``) it expects 1 + a + ... + a^k
+tokens from the step. ``allocate`` hands out draft tokens one at a time to the sequence whose next
+draft adds the most expected tokens, while the step's tokens per unit of time still grow: a single
+stream on the CPU, where a few more rows cost little, drafts up to the cap; a large batch, whose
+rows already cost in proportion, drafts little or nothing; a request whose drafts keep failing
+(acceptance below what a row costs) stops drafting, which costs nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from kvserve.engine.spec_decode.ngram import NgramIndex
+
+INITIAL_ACCEPTANCE = 0.7  # before a request's first verified draft (n-gram hits on copied text)
+ACCEPTANCE_DECAY = 0.8  # weight of the past in the per-position acceptance average
+
+
+class StepCosts:
+    """T(rows) from measured (rows, seconds) pairs; linear between them and beyond the last."""
+
+    def __init__(self, measured: dict[int, float]):
+        if not measured or 1 not in measured:
+            raise ValueError("step costs need a measurement at one row")
+        self.rows = sorted(measured)
+        self.seconds = [max(measured[r], 1e-9) for r in self.rows]
+
+    def __call__(self, rows: int) -> float:
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.seconds[i]
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.rows):  # beyond the largest measured size: the last slope, never below it
+            if len(self.rows) == 1:
+                return self.seconds[0] * rows
+            r0, r1, s0, s1 = self.rows[-2], self.rows[-1], self.seconds[-2], self.seconds[-1]
+            return s1 + max(s1 - s0, 0.0) / (r1 - r0) * (rows - r1)
+        r0, r1, s0, s1 = self.rows[i - 1], self.rows[i], self.seconds[i - 1], self.seconds[i]
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
+    def relative(self) -> dict[int, float]:
+        """c(n) = T(n) / T(1) at the measured sizes."""
+        return {r: s / self.seconds[0] for r, s in zip(self.rows, self.seconds, strict=True)}
+
+
+@dataclass
+class SpecState:
+    """A sequence's speculation: its n-gram index, acceptance average and counters."""
+
+    index: NgramIndex
+    acceptance: float = INITIAL_ACCEPTANCE
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of which kept
+    steps: int = 0  # verification steps (steps with at least one draft)
+    proposal: list[int] = field(default_factory=list)  # this step's candidate drafts
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """Fold a verification into the counters and the per-position acceptance average: each
+        accepted position counts 1, the first rejected one 0; positions after it were not tried."""
+        self.drafted += num_drafts
+        self.accepted += num_accepted
+        self.steps += 1
+        outcomes = [1.0] * num_accepted + ([0.0] if num_accepted < num_drafts else [])
+        for x in outcomes:
+            self.acceptance = ACCEPTANCE_DECAY * self.acceptance + (1 - ACCEPTANCE_DECAY) * x
+
+
+def allocate(costs: StepCosts, base_rows: int, candidates: list[tuple[float, int]],
+             max_rows: int | None = None) -> list[int]:
+    """Draft tokens per candidate: ``candidates`` are (acceptance, most drafts it may take) of the
+    sequences that have drafts; ``base_rows`` is the step's rows without drafts. Greedy: add the
+    draft with the largest expected gain while expected tokens per second of the step grow, and
+    the step stays within ``max_rows`` rows (None: no limit)."""
+    ks = [0] * len(candidates)
+    # expected tokens of the step: one per sampling row, plus each sequence's expected accepted run
+    expected = float(base_rows)
+    rows = base_rows
+    gains = [a if cap > 0 else 0.0 for a, cap in candidates]  # the value of each one's next draft
+    while True:
+        best = max(range(len(candidates)), key=gains.__getitem__, default=None)
+        if best is None or gains[best] <= 0.0 or (max_rows is not None and rows + 1 > max_rows):
+            return ks
+        if (expected + gains[best]) / costs(rows + 1) <= expected / costs(rows):
+            return ks
+        expected += gains[best]
+        rows += 1
+        ks[best] += 1
+        a, cap = candidates[best]
+        gains[best] = gains[best] * a if ks[best] < cap else 0.0

@@ -1,0 +1,45 @@
+"""How many drafts a step verifies: many where rows are nearly free, none where they cost in
+proportion or where drafts keep failing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.engine.spec_decode.ngram import NgramIndex
+from kvserve.engine.spec_decode.policy import INITIAL_ACCEPTANCE, SpecState, StepCosts, allocate
+
+CPU_LIKE = StepCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4, 9: 2.5, 32: 8.0})
+
+
+def test_step_costs_interpolate_and_extend_the_last_slope():
+    costs = StepCosts({1: 1.0, 3: 2.0, 5: 2.0})
+    assert costs(2) == pytest.approx(1.5)
+    assert costs(7) == pytest.approx(2.0)  # flat last slope stays flat, never below
+    assert StepCosts({1: 1.0, 2: 3.0})(4) == pytest.approx(7.0)
+    assert costs.relative() == {1: 1.0, 3: 2.0, 5: 2.0}
+
+
+def test_a_single_stream_with_good_drafts_verifies_them_all():
+    assert allocate(CPU_LIKE, 1, [(0.9, 5)]) == [5]
+
+
+def test_drafts_that_keep_failing_stop_being_verified():
+    state = SpecState(NgramIndex(2, 3))
+    assert state.acceptance == INITIAL_ACCEPTANCE
+    for _ in range(12):
+        state.record(3, 0)
+    assert state.drafted == 36 and state.accepted == 0
+    assert allocate(CPU_LIKE, 1, [(state.acceptance, 3)]) == [0]
+
+
+def test_a_large_batch_drafts_less_when_rows_cost_in_proportion():
+    linear = StepCosts({1: 1.0, 64: 64.0})
+    assert allocate(linear, 32, [(0.7, 5)] * 32) == [0] * 32
+    ks = allocate(CPU_LIKE, 4, [(0.9, 5), (0.3, 5), (0.9, 5), (0.9, 5)])
+    assert sum(ks) <= 4 and ks[1] == 0  # the 8-row step is the cheap one; the weak drafter gets none
+
+
+def test_drafts_keep_a_step_within_the_rows_computed_exactly():
+    flat = StepCosts({1: 1.0, 64: 1.0})
+    assert sum(allocate(flat, 3, [(0.9, 5), (0.9, 5)], max_rows=8)) == 5
+    assert sum(allocate(flat, 3, [(0.9, 5), (0.9, 5)])) == 10
