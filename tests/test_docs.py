@@ -204,7 +204,9 @@ def serve_flag_tables() -> str:
                 value = " \\| ".join(f"`{c}`" for c in a.choices)
             else:
                 value = f"`{a.metavar or a.dest.upper()}`"
-            default = {None: "–", True: "on", False: "off"}.get(a.default, f"`{a.default}`")
+            # by identity: 1 == True and 0 == False, so a dict lookup printed ints 1 / 0 as on / off
+            default = next((text for v, text in ((None, "–"), (True, "on"), (False, "off")) if a.default is v),
+                           f"`{a.default}`")
             what = " ".join(plain._expand_help(a).split()).replace("|", "\\|") if a.help else "–"
             out.append(f"| {', '.join(f'`{s}`' for s in a.option_strings)} | {value} | {default} | {what} |")
         out.append("")

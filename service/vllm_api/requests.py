@@ -8,6 +8,10 @@ valid value) and an unset ``temperature`` take the model's recommended value
 (generation_config.json), else kvserve's default, as for kvserve's own API; ``n`` 0 is 1;
 ``logprobs`` 0 asks for the chosen token's log-probability alone (vLLM's meaning, where kvserve's
 own API uses 0 for none).
+
+This runs on the event loop: as in service/api/validation.py, ``tokenized.input_ids`` is sized
+with ``len()`` (free) before any of it becomes a Python list, a prompt of ``max_model_len`` ids or
+more (after ``truncate_prompt_tokens``) is refused there, and only the ids kept are copied.
 """
 
 from __future__ import annotations
@@ -48,10 +52,7 @@ def parse_request(req: pb.GenerateRequest, vocab_size: int, max_model_len: int,
     request_id = req.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
-    prompt = _prompt(req, vocab_size)
     sp = req.sampling_params
-    logprobs = _logprobs(sp)
-    params = sampling_params(sp, defaults, logprobs).validate(vocab_size)
     truncate = None
     if sp.HasField("truncate_prompt_tokens"):
         k = sp.truncate_prompt_tokens
@@ -61,10 +62,15 @@ def parse_request(req: pb.GenerateRequest, vocab_size: int, max_model_len: int,
             raise ValueError(f"sampling_params.truncate_prompt_tokens: -1 (the model's maximum) or >= 1, "
                              f"got {k}")
         truncate = k
+    prompt = _prompt(req, vocab_size, max_model_len, truncate)
+    logprobs = _logprobs(sp)
+    params = sampling_params(sp, defaults, logprobs).validate(vocab_size)
     return VllmRequest(request_id, prompt, params, logprobs, truncate, req.stream)
 
 
-def _prompt(req: pb.GenerateRequest, vocab_size: int) -> str | list[int]:
+def _prompt(req: pb.GenerateRequest, vocab_size: int, max_model_len: int,
+            truncate: int | None) -> str | list[int]:
+    """The text, or the token ids (the last ``truncate`` of them when that is set)."""
     which = req.WhichOneof("input")
     if which is None:
         raise ValueError("input: give one of tokenized or text")
@@ -72,12 +78,18 @@ def _prompt(req: pb.GenerateRequest, vocab_size: int) -> str | list[int]:
         if not req.text:
             raise ValueError("text: must not be empty")
         return req.text
-    ids = list(req.tokenized.input_ids)
-    if not ids:
+    given = req.tokenized.input_ids
+    n = len(given)
+    if not n:
         raise ValueError("tokenized.input_ids: must not be empty")
-    for t in ids:
-        if t >= vocab_size:
-            raise ValueError(f"tokenized.input_ids: id {t} is outside the vocabulary [0, {vocab_size})")
+    kept = n if truncate is None else min(n, truncate)
+    if kept >= max_model_len:
+        raise ValueError(f"tokenized.input_ids: {kept} ids leave no room for a completion: a prompt must be "
+                         f"shorter than max_model_len ({max_model_len} tokens)")
+    ids = list(given) if kept == n else given[n - kept:]  # a slice is a list already
+    top = max(ids)  # one pass in C, not a Python loop per id
+    if top >= vocab_size:
+        raise ValueError(f"tokenized.input_ids: id {top} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 

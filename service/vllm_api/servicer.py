@@ -6,6 +6,10 @@ Generate streams per the request's ``stream`` flag: a chunk per delta of a choic
 Abort ends the named requests (their calls end with ``complete`` messages whose finish reason is
 "abort"); a cancelled call aborts its request as kvserve's own API does. FlushCache, GetLoads,
 GetTokenizer and SubscribeKvEvents report and act on the same engine.
+
+Calls end with an error status through ``refuse`` (service/guards/interceptors.py says why, never
+``context.abort``), as kvserve.v1's handlers do; ``--cache-salt-from`` salts Generate's requests
+as it salts kvserve.v1's (the upstream request has no salt of its own).
 """
 
 from __future__ import annotations
@@ -15,14 +19,14 @@ import datetime
 import json
 import logging
 import time
-from typing import NoReturn
-
 import grpc
 
 from kvserve.engine.frontend.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from kvserve.engine.frontend.engine_state import EngineState
 from kvserve.engine.model_loader.generation_defaults import sampling_defaults
 from kvserve.service.api.errors import status_for
+from kvserve.service.api.validation import CacheSalting
+from kvserve.service.guards.interceptors import refuse
 from kvserve.service.guards.redact import for_log
 from kvserve.service.telemetry.calls import current_call
 from kvserve.service.vllm_api import responses, tokenizer_bundle
@@ -41,8 +45,9 @@ class RequestAborted(Exception):
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
-    def __init__(self, engine: AsyncEngine, version: str = ""):
+    def __init__(self, engine: AsyncEngine, version: str = "", cache_salting: CacheSalting | None = None):
         self._engine = engine
+        self._salting = cache_salting or CacheSalting()
         self._version = version
         self._started = time.monotonic()
         self._last_receive = 0.0
@@ -55,15 +60,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         arrival = time.monotonic()
         call = current_call()  # the request's metrics, span and log line, as for kvserve.v1
         try:
-            req, stream = await self._start(request, context)
-        except BaseException:
+            started = await self._start(request, context)
+        except BaseException:  # the call was cancelled while its request was admitted
             call.refused(request.request_id)
             raise
+        if started is None:
+            call.refused(request.request_id)
+            return
+        req, stream = started
         call.admitted(req.request_id, arrival)
         stops = req.params.stop_token_ids
         choices = [responses.Choice() for _ in range(req.params.n)]
         open_choices = set(range(req.params.n))
         self._live.setdefault(req.request_id, set()).add(stream)
+        status = None
         try:
             async for out in stream:
                 call.observe(out)
@@ -80,8 +90,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             for i in sorted(open_choices):
                 yield responses.complete(choices[i], i, req.logprobs, stops, None, whole=not req.stream,
                                          reason="abort")
-        except Exception as e:  # noqa: BLE001 - mapped to a status
-            await self._fail(context, e, req.request_id)
+        except Exception as e:  # noqa: BLE001 - mapped to a status below
+            status = _status(e, req.request_id)
         finally:
             stream.close()
             streams = self._live.get(req.request_id)
@@ -89,22 +99,27 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 streams.discard(stream)
                 if not streams:
                     del self._live[req.request_id]
+        if status is not None:
+            refuse(context, *status)
 
-    async def _start(self, request: pb.GenerateRequest, context) -> tuple[VllmRequest, RequestStream]:
+    async def _start(self, request: pb.GenerateRequest, context) -> tuple[VllmRequest, RequestStream] | None:
+        """Validate, salt and admit; a refusal ends the call with its status (and returns None)."""
         try:
             info = self._engine.info
             if info is None:
                 raise EngineUnavailable("the model is still loading")
             req = parse_request(request, info.vocab_size, info.config.max_model_len,
                                 sampling_defaults(info.config.model))
+            if self._salting.source != "none":
+                req.params.cache_salt = self._salting.salt(context.invocation_metadata(), None)
             prompt = req.prompt
-            if req.truncate is not None:
-                if isinstance(prompt, str):
-                    prompt = await self._engine.tokenize(prompt)
-                prompt = prompt[-req.truncate:]
+            if req.truncate is not None and isinstance(prompt, str):  # token ids come truncated
+                prompt = (await self._engine.tokenize(prompt))[-req.truncate:]
             return req, await self._engine.generate(req.request_id, prompt, req.params)
         except Exception as e:  # noqa: BLE001 - mapped to a status
-            await self._fail(context, e, request.request_id)
+            status = _status(e, request.request_id)
+        refuse(context, *status)
+        return None
 
     def _matched(self, req: VllmRequest, choice: responses.Choice) -> str | None:
         """The stop string that ended the choice (None unless one did)."""
@@ -123,8 +138,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return pb.AbortResponse()
 
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "Embed: kvserve serves generative models only; it computes no embeddings")
+        refuse(context, grpc.StatusCode.UNIMPLEMENTED,
+               "Embed: kvserve serves generative models only; it computes no embeddings")
+        return None
 
     # ---- state ------------------------------------------------------------------------------------
     async def HealthCheck(self, request: pb.HealthCheckRequest, context) -> pb.HealthCheckResponse:
@@ -139,7 +155,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             info = await self._engine.model_info()
             config = self._engine.info.config
         except Exception as e:  # noqa: BLE001 - mapped to a status
-            await self._fail(context, e, "")
+            status = _status(e, "")
+        else:
+            return self._model_info(info, config)
+        refuse(context, *status)
+        return None
+
+    def _model_info(self, info: dict, config) -> pb.GetModelInfoResponse:
         tokenizer = self._engine.tokenizer
         return pb.GetModelInfoResponse(
             model_path=config.model, is_generation=True, max_context_length=info["max_model_len"],
@@ -157,7 +179,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             stats = await self._engine.stats()
         except Exception as e:  # noqa: BLE001 - mapped to a status
-            await self._fail(context, e, "")
+            status = _status(e, "")
+        else:
+            return self._server_info(stats)
+        refuse(context, *status)
+        return None
+
+    def _server_info(self, stats: dict) -> pb.GetServerInfoResponse:
         return pb.GetServerInfoResponse(
             active_requests=self._engine.num_in_flight, is_paused=False,
             last_receive_timestamp=self._last_receive, uptime_seconds=time.monotonic() - self._started,
@@ -168,12 +196,19 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
         if request.HasField("dp_rank") and request.dp_rank != 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"dp_rank: kvserve runs one data-parallel rank (0), got {request.dp_rank}")
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"dp_rank: kvserve runs one data-parallel rank (0), got {request.dp_rank}")
+            return None
         try:
             s = await self._engine.stats()
         except Exception as e:  # noqa: BLE001 - mapped to a status
-            await self._fail(context, e, "")
+            status = _status(e, "")
+        else:
+            return self._loads(s)
+        refuse(context, *status)
+        return None
+
+    def _loads(self, s: dict) -> pb.GetLoadsResponse:
         total, free, block = s["kv_blocks_total"], s["kv_blocks_free"], s["kv_block_size"]
         load = pb.SchedulerLoad(
             dp_rank=0, num_running_reqs=s["num_running"], num_waiting_reqs=s["num_waiting"] + s["num_queued"],
@@ -189,7 +224,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetTokenizer(self, request: common.GetTokenizerRequest, context):
         tokenizer = self._engine.tokenizer
         if tokenizer is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            refuse(context, grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            return
         if self._bundle is None:
             self._bundle = asyncio.get_running_loop().run_in_executor(
                 None, tokenizer_bundle.build_bundle, tokenizer, _model_dir(self._engine.config.model))
@@ -200,35 +236,45 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def FlushCache(self, request: common.FlushCacheRequest, context) -> common.FlushCacheResponse:
         if request.timeout_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"timeout_s: must be >= 0, got {request.timeout_s}")
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
+            return None
         try:
             result = await self._engine.reset_prefix_cache(request.timeout_s)
         except Exception as e:  # noqa: BLE001 - mapped to a status
-            await self._fail(context, e, "")
-        return common.FlushCacheResponse(success=result["success"], message=result["message"])
+            status = _status(e, "")
+        else:
+            return common.FlushCacheResponse(success=result["success"], message=result["message"])
+        refuse(context, *status)
+        return None
 
     async def SubscribeKvEvents(self, request: common.SubscribeKvEventsRequest, context):
         hub = self._engine.kv_events
         if hub is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "KV-cache events are off: start the server with --kv-events (or "
-                                "--kv-events-endpoint)")
+            refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
+                   "KV-cache events are off: start the server with --kv-events (or --kv-events-endpoint)")
+            return
         # the headers at once: a subscriber (SMG) counts a stream without them after 2 s as a dead worker
         await context.send_initial_metadata(())
         try:
             async for batch in hub.subscribe(request.start_sequence_number):
                 yield _kv_batch(batch)
-        except OverflowError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except OverflowError as e:  # the subscriber fell behind the hub's history
+            status = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        else:
+            return
+        refuse(context, *status)
 
-    async def _fail(self, context, error: BaseException, request_id: str) -> NoReturn:
-        if isinstance(error, NotImplementedError):
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(error))
-        code, message = status_for(error)
-        if code == grpc.StatusCode.INTERNAL:
-            log.error("request %s failed", for_log(request_id or "-"), exc_info=error)
-        await context.abort(code, message)
+
+def _status(error: BaseException, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """The call's status for ``error`` (INTERNAL is logged with its traceback). Called inside the
+    ``except`` block; the handler ends the call after it with ``refuse``, so no frame keeps the
+    exception (and with it the request) in a reference cycle."""
+    if isinstance(error, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(error)
+    code, message = status_for(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("request %s failed", for_log(request_id or "-"), exc_info=error)
+    return code, message
 
 
 def _kv_batch(batch) -> common.KvEventBatch:

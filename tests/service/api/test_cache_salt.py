@@ -4,7 +4,8 @@ Issue 29's side channel: another caller's ``usage.cached_tokens`` was 32 for a r
 PIN inside a prompt and 16 for every wrong one. Requests share cached blocks only when their
 salt is the same: the request's own ``cache_salt``, and with ``--cache-salt-from header`` the
 tenant header the server puts in front of it (``--cache-salt-from api-key``: the bearer
-credential). A server on a tiny random-weight model, prompts as token ids.
+credential); the server salts vLLM's engine protocol (``VllmEngine/Generate``) the same way. A
+server on a tiny random-weight model, prompts as token ids.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from kvserve.service.api.validation import CacheSalting
 from kvserve.testing.plugin import TEST_SERVER_ENV
 from kvserve.testing.process import ServerProcess
 from kvserve.v1 import llm_pb2_grpc
+from kvserve.vllm import vllm_engine_pb2 as vllm_pb
+from kvserve.vllm import vllm_engine_pb2_grpc
 
 HEADER = "x-team"
 
 
 @pytest.fixture(scope="module")
-def stub(tmp_path_factory):
+def channel(tmp_path_factory):
     import torch
 
     from kvserve.testing.random_model import write_random_model
@@ -33,7 +36,17 @@ def stub(tmp_path_factory):
     flags = ("--model", model, "--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "16",
              "--cache-salt-from", "header", "--cache-salt-header", HEADER)
     with ServerProcess(*flags, env=TEST_SERVER_ENV) as server, grpc.insecure_channel(server.target) as ch:
-        yield llm_pb2_grpc.LLMServiceStub(ch)
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return llm_pb2_grpc.LLMServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def vllm(channel):
+    return vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
 
 def cached(stub, ids: list[int], team: str | None = None, salt: str | None = None) -> int:
@@ -41,6 +54,14 @@ def cached(stub, ids: list[int], team: str | None = None, salt: str | None = Non
     request = build_request(token_ids=ids, max_tokens=1, cache_salt=salt)
     reply = stub.Generate(request, metadata=metadata, timeout=60)
     return reply.usage.cached_tokens
+
+
+def vllm_cached(vllm, ids: list[int], team: str | None = None) -> int:
+    metadata = ((HEADER, team),) if team is not None else None
+    request = vllm_pb.GenerateRequest(tokenized=vllm_pb.TokenizedInput(input_ids=ids),
+                                      sampling_params=vllm_pb.SamplingParams(temperature=0.0, max_tokens=1))
+    (reply,) = vllm.Generate(request, metadata=metadata, timeout=60)
+    return reply.complete.cached_tokens
 
 
 def pin_prompts(seed: int) -> tuple[list[int], list[int], list[int]]:
@@ -75,6 +96,16 @@ def test_request_salt_shares_only_with_the_same_salt(stub):
     assert cached(stub, right, team="bob", salt="s2") == 0
     assert cached(stub, right, team="bob") == 0
     assert cached(stub, right, team="carol", salt="s1") == 0  # a salt does not reach another tenant
+
+
+def test_tenant_header_isolates_the_prefix_cache_of_vllm_generate(vllm, stub):
+    """The gateways' API (vllm.grpc.engine) is salted as kvserve.v1 is: no other tenant's blocks."""
+    secret, right, _ = pin_prompts(4)
+    vllm_cached(vllm, secret, team="dave")
+    assert vllm_cached(vllm, right, team="erin") == 0
+    assert vllm_cached(vllm, right) == 0
+    assert vllm_cached(vllm, right, team="dave") == 32
+    assert cached(stub, right, team="dave") == 32  # one tenant, one salt, whichever API
 
 
 def test_an_overlong_salt_is_invalid_argument(stub):

@@ -129,6 +129,34 @@ def test_what_kvserve_lacks_is_refused_by_name(vllm, request_, code, field):
     assert e.value.code() == code and field in e.value.details()
 
 
+def test_refusals_keep_their_status_and_message_and_the_server_serves_on(vllm):
+    """Handlers end refused calls with ``refuse`` (no ``context.abort``: service/guards/interceptors.py),
+    unary and streaming alike; the caller sees the same status and message as before."""
+    limit = vllm.GetModelInfo(pb.GetModelInfoRequest()).max_context_length
+    refused = [
+        (lambda: list(vllm.Generate(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1] * limit)))),
+         grpc.StatusCode.INVALID_ARGUMENT,
+         f"tokenized.input_ids: {limit} ids leave no room for a completion: a prompt must be shorter "
+         f"than max_model_len ({limit} tokens)"),
+        (lambda: list(vllm.Generate(pb.GenerateRequest(text="x", data_parallel_rank=2))),
+         grpc.StatusCode.INVALID_ARGUMENT, "data_parallel_rank: kvserve runs one data-parallel rank (0), got 2"),
+        (lambda: vllm.Embed(pb.EmbedRequest()), grpc.StatusCode.UNIMPLEMENTED,
+         "Embed: kvserve serves generative models only; it computes no embeddings"),
+        (lambda: vllm.FlushCache(common.FlushCacheRequest(timeout_s=-1)), grpc.StatusCode.INVALID_ARGUMENT,
+         "timeout_s: must be >= 0, got -1.0"),
+        (lambda: list(vllm.SubscribeKvEvents(common.SubscribeKvEventsRequest())),
+         grpc.StatusCode.FAILED_PRECONDITION,
+         "KV-cache events are off: start the server with --kv-events (or --kv-events-endpoint)"),
+    ]
+    for call, code, message in refused:
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert (e.value.code(), e.value.details()) == (code, message)
+    # a long prompt kept short by truncate_prompt_tokens runs
+    (out,) = generate(vllm, [1] * limit, max_tokens=1, truncate_prompt_tokens=4)
+    assert out.complete.prompt_tokens == 4
+
+
 def test_embed_is_unimplemented(vllm):
     with pytest.raises(grpc.RpcError) as e:
         vllm.Embed(pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[1])))
