@@ -205,8 +205,8 @@ def serve_flag_tables() -> str:
             else:
                 value = f"`{a.metavar or a.dest.upper()}`"
             # by identity: 1 == True and 0 == False, so a dict lookup printed ints 1 / 0 as on / off
-            default = next((text for v, text in ((None, "–"), (True, "on"), (False, "off")) if a.default is v),
-                           f"`{a.default}`")
+            named = ((None, "–"), (True, "on"), (False, "off"))
+            default = next((text for v, text in named if a.default is v), f"`{a.default}`")
             what = " ".join(plain._expand_help(a).split()).replace("|", "\\|") if a.help else "–"
             out.append(f"| {', '.join(f'`{s}`' for s in a.option_strings)} | {value} | {default} | {what} |")
         out.append("")

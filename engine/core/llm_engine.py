@@ -14,13 +14,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvserve.engine.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
-from kvserve.engine.config import resolve_max_step_time
+from kvserve.engine import config as limits
+from kvserve.engine.config import EngineConfig
 from kvserve.engine.constraints import Constraint, constraint_of
+from kvserve.engine.core import speculation
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
-from kvserve.engine.core.speculation import Speculator, exact_rows, measure_step_costs, spec_usage
-from kvserve.engine.core.speculation import speculation_stats
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
@@ -69,9 +68,10 @@ class LLMEngine:
         self.detokenize = detokenize
         self.source = resolve_model(config.model)
         hf_config = load_hf_config(self.source)
+        device_type = resolve_device(config.device).type
         config = config.replace(
-            max_model_len=resolve_max_model_len(config, hf_config),
-            max_num_batched_tokens=resolve_max_num_batched_tokens(config, resolve_device(config.device).type),
+            max_model_len=limits.resolve_max_model_len(config, hf_config),
+            max_num_batched_tokens=limits.resolve_max_num_batched_tokens(config, device_type),
         )
         self.config = config
         self.tokenizer = load_tokenizer(self.source)
@@ -89,13 +89,14 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_model_len,
             self.eos_token_ids,
-            max_step_time=resolve_max_step_time(config, resolve_device(config.device).type),
+            max_step_time=limits.resolve_max_step_time(config, device_type),
             last_prompt_token_alone=config.enable_prefix_caching,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
-        self.speculator = None if config.speculative == "off" else Speculator(config, measure_step_costs(
-            self.executor.execute_model, self.executor.num_kv_blocks, config.block_size,
-            config.max_num_batched_tokens), exact_rows=exact_rows(self.executor.device))
+        self.speculator = None if config.speculative == "off" else speculation.Speculator(
+            config, speculation.measure_step_costs(self.executor.execute_model, self.executor.num_kv_blocks,
+                                                   config.block_size, config.max_num_batched_tokens),
+            exact_rows=speculation.exact_rows(self.executor.device))
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                            config.grammar_compile_workers, config.grammar_compile_timeout)
         # which row of the runners' persistent block table each running sequence has
@@ -308,8 +309,8 @@ class LLMEngine:
             cached_tokens=seq.num_cached_prompt_tokens or 0,
             times=seq.times,
             index=choice.index,
-            draft_tokens=spec_usage(seq)[0],
-            accepted_draft_tokens=spec_usage(seq)[1],
+            draft_tokens=speculation.spec_usage(seq)[0],
+            accepted_draft_tokens=speculation.spec_usage(seq)[1],
         )
 
     # ---- state ----------------------------------------------------------------------------
@@ -343,7 +344,7 @@ class LLMEngine:
             "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
-            **speculation_stats(self.speculator.counters if self.speculator is not None else None),
+            **speculation.speculation_stats(self.speculator and self.speculator.counters),
             "requests_rejected": 0,
             "uptime_s": time.monotonic() - self.started,
         }

@@ -153,7 +153,8 @@ class Scheduler:
                 break
             if seq.status is not running:  # preempted earlier in this loop
                 continue
-            n = self._chunk(seq, seq.num_computed_tokens, len(seq.token_ids) - seq.num_computed_tokens, budget)
+            done = seq.num_computed_tokens
+            n = self._chunk(seq, done, len(seq.token_ids) - done, budget)
             if n == 0:  # a prefill chunk that no longer fits the step's time
                 continue
             missing = bm.missing_blocks(seq, n)

@@ -19,6 +19,7 @@ import datetime
 import json
 import logging
 import time
+
 import grpc
 
 from kvserve.engine.frontend.async_engine import AsyncEngine, EngineUnavailable, RequestStream
@@ -236,7 +237,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def FlushCache(self, request: common.FlushCacheRequest, context) -> common.FlushCacheResponse:
         if request.timeout_s < 0:
-            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
+            message = f"timeout_s: must be >= 0, got {request.timeout_s}"
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, message)
             return None
         try:
             result = await self._engine.reset_prefix_cache(request.timeout_s)

@@ -12,6 +12,7 @@ import torch
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.core.llm_engine import LLMEngine
 from kvserve.engine.sequence import FinishReason
 from kvserve.testing.engine import with_control_plane
 
@@ -263,3 +264,39 @@ def test_token_budget_below_max_num_seqs_is_refused():
 def test_unknown_engine_option_is_an_error():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM("default", max_num_seq=4)
+
+
+# ---- a step that raises loses nothing: the abort outputs taken for that step come out of the
+# next one (defect: they were dropped, and whoever waited for them waited forever) ----------------
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from kvserve.testing.random_model import write_random_model
+
+    path = write_random_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny"), dtype=torch.float32)
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=32, max_model_len=128))
+    yield eng
+    eng.shutdown()
+
+
+def test_abort_outputs_survive_a_step_that_raises(tiny_engine, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    tiny_engine.add_request("a", [1, 2, 3], params)
+    tiny_engine.add_request("b", [4, 5, 6], params)
+    tiny_engine.step()
+    assert tiny_engine.abort("a")
+
+    def broken(inp):
+        raise RuntimeError("injected device error")
+
+    monkeypatch.setattr(tiny_engine.executor, "execute_model", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        tiny_engine.step()
+    monkeypatch.undo()
+    outputs = {o.request_id: o for o in tiny_engine.step()}
+    assert outputs["a"].finished and outputs["a"].finish_reason == FinishReason.ABORT
+    assert not outputs["b"].finished and outputs["b"].new_token_ids
+    tiny_engine.abort("b")
+    tiny_engine.step()
+    assert not tiny_engine.has_unfinished_requests()
+    assert tiny_engine.block_manager.num_free_blocks == tiny_engine.block_manager.num_blocks

@@ -89,14 +89,19 @@ def test_a_run_ends_at_the_first_token_that_ends_the_sequence():
 
 
 def test_the_last_prompt_token_is_computed_alone_when_asked():
+    """Only for seeded requests (the ones promised the same tokens with or without a cache hit):
+    the others do not wait a step longer for their first token."""
     s = make(alone=True)
-    seq = Sequence("r", list(range(1, 11)), SamplingParams(max_tokens=4))
+    seq = Sequence("r", list(range(1, 11)), SamplingParams(max_tokens=4, seed=7))
     s.add(seq)
     out = s.schedule()
     assert [(x.num_tokens, x.samples) for x in out.scheduled] == [(9, False)]
     s.postprocess(out, [])
     out = s.schedule()
     assert [(x.num_tokens, x.samples) for x in out.scheduled] == [(1, True)]
+    unseeded = make(alone=True)
+    unseeded.add(Sequence("u", list(range(1, 11)), SamplingParams(max_tokens=4)))
+    assert [(x.num_tokens, x.samples) for x in unseeded.schedule().scheduled] == [(10, True)]
 
 
 def test_no_drafts_in_a_step_that_prefills():

@@ -139,7 +139,8 @@ def test_refusals_keep_their_status_and_message_and_the_server_serves_on(vllm):
          f"tokenized.input_ids: {limit} ids leave no room for a completion: a prompt must be shorter "
          f"than max_model_len ({limit} tokens)"),
         (lambda: list(vllm.Generate(pb.GenerateRequest(text="x", data_parallel_rank=2))),
-         grpc.StatusCode.INVALID_ARGUMENT, "data_parallel_rank: kvserve runs one data-parallel rank (0), got 2"),
+         grpc.StatusCode.INVALID_ARGUMENT,
+         "data_parallel_rank: kvserve runs one data-parallel rank (0), got 2"),
         (lambda: vllm.Embed(pb.EmbedRequest()), grpc.StatusCode.UNIMPLEMENTED,
          "Embed: kvserve serves generative models only; it computes no embeddings"),
         (lambda: vllm.FlushCache(common.FlushCacheRequest(timeout_s=-1)), grpc.StatusCode.INVALID_ARGUMENT,

@@ -10,8 +10,8 @@ starts from empty prefix caches (FlushCache). Reported per configuration: the pr
 rate over all requests (cached prompt tokens / prompt tokens, from the responses' usage), TTFT
 p50/p99 (first streamed text, as the OpenAI client sees it) and output tokens per second.
 
-    python -m kvserve.benchmarks.gateway                 # the bundled model
-    python -m kvserve.benchmarks.gateway --model DIR     # any model directory
+    python -m kvserve.benchmarks.serving.gateway                 # the bundled model
+    python -m kvserve.benchmarks.serving.gateway --model DIR     # any model directory
 """
 
 from __future__ import annotations

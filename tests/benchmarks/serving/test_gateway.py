@@ -2,7 +2,7 @@
 figures are in docs/performance/gateway.md): prompts share their prefix per system prompt and
 arrive interleaved."""
 
-from kvserve.benchmarks.gateway import prompts
+from kvserve.benchmarks.serving.gateway import prompts
 
 
 def test_users_of_one_system_prompt_share_its_prefix_and_arrive_interleaved():
