@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from kvserve.cli import build_parser
+from kvserve.engine.core.speculation import speculation_stats
 from kvserve.service.telemetry.metrics import SnapshotCollector
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
@@ -90,7 +91,8 @@ def test_the_endpoint_picker_reads_metric_names_kvserve_exports():
     stats = {"num_running": 0, "num_waiting": 0, "num_queued": 0, "prefix_cache_hit_rate": 0.0,
              "kv_blocks_total": 8, "kv_blocks_free": 8, "kv_block_size": 16, "num_preemptions": 0,
              "prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
-             "prefix_cache_hits": 0, "requests_aborted": 0, "requests_rejected": 0}
+             "prefix_cache_hits": 0, "requests_aborted": 0, "requests_rejected": 0,
+             **speculation_stats(None)}  # speculative decoding's keys, zeros when it is off
     exported = {f.name for f in SnapshotCollector("m", lambda: stats).collect()}
     for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheInfoSpec"):
         assert engine[key].split("{")[0] in exported, key
