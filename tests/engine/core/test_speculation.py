@@ -99,6 +99,7 @@ def test_n_choices_draft_independently_and_a_request_may_turn_speculation_off(ll
     assert llm.stats()["spec_decode_num_draft_tokens"] == drafted
 
 
+@pytest.mark.slow  # ~14 s; `make test` stays under 15 minutes (the other exactness tests stay in it)
 def test_preemption_in_the_middle_of_speculation_recomputes_the_same_tokens(llm, plane):
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     plane(speculative="off")
