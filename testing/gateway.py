@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from kvserve.testing.process import ServerProcess, stop_child
 
 
 def smg_command() -> list[str]:
@@ -117,22 +118,10 @@ class Gateway:
             return json.loads(r.read())
 
     def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_child(self.proc, 30)
 
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+    log_text = ServerProcess.log_text
+    log_tail = ServerProcess.log_tail
 
     def __enter__(self) -> Gateway:
         return self.start()

@@ -17,6 +17,20 @@ _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 _HEALTH_PORT = re.compile(r"health checks \(.*\) on (\S+):(\d+)")
 
 
+def stop_child(proc: subprocess.Popen | None, timeout: float) -> int | None:
+    """SIGTERM and wait (SIGKILL if it hangs); returns the exit status (None: never started)."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class ServerProcess:
     """``with ServerProcess("--dtype", "float32") as srv: Client(srv.target)...``
 
@@ -93,17 +107,7 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
     def stop(self, timeout: float = 120.0) -> int | None:
-        """SIGTERM and wait (SIGKILL if it hangs); returns the exit status."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_child(self.proc, timeout)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
