@@ -36,6 +36,7 @@ from kvserve.engine.frontend.async_engine import (
     EngineState,
 )
 from kvserve.engine.frontend.kv_events import KvEventHub
+from kvserve.engine.process.malloc import return_large_blocks
 from kvserve.service.api.servicer import LLMServicer
 from kvserve.service.api.validation import CacheSalting
 from kvserve.service.guards.limits import ConnectionLimits, StreamLimitInterceptor, StreamLimits
@@ -190,6 +191,7 @@ async def serve(config: EngineConfig, settings: ServeSettings,
     """Run until SIGTERM/SIGINT, then drain; returns the exit status. ``credentials``: the port's
     TLS, ``server_credentials(settings.security)`` (None = plaintext), built by the caller so that
     bad certificate files are refused before the model loads."""
+    return_large_blocks()  # a refused 16 MB message gives its pages back (engine/process/malloc.py)
     health = Health()
     await health.set_serving(False)
     engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,

@@ -14,7 +14,14 @@ from the heap, and the heap is trimmed only when ``TRIM_THRESHOLD`` bytes are fr
 The heap then stays near the peak working set of one step instead of shrinking after each
 layer; memory held by freed activations is reused by the next step, not lost.
 
-Not glibc (musl, macOS): nothing to tune, ``tune_malloc`` returns False.
+The front-end is the opposite case: it does no tensor work, and the only large blocks it sees
+are request messages (up to the 16 MiB receive limit) and what parsing them allocates. With
+glibc's dynamic threshold, one 16 MB message freed raises the threshold past the next one's
+buffers, which then come from a heap or a thread's arena and stay there: five refused 15.9 M-id
+requests grew the front-end by 4-113 MiB, run to run. ``return_large_blocks`` fixes the
+threshold at ``FRONTEND_MMAP_THRESHOLD`` so every such block is mapped and unmapped on free.
+
+Not glibc (musl, macOS): nothing to tune, both return False.
 """
 
 from __future__ import annotations
@@ -27,15 +34,31 @@ M_MMAP_THRESHOLD = -3
 
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for this setting on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 1 << 30
+FRONTEND_MMAP_THRESHOLD = 1 << 20  # above per-request allocations, far below a big message
+
+
+def _mallopt():
+    try:  # the symbols already loaded into this process (libc among them): no ldconfig lookup
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt
 
 
 @functools.cache
 def tune_malloc() -> bool:
-    """Apply the thresholds above to this process's glibc malloc; True when applied."""
-    try:  # the symbols already loaded into this process (libc among them): no ldconfig lookup
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    """Apply the engine's thresholds above to this process's glibc malloc; True when applied."""
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+@functools.cache
+def return_large_blocks() -> bool:
+    """The front-end's setting: blocks of ``FRONTEND_MMAP_THRESHOLD`` or more are mapped on their
+    own and go back to the OS when freed; True when applied."""
+    mallopt = _mallopt()
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, FRONTEND_MMAP_THRESHOLD))
