@@ -76,12 +76,17 @@ def flags() -> tuple[str, ...]:
     return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
 
 
-def build(cc: str) -> Path:
-    """The cached shared object for these sources, compiler and CPU (compiled when missing)."""
+def artifact(cc: str) -> Path:
+    """Where the shared object for these sources, flags, compiler and CPU is cached."""
     parts = [p.read_bytes() for p in sources()]
     parts += [" ".join(flags()).encode(), compiler_version(cc).encode(), cpu_flags().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
+    return cache_dir() / f"cpu_kernels-{key}.so"
+
+
+def build(cc: str) -> Path:
+    """The cached shared object for these sources, compiler and CPU (compiled when missing)."""
+    target = artifact(cc)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

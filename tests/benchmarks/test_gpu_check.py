@@ -30,6 +30,7 @@ def assert_small_output(out: Path, steps: list[str]) -> str:
     return (out / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_throughput_step_leaves_a_summary_and_one_short_log_and_no_scratch(tmp_path):
     done, out, scratch = run_check(tmp_path, "throughput", timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -33,6 +33,7 @@ def tp_server():
         yield server
 
 
+@pytest.mark.slow
 def test_tp3_server_gives_the_single_process_servers_greedy_tokens(tp_server, kvserve_server):
     with Client(tp_server.target) as tp, Client(kvserve_server.target) as single:
         assert tp.stats()["tp_size"] == 3

@@ -200,6 +200,7 @@ def test_abort_of_a_request_with_forks_and_compiles_pending(llm):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow
 def test_constraints_under_tensor_parallelism_give_the_single_process_outputs(llm):
     """Rank 0 masks and samples; the workers only run the model: TP=3 gives TP=1's outputs."""
     prompt = chat(llm, "Describe a fruit as JSON.")

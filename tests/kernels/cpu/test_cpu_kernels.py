@@ -3,6 +3,7 @@ torch backend against the torch-ops path it replaces; the fused elementwise kern
 torch ops they replace; the build, cache and fallback rules."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,15 +166,20 @@ def test_switch_off_by_environment(monkeypatch):
     assert load_kernels.__wrapped__() is None
 
 
-def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+def test_build_is_cached_per_source_and_cpu(monkeypatch):
     cc = cpu_build.compiler()
-    first = cpu_build.build(cc)
-    assert first.parent == tmp_path / "kernels"
-    mtime = first.stat().st_mtime_ns
-    assert cpu_build.build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    assert CpuKernels(first).supports_attention(9, 3, 64)
+    built = cpu_build.build(cc)  # the session's kernels, built (or found) when KERNEL loaded
+    assert built == cpu_build.artifact(cc) and built.parent == cpu_build.cache_dir()
+    mtime = built.stat().st_mtime_ns
+    assert cpu_build.build(cc) == built and built.stat().st_mtime_ns == mtime  # not rebuilt
+    assert CpuKernels(built).supports_attention(9, 3, 64)
     assert not CpuKernels.supports_attention(9, 3, 1024)
+    with monkeypatch.context() as m:  # another CPU: another file (x86-64-v3 and aarch64 builds: slow tests)
+        m.setattr(cpu_build, "cpu_flags", lambda: "flags\t\t: fpu sse2 avx2")
+        assert cpu_build.artifact(cc) != built
+    edited = cpu_build.sources() + [Path(__file__)]  # another source: another file
+    monkeypatch.setattr(cpu_build, "sources", lambda: edited)
+    assert cpu_build.artifact(cc) != built
 
 
 # -- the fused elementwise kernels against the torch ops they replace ------------------------------

@@ -161,8 +161,7 @@ def test_refused_huge_token_id_prompts_leave_no_memory_behind(server):
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "token_ids.ids: 15900000 ids" in e.details() and "max_model_len (256" in e.details()
     after = _status(pid, "VmRSS")
-    # one request's ids as Python ints took ~255 MiB; the message itself is ~61 MiB in memory; with
-    # glibc's dynamic mmap threshold the 16 MB buffers stayed in arenas (4-113 MiB, see return_large_blocks)
+    # ids as Python ints took ~255 MiB a request; kept 16 MB buffers up to 113 (return_large_blocks)
     assert after - baseline < 48 * 1024, f"front-end RSS grew {(after - baseline) / 1024:.0f} MiB"
     _small_generate_works(server)
 

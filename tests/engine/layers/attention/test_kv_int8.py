@@ -136,6 +136,7 @@ def int8_llm():
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_tokens_do_not_depend_on_chunking_or_prefix_hits(int8_llm):
     """Each token's rows are quantized on their own, and a fresh prompt attends over its K/V as
     the cache holds them: a prompt prefilled in chunks, or partly from the prefix cache, gets the
