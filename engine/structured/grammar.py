@@ -209,17 +209,23 @@ class StructuredOutput:
 
     def advance(self, seqs: list[Sequence], runs: list[int] | list[list[int]]) -> list[Sequence]:
         """Feed each constrained sequence's new tokens to its matcher: per sampling sequence one
-        sampled token, or the run its verification kept. Returns the sequences whose grammar
-        refused one: a dead end, where the mask allowed no token of this vocabulary at all (e.g. a
-        vocabulary that cannot spell the next character the grammar needs)."""
+        sampled token, or the run its verification kept (up to the grammar's stop token, where the
+        sequence ends). Returns the sequences whose grammar refused one: a dead end, where the mask
+        allowed no token of this vocabulary at all (e.g. a vocabulary that cannot spell the next
+        character the grammar needs)."""
         if not self._matchers:
             return []
         refused = []
         for seq, run in zip(seqs, runs, strict=True):
             matcher = self._matchers.get(seq.seq_id)
-            tokens = [run] if isinstance(run, int) else run
-            if matcher is not None and not all(map(matcher.accept_token, tokens)):
-                refused.append(seq)
+            if matcher is None:
+                continue
+            for i, token in enumerate([run] if isinstance(run, int) else run):
+                if i and matcher.is_terminated():  # a drafted stop token ended the run: the rest is dropped
+                    break
+                if not matcher.accept_token(token):
+                    refused.append(seq)
+                    break
         return refused
 
     def _bitmask_rows(self, rows: int) -> torch.Tensor:
