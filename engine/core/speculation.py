@@ -5,10 +5,10 @@
 for candidates, a structured-output sequence its grammar (the forced tokens composed with the
 n-gram drafts, every draft allowed by the grammar: ``structured/drafts.py``), and
 ``policy.allocate`` decides how many of them the step verifies from the step-cost table that
-``measure_step_costs`` took at start-up. The
-scheduler then fits them to the budget and blocks (``Scheduler._schedule_drafts``). After the
-model ran, ``runs`` turns the sampled rows into each sequence's kept tokens (sample-then-match,
-``spec_decode/verify.py``) and counts drafted and accepted tokens, per request and in total.
+``measure_step_costs`` took at start-up. The scheduler then fits them to the budget and blocks
+(``Scheduler._schedule_drafts``). After the model ran, ``runs`` turns the sampled rows into each
+sequence's kept tokens (sample-then-match, ``spec_decode/verify.py``) and counts drafted and
+accepted tokens, per request and in total.
 """
 
 from __future__ import annotations
