@@ -10,7 +10,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_MODEL_LEN = 8192  # the cap on a model's own limit when max_model_len is not given
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "grammar", "all")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 32
 QUANTIZATIONS = ("int8", "int4")  # quantized weights, CPU (engine/layers/quantization.py)
@@ -47,7 +47,8 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port is chosen
     tp_channel: str = "auto"  # "shm" (one machine), "dist" (torch.distributed), "auto"
-    # speculative decoding without a draft model (engine/spec_decode/): "ngram" (prompt lookup) or "off"
+    # speculative decoding without a draft model (engine/spec_decode/): "ngram" (prompt lookup; a
+    # constrained request's cut to its grammar), "grammar" (a constraint's forced tokens), "all" or "off"
     speculative: str = "off"
     num_speculative_tokens: int = 5  # the most draft tokens a sequence verifies in one step
     prompt_lookup_min: int = 2  # shortest suffix n-gram the drafter matches

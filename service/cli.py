@@ -86,8 +86,11 @@ HELP = {
                    "prompt and output (prompt lookup), verified by sampling each drafted position and "
                    "keeping the drafts while they match, so the tokens are those of plain decoding; the "
                    "draft length is chosen per step from step costs measured at start-up "
-                   "(docs/serving/speculative.md); off = none",
-    "num_speculative_tokens": "most draft tokens a request verifies in one step (--speculative ngram)",
+                   "(docs/serving/speculative.md); grammar = a structured-output request's forced "
+                   "tokens (the text its constraint leaves no choice about); all = both, composed "
+                   "(n-gram drafts of a constrained request are cut to what its grammar allows); "
+                   "off = none",
+    "num_speculative_tokens": "most draft tokens a request verifies in one step (--speculative not off)",
     "prompt_lookup_min": "shortest suffix n-gram the prompt-lookup drafter matches",
     "prompt_lookup_max": "longest suffix n-gram the prompt-lookup drafter matches (tried first)",
 }

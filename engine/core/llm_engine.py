@@ -238,7 +238,7 @@ class LLMEngine:
             self._admit_compiled()
         started = time.perf_counter()  # the step's wall time trains the scheduler's time bound
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.structured.is_constrained)
+            self.speculator.propose(self.scheduler.running, self.structured)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
@@ -250,14 +250,14 @@ class LLMEngine:
         rows, counts = sampling_rows(sched.scheduled)  # a row per sequence, and one per draft
         self.structured.mask_logits(logits, rows)
         sampled = self.sampler(logits, rows)
-        for seq in self.structured.advance(rows, sampled.token_ids):
+        runs = sampled.token_ids if len(rows) == len(sampling) else self.speculator.runs(sched.scheduled,
+                                                                                          sampled.token_ids)
+        for seq in self.structured.advance(sampling, runs):
             log.warning("request %s: its constraint allows no token of this vocabulary here; aborting "
                         "it after %d tokens", seq.request_id, seq.num_completion_tokens)
             self.scheduler.finish(seq, FinishReason.ABORT)
         if self._forks:
             self._fork_prefilled(sampling)
-        runs = sampled.token_ids if len(rows) == len(sampling) else self.speculator.runs(sched.scheduled,
-                                                                                          sampled.token_ids)
         before = [seq.num_tokens for seq in sampling]
         self.scheduler.postprocess(sched, runs)  # the same sampling_seqs (cached)
         first_row = 0

@@ -1,12 +1,14 @@
 """The engine core's side of speculative decoding: drafts before a step, verification after it.
 
 ``Speculator.propose`` runs before the scheduler: each running decode sequence that may draft
-(the server's mode, the request's ``speculative`` and ``max_draft_tokens``, no structured-output
-constraint) asks its n-gram index for candidates, and ``policy.allocate`` decides how many of them
-the step verifies from the step-cost table that ``measure_step_costs`` took at start-up. The
-scheduler then fits them to the budget and blocks (``Scheduler._schedule_drafts``). After the
-model ran, ``runs`` turns the sampled rows into each sequence's kept tokens (sample-then-match,
-``spec_decode/verify.py``) and counts drafted and accepted tokens, per request and in total.
+(the server's mode, the request's ``speculative`` and ``max_draft_tokens``) asks its n-gram index
+for candidates, a structured-output sequence its grammar (the forced tokens composed with the
+n-gram drafts, every draft allowed by the grammar: ``structured/drafts.py``), and
+``policy.allocate`` decides how many of them the step verifies from the step-cost table that
+``measure_step_costs`` took at start-up. The scheduler then fits them to the budget and blocks
+(``Scheduler._schedule_drafts``). After the model ran, ``runs`` turns the sampled rows into each
+sequence's kept tokens (sample-then-match, ``spec_decode/verify.py``) and counts drafted and
+accepted tokens, per request and in total.
 """
 
 from __future__ import annotations
@@ -36,26 +38,35 @@ class Speculator:
     def __init__(self, config: EngineConfig, costs: StepCosts, exact_rows: int | None = None):
         self.exact_rows = exact_rows
         self.max_drafts = config.num_speculative_tokens
+        # the draft sources of the mode: n-gram drafts (every sequence), forced tokens (constrained ones)
+        mode = config.speculative
+        self.ngram, self.forced = mode in ("ngram", "all"), mode in ("grammar", "all")
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.costs = costs
         # vLLM's spec-decode counters (kvserve_spec_decode_* in Prometheus)
         self.counters = dict.fromkeys(SPEC_COUNTERS, 0)
 
-    def propose(self, running: list[Sequence], constrained) -> None:
-        """Set each running sequence's ``draft_token_ids`` for the next step (most get none)."""
-        candidates: list[tuple[float, int]] = []
+    def propose(self, running: list[Sequence], grammar=None) -> None:
+        """Set each running sequence's ``draft_token_ids`` for the next step (most get none);
+        ``grammar``: the engine's ``StructuredOutput``, which drafts for constrained sequences."""
+        candidates: list[tuple[list[float], int]] = []
         drafting: list[tuple[Sequence, list[int]]] = []
         for seq in running:
             seq.draft_token_ids = []
             cap = self._cap(seq)
             decoding = seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1
-            if not cap or not decoding or constrained(seq):
+            constrained = grammar is not None and grammar.is_constrained(seq)
+            if not cap or not decoding or not (self.ngram or constrained):
                 continue
             if seq.spec is None:
                 seq.spec = SpecState(NgramIndex(self.min_n, self.max_n))
-            drafts, _ = seq.spec.index.propose(seq.token_ids, cap)
+            if constrained:
+                drafts, seq.spec.forced = grammar.draft(seq, cap, seq.spec.index if self.ngram else None,
+                                                        self.forced)
+            else:
+                (drafts, _), seq.spec.forced = seq.spec.index.propose(seq.token_ids, cap), 0
             if drafts:
-                candidates.append((seq.spec.acceptance, len(drafts)))
+                candidates.append((seq.spec.rates(len(drafts)), len(drafts)))
                 drafting.append((seq, drafts))
         if not drafting:
             return

@@ -4,7 +4,9 @@
 incremental index per request, nothing shared across requests); ``policy`` decides how many of
 them each step verifies (from the step-cost table measured at start-up and each request's
 acceptance so far); ``verify`` lays the drafted positions out as sampling rows and keeps the
-drafts that the sampled tokens confirm (sample-then-match, lossless). The engine core
+drafts that the sampled tokens confirm (sample-then-match, lossless). A structured-output
+request's drafts (its grammar's forced tokens, composed with the n-gram ones) and the mask rows
+that verify them live with the grammar matchers, in ``structured/drafts.py``. The engine core
 (``core/llm_engine.py``) drives them; the scheduler only sees how many draft tokens a decode
 sequence brings (``Sequence.draft_token_ids``).
 """

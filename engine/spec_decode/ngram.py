@@ -33,13 +33,18 @@ class NgramIndex:
                 table.update(zip(map(hash, grams), range(first, end), strict=True))  # later occurrences win
         self._indexed = end
 
-    def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+    def propose(self, tokens: list[int], k: int, after: list[int] | None = None) -> tuple[list[int], int]:
         """Up to ``k`` draft tokens for what follows ``tokens``, and the n-gram length that matched
-        (0 and no drafts when no suffix of min_n..max_n tokens occurred before)."""
+        (0 and no drafts when no suffix of min_n..max_n tokens occurred before).
+
+        ``after``: tokens not committed yet (a grammar's forced tokens) that come after ``tokens``:
+        the suffix matched ends with them, but only ``tokens`` enter the index, and the proposal
+        stops where ``tokens`` end."""
         self.extend(tokens)
-        end = len(tokens)
+        context = tokens[-self.max_n :] + after if after else tokens
+        end = len(tokens) + len(after or ())
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            follower = self._followers[n - self.min_n].get(hash(tuple(tokens[end - n :])))
+            follower = self._followers[n - self.min_n].get(hash(tuple(context[len(context) - n :])))
             if follower is not None:
                 return tokens[follower : follower + k], n
         return [], 0

@@ -12,8 +12,10 @@ and the allowed-token bitmask applied to the logits before the sampler sees them
   ``take_compiled`` returns it, so prefill and decode steps of other requests go on meanwhile;
   ``cancel`` stops the compile of a request that went away.
   Each constrained sequence then has a ``GrammarMatcher``; every step, ``mask_logits`` fills
-  the bitmask rows of the constrained sequences (batched: one bitmask, one in-place apply)
-  and ``advance`` feeds each sampled token to its matcher.
+  the bitmask rows of the constrained sequences (batched: one bitmask, one in-place apply; a
+  verification's draft rows each with the state after its drafts) and ``advance`` feeds each
+  sequence's kept tokens to its matcher. ``draft`` proposes a constrained sequence's speculative
+  drafts (the grammar's forced tokens, composed with n-gram drafts: ``drafts.py``).
 
 The engine's EOS ids are the grammar's stop tokens: the mask allows EOS only where the output
 is complete. A matcher only moves when a token is sampled, never when KV is recomputed, so its
@@ -33,6 +35,7 @@ import xgrammar as xgr
 
 from kvserve.engine.constraints import Constraint
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.structured import drafts
 from kvserve.engine.structured.compile_worker import CompileCancelled, CompileWorker, choice_grammar
 
 GRAMMAR_CACHE_SIZE = 64
@@ -123,6 +126,7 @@ class StructuredOutput:
         self._compiling: list[_Compiling] = []
         self._matchers: dict[int, xgr.GrammarMatcher] = {}
         self._bitmask: torch.Tensor | None = None
+        self._forced_text = drafts.ForcedText(tokenizer)
 
     # ---- compiling, off the engine's loop ---------------------------------------------------------
     @property
@@ -174,8 +178,15 @@ class StructuredOutput:
 
     # ---- matchers ----------------------------------------------------------------------------------
     def is_constrained(self, seq: Sequence) -> bool:
-        """Whether ``seq`` samples under a grammar (such sequences do not draft)."""
+        """Whether ``seq`` samples under a grammar (its drafts come from ``draft``)."""
         return seq.seq_id in self._matchers
+
+    def draft(self, seq: Sequence, cap: int, index, forced: bool) -> tuple[list[int], int]:
+        """(up to ``cap`` drafts, how many lead as forced tokens) for a constrained sequence, every
+        one allowed by its grammar in turn: ``forced`` whether the grammar's forced tokens take
+        part, ``index`` the sequence's n-gram index (None: no n-gram drafts)."""
+        return drafts.propose(self._matchers[seq.seq_id], self._forced_text if forced else None, index,
+                              seq.token_ids, cap)
 
     def attach(self, seq: Sequence, grammar: xgr.CompiledGrammar) -> None:
         self._matchers[seq.seq_id] = xgr.GrammarMatcher(grammar)
@@ -183,31 +194,38 @@ class StructuredOutput:
     def detach(self, seq: Sequence) -> None:
         self._matchers.pop(seq.seq_id, None)
 
-    def mask_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Set to -inf, in place, every logit a constrained row's grammar does not allow next."""
+    def mask_logits(self, logits: torch.Tensor, seqs: list) -> None:
+        """Set to -inf, in place, every logit a constrained row's grammar does not allow next
+        (``seqs``: the sampling rows, a verification's draft rows included)."""
         if not self._matchers:
             return
-        rows = [i for i, s in enumerate(seqs) if s.seq_id in self._matchers]
+        bitmask = self._bitmask_rows(len(seqs))
+        rows = drafts.fill_rows(self._matchers, bitmask, seqs)
         if not rows:
             return
-        bitmask = self._bitmask_rows(len(seqs))
-        for i in rows:
-            self._matchers[seqs[i].seq_id].fill_next_token_bitmask(bitmask, i)
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
-    def advance(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Feed each constrained row's sampled token to its matcher. Returns the sequences whose
-        grammar refused it: a dead end, where the mask allowed no token of this vocabulary at all
-        (e.g. a vocabulary that cannot spell the next character the grammar needs)."""
+    def advance(self, seqs: list[Sequence], runs: list[int] | list[list[int]]) -> list[Sequence]:
+        """Feed each constrained sequence's new tokens to its matcher: per sampling sequence one
+        sampled token, or the run its verification kept (up to the grammar's stop token, where the
+        sequence ends). Returns the sequences whose grammar refused one: a dead end, where the mask
+        allowed no token of this vocabulary at all (e.g. a vocabulary that cannot spell the next
+        character the grammar needs)."""
         if not self._matchers:
             return []
         refused = []
-        for seq, token in zip(seqs, token_ids, strict=True):
+        for seq, run in zip(seqs, runs, strict=True):
             matcher = self._matchers.get(seq.seq_id)
-            if matcher is not None and not matcher.accept_token(token):
-                refused.append(seq)
+            if matcher is None:
+                continue
+            for i, token in enumerate([run] if isinstance(run, int) else run):
+                if i and matcher.is_terminated():  # a drafted stop token ended the run: the rest is dropped
+                    break
+                if not matcher.accept_token(token):
+                    refused.append(seq)
+                    break
         return refused
 
     def _bitmask_rows(self, rows: int) -> torch.Tensor:

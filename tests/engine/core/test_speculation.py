@@ -1,17 +1,26 @@
 """Speculative decoding end to end on the default model in float32: with n-gram drafts on, every
 request gives the tokens and log-probabilities it gives with them off (greedy and seeded sampling,
 penalties, top-k/p, min-p, stop strings, max_tokens, n > 1), drafts are actually verified and
-accepted, and every KV block is free at the end. Also the seeded-request property speculation
-relies on: the same seed and prompt give the same tokens whether the prompt was cached or not."""
+accepted, and every KV block is free at the end. Constrained (JSON schema) requests draft too (the
+grammar's forced tokens and n-gram drafts, ``structured/drafts.py``), with the same tokens and
+log-probabilities as without, and never verify a draft their grammar forbids. Also the
+seeded-request property speculation relies on: the same seed and prompt give the same tokens
+whether the prompt was cached or not."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 
 import pytest
+import xgrammar as xgr
 
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.constraints import constraint_of
 from kvserve.engine.sequence import FinishReason
+from kvserve.engine.spec_decode.ngram import NgramIndex
+from kvserve.engine.structured.drafts import valid_prefix
 from kvserve.testing.engine import with_control_plane
 
 SOURCE = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
@@ -26,6 +35,13 @@ SAMPLINGS = {
                              repetition_penalty=1.05, presence_penalty=0.2, frequency_penalty=0.1,
                              logprobs=2),
 }
+
+SCHEMA = json.dumps({"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "color": {"enum": ["red", "green", "yellow"]},
+    "count": {"type": "integer"}}, "required": ["name", "color", "count"], "additionalProperties": False})
+# the prompt's JSON says "colour" where the schema wants "color": copied n-gram drafts meet the grammar
+JSON_TASKS = ["Describe a fruit as JSON.", 'Copy this JSON: {"name": "Kiwi", "colour": "green", "count": 7}',
+              "Give me a JSON fruit with a name, a color and a count."]
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +139,84 @@ def test_same_seed_same_tokens_with_and_without_a_prefix_cache_hit(llm, plane):
     outs = [llm.generate([ids], params, use_tqdm=False)[0] for _ in range(4)]
     assert [o.cached_tokens for o in outs] == [0, 32, 32, 32]
     assert all(o.token_ids == outs[0].token_ids for o in outs)
+
+
+def _chat(llm, text: str) -> list[int]:
+    return llm.engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+def _assert_nothing_left(llm, blocks: int | None = None) -> None:
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == (blocks or stats["kv_blocks_total"])
+    llm.engine.block_manager.check_integrity()
+    assert not llm.engine.requests and not llm.engine.structured._matchers
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLINGS))
+def test_constrained_requests_draft_and_keep_the_tokens_and_logprobs_of_plain_decoding(llm, plane, kind):
+    params = dataclasses.replace(SAMPLINGS[kind], json_schema=SCHEMA)
+    prompts = [_chat(llm, t) for t in JSON_TASKS[:2]]
+    plane(speculative="off")
+    plain = [_generate(llm, [p], params)[0] for p in prompts]
+    plane(speculative="all")
+    spec = [_generate(llm, [p], params)[0] for p in prompts]
+    stats = llm.stats()
+    assert spec == plain
+    assert [s[2] for s in spec] == [FinishReason.STOP] * 2  # complete JSON, ended by the grammar's EOS
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    _assert_nothing_left(llm)
+
+
+def test_a_draft_the_grammar_forbids_is_never_verified(llm, plane):
+    """The prompt-lookup drafts copy the prompt's "colour" and its end-of-turn token (and what follows
+    it): every draft sequence verified is one the grammar accepts in turn at its position."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, json_schema=SCHEMA, logprobs=1)
+    prompt = _chat(llm, JSON_TASKS[1])
+    plane(speculative="off")
+    plain = _generate(llm, [prompt], params)[0]
+    plane(speculative="ngram")
+    verified, runs = [], llm.engine.speculator.runs
+    llm.engine.speculator.runs = lambda scheduled, rows: (
+        verified.extend((s.seq.num_tokens, s.drafts) for s in scheduled if s.drafts) or runs(scheduled, rows))
+    out = _generate(llm, [prompt], params)[0]
+    assert out == plain and out[2] == FinishReason.STOP
+    assert verified and any(set(d) & set(llm.engine.eos_token_ids) for _, d in verified)  # a drafted EOS
+    tokens = prompt + out[0]
+    grammar = llm.engine.structured.compile(constraint_of(params))
+    for end, drafts in verified:
+        matcher = xgr.GrammarMatcher(grammar)
+        assert all(map(matcher.accept_token, tokens[len(prompt) : end]))
+        assert valid_prefix(matcher, drafts) == len(drafts)
+    # and the n-gram index did propose drafts the grammar refuses: the cut is what kept them out
+    matcher, index, refused = xgr.GrammarMatcher(grammar), NgramIndex(2, 5), 0
+    for end in range(len(prompt), len(tokens)):
+        raw, _ = index.propose(tokens[:end], 5)
+        refused += valid_prefix(matcher, raw) < len(raw)
+        matcher.accept_token(tokens[end])
+    assert refused > 0
+    _assert_nothing_left(llm)
+
+
+def test_preemption_and_abort_of_constrained_drafting_sequences_leave_no_matcher_or_block(llm, plane):
+    params = SamplingParams(temperature=0.0, max_tokens=40, json_schema=SCHEMA)
+    prompts = [_chat(llm, t) for t in JSON_TASKS]
+    plane(speculative="off")
+    alone = [_generate(llm, [p], params)[0][0] for p in prompts]
+    # the prompts take 10 blocks of 16 tokens, and their JSON needs 2 more: someone must yield
+    plane(speculative="all", num_kv_blocks=10)
+    squeezed = [o[0] for o in _generate(llm, prompts, params)]
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert squeezed == alone
+    _assert_nothing_left(llm, blocks=10)
+    plane(speculative="all")
+    eng = llm.engine
+    eng.add_request("drafting", prompts[0], params)
+    for _ in range(20):  # until a verification ran, then abort in the middle of the output
+        eng.step()
+        if eng.speculator.counters["spec_decode_num_draft_tokens"]:
+            break
+    assert eng.structured._matchers and eng.requests
+    assert eng.abort("drafting")
+    assert [o.finish_reason for o in eng.step()] == [FinishReason.ABORT]
+    _assert_nothing_left(llm)

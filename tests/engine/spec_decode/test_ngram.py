@@ -41,3 +41,12 @@ def test_copied_text_is_proposed_and_fresh_text_is_not():
 def test_bad_lengths_are_refused():
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramIndex(3, 2)
+
+
+def test_uncommitted_tokens_after_the_context_extend_the_match_but_not_the_index():
+    index = NgramIndex(2, 3)
+    tokens = [5, 6, 7, 8, 9, 1, 2]
+    assert index.propose(tokens, 3, after=[5, 6]) == ([7, 8, 9], 2)  # matched on the forced [5, 6]
+    assert index.propose(tokens, 3, after=[6, 7, 8]) == ([9, 1, 2], 3)
+    assert index.propose(tokens + [5, 6], 3) == ([7, 8, 9], 2)  # the index took only committed tokens
+    assert index.propose(tokens, 3, after=[4, 4]) == ([], 0)

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from kvserve.engine.spec_decode.ngram import NgramIndex
-from kvserve.engine.spec_decode.policy import INITIAL_ACCEPTANCE, SpecState, StepCosts, allocate
+from kvserve.engine.spec_decode.policy import (
+    INITIAL_ACCEPTANCE,
+    INITIAL_FORCED_ACCEPTANCE,
+    SpecState,
+    StepCosts,
+    allocate,
+)
 
 CPU_LIKE = StepCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4, 9: 2.5, 32: 8.0})
 
@@ -43,3 +49,13 @@ def test_drafts_keep_a_step_within_the_rows_computed_exactly():
     flat = StepCosts({1: 1.0, 64: 1.0})
     assert sum(allocate(flat, 3, [(0.9, 5), (0.9, 5)], max_rows=8)) == 5
     assert sum(allocate(flat, 3, [(0.9, 5), (0.9, 5)])) == 10
+
+
+def test_forced_drafts_have_their_own_acceptance():
+    state = SpecState(NgramIndex(2, 3))
+    state.forced = 2
+    assert state.rates(4) == [INITIAL_FORCED_ACCEPTANCE] * 2 + [INITIAL_ACCEPTANCE] * 2
+    state.record(4, 2)  # both forced kept, the first n-gram draft rejected
+    assert state.forced_acceptance > INITIAL_FORCED_ACCEPTANCE and state.acceptance < INITIAL_ACCEPTANCE
+    # per-position rates: a sure first draft before weak ones is worth one row, not three
+    assert allocate(CPU_LIKE, 1, [([1.0, 0.05, 0.05], 3)]) == [1]
