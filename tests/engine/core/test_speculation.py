@@ -67,14 +67,20 @@ def _generate(llm, prompts, params):
             for o in outs]
 
 
+def _off_and_on(llm, plane, prompts, params, mode: str, together: bool = False, **config):
+    """Each prompt alone without speculation, then with ``mode`` in an engine built with ``config``
+    (each prompt alone, or all at once); (the plain outputs, the speculative ones, the stats after)."""
+    plane(speculative="off")
+    plain = [_generate(llm, [p], params)[0] for p in prompts]
+    plane(speculative=mode, **config)
+    spec = _generate(llm, prompts, params) if together else [_generate(llm, [p], params)[0] for p in prompts]
+    return plain, spec, llm.stats()
+
+
 @pytest.mark.parametrize("kind", sorted(SAMPLINGS))
 def test_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(llm, plane, kind):
     params = SAMPLINGS[kind]
-    plane(speculative="off")
-    plain = [_generate(llm, [p], params)[0] for p in PROMPTS]
-    plane(speculative="ngram")
-    spec = [_generate(llm, [p], params)[0] for p in PROMPTS]
-    stats = llm.stats()
+    plain, spec, stats = _off_and_on(llm, plane, PROMPTS, params, "ngram")
     assert spec == plain
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
@@ -118,12 +124,9 @@ def test_n_choices_draft_independently_and_a_request_may_turn_speculation_off(ll
 @pytest.mark.slow  # ~14 s; `make test` stays under 15 minutes (the other exactness tests stay in it)
 def test_preemption_in_the_middle_of_speculation_recomputes_the_same_tokens(llm, plane):
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    plane(speculative="off")
-    alone = [_generate(llm, [p], params)[0][0] for p in PROMPTS]
     # the prompts take 7 of 9 blocks (block size 16) and need 16 at the end: someone must yield
-    plane(speculative="ngram", num_kv_blocks=9)
-    squeezed = [o[0] for o in _generate(llm, PROMPTS, params)]
-    stats = llm.stats()
+    plain, spec, stats = _off_and_on(llm, plane, PROMPTS, params, "ngram", together=True, num_kv_blocks=9)
+    alone, squeezed = [o[0] for o in plain], [o[0] for o in spec]  # the tokens
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
     assert squeezed == alone
     assert stats["kv_blocks_free"] == 9
@@ -156,11 +159,7 @@ def _assert_nothing_left(llm, blocks: int | None = None) -> None:
 def test_constrained_requests_draft_and_keep_the_tokens_and_logprobs_of_plain_decoding(llm, plane, kind):
     params = dataclasses.replace(SAMPLINGS[kind], json_schema=SCHEMA)
     prompts = [_chat(llm, t) for t in JSON_TASKS[:2]]
-    plane(speculative="off")
-    plain = [_generate(llm, [p], params)[0] for p in prompts]
-    plane(speculative="all")
-    spec = [_generate(llm, [p], params)[0] for p in prompts]
-    stats = llm.stats()
+    plain, spec, stats = _off_and_on(llm, plane, prompts, params, "all")
     assert spec == plain
     assert [s[2] for s in spec] == [FinishReason.STOP] * 2  # complete JSON, ended by the grammar's EOS
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
@@ -200,12 +199,9 @@ def test_a_draft_the_grammar_forbids_is_never_verified(llm, plane):
 def test_preemption_and_abort_of_constrained_drafting_sequences_leave_no_matcher_or_block(llm, plane):
     params = SamplingParams(temperature=0.0, max_tokens=40, json_schema=SCHEMA)
     prompts = [_chat(llm, t) for t in JSON_TASKS]
-    plane(speculative="off")
-    alone = [_generate(llm, [p], params)[0][0] for p in prompts]
     # the prompts take 10 blocks of 16 tokens, and their JSON needs 2 more: someone must yield
-    plane(speculative="all", num_kv_blocks=10)
-    squeezed = [o[0] for o in _generate(llm, prompts, params)]
-    stats = llm.stats()
+    plain, spec, stats = _off_and_on(llm, plane, prompts, params, "all", together=True, num_kv_blocks=10)
+    alone, squeezed = [o[0] for o in plain], [o[0] for o in spec]  # the tokens
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert squeezed == alone
     _assert_nothing_left(llm, blocks=10)
