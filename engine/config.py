@@ -108,12 +108,11 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-# A step's token budget when none is given, by device. On the CPU it was 512 while nothing else
-# kept a step short; since the step time bound (below) cuts chunks to fit a running stream's gap,
-# 2,048 served issue 25's workload better on the 2-core development machine (96 requests at
-# concurrency 32, alternating runs: 213-230 vs 135-213 tok/s, TTFT p99 6.2-7.0 vs 8.0-8.7 s,
-# inter-token p99 532-575 vs 563-628 ms; docs/performance/tuning.md). GPUs keep vLLM's 2,048.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 2048}
+# A step's token budget when none is given, by device. On the 2-core CPU, chunks of 512 tokens
+# beside the running decodes gave about 0.4x the median first-token latency and a third of the
+# worst inter-token gap that 2,048-token chunks gave, at equal or better throughput (served, 96
+# requests at concurrency 32, docs/performance/tuning.md); GPUs keep vLLM's 2,048.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
 def resolve_max_num_batched_tokens(config: EngineConfig, device_type: str) -> int:

@@ -55,8 +55,8 @@ HELP = {
                   "auto picks",
     "tensor_parallel_size": "tensor-parallel ranks",
     "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens); default: 2048 "
-                              "(and at least --max-num-seqs; docs/performance/tuning.md)",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens); default: 512 on "
+                              "the CPU, 2048 on a GPU (docs/performance/tuning.md)",
     "max_step_time_ms": "time bound of one step, the gap running streams see between tokens: prefill chunks "
                         "shrink so that a step's predicted time (a model fitted to the steps that ran) stays "
                         "under it (where decodes alone take longer, a prefill chunk may take as long again); "

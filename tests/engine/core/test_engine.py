@@ -89,8 +89,8 @@ def test_greedy_matches_transformers(llm, prompts, hf_default_model):
 def test_an_engine_on_the_cpu_resolves_the_default_token_budget():
     llm = LLM("default", dtype="float32", num_kv_blocks=16, max_model_len=256)
     try:
-        assert llm.engine.config.max_num_batched_tokens == 2048  # unset: the default
-        assert llm.engine.scheduler.max_num_batched_tokens == 2048
+        assert llm.engine.config.max_num_batched_tokens == 512  # unset: the CPU's default
+        assert llm.engine.scheduler.max_num_batched_tokens == 512
     finally:
         llm.shutdown()
 
