@@ -156,13 +156,13 @@ def test_refused_huge_token_id_prompts_leave_no_memory_behind(server):
 
         first = refused()  # warms up whatever a large message allocates once
         baseline = _status(pid, "VmRSS")
-        errors = [refused() for _ in range(5)]
+        errors = [refused() for _ in range(10)]
     for e in [first, *errors]:
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "token_ids.ids: 15900000 ids" in e.details() and "max_model_len (256" in e.details()
     after = _status(pid, "VmRSS")
-    # ids as Python ints took ~255 MiB a request; kept 16 MB buffers up to 113 (return_large_blocks)
-    assert after - baseline < 48 * 1024, f"front-end RSS grew {(after - baseline) / 1024:.0f} MiB"
+    # 10 requests kept: >= 159 MiB (15.9 MB bytes each); allocators kept up to 113 of transient blocks
+    assert after - baseline < 128 * 1024, f"front-end RSS grew {(after - baseline) / 1024:.0f} MiB"
     _small_generate_works(server)
 
 
