@@ -13,7 +13,7 @@ def tiny_llama(tmp_path_factory):
     return str(write_random_model("llama-tiny", tmp_path_factory.mktemp("llama-tiny")))
 
 
-@pytest.mark.parametrize("peer", ["hf", "hf-batch"])
+@pytest.mark.parametrize("peer", ["hf", pytest.param("hf-batch", marks=pytest.mark.slow)])  # (15 min suite)
 def test_offline_benchmark_prints_throughput_ceiling_and_ratio(tiny_llama, peer, capsys, tmp_path):
     figures = offline.main(
         [
