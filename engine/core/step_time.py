@@ -13,19 +13,27 @@ every key up to its own position):
 
 fitted by least squares over the recent steps (older ones weigh less, so the fit follows the
 machine's speed), after every step the engine runs. The scheduler asks it how many prefill
-tokens still fit under ``max_step_time`` at a given position; until enough steps have been seen
-it answers "no limit" and the token budget alone applies. Plain Python, no torch.
+tokens still fit under ``max_step_time`` at a given position. Until ``MIN_STEPS`` steps have been
+seen (too few to tell the three parts apart) it bounds with one part, seconds per token fitted
+through the origin: a step's fixed part is then charged to its tokens, which overstates what
+further tokens cost, so the first steps err on the short side. Without that, a burst that comes
+right after start-up ran its first steps unbounded (a 48-prompt burst at budget 2048: 2 s gaps).
+Plain Python, no torch.
 """
 
 from __future__ import annotations
 
 import math
 
-MIN_STEPS = 8  # steps seen before the model limits anything
+MIN_STEPS = 8  # steps seen before the three-part fit (before it: seconds per token alone)
 MIN_PREFILL_CHUNK = 32  # prefill tokens a step may always take: waiting prompts always progress
 DECAY = 0.97  # weight of a step relative to the next one (an effective window of ~33 steps)
 _TOKEN_UNIT = 1e3  # features scaled to similar magnitudes for the 3x3 solve
 _PAIR_UNIT = 1e6
+# the feature subsets tried: all three, else the best-fitting smaller model; before MIN_STEPS only
+# seconds per token (features: 0 the fixed part, 1 tokens, 2 attended pairs)
+FULL_FIT = ((0, 1, 2), (1, 2), (0, 1), (1,), (2,))
+PER_TOKEN_FIT = ((1,),)
 
 
 def attended_pairs(position: int, num_tokens: int) -> int:
@@ -55,15 +63,14 @@ class StepTimeModel:
             for j in range(3):
                 row[j] = row[j] * DECAY + x[i] * x[j]
         self.steps_seen += 1
-        if self.steps_seen >= MIN_STEPS:
-            self.coef = self._fit()
+        self.coef = self._fit(FULL_FIT if self.steps_seen >= MIN_STEPS else PER_TOKEN_FIT)
 
-    def _fit(self) -> tuple[float, float, float] | None:
-        """Non-negative least squares over three features: the full fit, else the best fit of the
-        subsets whose coefficients are all >= 0 (a small ridge keeps steps that never varied a
-        feature solvable)."""
+    def _fit(self, subsets: tuple[tuple[int, ...], ...]) -> tuple[float, float, float] | None:
+        """Non-negative least squares over the features: of ``subsets``, the fit with the smallest
+        residual among those whose coefficients are all >= 0 (a small ridge keeps steps that never
+        varied a feature solvable)."""
         best, best_err = None, math.inf
-        for keep in ((0, 1, 2), (1, 2), (0, 1), (1,), (2,)):
+        for keep in subsets:
             sol = _solve([[self._sxx[i][j] for j in keep] for i in keep], [self._sxy[i] for i in keep])
             if sol is None or min(sol) < 0:
                 continue

@@ -48,11 +48,18 @@ def test_fit_recovers_the_cost_of_steps():
     assert noisy.predict(512, late) == pytest.approx(cost(512, late), rel=0.15)
 
 
-def test_no_limit_before_enough_steps():
+def test_first_steps_bound_by_seconds_per_token():
     m = StepTimeModel(0.5)
-    for _ in range(MIN_STEPS - 1):
-        m.observe(100, 10_000, 0.1)
-    assert m.coef is None and m.prefill_tokens_within(0.0, 5000, 512) == 512
+    assert m.coef is None and m.prefill_tokens_within(0.0, 5000, 512) == 512  # nothing seen: no limit
+    # right after start-up (a burst of prompts): 512 tokens took 1 s, so the next chunk is cut
+    # to what that rate says fits, before the three-part fit has steps enough to tell parts apart
+    m.observe(512, attended_pairs(0, 512), 1.0)
+    assert m.coef == (0.0, pytest.approx(1.0 / 512), 0.0)
+    assert m.prefill_tokens_within(0.0, 0, 2048) == 256
+    for _ in range(MIN_STEPS - 2):
+        m.observe(256, attended_pairs(0, 256), 0.5)
+    assert m.coef[0] == 0.0 and m.coef[2] == 0.0  # still seconds per token alone
+    assert trained(steps=MIN_STEPS).coef[0] > 0  # then all three parts
 
 
 def test_prefill_chunk_is_the_largest_that_fits():
