@@ -17,7 +17,8 @@ Per step, ``build_metadata`` plans the work on the host (no device sync later):
 
 Where the CPU kernels take the tensors (kernels/cpu/bindings.py), they serve the decodes instead,
 and on CPUs without AMX the prefills too: every token of the step as one query over the cached
-keys up to its own position (``query_*`` fields; the step's K/V are stored first). With AMX tiles
+keys up to its own position (``query_*`` fields; the step's K/V are stored first; the kernel
+takes a long run of one prompt's tokens as tiles of 16, see kernels/cpu/csrc/attention.c). With AMX tiles
 torch's SDPA multiplies the prefill's bfloat16 blocks in them and beats the kernel's one query
 row at a time (``benchmarks/attention_cpu.py``: 1.2x at 6 prompts of 300 tokens, 4x at one of
 2,048), so prefills keep the SDPA plans there (``prefill_in_kernel``). The torch-ops plans are

@@ -15,6 +15,11 @@
  * scores come out, and each value row converted once for all the group's heads, whose
  * accumulators stay in registers. Everything else takes the portable attend().
  *
+ * Prefill runs of PREFILL_TILE_MIN_RUN or more tokens of one sequence, in bfloat16 with
+ * AVX512-BF16, go as tiles of 16 tokens x the group's heads instead (attend_tile below: the
+ * tokens are the lanes, each key is read and dotted once for the whole tile): 2.1-2.2x faster
+ * than one query per item for prompts of 250-2,048 tokens on the dev CPU.
+ *
  * Element types: float32 and bfloat16 (DTYPE_* below) for queries and outputs; the cache holds
  * the same type, or KV_INT8 rows (common.h: int8 values and one float scale per token and KV
  * head), whose scales multiply the scores (keys) and the probabilities (values) instead of every
@@ -31,6 +36,7 @@
 
 #define MAX_ACC_VECTORS 8 /* head dims up to 128 accumulate in registers */
 #define PARALLEL_MIN_BYTES (512 << 10) /* K and V bytes below which one thread reads them all */
+#define TILE_RUN(len) ((len) > 1 ? 16 : 1) /* queries per item: a tile (TILE_TOKENS) or one */
 
 typedef float v16f __attribute__((vector_size(64)));
 #ifndef PREFETCH_BLOCKS
@@ -357,6 +363,171 @@ static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx,
         default: return 0;
     }
 }
+
+#if defined(__AVX512BF16__)
+/* Prefill tiles (bfloat16 queries over a bfloat16 cache): up to TILE_TOKENS consecutive prompt
+ * tokens of one sequence with the G query heads of one KV head. One query per item reads every
+ * key once per token and sums 16 lanes per score; a tile turns the product around: its queries,
+ * transposed once, make the lanes (token m in lane m, one vector per head), so each key's bfloat16
+ * pairs are broadcast and dotted with every token of the tile at once, and each score vector comes
+ * out whole, with no horizontal sum. The causal limit (token m sees ctx0 + m keys) is a lane mask
+ * on the tile's last keys. The softmax runs lane-wise over the score vectors, and the values are
+ * read once per few rows, as floats, accumulated in registers. Only runs of at least
+ * PREFILL_TILE_MIN_RUN tokens are tiled: decodes and speculative verification rows (at most
+ * 1 + MAX_SPECULATIVE_TOKENS of a sequence) keep the per-query arithmetic, so a verified row equals
+ * the plain decode row bit for bit. */
+#define TILE_TOKENS 16
+
+/* fast_exp's arithmetic on 16 lanes (rounding to nearest even instead of away from zero) */
+static inline __m512 exp16(__m512 x) {
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-06f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), c));
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+    return _mm512_mask_mov_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)), tiny, _mm512_setzero_ps());
+}
+
+/* Floats of scratch one thread needs for a tile of G heads of D dims over up to max_ctx keys:
+ * the transposed queries, the score vectors, the sums. */
+static size_t tile_scratch_floats(int group, int head_dim, int max_ctx) {
+    return (size_t)TILE_TOKENS * group * ((size_t)head_dim / 2 + (size_t)max_ctx + 1);
+}
+
+static inline const char *key_row(const char *cache, const int32_t *table, int64_t head_base,
+                                   int64_t block_bytes, int64_t row_bytes, int bs, int key) {
+    return cache + (head_base + table[key / bs]) * block_bytes + (key % bs) * row_bytes;
+}
+
+/* The M (<= TILE_TOKENS) tokens at q (q_token_bytes apart; heads q_head_bytes apart) of which the
+ * first sees ctx0 keys and each next one more; their outputs likewise at out. */
+static inline __attribute__((always_inline)) void attend_tile(
+        const cache_t *c, const int32_t *table, int ctx0, int M, int kv_head, const char *q,
+        int64_t q_token_bytes, int64_t q_head_bytes, float scale, const int G, const int D, float *work,
+        char *out, int64_t out_token_bytes, int64_t out_head_bytes) {
+    const int KB = G <= 1 ? 8 : (G <= 4 ? 4 : 2); /* keys per pass: G * KB accumulators */
+    const int RC = D <= 64 ? 6 : 3, V = D / 16;   /* rows per pass over the values: RC * V accumulators */
+    const int PAIRS = D / 2, T = ctx0 + M - 1;   /* T: the keys the tile's last token sees */
+    const int bs = c->block_size;
+    const int64_t row_bytes = c->row_bytes, block_bytes = bs * row_bytes;
+    const int64_t head_base = (int64_t)kv_head * c->num_blocks;
+    const __mmask16 lanes = (__mmask16)((1u << M) - 1u);
+    uint32_t *qt = (uint32_t *)work; /* [PAIRS][G][16]: pair p of head j of token m */
+    float *scores = work + (size_t)PAIRS * G * TILE_TOKENS, *sums = scores + (size_t)T * G * TILE_TOKENS;
+    for (int j = 0; j < G; ++j)
+        for (int m = 0; m < TILE_TOKENS; ++m) {
+            const uint32_t *src = (const uint32_t *)(q + m * q_token_bytes + j * q_head_bytes);
+            for (int p = 0; p < PAIRS; ++p) qt[(p * G + j) * TILE_TOKENS + m] = m < M ? src[p] : 0u;
+        }
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vmax[8];
+    for (int j = 0; j < G; ++j) vmax[j] = ninf;
+    for (int t = 0; t < T; t += KB) {
+        const int nk = T - t < KB ? T - t : KB;
+        const uint32_t *kp[8];
+        for (int i = 0; i < KB; ++i)
+            kp[i] = (const uint32_t *)key_row(c->k_cache, table, head_base, block_bytes, row_bytes, bs,
+                                              t + (i < nk ? i : nk - 1));
+        __m512 acc[8][8];
+        for (int i = 0; i < KB; ++i)
+            for (int j = 0; j < G; ++j) acc[i][j] = _mm512_setzero_ps();
+        for (int p = 0; p < PAIRS; ++p) {
+            __m512bh kb[8];
+            for (int i = 0; i < KB; ++i) kb[i] = (__m512bh)_mm512_set1_epi32((int)kp[i][p]);
+            for (int j = 0; j < G; ++j) {
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + (p * G + j) * TILE_TOKENS);
+                for (int i = 0; i < KB; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv, kb[i]);
+            }
+        }
+        for (int i = 0; i < nk; ++i) {
+            const int key = t + i; /* token m sees it when key < ctx0 + m */
+            const __mmask16 seen = key < ctx0 ? lanes : (__mmask16)(lanes & (0xFFFFu << (key - ctx0 + 1)));
+            for (int j = 0; j < G; ++j) {
+                const __m512 s = _mm512_mul_ps(acc[i][j], vscale);
+                vmax[j] = _mm512_mask_max_ps(vmax[j], seen, vmax[j], s);
+                _mm512_storeu_ps(scores + ((size_t)key * G + j) * TILE_TOKENS, _mm512_mask_mov_ps(ninf, seen, s));
+            }
+        }
+    }
+    /* probabilities in place (unseen keys and unused lanes: exp(-inf) = 0), their sums by lane */
+    for (int j = 0; j < G; ++j) {
+        const __m512 mx = _mm512_mask_mov_ps(_mm512_setzero_ps(), lanes, vmax[j]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int key = 0; key < T; ++key) {
+            float *s = scores + ((size_t)key * G + j) * TILE_TOKENS;
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+            _mm512_storeu_ps(s, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(sums + j * TILE_TOKENS, sum);
+    }
+    /* the values: RC rows (token m, head j) at a time, row r = m * G + j */
+    for (int r0 = 0; r0 < M * G; r0 += RC) {
+        const int nr = M * G - r0 < RC ? M * G - r0 : RC;
+        const int keys = ctx0 + (r0 + nr - 1) / G; /* what the pass's last token sees */
+        int at[6]; /* each row's probability within a key's [G][16] */
+        for (int i = 0; i < RC; ++i) {
+            const int r = r0 + (i < nr ? i : 0);
+            at[i] = (r % G) * TILE_TOKENS + r / G;
+        }
+        __m512 a[6][8];
+        for (int i = 0; i < RC; ++i)
+            for (int v = 0; v < V; ++v) a[i][v] = _mm512_setzero_ps();
+        for (int key = 0; key < keys; ++key) {
+            const char *vt = key_row(c->v_cache, table, head_base, block_bytes, row_bytes, bs, key);
+            __m512 row[8];
+            for (int v = 0; v < V; ++v) row[v] = load16(vt + v * 32, DTYPE_BF16);
+            const float *pk = scores + (size_t)key * G * TILE_TOKENS;
+            for (int i = 0; i < RC; ++i) {
+                const __m512 pr = _mm512_set1_ps(pk[at[i]]);
+                for (int v = 0; v < V; ++v) a[i][v] = _mm512_fmadd_ps(pr, row[v], a[i][v]);
+            }
+        }
+        for (int i = 0; i < nr; ++i) {
+            const int r = r0 + i, m = r / G, j = r % G;
+            float acc[128];
+            for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, a[i][v]);
+            from_float(acc, 1.f / sums[j * TILE_TOKENS + m], DTYPE_BF16,
+                       out + m * out_token_bytes + j * out_head_bytes, D);
+        }
+    }
+}
+
+#define TILE_CASE(G, D)                                                                                 \
+    case (G) * 1000 + (D):                                                                              \
+        attend_tile(c, table, ctx0, M, kv_head, q, q_token_bytes, q_head_bytes, scale, G, D, work, out,   \
+                    out_token_bytes, out_head_bytes);                                                   \
+        return;
+
+static void attend_tile_dispatch(const cache_t *c, const int32_t *table, int ctx0, int M, int kv_head,
+                                 const char *q, int64_t q_token_bytes, int64_t q_head_bytes, float scale,
+                                 int group, int head_dim, float *work, char *out, int64_t out_token_bytes,
+                                 int64_t out_head_bytes) {
+    switch (group * 1000 + head_dim) {
+        TILE_CASE(1, 64) TILE_CASE(2, 64) TILE_CASE(3, 64) TILE_CASE(4, 64)
+        TILE_CASE(5, 64) TILE_CASE(6, 64) TILE_CASE(7, 64) TILE_CASE(8, 64)
+        TILE_CASE(1, 128) TILE_CASE(2, 128) TILE_CASE(3, 128) TILE_CASE(4, 128)
+        TILE_CASE(5, 128) TILE_CASE(6, 128) TILE_CASE(7, 128) TILE_CASE(8, 128)
+        default: return;
+    }
+}
+
+/* whether tiles take these shapes (else every query is an item of its own) */
+static int tiles_take(int dtype, int cache_dtype, int group, int head_dim) {
+    return dtype == DTYPE_BF16 && cache_dtype == DTYPE_BF16 && group <= 8 && (head_dim == 64 || head_dim == 128);
+}
+#define HAVE_TILES 1
+#endif /* __AVX512BF16__ */
 #else
 static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
                                 int64_t q_head_bytes, float scale, int group, int head_dim,
@@ -415,30 +586,74 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     /* a call that reads little (a single stream's step: one query, a few hundred keys) runs on
      * this thread: waking the others for it cost more than the reading (~50 us a wake-up here) */
     if (keys * num_kv_heads * 2 * kv_row_bytes(cache_dtype, head_dim) < PARALLEL_MIN_BYTES) num_threads = 1;
-    const int items = num_queries * num_kv_heads;
+    /* the work: runs of queries, each one query, or a tile of consecutive tokens of one sequence */
+    int32_t *runs = malloc(sizeof(int32_t) * 2 * (size_t)(num_queries > 0 ? num_queries : 1));
+    if (!runs) return 2;
+    int num_runs = 0;
+    size_t tile_floats = 0;
+#ifdef HAVE_TILES
+    const int tiled = tiles_take(dtype, cache_dtype, group, head_dim);
+#else
+    const int tiled = 0;
+#endif
+    for (int i = 0; i < num_queries;) {
+        int len = 1;
+        while (tiled && i + len < num_queries && seq_ids[i + len] == seq_ids[i] &&
+               tokens[i + len] == tokens[i] + len && ctx_lens[i + len] == ctx_lens[i] + len && ctx_lens[i] > 0)
+            ++len;
+        if (len < PREFILL_TILE_MIN_RUN) len = 1;
+        for (int done = 0; done < len; done += TILE_RUN(len)) {
+            runs[2 * num_runs] = i + done;
+            runs[2 * num_runs + 1] = len - done < TILE_RUN(len) ? len - done : TILE_RUN(len);
+            ++num_runs;
+        }
+        i += len;
+    }
+#ifdef HAVE_TILES
+    if (tiled) tile_floats = tile_scratch_floats(group, head_dim, max_ctx);
+#endif
+    const int items = num_runs * num_kv_heads;
     /* every thread's scratch in one allocation, made before the team starts: each thread reaches
      * the worksharing loop, and a decode step allocates once per layer, not four times a thread */
-    const size_t per_thread = attend_scratch_floats(group, head_dim, block_size, max_ctx);
+    size_t per_thread = attend_scratch_floats(group, head_dim, block_size, max_ctx);
+    per_thread = tile_floats > per_thread ? tile_floats : per_thread;
+    per_thread = (per_thread + 15) & ~(size_t)15;
     const int threads = num_threads > 0 ? num_threads : 1;
     float *scratch = malloc(sizeof(float) * per_thread * threads);
-    if (!scratch) return 2;
+    if (!scratch) {
+        free(runs);
+        return 2;
+    }
 #pragma omp parallel num_threads(threads)
     {
         float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; ++item) {
-            const int i = item / num_kv_heads, kv_head = item % num_kv_heads;
+            const int run = item / num_kv_heads, kv_head = item % num_kv_heads;
+            const int i = runs[2 * run], count = runs[2 * run + 1];
             const int seq = seq_ids[i], ctx = ctx_lens[i];
             if (ctx <= 0) continue;
             const int64_t token = tokens[i];
             const int h0 = kv_head * group;
             const char *q0 = (const char *)q + (token * q_token_stride + h0 * q_head_stride) * elem;
             char *out0 = (char *)out + (token * out_token_stride + h0 * out_head_stride) * elem;
-            attend_one(k_cache, v_cache, num_blocks, block_size, block_tables + (int64_t)seq * table_stride, ctx,
-                       kv_head, q0, q_head_stride * elem, scale, group, head_dim, dtype, cache_dtype, mine,
-                       out0, out_head_stride * elem);
+            const int32_t *table = block_tables + (int64_t)seq * table_stride;
+#ifdef HAVE_TILES
+            if (count > 1) {
+                const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size,
+                                       dtype, elem, cache_dtype, kv_row_bytes(cache_dtype, head_dim)};
+                attend_tile_dispatch(&cache, table, ctx, count, kv_head, q0, q_token_stride * elem,
+                                     q_head_stride * elem, scale, group, head_dim, mine, out0,
+                                     out_token_stride * elem, out_head_stride * elem);
+                continue;
+            }
+#endif
+            (void)count;
+            attend_one(k_cache, v_cache, num_blocks, block_size, table, ctx, kv_head, q0, q_head_stride * elem,
+                       scale, group, head_dim, dtype, cache_dtype, mine, out0, out_head_stride * elem);
         }
     }
+    free(runs);
     free(scratch);
     return 0;
 }

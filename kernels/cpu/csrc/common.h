@@ -39,6 +39,10 @@ static inline float kv_row_scale(const char *row, int head_dim) {
 #ifndef MAX_HEAD_DIM
 #define MAX_HEAD_DIM 512
 #endif
+/* prompt tokens of one sequence in a row that the attention kernel takes as tiles (attention.c);
+ * shorter runs, decodes and speculative verification rows (at most 1 + MAX_SPECULATIVE_TOKENS of
+ * engine/config.py) are one query per item, all with the same arithmetic */
+#define PREFILL_TILE_MIN_RUN 32
 #ifndef MAX_GROUP
 #define MAX_GROUP 64
 #endif

@@ -9,24 +9,27 @@ import pytest
 import torch
 
 from kvserve.benchmarks.attention_cpu import step_input
+from kvserve.engine.config import MAX_SPECULATIVE_TOKENS
 from kvserve.engine.layers.attention import torch_backend as attention_torch
 from kvserve.engine.layers.attention.kv_quant import quantize_rows
 from kvserve.engine.model_input import ModelInput
 from kvserve.kernels.cpu import bindings as cpu_kernels
 from kvserve.kernels.cpu import build as cpu_build
 from kvserve.kernels.cpu.bindings import CpuKernels, load_kernels
+from kvserve.kernels.cpu.build import header_constant
 
 KERNEL = load_kernels()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler here: the torch-ops path serves")
 
 
-def reference(q, k_cache, v_cache, tables, lens, seq_ids, tokens, scale):
-    """Float64 attention of each listed query over its sequence's first ``lens`` cached keys."""
+def reference(q, k_cache, v_cache, tables, lens, seq_ids, tokens, scale, ctx_lens=None):
+    """Float64 attention of each listed query over its sequence's first ``lens`` cached keys (or
+    its own ``ctx_lens`` entry's)."""
     kv_heads, _, block_size, d = k_cache.shape
     group = q.shape[1] // kv_heads
     out = {}
-    for seq, token in zip(seq_ids.tolist(), tokens.tolist(), strict=True):
-        n = int(lens[seq])
+    for i, (seq, token) in enumerate(zip(seq_ids.tolist(), tokens.tolist(), strict=True)):
+        n = int(lens[seq] if ctx_lens is None else ctx_lens[i])
         blocks = tables[seq, : -(-n // block_size)].long()
         keys = k_cache[:, blocks].reshape(kv_heads, -1, d)[:, :n].double().repeat_interleave(group, 0)
         values = v_cache[:, blocks].reshape(kv_heads, -1, d)[:, :n].double().repeat_interleave(group, 0)
@@ -61,6 +64,42 @@ def test_kernel_matches_a_float64_reference(dtype, heads, kv_heads, head_dim, bl
     for token, want in expected.items():
         assert (out[token].double() - want).abs().max().item() < tol
     assert torch.all(out[[2, 4, 5]] == 7.0)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [
+    (9, 3, 64, 16), (16, 2, 128, 16), (8, 1, 64, 8), (5, 5, 64, 32), (10, 1, 64, 16),  # the last: no tiles
+])
+def test_prefill_runs_as_tiles_match_the_reference(heads, kv_heads, head_dim, block_size):
+    """Runs of PREFILL_TILE_MIN_RUN or more consecutive prompt tokens (from position 0, after
+    cached context, ending in a partial tile) go through the bfloat16 tiles; a run as long as the
+    longest speculative verification stays one query per item, bit for bit what those tokens give
+    as single decodes."""
+    assert header_constant("PREFILL_TILE_MIN_RUN") > MAX_SPECULATIVE_TOKENS + 1
+    gen = torch.Generator().manual_seed(heads + head_dim + block_size)
+    num_blocks = 2048 // block_size
+    k_cache, v_cache = (torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
+                        .to(torch.bfloat16) for _ in range(2))
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[: num_blocks // 3] for _ in range(3)])
+    verify = MAX_SPECULATIVE_TOKENS + 1
+    runs = [(0, 40, 1), (1, 45, 1), (2, 33, 101), (2, verify, 300)]  # (sequence, tokens, first's context)
+    seq_ids = torch.tensor([s for s, n, _ in runs for _ in range(n)], dtype=torch.int32)
+    ctx = torch.tensor([c + m for _, n, c in runs for m in range(n)], dtype=torch.int32)
+    tokens = torch.arange(len(seq_ids), dtype=torch.int32)
+    q = torch.randn(len(seq_ids), heads, head_dim, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    lens = torch.tensor([40, 45, 300 + verify], dtype=torch.int32)
+    tables = tables.to(torch.int32)
+    KERNEL.paged_decode(q, k_cache, v_cache, tables, lens, seq_ids, tokens, out, head_dim**-0.5, ctx_lens=ctx)
+    expected = reference(q, k_cache, v_cache, tables, lens, seq_ids, tokens, head_dim**-0.5, ctx_lens=ctx)
+    for token, want in expected.items():
+        assert (out[token].double() - want).abs().max().item() < 1e-2  # the output's bfloat16 rounding
+    last = slice(len(seq_ids) - verify, len(seq_ids))
+    alone = torch.empty_like(q)
+    for i in range(last.start, last.stop):  # each query as a decode of its own
+        one = torch.tensor([i], dtype=torch.int32)
+        KERNEL.paged_decode(q, k_cache, v_cache, tables, lens, seq_ids[one.long()], one, alone,
+                            head_dim**-0.5, ctx_lens=ctx[one.long()])
+    assert torch.equal(out[last], alone[last])
 
 
 @pytest.mark.parametrize(("head_dim", "dtype"),
