@@ -97,6 +97,14 @@ class BlockTableWriter:
         entry[1] = len(table)
         return row, ([row, held, *table[held:]] if held < len(table) else None)
 
+    def hold_at_most(self, seq_id: int, num_blocks: int) -> None:
+        """Count only the first ``num_blocks`` of the sequence's placed blocks as held: the rest may
+        be given back after the step (a verification's blocks for drafts it rejects, which another
+        sequence may then take) and the table regrown with other blocks at those columns, so the
+        next ``place`` sends them again rather than trusting a count."""
+        entry = self._rows[seq_id]
+        entry[1] = min(entry[1], num_blocks)
+
 
 class BlockTableArray:
     """A runner's persistent block table: int32 ``[rows, width]``, changed only by updates."""
@@ -201,6 +209,8 @@ def _add_verification_rows(inp: ModelInput, s, block_size: int, tables: BlockTab
         row, update = tables.place(seq.seq_id, table)
         if update is not None:
             inp.table_updates.append(update)
+        # the blocks up to its last token stay; those past it held drafts and may go back
+        tables.hold_at_most(seq.seq_id, blocks_for(start + 1, block_size))
     for j, token in enumerate([seq.token_ids[start], *s.drafts]):
         pos = start + j
         inp.input_ids.append(token)

@@ -21,6 +21,7 @@ from torch import nn
 
 from kvserve.engine.distributed.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.engine.layers.quantization import QUANTIZERS, QuantizedWeight
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
 from kvserve.kernels.cpu.bindings import kernels_for
 
 log = logging.getLogger("kvserve.engine.layers")
@@ -39,6 +40,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+class RowsAlike:
+    """Shared by a speculating model's float projections (``compute_rows_alike``): whether this
+    step computes up to MAX_FUSED_ROWS rows in the C kernel, each row alike whatever rows are
+    beside it, as the fused decode step does where it runs. The runner turns it on for decode-only
+    steps (verification rows are decode rows), so that where the fused step does not run (tensor
+    parallelism, layers it does not compute) a verification row's logits are still those a plain
+    one-row decode gives, bit for bit; prefill steps multiply as in a runner that does not
+    speculate. Off otherwise: in bfloat16 oneDNN's packed GEMM is faster for a few rows."""
+
+    def __init__(self) -> None:
+        self.rows = 1
+
+    def set(self, on: bool) -> None:
+        self.rows = MAX_FUSED_ROWS if on else 1
+
+
+def compute_rows_alike(model: nn.Module) -> RowsAlike:
+    """The switch (``RowsAlike``) every float projection of ``model`` then follows."""
+    switch = RowsAlike()
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.rows_alike = switch
+    return switch
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -125,6 +151,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         self.quantized: QuantizedWeight | None = None  # once quantized (the float weight is gone then)
         self.packed: torch.Tensor | None = None  # pack_weight's blocked copy, on the CPU
+        self.rows_alike: RowsAlike | None = None  # a speculating runner's switch (``compute_rows_alike``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -132,7 +159,8 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized.linear(x, bias)
-        return linear(x, self.weight, bias, self.packed)
+        few_rows = self.rows_alike.rows if self.rows_alike is not None else 1
+        return linear(x, self.weight, bias, self.packed, few_rows=few_rows)
 
     def quantize(self, method: str) -> None:
         """Keep the weight quantized by ``method`` (``layers/quantization.py``); the float weight goes."""

@@ -31,7 +31,7 @@ from kvserve.engine.layers.attention.backend import (
     create_attention_backend,
     to_device,
 )
-from kvserve.engine.layers.linear import pack_model_weights
+from kvserve.engine.layers.linear import compute_rows_alike, pack_model_weights
 from kvserve.engine.layers.quantization import quantize_model
 from kvserve.engine.model_input import BlockTableArray, ModelInput, block_table_width, step_block_tables
 from kvserve.engine.model_loader.loader import load_hf_config, load_weights, resolve_device, resolve_dtype
@@ -119,6 +119,8 @@ class ModelRunner:
         load_weights(self.model, self.source, show_progress=self.parallel.rank == 0)  # one bar, not N
         if config.quantization is not None:
             quantize_model(self.model, config.quantization, self.device)
+        # a verification row computed as a plain decode of it, bit for bit (``RowsAlike``)
+        self.rows_alike = compute_rows_alike(self.model) if config.speculative != "off" else None
         # bf16 on the CPU: oneDNN's blocked copies, within the memory the KV cache and the other
         # local ranks leave
         kv_budget = int(config.kv_cache_memory * GiB) if self.device.type == "cpu" else 0
@@ -139,6 +141,8 @@ class ModelRunner:
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         """float32 logits [len(inp.logits_indices), vocab] (None on ranks other than 0)."""
         flush_denormals(self.device)  # per thread: the engine may step from another thread
+        if self.rows_alike is not None:
+            self.rows_alike.set(inp.is_decode_only)
         if inp.seq_rows:  # the step's block tables, cut from this runner's persistent array
             inp.block_table_array = self.block_tables.take(inp, self.block_size)
         if self.graphs is not None and self.graphs.fits(inp):

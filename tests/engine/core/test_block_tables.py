@@ -94,3 +94,35 @@ def test_a_steps_tables_are_padded_with_block_0_past_each_context_even_in_a_reus
     tables = array.take(inp, block_size=4)
     assert tables.dtype == np.int32
     assert tables.tolist() == [[6, 2, 0, 0, 0, 0], [5, 1, 8, 11, 12, 13]]
+
+
+def test_a_block_given_back_by_rejected_drafts_and_taken_by_another_sequence_is_not_read_again():
+    """Sequence a's drafts take a block, are rejected and give it back; b takes that very block,
+    then a's next drafts take another one at the same column: the runners must get the new id
+    (a count of the blocks they hold cannot tell). The real scheduler, block manager and layout."""
+    from kvserve.engine.core.block_manager import BlockManager
+    from kvserve.engine.core.scheduler import Scheduler
+    from kvserve.engine.model_input import blocks_for
+
+    sched = Scheduler(BlockManager(64, 4, False), 8, 64, 256, [0])
+    writer, array = BlockTableWriter(8, 64), BlockTableArray(8, 64)
+    a, b = (Sequence(name, list(range(1, n)), SamplingParams(max_tokens=50))
+           for name, n in (("a", 8), ("b", 7)))
+    sched.add(a)
+    sched.add(b)
+    given_back: set[int] = set()
+    for drafts in ([], [60, 61, 62, 63, 64], [60, 61, 62, 63, 64], [60, 61, 62, 63, 64]):
+        a.draft_token_ids = drafts
+        out = sched.schedule()
+        writer.retain(s.seq_id for s in sched.running)
+        inp = ModelInput.from_bytes(build_model_input(out.scheduled, 4, writer).to_bytes())  # as a worker
+        tables = array.take(inp, 4)
+        by_row = {writer._rows[s.seq.seq_id][0]: s.seq for s in out.scheduled}
+        for row, context, table in zip(inp.seq_rows, inp.context_lens, tables, strict=True):
+            n = int(blocks_for(context, 4))
+            assert table[:n].tolist() == by_row[row].block_table[:n]
+        held = set(a.block_table)
+        # a rejects every draft (99 sampled at its first); b decodes
+        sched.postprocess(out, [[99] if s is a and drafts else 51 for s in out.sampling_seqs])
+        given_back |= held - set(a.block_table)
+    assert b.block_table[-1] in given_back  # the case happened: b took a block a's drafts had held

@@ -216,3 +216,31 @@ def test_preemption_and_abort_of_constrained_drafting_sequences_leave_no_matcher
     assert eng.abort("drafting")
     assert [o.finish_reason for o in eng.step()] == [FinishReason.ABORT]
     _assert_nothing_left(llm)
+
+
+def test_where_the_fused_decode_step_does_not_run_speculation_still_gives_plain_decodings_bits(tmp_path):
+    """Qwen3's layers (q/k norms) are not the fused decode step's: a speculating runner then has its
+    projections compute a decode-only step's rows one by one alike (``linear.RowsAlike``), so the
+    verification rows are plain rows bit for bit (before, rows 2..8 went through another GEMM and the
+    logprobs moved in the last bit). Two servers of a tiny random Qwen3, speculation off and on; the
+    same holds under tensor parallelism (executor/test_tp_speculation.py, slow)."""
+    import torch
+
+    from kvserve.testing.random_model import write_random_model
+
+    model = write_random_model("qwen3-tiny", tmp_path / "qwen3-tiny", dtype=torch.float32)
+    prompts = [[(7 * j) % 50 + 100 for j in range(24)], [5, 6, 7, 8, 9] * 6]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=0.3,
+                             logprobs=2),
+              SamplingParams(temperature=0.5, top_k=40, seed=7, max_tokens=24, ignore_eos=True,
+                             frequency_penalty=0.3, logprobs=2)]
+    runs = {}
+    for mode in ("off", "ngram"):
+        llm = LLM(str(model), dtype="float32", max_num_seqs=4, max_model_len=256, num_kv_blocks=64,
+                  speculative=mode)
+        with_control_plane(llm, speculative=mode)  # the fixed step-cost table, not the start-up's
+        runs[mode] = [_generate(llm, [prompt], p)[0] for p in params for prompt in prompts]
+        stats = llm.stats()
+        llm.shutdown()
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+    assert runs["ngram"] == runs["off"]
