@@ -24,7 +24,7 @@ class EngineConfig:
     device: str = "auto"
     tensor_parallel_size: int = 1
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: by device (resolve_max_num_batched_tokens)
+    max_num_batched_tokens: int | None = None  # None: the default (resolve_max_num_batched_tokens)
     max_step_time_ms: float | None = None  # None: by device (resolve_max_step_time); 0: no time bound
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     block_size: int = 16
@@ -108,20 +108,22 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-# A step's token budget when none is given, by device. On the 2-core CPU, chunks of 512 tokens
-# beside the running decodes gave about 0.4x the median first-token latency and a third of the
-# worst inter-token gap that 2,048-token chunks gave, at equal or better throughput (served, 96
-# requests at concurrency 32, docs/performance/tuning.md); GPUs keep vLLM's 2,048.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+# A step's token budget when none is given, on every device: vLLM's 2,048. On the 2-core CPU
+# 512 was the default while nothing else bounded a step's time (it gave a shorter first-token
+# latency and worst gap than 2,048 then); since the step time bound, which bounds the first steps
+# after start-up too and stretches while a burst of prompts waits beside many streams
+# (engine/core/step_time.py), 2,048 served bursts better at equal throughput and light-load
+# latency (docs/performance/tuning.md).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
-def resolve_max_num_batched_tokens(config: EngineConfig, device_type: str) -> int:
+def resolve_max_num_batched_tokens(config: EngineConfig) -> int:
     """The one token-budget rule, used by the engine before it starts its runners: the configured
-    value; unset, the device's default, and never less than ``max_num_seqs`` (every running
+    value; unset, ``DEFAULT_MAX_NUM_BATCHED_TOKENS``, and never less than ``max_num_seqs`` (every running
     sequence needs a token of budget in each step)."""
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
-    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device_type, 2048), config.max_num_seqs)
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
 
 
 # A step's time bound by device when --max-step-time-ms is unset. On the CPU a step's time is the

@@ -55,12 +55,13 @@ HELP = {
                   "auto picks",
     "tensor_parallel_size": "tensor-parallel ranks",
     "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens); default: 512 on "
-                              "the CPU, 2048 on a GPU (docs/performance/tuning.md)",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens); default: 2048 "
+                              "(docs/performance/tuning.md)",
     "max_step_time_ms": "time bound of one step, the gap running streams see between tokens: prefill chunks "
                         "shrink so that a step's predicted time (a model fitted to the steps that ran) stays "
-                        "under it (where decodes alone take longer, a prefill chunk may take as long again); "
-                        "0 = no bound; default: 500 on the CPU, none on a GPU",
+                        "under it; beside many running streams it stretches until their decodes are a tenth "
+                        "of a step that prefills (at most 4x); 0 = no bound; default: 500 on the CPU, none "
+                        "on a GPU",
     "max_model_len": "longest prompt + completion (default: the model's, capped at 8192)",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "GiB for the KV cache on CPU",

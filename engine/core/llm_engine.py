@@ -71,7 +71,7 @@ class LLMEngine:
         device_type = resolve_device(config.device).type
         config = config.replace(
             max_model_len=limits.resolve_max_model_len(config, hf_config),
-            max_num_batched_tokens=limits.resolve_max_num_batched_tokens(config, device_type),
+            max_num_batched_tokens=limits.resolve_max_num_batched_tokens(config),
         )
         self.config = config
         self.tokenizer = load_tokenizer(self.source)

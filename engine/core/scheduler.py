@@ -75,6 +75,7 @@ class Scheduler:
         # seconds a step may take (prefill chunks shrink to fit; engine/core/step_time.py); None: no bound
         self.step_time = StepTimeModel(max_step_time) if max_step_time else None
         self._spent = 0.0  # predicted seconds of the step being scheduled
+        self._limit = 0.0  # its time bound, set at its first prefill chunk (StepTimeModel.step_limit)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -187,7 +188,10 @@ class Scheduler:
         if model is None or model.coef is None:
             return n
         if n > 1:
-            n = model.prefill_tokens_within(self._spent, position, n, floor=not self._prefilled)
+            if not self._prefilled:  # the step's first chunk: its bound follows the decodes before it
+                self._limit = model.step_limit(self._spent)
+            n = model.prefill_tokens_within(self._spent, position, n, floor=not self._prefilled,
+                                            limit=self._limit)
             self._prefilled = self._prefilled or n > 0
         _, a, b = model.coef
         self._spent += a * n + b * attended_pairs(position, n)

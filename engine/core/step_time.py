@@ -27,6 +27,13 @@ import math
 
 MIN_STEPS = 8  # steps seen before the three-part fit (before it: seconds per token alone)
 MIN_PREFILL_CHUNK = 32  # prefill tokens a step may always take: waiting prompts always progress
+# While prompts wait, the running decodes take at most DECODE_SHARE of a step that prefills: a
+# step's bound stretches to decode time / DECODE_SHARE (at most MAX_STRETCH times the configured
+# bound). Every waiting prompt pays each decode pass that runs before its chunk: in a burst of 64
+# prompts beside 60 running streams a 500 ms step spent ~18% on decodes and the last prompt of the
+# burst waited for ~34 of them. With few decodes (light load) the configured bound applies as is.
+DECODE_SHARE = 0.1
+MAX_STRETCH = 4.0
 DECAY = 0.97  # weight of a step relative to the next one (an effective window of ~33 steps)
 _TOKEN_UNIT = 1e3  # features scaled to similar magnitudes for the 3x3 solve
 _PAIR_UNIT = 1e6
@@ -96,20 +103,28 @@ class StepTimeModel:
         c0, a, b = self.coef
         return c0 + a * tokens + b * pairs
 
-    def prefill_tokens_within(self, spent: float, position: int, wanted: int, floor: bool = True) -> int:
-        """How many of ``wanted`` prompt tokens from ``position`` keep the step under the bound,
-        given ``spent`` seconds already predicted for the step (the fixed part included). With
-        ``floor`` (the step's first prefill chunk) at least ``MIN_PREFILL_CHUNK`` (or ``wanted`` if
-        smaller) and at least what takes ``spent`` again, so that waiting prompts always progress;
-        without it possibly 0."""
+    def step_limit(self, decode_spent: float) -> float:
+        """The bound of a step whose decodes (and fixed part) are predicted to take
+        ``decode_spent`` seconds: ``max_step_time``, stretched so that the decodes are at most
+        ``DECODE_SHARE`` of it, up to ``MAX_STRETCH`` times ``max_step_time``."""
+        return min(max(self.max_step_time, decode_spent / DECODE_SHARE), MAX_STRETCH * self.max_step_time)
+
+    def prefill_tokens_within(self, spent: float, position: int, wanted: int, floor: bool = True,
+                              limit: float | None = None) -> int:
+        """How many of ``wanted`` prompt tokens from ``position`` keep the step under ``limit``
+        (the step's bound, ``step_limit``; default ``max_step_time``), given ``spent`` seconds
+        already predicted for the step (the fixed part included). With ``floor`` (the step's first
+        prefill chunk) at least ``MIN_PREFILL_CHUNK`` (or ``wanted`` if smaller) and at least what
+        takes ``spent`` again, so that waiting prompts always progress; without it possibly 0."""
         floor = min(wanted, MIN_PREFILL_CHUNK) if floor else 0
         if self.coef is None:
             return wanted
         _, a, b = self.coef
+        limit = self.max_step_time if limit is None else limit
         # where the step's other work alone takes the bound or more (many long decodes, a busy
         # machine), prefill may still take as long as that work: the step at most doubles rather
         # than prompts crawling a few tokens per step, each step paying the whole fixed part
-        left = max(self.max_step_time - spent, spent if floor else 0.0)
+        left = max(limit - spent, spent if floor else 0.0)
         if left <= 0:
             return floor
         # largest n with a*n + b*(n*position + n*(n+1)/2) <= left

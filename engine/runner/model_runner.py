@@ -101,7 +101,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.device = self._pick_device()
         # the engine resolves it before it starts its runners; a runner made on its own does the same
-        self.max_num_batched_tokens = resolve_max_num_batched_tokens(config, self.device.type)
+        self.max_num_batched_tokens = resolve_max_num_batched_tokens(config)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self._threads_before = torch.get_num_threads()
         if self.device.type == "cpu":

@@ -7,20 +7,19 @@ import pytest
 from kvserve.engine.config import EngineConfig, resolve_max_num_batched_tokens
 
 
-def test_an_unset_token_budget_is_512_on_the_cpu_and_2048_on_a_gpu():
+def test_an_unset_token_budget_is_2048():
     assert EngineConfig().max_num_batched_tokens is None
-    assert resolve_max_num_batched_tokens(EngineConfig(), "cpu") == 512
-    assert resolve_max_num_batched_tokens(EngineConfig(), "cuda") == 2048
+    assert resolve_max_num_batched_tokens(EngineConfig()) == 2048
 
 
-def test_a_given_token_budget_is_kept_on_every_device():
-    for device in ("cpu", "cuda"):
-        assert resolve_max_num_batched_tokens(EngineConfig(max_num_batched_tokens=4096), device) == 4096
+def test_a_given_token_budget_is_kept():
+    assert resolve_max_num_batched_tokens(EngineConfig(max_num_batched_tokens=4096)) == 4096
+    assert resolve_max_num_batched_tokens(EngineConfig(max_num_batched_tokens=256)) == 256
 
 
 def test_the_default_budget_never_starves_running_sequences():
     """Every running sequence needs a token of budget per step, so the default grows with max_num_seqs."""
-    assert resolve_max_num_batched_tokens(EngineConfig(max_num_seqs=1024), "cpu") == 1024
+    assert resolve_max_num_batched_tokens(EngineConfig(max_num_seqs=4096)) == 4096
 
 
 def test_a_given_budget_below_max_num_seqs_is_refused_naming_both():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from kvserve.engine.core.llm_engine import LLMEngine
 from kvserve.engine.sequence import FinishReason
 from kvserve.testing.engine import with_control_plane
@@ -89,8 +89,8 @@ def test_greedy_matches_transformers(llm, prompts, hf_default_model):
 def test_an_engine_on_the_cpu_resolves_the_default_token_budget():
     llm = LLM("default", dtype="float32", num_kv_blocks=16, max_model_len=256)
     try:
-        assert llm.engine.config.max_num_batched_tokens == 512  # unset: the CPU's default
-        assert llm.engine.scheduler.max_num_batched_tokens == 512
+        assert llm.engine.config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS  # unset
+        assert llm.engine.scheduler.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
     finally:
         llm.shutdown()
 

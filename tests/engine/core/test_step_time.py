@@ -6,7 +6,14 @@ import pytest
 
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
-from kvserve.engine.core.step_time import MIN_PREFILL_CHUNK, MIN_STEPS, StepTimeModel, attended_pairs
+from kvserve.engine.core.step_time import (
+    DECODE_SHARE,
+    MAX_STRETCH,
+    MIN_PREFILL_CHUNK,
+    MIN_STEPS,
+    StepTimeModel,
+    attended_pairs,
+)
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
 
@@ -84,6 +91,39 @@ def test_floor_keeps_prompts_moving_but_only_once():
     assert MIN_PREFILL_CHUNK < n < 5000
     assert A * n + B * attended_pairs(0, n) == pytest.approx(0.2, rel=0.01)
     assert m.prefill_tokens_within(0.2, 100_000, 5000) >= MIN_PREFILL_CHUNK
+
+
+def test_a_step_stretches_so_that_decodes_stay_a_small_share_of_it():
+    m = trained(bound=0.5)
+    assert m.step_limit(0.02) == 0.5  # few decodes: the configured bound
+    assert m.step_limit(0.09) == pytest.approx(0.09 / DECODE_SHARE)  # many: decodes 10% of the step
+    assert m.step_limit(1.0) == MAX_STRETCH * 0.5  # never beyond MAX_STRETCH times the bound
+    spent = 0.09
+    n = m.prefill_tokens_within(spent, 0, 100_000, limit=m.step_limit(spent))
+    c0, a, b = m.coef
+    assert spent + a * n + b * attended_pairs(0, n) == pytest.approx(0.9, rel=0.01)
+    assert n > m.prefill_tokens_within(spent, 0, 100_000)  # against the plain 500 ms bound
+
+
+def test_a_burst_beside_many_streams_takes_longer_steps_than_one_prompt_beside_one():
+    """The scheduler sets each step's bound at its first prefill chunk, from the decodes before it."""
+    s = make(0.5, budget=4096, blocks=4096)
+    s.max_num_seqs = 64
+    for i in range(60):
+        s.add(seq(300, f"early{i}", max_tokens=200))
+    run(s, 40)  # all 60 prefilled and decoding
+    for i in range(3):
+        s.add(seq(3000, f"late{i}"))
+    predicted = []
+    run(s, 1, predicted)
+    decodes = s.step_time.predict(60, sum(len(q.token_ids) for q in s.running[:60]))
+    assert predicted[0] == pytest.approx(decodes / DECODE_SHARE, rel=0.02) and predicted[0] > 0.6
+    lone = make(0.5, budget=4096)
+    lone.add(seq(10, "short", max_tokens=50))
+    lone.add(seq(3000, "long"))
+    alone = []
+    run(lone, 3, alone)
+    assert max(alone) <= 0.5 + 1e-9
 
 
 def make(bound, budget=2048, blocks=1024, bs=16):
