@@ -18,49 +18,16 @@ from kvserve.engine.layers.attention.backend import create_attention_backend, re
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.runner.cuda_graphs import decode_graphs_enabled
 from kvserve.engine.runner.model_runner import ModelRunner
+from kvserve.testing.graph_recorder import BLOCK, MAX_NUM_SEQS, Recorder, triton_runner_config
 
 pytest.importorskip("triton", reason="triton is not installed (the dev and gpu extras bring it)")
 
 CUDA = torch.cuda.is_available()
-BLOCK = 16
-MAX_NUM_SEQS = 4  # captured sizes 1, 2, 4
 PROMPT_LENS = (7, 18, 3, 33, 12)  # five sequences: one more than the largest captured size
 
 
-class FakeGraph:
-    def __init__(self, body):
-        self.body, self.replays = body, 0
-
-    def replay(self):
-        self.replays += 1
-        self.body()
-
-    def pool(self):
-        return None
-
-
-class Recorder:
-    """Stands in for CUDA graph capture; records nothing on the device."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, body, pool):
-        self.graphs.append(FakeGraph(body))
-        return self.graphs[-1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvserve.testing.random_model import write_random_model
-
-    return write_random_model("llama-tiny", tmp_path_factory.mktemp("llama-tiny"), dtype=torch.float32)
-
-
 def runner_config(model_dir, **changes) -> EngineConfig:
-    fields = dict(model=str(model_dir), dtype="float32", attention_backend="triton", block_size=BLOCK,
-                  max_num_seqs=MAX_NUM_SEQS, max_model_len=64, num_kv_blocks=24)  # fmt: skip
-    return EngineConfig(**{**fields, **changes})
+    return triton_runner_config(model_dir, 24, **changes)
 
 
 @pytest.fixture(scope="module")

@@ -25,24 +25,11 @@ from kvserve.engine.model_input import BlockTableWriter, ModelInput, build_model
 from kvserve.engine.runner.model_runner import ModelRunner
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
+from kvserve.testing.graph_recorder import BLOCK, MAX_NUM_SEQS, FakeGraph, triton_runner_config
 
 pytest.importorskip("triton", reason="triton is not installed (the dev and gpu extras bring it)")
 
-BLOCK = 16
-MAX_NUM_SEQS = 4  # captured sizes 1, 2, 4
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-class FakeGraph:
-    def __init__(self, body):
-        self.body, self.replays = body, 0
-
-    def replay(self):
-        self.replays += 1
-        self.body()
-
-    def pool(self):
-        return None
 
 
 def recorder(body, pool):
@@ -53,17 +40,8 @@ def replays(runner) -> int:
     return sum(graph.replays for graph in runner.graphs.graphs.values())
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvserve.testing.random_model import write_random_model
-
-    return write_random_model("llama-tiny", tmp_path_factory.mktemp("llama-tiny"), dtype=torch.float32)
-
-
 def runner_config(model_dir, **changes) -> EngineConfig:
-    fields = dict(model=str(model_dir), dtype="float32", attention_backend="triton", block_size=BLOCK,
-                  max_num_seqs=MAX_NUM_SEQS, max_model_len=64, num_kv_blocks=16)  # fmt: skip
-    return EngineConfig(**{**fields, **changes})
+    return triton_runner_config(model_dir, 16, **changes)
 
 
 class Twin:
