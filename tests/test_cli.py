@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -74,7 +75,14 @@ def test_every_engine_option_has_a_help_text():
 def test_ctrl_c_in_chat_exits_quietly():
     proc = subprocess.Popen([*KVSERVE, "chat", "--target", "127.0.0.1:9"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3.0)  # waiting at the "> " prompt
+    # waiting at the "> " prompt: seen on stdout (a fixed sleep sent the signal during start-up
+    # on a slow machine, where an import swallowed it)
+    shown, deadline = b"", time.monotonic() + 60
+    while not shown.endswith(b"> ") and time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            shown += os.read(proc.stdout.fileno(), 64)
+    assert shown.endswith(b"> "), shown
+    time.sleep(0.2)  # from the prompt's write to the read that waits
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "Traceback" not in err
