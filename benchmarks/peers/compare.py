@@ -13,8 +13,10 @@ the same load generator (``benchmarks/serving/load.py``'s ``drive``): a closed l
 ``--concurrency`` level, then Poisson arrivals at each ``--rates`` level. Level i's requests are
 the same for every system and differ from other levels' (seed + i), so no level finds an earlier
 level's prompts in a prefix cache. Printed: per system and level output tokens/s, TTFT and
-inter-token latency p50/p99 and errors, then kvserve's ratio to each peer. The peers are set up
-once by ``make bench-peers``; ``--systems kvserve`` runs kvserve alone (as the test does).
+inter-token latency p50/p99 and errors, then kvserve's ratio to each peer. The ``engine`` system
+is kvserve's engine stepped in the harness's process on the same requests and arrivals, no server
+(``in_process.py``): ``kvserve / engine`` is what the service keeps of its engine. The peers are
+set up once by ``make bench-peers``; ``--systems kvserve,engine`` needs no peer (the test runs it).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from kvserve.benchmarks.serving.load import (
 )
 from kvserve.benchmarks.serving.report import summarize
 
-SYSTEMS = ("kvserve", "vllm", "llama.cpp")
+SYSTEMS = ("kvserve", "engine", "vllm", "llama.cpp")  # engine: kvserve's engine in process, no server
 
 
 def parse_systems(text: str) -> list[str]:
@@ -114,7 +116,7 @@ def workloads(args: argparse.Namespace, levels: list[dict]) -> list[list[Request
 def check_peers(args: argparse.Namespace) -> setup.PeerPaths:
     """The peers' folder; exits naming what is missing and how to set it up."""
     paths = setup.peers_dir(args.peers_dir)
-    peers = [s for s in args.systems if s != "kvserve"]
+    peers = [s for s in args.systems if s not in ("kvserve", "engine")]
     if peers and args.model != "default":
         raise SystemExit("the peers serve the bundled model only: leave --model at default, or run "
                          "--systems kvserve")
@@ -139,6 +141,19 @@ def started(system: str, args: argparse.Namespace, paths: setup.PeerPaths):
         with ServerProcess(*flags) as server:  # run_grpc warms up at every level
             sampling = dialects.sampling_fields(t)
             yield lambda work, c: run_grpc(server.target, work, c, sampling)
+        return
+    if system == "engine":
+        from kvserve.benchmarks.peers.in_process import InProcess
+
+        engine = InProcess([*server_flags(args, args.num_requests), *shlex.split(args.kvserve_flags)],
+                           dialects.sampling_fields(t))
+        try:
+            async def run_level(work, c):  # run_system awaits it; the engine steps synchronously
+                engine.warm_up(work[0].prompt)
+                return engine.run_level(work, c)
+            yield run_level
+        finally:
+            engine.close()
         return
     if system == "vllm":
         srv = servers.vllm_server(paths.vllm_python, paths.hf_model, args.dtype, dialects.VLLM_MODEL_NAME,

@@ -188,31 +188,43 @@ def test_level_lists_parse():
             parse(text)
 
 
-# ---- the whole harness, kvserve alone, tiny ---------------------------------------------------------
-def test_harness_runs_kvserve_alone_and_prints_its_rows(tmp_path, capsys):
+# ---- the whole harness without the peers: kvserve served and its engine in process, tiny --------
+def test_harness_runs_kvserve_and_its_engine_and_prints_their_rows(tmp_path, capsys):
     from kvserve.testing.random_model import write_random_model
 
     model = write_random_model("qwen3-tiny", tmp_path / "model", dtype=torch.float32)
     out_json, png = tmp_path / "peers.json", tmp_path / "peers.png"
     status = compare.main([
-        "--systems", "kvserve", "--model", str(model), "--dtype", "float32", "--num-requests", "4",
+        "--systems", "kvserve,engine", "--model", str(model), "--dtype", "float32", "--num-requests", "4",
         "--concurrency", "1,2", "--rates", "50", "--prompt-len", "8:16", "--output-len", "4",
         "--temperature", "0.6", "--token-range", "10:1000", "--peers-dir", str(tmp_path / "no-peers"),
         "--json", str(out_json), "--plot", str(png)])
     assert status == 0
     out = capsys.readouterr().out
     table = out[out.index("== results"):]
-    rows = [line.split() for line in table.splitlines() if line.startswith("kvserve ")]
-    assert [r[1] for r in rows] == ["c=1", "c=2", "50/s"]
-    for r in rows:
-        tok_s, ttft50, ttft99, itl50, itl99 = map(float, r[2:7])
-        assert tok_s > 0 and 0 < ttft50 <= ttft99 and 0 <= itl50 <= itl99
-        assert r[7:] == ["4", "-"]  # 4 requests ok, no errors
+    for system in ("kvserve", "engine"):
+        rows = [line.split() for line in table.splitlines() if line.startswith(system + " ")]
+        assert [r[1] for r in rows] == ["c=1", "c=2", "50/s"]
+        for r in rows:
+            tok_s, ttft50, ttft99, itl50, itl99 = map(float, r[2:7])
+            assert tok_s > 0 and 0 < ttft50 <= ttft99 and 0 <= itl50 <= itl99
+            assert r[7:] == ["4", "-"]  # 4 requests ok, no errors
     result = json.loads(out_json.read_text())
     assert [lv["kind"] for lv in result["levels"]] == ["concurrency", "concurrency", "rate"]
-    assert [r["output_tokens"] for r in result["systems"]["kvserve"]["levels"]] == [16, 16, 16]
-    assert result["ratios"] == {}
+    for system in ("kvserve", "engine"):
+        assert [r["output_tokens"] for r in result["systems"][system]["levels"]] == [16, 16, 16]
+    # what the service keeps of its engine, per level
+    assert list(result["ratios"]) == ["engine"] and "== kvserve / engine" in out
+    assert all(r["output_tokens_per_s"] > 0 for r in result["ratios"]["engine"])
     assert png.stat().st_size < 200_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_engine_system_builds_the_config_the_server_would():
+    from kvserve.benchmarks.peers.in_process import engine_config
+
+    config = engine_config(["--dtype=float32", "--max-num-seqs=7", "--max-num-batched-tokens=96",
+                            "--max-queue=256", "--stream-interval=1", "--log-level", "warning"])
+    assert (config.dtype, config.max_num_seqs, config.max_num_batched_tokens) == ("float32", 7, 96)
 
 
 def test_ratios_and_the_goodput_figure_cover_every_peer_that_ran(tmp_path, capsys):
