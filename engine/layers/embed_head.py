@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.distributed.parallel import ParallelContext
-from kvserve.engine.layers.linear import linear
+from kvserve.engine.layers.linear import Packed, linear
 from kvserve.engine.layers.quantization import QuantizedWeight, quantize_int8
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
 
@@ -52,7 +52,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; rank 0 gets them all, other ranks get None."""
 
     quantized: QuantizedWeight | None = None  # the quantized copy, once quantized
-    packed: torch.Tensor | None = None  # pack_weight's blocked copy, on the CPU
+    packed: Packed | None = None  # pack_weight's blocked copy, on the CPU
 
     def quantize(self, method: str) -> None:
         """An int8 copy for the logits, whatever ``method`` the projections take (see

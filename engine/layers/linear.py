@@ -21,15 +21,18 @@ from torch import nn
 
 from kvserve.engine.distributed.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.engine.layers.quantization import QUANTIZERS, QuantizedWeight
-from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
-from kvserve.kernels.cpu.bindings import kernels_for
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
+from kvserve.kernels.cpu.bindings import kernels_for, load_kernels
 
 log = logging.getLogger("kvserve.engine.layers")
 GiB = 1 << 30
 
 
+Packed = torch.Tensor | PackedWeight  # oneDNN's blocked copy, or csrc/gemm.c's
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, few_rows: int = 1) -> torch.Tensor:
+           packed: Packed | None = None, few_rows: int = 1) -> torch.Tensor:
     """``F.linear``; on the CPU, up to ``few_rows`` rows (one: a single stream's decode step) go
     through the C kernel, which reads the weight at memory speed where torch's one-row bfloat16
     matmul reads it at less than half of that (kernels/cpu/bindings.py ``small_linear``), and
@@ -37,6 +40,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     through ``packed`` (``pack_weight``) where there is one."""
     if x.dim() == 2 and 0 < x.shape[0] <= few_rows and (kernels := kernels_for(x, weight, bias)) is not None:
         return kernels.small_linear(x, weight, bias)
+    if isinstance(packed, PackedWeight):
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return load_kernels().gemm(rows, packed, bias).view(*x.shape[:-1], packed.n_out)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -69,20 +77,35 @@ def compute_rows_alike(model: nn.Module) -> RowsAlike:
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether ``pack_weight`` makes a blocked copy of ``weight``: a 2-D bfloat16 CPU weight,
-    with oneDNN's bfloat16 support."""
+    with csrc/gemm.c built (AVX512-BF16) or oneDNN's bfloat16 support."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and (_gemm_kernel() is not None or (torch.backends.mkldnn.is_available()
+                                                and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a bfloat16 CPU weight [out, in] for ``linear``, or None where
-    there is nothing to gain (``can_pack``).
+def _gemm_kernel():
+    """The CPU kernels when their bfloat16 GEMM (csrc/gemm.c) was built here, else None."""
+    kernels = load_kernels()
+    return kernels if kernels is not None and kernels.gemm_available() else None
+
+
+def pack_weight(weight: torch.Tensor) -> Packed | None:
+    """A blocked copy of a bfloat16 CPU weight [out, in] for ``linear``, made once, or None where
+    there is nothing to gain (``can_pack``): csrc/gemm.c's where it takes the weight (AVX512-BF16;
+    against oneDNN here 1.5x at 8 rows, 1.15x at 32, as fast from ~500 rows on), else oneDNN's.
 
     torch's CPU bfloat16 matmul takes the plain [out, in] weight and re-blocks it for its
-    AMX/AVX-512 kernels inside every call; the blocked copy is made once. Measured on a Xeon with
-    AMX, the bundled model's projections at 48 rows: 25-47 ms -> 17-27 ms in the same runs, the
-    same products (``benchmarks/instruments/ceiling.py`` times both)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if can_pack(weight) else None
+    AMX/AVX-512 kernels inside every call; oneDNN's blocked copy is made once. Measured on a Xeon
+    with AMX, the bundled model's projections at 48 rows: 25-47 ms -> 17-27 ms in the same runs,
+    the same products (``benchmarks/instruments/ceiling.py`` times both)."""
+    if not can_pack(weight):
+        return None
+    weight = weight.contiguous()
+    if (kernels := _gemm_kernel()) is not None and (packed := kernels.pack_gemm_weight(weight)) is not None:
+        return packed
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return None
 
 
 # Blocked copies are made only while they take at most this share of the memory available.
@@ -150,7 +173,7 @@ class LinearBase(nn.Module):
             self.bias = _new_param(output_size)
             self.bias.weight_loader = self.weight_loader
         self.quantized: QuantizedWeight | None = None  # once quantized (the float weight is gone then)
-        self.packed: torch.Tensor | None = None  # pack_weight's blocked copy, on the CPU
+        self.packed: Packed | None = None  # pack_weight's blocked copy, on the CPU
         self.rows_alike: RowsAlike | None = None  # a speculating runner's switch (``compute_rows_alike``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ the few-row linears and the fused decode step take (mirrors of ``lin_t``, ``row_
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -37,7 +38,19 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "dequantize_weight": [_P, _P, _I32, _I32],
     "decode_row": [_P, _I32, _P, _P, _P, _I32],
     "decode_row_available": [],
+    "gemm_bf16_pack": [_P, _I64, _I32, _I32, _P, _I32],
+    "gemm_bf16": [_P, _I64, _I32, _P, _P, _I32, _I32, _P, _I32],
+    "gemm_bf16_available": [],
 }
+
+
+class PackedWeight(NamedTuple):
+    """A bfloat16 weight [n_out, k_in] as csrc/gemm.c multiplies it: blocks of GEMM_VEC output
+    features, each input pair's GEMM_VEC x 2 values side by side (``CpuKernels.pack_gemm_weight``)."""
+
+    data: torch.Tensor
+    n_out: int
+    k_in: int
 
 
 class Linear(ctypes.Structure):

@@ -9,6 +9,8 @@
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_`` and ``store_kv``
   (csrc/elementwise.c): one pass each where eager torch runs several ops, each with its own
   allocation and thread-pool wake-up.
+- ``gemm`` (csrc/gemm.c): bfloat16 projections of more than a few rows over a copy of the weight
+  packed once (``pack_gemm_weight``); faster than oneDNN's at 8 to 128 rows, as fast beyond.
 - ``argmax`` (csrc/sampling.c): the greedy pick; torch's CPU argmax is not vectorized (2.2 ms
   for 256 rows of 10,240 logits, where a max over the same rows takes 0.1 ms).
 - ``inverse_cdf_draw`` (csrc/sampling.c): the random pick, one pass for the maximum and one
@@ -45,6 +47,7 @@ from kvserve.kernels.cpu.abi import (
     W_INT4,
     W_INT8,
     Linear,
+    PackedWeight,
     RowStep,
     cache_row_width,
 )
@@ -264,6 +267,35 @@ class CpuKernels:
             raise ValueError("int4_linear: uint8 packed rows (contiguous) and float16 groups")
         groups = groups.contiguous()  # (held here: the Linear keeps only its address)
         return self._linear_rows(x, self.linear_of(packed, bias, None, x.dtype, groups))
+
+    def gemm_available(self) -> bool:  # csrc/gemm.c is built where the compiler targets AVX512-BF16
+        return bool(self._lib.gemm_bf16_available())
+
+    def pack_gemm_weight(self, weight: torch.Tensor) -> PackedWeight | None:
+        """csrc/gemm.c's packed copy of a bfloat16 weight [out, in] (rows contiguous), or None where
+        it was not built or does not take the shape (``out`` a multiple of 16, ``in`` even)."""
+        n_out, k_in = weight.shape
+        if weight.dtype != torch.bfloat16 or weight.stride(1) != 1 or not self.gemm_available():
+            return None
+        data = torch.empty(n_out * k_in, dtype=torch.bfloat16)
+        status = self._lib.gemm_bf16_pack(weight.data_ptr(), weight.stride(0), n_out, k_in, data.data_ptr(),
+                                          torch.get_num_threads())
+        return None if status == 1 else PackedWeight(data, n_out, k_in)
+
+    def gemm(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + b`` for bfloat16 ``x`` [rows, in] (rows contiguous) over ``pack_gemm_weight``'s
+        copy of W; ``bias`` bfloat16 or None."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.k_in:
+            raise ValueError(f"gemm: bfloat16 x [rows, {weight.k_in}] with contiguous rows, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            raise ValueError("gemm: a contiguous bfloat16 bias")
+        y = torch.empty(x.shape[0], weight.n_out, dtype=torch.bfloat16)
+        if x.shape[0]:
+                _check(self._lib.gemm_bf16(x.data_ptr(), x.stride(0), x.shape[0], weight.data.data_ptr(),
+                                       None if bias is None else bias.data_ptr(), weight.n_out, weight.k_in,
+                                       y.data_ptr(), torch.get_num_threads()), "gemm_bf16")
+        return y
 
     def _linear_rows(self, x: torch.Tensor, linear: Linear) -> torch.Tensor | None:
         """csrc/linear.c's ``linear_rows``, or None where it does not take the call."""

@@ -106,6 +106,13 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
 int linear_takes(const lin_t *L);
 int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int num_threads);
 
+/* gemm.c's blocking: output features per packed block (one vector of floats), rows of x per
+ * tile, blocks per tile, rows of x per pass over the weight panels (read by its tests) */
+#define GEMM_VEC 16
+#define GEMM_MR 8
+#define GEMM_NR 3
+#define GEMM_MC 512
+
 /* The elementwise kernels (elementwise.c), shared with the fused decode row. */
 int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, int64_t res_outer,
              const void *weight, int weight_dtype, void *out, int64_t out_outer, int64_t out_inner,

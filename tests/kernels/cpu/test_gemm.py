@@ -1,0 +1,75 @@
+"""csrc/gemm.c, the bfloat16 GEMM over packed weights that the CPU's projections of more than a few
+rows go through (``engine/layers/linear.py``): products against a float64 reference at every tile
+edge, each row's result independent of the rows beside it, and the shapes it leaves to oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.engine.layers.linear import linear, pack_weight
+from kvserve.kernels.cpu.abi import PackedWeight
+from kvserve.kernels.cpu.bindings import load_kernels
+from kvserve.kernels.cpu.build import header_constant
+
+KERNEL = load_kernels()
+pytestmark = pytest.mark.skipif(KERNEL is None or not KERNEL.gemm_available(),
+                                reason="csrc/gemm.c is built only where the compiler targets AVX512-BF16")
+MC = header_constant("GEMM_MC")  # rows of x per pass over the weight panels
+
+
+def reference(x, w, b):
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize(("n_out", "k_in"), [(16, 2), (32, 6), (48, 64), (5 * 48 + 16, 34), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 33, MC + 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_match_a_float64_reference(n_out, k_in, rows, bias):
+    gen = torch.Generator().manual_seed(n_out * 1000 + rows)
+    w = torch.randn(n_out, k_in, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n_out, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, k_in, generator=gen).to(torch.bfloat16)
+    packed = KERNEL.pack_gemm_weight(w)
+    assert isinstance(packed, PackedWeight) and packed.data.numel() == w.numel()
+    got = KERNEL.gemm(x, packed, b)
+    want = reference(x, w, b)
+    assert got.shape == (rows, n_out) and got.dtype == torch.bfloat16
+    # float sums of exact bfloat16 products, rounded once: within a bfloat16 step of the value
+    assert ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-3 * k_in ** 0.5).all()
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(5 * 48 + 32, 96, generator=gen).to(torch.bfloat16)
+    x = torch.randn(MC + 20, 96, generator=gen).to(torch.bfloat16)
+    packed = KERNEL.pack_gemm_weight(w)
+    whole = KERNEL.gemm(x, packed, None)
+    for start, count in ((0, 1), (3, 5), (7, 9), (MC - 2, 4), (MC + 19, 1)):
+        assert torch.equal(KERNEL.gemm(x[start:start + count], packed, None), whole[start:start + count])
+
+
+def test_rows_of_a_wider_activation_and_a_batch_dimension():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 40, generator=gen).to(torch.bfloat16)
+    wide = torch.randn(11, 100, generator=gen).to(torch.bfloat16)
+    packed = pack_weight(w)
+    assert isinstance(packed, PackedWeight)
+    x = wide[:, 30:70]  # rows 100 elements apart
+    assert torch.equal(linear(x, w, None, packed), KERNEL.gemm(x.contiguous(), packed, None))
+    assert torch.equal(linear(x.reshape(1, 11, 40), w, None, packed)[0], linear(x, w, None, packed))
+
+
+def test_shapes_it_does_not_take_stay_with_onednn_or_torch():
+    odd_width = torch.randn(32, 7).to(torch.bfloat16)
+    ragged_out = torch.randn(40, 8).to(torch.bfloat16)
+    assert KERNEL.pack_gemm_weight(odd_width) is None and KERNEL.pack_gemm_weight(ragged_out) is None
+    for w in (odd_width, ragged_out):
+        packed = pack_weight(w)
+        assert not isinstance(packed, PackedWeight)
+        x = torch.randn(9, w.shape[1]).to(torch.bfloat16)
+        got = linear(x, w, None, packed).double()
+        assert torch.allclose(got, reference(x, w, None), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="bfloat16 x"):
+        KERNEL.gemm(torch.zeros(3, 8), KERNEL.pack_gemm_weight(torch.zeros(16, 8).to(torch.bfloat16)), None)
