@@ -36,7 +36,8 @@
 
 #define MAX_ACC_VECTORS 8 /* head dims up to 128 accumulate in registers */
 #define PARALLEL_MIN_BYTES (512 << 10) /* K and V bytes below which one thread reads them all */
-#define TILE_RUN(len) ((len) > 1 ? 16 : 1) /* queries per item: a tile (TILE_TOKENS) or one */
+#define TILE_TOKENS 16 /* prompt tokens per prefill tile (the lanes of one float vector) */
+#define TILE_RUN(len) ((len) > 1 ? TILE_TOKENS : 1) /* queries per item: a tile or one */
 
 typedef float v16f __attribute__((vector_size(64)));
 #ifndef PREFETCH_BLOCKS
@@ -376,7 +377,6 @@ static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx,
  * PREFILL_TILE_MIN_RUN tokens are tiled: decodes and speculative verification rows (at most
  * 1 + MAX_SPECULATIVE_TOKENS of a sequence) keep the per-query arithmetic, so a verified row equals
  * the plain decode row bit for bit. */
-#define TILE_TOKENS 16
 
 /* fast_exp's arithmetic on 16 lanes (rounding to nearest even instead of away from zero) */
 static inline __m512 exp16(__m512 x) {
