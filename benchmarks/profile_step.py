@@ -27,6 +27,10 @@ share is mostly one argmax over [256, vocab] logits: a kernel, device work on a 
 (engine/models/decode_row.py) and with the per-op path, in alternating rounds, and prints the
 median round of each.
 
+``--gemm-ab`` does the same with the projections through csrc/gemm.c's packed weights (as the
+engine loads them) and through oneDNN's packed copies of the same weights (``--batch`` above 8:
+fewer rows take the fused decode step, which reads the plain weights).
+
 ``--compete N`` then times the decode steps again with N busy processes (a pure-Python loop
 each) running beside the engine: on a shared CPU a step should slow down no more than in
 proportion to the CPU they take. What they take is measured (their scheduled CPU time from
@@ -199,6 +203,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--fused-ab", action="store_true",
                     help="only time decode steps with the fused decode step (engine/models/decode_row.py) "
                          "and without it, in alternating rounds (--batch up to 8)")
+    ap.add_argument("--gemm-ab", action="store_true",
+                    help="only time decode steps with the projections through csrc/gemm.c and through "
+                         "oneDNN's packed weights, in alternating rounds (--batch above 8)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
 
@@ -211,8 +218,8 @@ def main(argv=None) -> dict:
               enforce_eager=args.enforce_eager, **options)
     if args.host_profile:
         return engine_steps.host_main(llm, args)
-    if args.fused_ab:
-        return engine_steps.fused_ab_main(llm, args)
+    if args.fused_ab or args.gemm_ab:
+        return engine_steps.ab_main(llm, args)
     try:
         dtype = llm.engine.executor.dtype
         hf_config, device = load_hf_config(llm.engine.source), llm.engine.executor.device

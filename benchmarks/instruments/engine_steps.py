@@ -1,7 +1,8 @@
 """Driving an ``LLMEngine``'s steps for the step benchmarks, and the two measurements of
 ``profile_step`` that need no matmul ceiling: the host work of a decode step (``--host-profile``)
-and the fused decode step against the per-op path (``--fused-ab``). The flags and their
-documentation are ``profile_step``'s; ``profile_step`` calls ``host_main`` and ``fused_ab_main``.
+and the same decode steps under two arms in alternating rounds: the fused decode step against the
+per-op path (``--fused-ab``), csrc/gemm.c's packed weights against oneDNN's (``--gemm-ab``). The
+flags and their documentation are ``profile_step``'s; it calls ``host_main`` and ``ab_main``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from kvserve.benchmarks import write_json
 from kvserve.engine import LLM, SamplingParams
-from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
 
 
 class Timed:
@@ -130,44 +131,75 @@ def profile_host(llm: LLM, args) -> dict:
             "forward_cpu_ms": forward_ms, "stages_ms": split}
 
 
-def profile_fused(llm: LLM, args) -> dict:
-    """Decode steps at ``args.batch`` with the fused decode step and with the per-op path, in
-    ``args.rounds * 2`` alternating rounds of ``args.steps`` steps (both see the same load); the
-    median round of each, ms per step."""
-    eng = llm.engine
-    model = eng.executor.model.model
-    fused = model.decode_row()
-    if args.batch > MAX_FUSED_ROWS:
-        raise SystemExit(f"--fused-ab: the fused decode step takes at most {MAX_FUSED_ROWS} sequences")
-    if fused is None:
-        raise SystemExit("the fused decode step does not apply to this model (engine/models/decode_row.py)")
+def alternate(eng, args, arms: dict, tag: str) -> dict:
+    """Decode steps at ``args.batch`` under each of ``arms`` (name -> a function that switches the
+    model to it), in ``args.rounds * 2`` alternating rounds of ``args.steps`` steps (every arm sees
+    the same load); the median round of each, ms per step."""
     params = SamplingParams(temperature=args.temperature, max_tokens=args.rounds * 4 * (args.steps + 1) + 8,
                             ignore_eos=True)
-    prefill_batch(eng, args, params, "fused")
-    rounds: dict[str, list[float]] = {"fused": [], "per_op": []}
+    prefill_batch(eng, args, params, tag)
+    rounds: dict[str, list[float]] = {name: [] for name in arms}
     try:
         for _ in range(args.rounds * 2):
-            for name, row in (("fused", fused), ("per_op", None)):
-                model._decode_row = row
-                eng.step()  # warm-up at this path
+            for name, switch in arms.items():
+                switch()
+                eng.step()  # warm-up on this arm
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     eng.step()
                 rounds[name].append((time.perf_counter() - t0) / args.steps * 1e3)
     finally:
-        model._decode_row = fused
         abort_all(eng)
     return {name: statistics.median(v) for name, v in rounds.items()} | {"rounds_ms": rounds}
 
 
-def fused_ab_main(llm: LLM, args) -> dict:
+def profile_fused(llm: LLM, args) -> dict:
+    """The fused decode step against the per-op path (``alternate``)."""
+    model = llm.engine.executor.model.model
+    fused = model.decode_row()
+    if args.batch > MAX_FUSED_ROWS:
+        raise SystemExit(f"--fused-ab: the fused decode step takes at most {MAX_FUSED_ROWS} sequences")
+    if fused is None:
+        raise SystemExit("the fused decode step does not apply to this model (engine/models/decode_row.py)")
     try:
-        result = {"batch": args.batch, "threads": torch.get_num_threads(), **profile_fused(llm, args)}
+        return alternate(llm.engine, args, {"fused": lambda: setattr(model, "_decode_row", fused),
+                                            "per_op": lambda: setattr(model, "_decode_row", None)}, "fused")
+    finally:
+        model._decode_row = fused
+
+
+def profile_gemm(llm: LLM, args) -> dict:
+    """The projections through csrc/gemm.c's packed copies (as loaded) against oneDNN's packed
+    copies of the same weights, swapped between rounds (``alternate``)."""
+    layers = [m for m in llm.engine.executor.model.modules()
+              if isinstance(getattr(m, "packed", None), PackedWeight)]
+    if not layers:
+        raise SystemExit("--gemm-ab: no projection multiplies through csrc/gemm.c here (it needs bfloat16 "
+                         "and AVX512-BF16, and CPUs with AMX keep oneDNN)")
+    ours = [m.packed for m in layers]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous(), None) for m in layers]
+
+    def use(copies):
+        return lambda: [setattr(m, "packed", c) for m, c in zip(layers, copies, strict=True)]
+    try:
+        return alternate(llm.engine, args, {"gemm": use(ours), "onednn": use(onednn)}, "gemm")
+    finally:
+        use(ours)()
+
+
+def ab_main(llm: LLM, args) -> dict:
+    """``--fused-ab`` or ``--gemm-ab``: one line, the median step of each arm and their ratio."""
+    fused = args.fused_ab
+    try:
+        result = {"batch": args.batch, "threads": torch.get_num_threads(),
+                  **(profile_fused if fused else profile_gemm)(llm, args)}
     finally:
         llm.shutdown()
+    new, old = ("fused", "per_op") if fused else ("gemm", "onednn")
+    label = {"fused": "fused", "per_op": "per-op", "gemm": "gemm.c", "onednn": "oneDNN"}
     print(f"decode step, batch {args.batch}, {args.context}-token contexts (median of alternating rounds): "
-          f"fused {result['fused']:.1f} ms, per-op {result['per_op']:.1f} ms: "
-          f"{result['per_op'] / result['fused']:.2f}x")
+          f"{label[new]} {result[new]:.1f} ms, {label[old]} {result[old]:.1f} ms: "
+          f"{result[old] / result[new]:.2f}x")
     write_json(args.json, result)
     return result
 

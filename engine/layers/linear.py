@@ -84,15 +84,19 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def _gemm_kernel():
-    """The CPU kernels when their bfloat16 GEMM (csrc/gemm.c) was built here, else None."""
+    """The CPU kernels when their bfloat16 GEMM (csrc/gemm.c) was built here and the CPU has no AMX
+    tiles (oneDNN multiplies in those, several times faster than AVX512-BF16 can), else None."""
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return None
     kernels = load_kernels()
     return kernels if kernels is not None and kernels.gemm_available() else None
 
 
 def pack_weight(weight: torch.Tensor) -> Packed | None:
     """A blocked copy of a bfloat16 CPU weight [out, in] for ``linear``, made once, or None where
-    there is nothing to gain (``can_pack``): csrc/gemm.c's where it takes the weight (AVX512-BF16;
-    against oneDNN here 1.5x at 8 rows, 1.15x at 32, as fast from ~500 rows on), else oneDNN's.
+    there is nothing to gain (``can_pack``): csrc/gemm.c's where it takes the weight (AVX512-BF16
+    without AMX; against oneDNN there 1.5x at 8 rows, 1.15x at 32, as fast from ~500 rows on), else
+    oneDNN's.
 
     torch's CPU bfloat16 matmul takes the plain [out, in] weight and re-blocks it for its
     AMX/AVX-512 kernels inside every call; oneDNN's blocked copy is made once. Measured on a Xeon
