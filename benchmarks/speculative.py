@@ -13,9 +13,13 @@ step-cost table; they alternate (off, on, off, on) per set and batch size, prefi
 that neither finds the other's prompts cached. Greedy, so the two arms
 must give the same tokens: the table says whether they did. Per set and batch size (1 = one stream,
 then ``--batches``): output tok/s off and on, the ratio, the acceptance rate and mean accepted length.
+``--peer llama.cpp`` then runs llama-server (the peers' build, ``make bench-peers``) on the bundled
+GGUF, plain, one stream, on each set's single-stream prompts for the tokens kvserve gave each, and
+prints kvserve's ratio to it with and without speculation.
 
     python -m kvserve.benchmarks.speculative [--dtype bfloat16] [--quantization int4]
-        [--batches 1 8 32] [--sets grounded structured chat] [--max-tokens 128] [--json out.json]
+        [--batches 1 8 32] [--sets grounded structured chat] [--max-tokens 128] [--peer llama.cpp]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -83,7 +87,9 @@ def run_arm(llm: LLM, prompts: list[list[int]], batch: int,
 
 
 def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requests: int,
-            rounds: int = 2) -> list[dict]:
+            rounds: int = 2, singles: dict | None = None) -> list[dict]:
+    """The rows; ``singles`` (when given) gets each set's single-stream prompts and the number of
+    tokens each one gave, for the llama.cpp peer."""
     rows = []
     for name in sets:
         for batch in batches:
@@ -96,6 +102,8 @@ def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requ
                     arm[0], arm[1], arm[2] = ids, arm[1] + seconds, spec
             (off_ids, off_s, _), (on_ids, on_s, spec) = arms["off"], arms["auto"]
             out_tokens = sum(map(len, on_ids))
+            if batch == 1 and singles is not None:
+                singles[name] = (prompts, [len(ids) for ids in on_ids])
             drafts, drafted, accepted = spec.values()
             rows.append({
                 "set": name, "batch": batch, "requests": len(prompts), "output_tokens": out_tokens,
@@ -107,6 +115,36 @@ def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requ
             })
             print(_line(rows[-1]), flush=True)
     return rows
+
+
+def llama_single_stream(singles: dict, timeout: float = 900.0) -> dict[str, float]:
+    """llama-server (the peers' build, ``make bench-peers``) on the bundled GGUF, on each set's
+    single-stream prompts one at a time, greedy, each for as many tokens as kvserve gave it (EOS
+    ignored): output tokens/s per set, prefill included as in kvserve's arms."""
+    import asyncio
+
+    from kvserve.benchmarks.peers import dialects, servers, setup
+    from kvserve.benchmarks.serving.load import Request, drive
+    from kvserve.benchmarks.serving.report import summarize
+    from kvserve.engine.model_loader.source import resolve_model
+
+    paths = setup.peers_dir()
+    if lacking := setup.missing("llama.cpp", paths):
+        raise SystemExit(f"--peer llama.cpp: missing {', '.join(lacking)}; set it up once with "
+                         f"{setup.SETUP_HINT}")
+    longest = max(len(p) for prompts, _ in singles.values() for p in prompts)
+    most = max(n for _, lengths in singles.values() for n in lengths)
+    server = servers.llama_server(paths.llama_server, resolve_model("default").gguf_path, 1,
+                                  servers.slot_context(longest, most), timeout)
+    rates = {}
+    with server:
+        def one(req):
+            return dialects.stream_llama(server.host, server.port, req, 0.0)
+        asyncio.run(one(Request(list(range(1000, 1008)), 2, 0.0)))  # warm-up
+        for name, (prompts, lengths) in singles.items():
+            work = [Request(p, n, 0.0) for p, n in zip(prompts, lengths, strict=True)]
+            rates[name] = summarize(*asyncio.run(drive(work, 1, one)))["output_tokens_per_s"]
+    return rates
 
 
 def _line(r: dict) -> str:
@@ -129,17 +167,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--speculative", default="all", choices=("ngram", "grammar", "all"),
                     help="the draft sources of the 'on' arm")
+    ap.add_argument("--peer", default="none", choices=("llama.cpp", "none"),
+                    help="also run llama-server's plain single stream on each set's batch-1 prompts (the "
+                         "bundled model's GGUF; set up by make bench-peers)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
+    if args.peer == "llama.cpp" and (args.model != "default" or 1 not in args.batches):
+        ap.error("--peer llama.cpp: the bundled model (--model default) and a single stream "
+                 "(--batches 1 ...)")
     # no prefix caching: the arms run the same prompts, and the second must not find them cached
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, speculative=args.speculative,
               num_speculative_tokens=args.num_speculative_tokens, max_num_seqs=max(args.batches),
               enable_prefix_caching=False)
     try:
         print(f"step costs c(n): {llm.engine.speculator.costs.relative()}", flush=True)
-        rows = measure(llm, args.sets, args.batches, args.max_tokens, args.requests)
+        singles: dict = {}
+        rows = measure(llm, args.sets, args.batches, args.max_tokens, args.requests, singles=singles)
     finally:
         llm.shutdown()
+    if args.peer == "llama.cpp":
+        for name, rate in llama_single_stream(singles).items():
+            row = next(r for r in rows if r["set"] == name and r["batch"] == 1)
+            row["llamacpp_tok_s"], row["on_over_llamacpp"] = rate, row["tok_s_on"] / rate
+            print(f"{name:<11} llama-server single stream {rate:7.1f} tok/s; kvserve with speculation "
+                  f"{row['on_over_llamacpp']:.2f}x, without {row['tok_s_off'] / rate:.2f}x", flush=True)
     write_json(args.json, {"rows": rows})
     return 0
 

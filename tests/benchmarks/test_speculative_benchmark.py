@@ -24,3 +24,14 @@ def test_speculative_benchmark_runs_both_arms_on_every_set(tiny_llama, capsys, t
     assert all(r["same_tokens"] and r["tok_s_off"] > 0 and r["tok_s_on"] > 0 for r in rows)
     printed = capsys.readouterr().out
     assert "step costs c(n)" in printed and "grounded    batch   1" in printed
+
+
+def test_llama_cpp_peer_needs_the_bundled_model_a_single_stream_and_its_setup(
+        tiny_llama, tmp_path, monkeypatch, capsys):
+    for argv in (["--model", tiny_llama], ["--batches", "8"]):
+        with pytest.raises(SystemExit):
+            speculative.main([*argv, "--peer", "llama.cpp"])
+        assert "--peer llama.cpp: the bundled model" in capsys.readouterr().err
+    monkeypatch.setenv("KVSERVE_PEERS_DIR", str(tmp_path / "no-peers"))
+    with pytest.raises(SystemExit, match="make bench-peers"):
+        speculative.llama_single_stream({"grounded": ([[1, 2, 3]], [4])})
