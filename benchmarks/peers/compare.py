@@ -15,8 +15,9 @@ the same for every system and differ from other levels' (seed + i), so no level 
 level's prompts in a prefix cache. Printed: per system and level output tokens/s, TTFT and
 inter-token latency p50/p99 and errors, then kvserve's ratio to each peer. The ``engine`` system
 is kvserve's engine stepped in the harness's process on the same requests and arrivals, no server
-(``in_process.py``): ``kvserve / engine`` is what the service keeps of its engine. The peers are
-set up once by ``make bench-peers``; ``--systems kvserve,engine`` needs no peer (the test runs it).
+(``benchmarks/instruments/in_process.py``): ``kvserve / engine`` is what the service keeps of its
+engine. The peers are set up once by ``make bench-peers``; ``--systems kvserve,engine`` needs no
+peer (the test runs it).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def started(system: str, args: argparse.Namespace, paths: setup.PeerPaths):
             yield lambda work, c: run_grpc(server.target, work, c, sampling)
         return
     if system == "engine":
-        from kvserve.benchmarks.peers.in_process import InProcess
+        from kvserve.benchmarks.instruments.in_process import InProcess
 
         engine = InProcess([*server_flags(args, args.num_requests), *shlex.split(args.kvserve_flags)],
                            dialects.sampling_fields(t))

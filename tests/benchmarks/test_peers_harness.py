@@ -220,7 +220,7 @@ def test_harness_runs_kvserve_and_its_engine_and_prints_their_rows(tmp_path, cap
 
 
 def test_the_engine_system_builds_the_config_the_server_would():
-    from kvserve.benchmarks.peers.in_process import engine_config
+    from kvserve.benchmarks.instruments.in_process import engine_config
 
     config = engine_config(["--dtype=float32", "--max-num-seqs=7", "--max-num-batched-tokens=96",
                             "--max-queue=256", "--stream-interval=1", "--log-level", "warning"])
