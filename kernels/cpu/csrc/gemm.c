@@ -80,7 +80,7 @@ static void tile_any(const uint16_t *x, int64_t x_stride, int rows, const uint16
 }
 
 int gemm_bf16_pack(const void *w, int64_t w_stride, int n, int k, void *packed, int num_threads) {
-    if (n % GEMM_VEC != 0 || k % 2 != 0 || n <= 0 || k <= 0) return 1;
+    if (n % GEMM_VEC != 0 || k % 2 != 0 || w_stride % 2 != 0 || n <= 0 || k <= 0) return 1;
     const uint32_t *src = (const uint32_t *)w; /* pairs of bfloat16 */
     uint32_t *dst = (uint32_t *)packed;
     const int pairs = k / 2;
@@ -94,7 +94,7 @@ int gemm_bf16_pack(const void *w, int64_t w_stride, int n, int k, void *packed, 
 
 int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
               void *yv, int num_threads) {
-    if (n % GEMM_VEC != 0 || k % 2 != 0 || m <= 0 || (x_stride % 2) != 0) return 1;
+    if (n % GEMM_VEC != 0 || k % 2 != 0 || m <= 0) return 1;
     const uint16_t *x = (const uint16_t *)xv, *bias = (const uint16_t *)biasv;
     uint16_t *y = (uint16_t *)yv;
     const int64_t bstride = (int64_t)(k / 2) * 2 * GEMM_VEC; /* elements from one block to the next */

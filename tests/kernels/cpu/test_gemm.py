@@ -56,12 +56,15 @@ def test_rows_of_a_wider_activation_and_a_batch_dimension():
     wide = torch.randn(11, 100, generator=gen).to(torch.bfloat16)
     packed = KERNEL.pack_gemm_weight(w)  # (pack_weight keeps oneDNN's on CPUs with AMX)
     x = wide[:, 30:70]  # rows 100 elements apart
+    odd = torch.randn(11, 101, generator=gen).to(torch.bfloat16)[:, 31:71]  # rows an odd 101 apart
+    assert torch.equal(KERNEL.gemm(odd, packed, None), KERNEL.gemm(odd.contiguous(), packed, None))
     assert torch.equal(linear(x, w, None, packed), KERNEL.gemm(x.contiguous(), packed, None))
     assert torch.equal(linear(x.reshape(1, 11, 40), w, None, packed)[0], linear(x, w, None, packed))
 
 
 def test_shapes_it_does_not_take_stay_with_onednn_or_torch():
     odd_width = torch.randn(32, 7).to(torch.bfloat16)
+    assert KERNEL.pack_gemm_weight(torch.randn(32, 9).to(torch.bfloat16)[:, :8]) is None  # rows 9 apart
     ragged_out = torch.randn(40, 8).to(torch.bfloat16)
     assert KERNEL.pack_gemm_weight(odd_width) is None and KERNEL.pack_gemm_weight(ragged_out) is None
     for w in (odd_width, ragged_out):
