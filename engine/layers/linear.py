@@ -79,8 +79,11 @@ def can_pack(weight: torch.Tensor) -> bool:
     """Whether ``pack_weight`` makes a blocked copy of ``weight``: a 2-D bfloat16 CPU weight,
     with csrc/gemm.c built (AVX512-BF16) or oneDNN's bfloat16 support."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and (_gemm_kernel() is not None or (torch.backends.mkldnn.is_available()
-                                                and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
+            and (_gemm_kernel() is not None or _onednn_bf16()))
+
+
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _gemm_kernel():
@@ -107,9 +110,7 @@ def pack_weight(weight: torch.Tensor) -> Packed | None:
     weight = weight.contiguous()
     if (kernels := _gemm_kernel()) is not None and (packed := kernels.pack_gemm_weight(weight)) is not None:
         return packed
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None) if _onednn_bf16() else None
 
 
 # Blocked copies are made only while they take at most this share of the memory available.

@@ -292,7 +292,7 @@ class CpuKernels:
             raise ValueError("gemm: a contiguous bfloat16 bias")
         y = torch.empty(x.shape[0], weight.n_out, dtype=torch.bfloat16)
         if x.shape[0]:
-                _check(self._lib.gemm_bf16(x.data_ptr(), x.stride(0), x.shape[0], weight.data.data_ptr(),
+            _check(self._lib.gemm_bf16(x.data_ptr(), x.stride(0), x.shape[0], weight.data.data_ptr(),
                                        None if bias is None else bias.data_ptr(), weight.n_out, weight.k_in,
                                        y.data_ptr(), torch.get_num_threads()), "gemm_bf16")
         return y
