@@ -23,13 +23,13 @@ share is mostly one argmax over [256, vocab] logits: a kernel, device work on a 
     python -m kvserve.benchmarks.profile_step --model DIR --dtype float32 --batch 256 --context 200 \
         --context-spread 100 --steps 50 --temperature 0 --threads 1 --host-profile [--core]
 
-``--fused-ab`` times only decode steps at ``--batch`` (up to 8) with the fused decode step
+``--fused-ab`` times only decode steps at ``--batch`` with the fused decode step
 (engine/models/decode_row.py) and with the per-op path, in alternating rounds, and prints the
-median round of each.
+median round of each (above 8 sequences the fused step needs csrc/gemm.c's packed weights).
 
-``--gemm-ab`` does the same with the projections through csrc/gemm.c's packed weights (as the
-engine loads them) and through oneDNN's packed copies of the same weights (``--batch`` above 8:
-fewer rows take the fused decode step, which reads the plain weights).
+``--gemm-ab`` does the same on the per-op path with the projections through csrc/gemm.c's packed
+weights (as the engine loads them) and through oneDNN's packed copies of the same weights
+(``--batch`` above 8: fewer rows multiply in linear.c's row kernel).
 
 ``--compete N`` then times the decode steps again with N busy processes (a pure-Python loop
 each) running beside the engine: on a shared CPU a step should slow down no more than in
@@ -202,10 +202,11 @@ def main(argv=None) -> dict:
                     help="with --host-profile: print cProfile's N costliest functions")
     ap.add_argument("--fused-ab", action="store_true",
                     help="only time decode steps with the fused decode step (engine/models/decode_row.py) "
-                         "and without it, in alternating rounds (--batch up to 8)")
+                         "and without it, in alternating rounds")
     ap.add_argument("--gemm-ab", action="store_true",
                     help="only time decode steps with the projections through csrc/gemm.c and through "
-                         "oneDNN's packed weights, in alternating rounds (--batch above 8)")
+                         "oneDNN's packed weights on the per-op path, in alternating rounds "
+                         "(--batch above 8)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
 

@@ -16,6 +16,7 @@ import torch
 
 from kvserve.benchmarks import write_json
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.models.decode_row import projections as _projections
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
 
 
@@ -157,10 +158,12 @@ def profile_fused(llm: LLM, args) -> dict:
     """The fused decode step against the per-op path (``alternate``)."""
     model = llm.engine.executor.model.model
     fused = model.decode_row()
-    if args.batch > MAX_FUSED_ROWS:
-        raise SystemExit(f"--fused-ab: the fused decode step takes at most {MAX_FUSED_ROWS} sequences")
     if fused is None:
         raise SystemExit("the fused decode step does not apply to this model (engine/models/decode_row.py)")
+    packed = all(isinstance(m.packed, PackedWeight) for m in _projections(model))
+    if args.batch > MAX_FUSED_ROWS and not packed:
+        raise SystemExit(f"--fused-ab: above {MAX_FUSED_ROWS} sequences the fused step needs every "
+                         "projection packed for csrc/gemm.c (bfloat16, an AVX512-BF16 build, no AMX)")
     try:
         return alternate(llm.engine, args, {"fused": lambda: setattr(model, "_decode_row", fused),
                                             "per_op": lambda: setattr(model, "_decode_row", None)}, "fused")
@@ -170,7 +173,8 @@ def profile_fused(llm: LLM, args) -> dict:
 
 def profile_gemm(llm: LLM, args) -> dict:
     """The projections through csrc/gemm.c's packed copies (as loaded) against oneDNN's packed
-    copies of the same weights, swapped between rounds (``alternate``)."""
+    copies of the same weights, swapped between rounds (``alternate``), both on the per-op path
+    (the fused decode step, which takes such batches too, holds gemm.c's copies)."""
     layers = [m for m in llm.engine.executor.model.modules()
               if isinstance(getattr(m, "packed", None), PackedWeight)]
     if not layers:
@@ -179,12 +183,16 @@ def profile_gemm(llm: LLM, args) -> dict:
     ours = [m.packed for m in layers]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous(), None) for m in layers]
 
+    model = llm.engine.executor.model.model
+    fused, model._decode_row = model.decode_row(), None
+
     def use(copies):
         return lambda: [setattr(m, "packed", c) for m, c in zip(layers, copies, strict=True)]
     try:
         return alternate(llm.engine, args, {"gemm": use(ours), "onednn": use(onednn)}, "gemm")
     finally:
         use(ours)()
+        model._decode_row = fused
 
 
 def ab_main(llm: LLM, args) -> dict:

@@ -11,9 +11,13 @@ It runs when every condition holds, else the step takes the per-op path unchange
 kernels take the model's dtype (float32 or bfloat16) and were built for AVX-512; one rank (no
 tensor parallelism); every layer is the plain Llama layer (Llama, Qwen2: optional biases;
 not Qwen3's q/k norms, not mixtures of experts) over the torch attention backend; the step is one
-token per sequence (a decode step), at most ``MAX_FUSED_ROWS`` of them (the caller checks), each
-with a cache slot.
-Larger batches multiply in oneDNN's blocked GEMMs instead (``layers/linear.py``).
+token per sequence (a decode step), each with a cache slot; at most ``MAX_FUSED_ROWS`` of them,
+unless every projection has csrc/gemm.c's packed copy (bfloat16, ``layers/linear.pack_weight``):
+then any number, the projections in gemm.c's tiles as the per-op path multiplies them. At 32 rows
+the per-op path spent ~8 ms of a ~50 ms step outside the projections and the attention (torch's
+dispatch of ~10 small ops a layer, Python between them); the fused step leaves the elementwise
+work on one thread of the team (docs/performance/step_profile.md).
+Larger batches of other weights (oneDNN's blocked copies, int8, int4) take the per-op path.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from kvserve.engine.layers.attention.torch_backend import TorchAttentionImpl, TorchAttentionMetadata
 from kvserve.engine.layers.norm import RMSNorm
-from kvserve.kernels.cpu.abi import DTYPES, RowLayer, RowStep
+from kvserve.kernels.cpu.abi import DTYPES, MAX_FUSED_ROWS, PackedWeight, RowLayer, RowStep
 from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for, load_kernels
 
 
@@ -38,7 +42,17 @@ def computes(module) -> bool:
 def _linear(layer, dtype: torch.dtype):
     if layer.quantized is not None:
         return layer.quantized.kernel_linear(layer.bias, dtype)
-    return CpuKernels.linear_of(layer.weight, layer.bias, None, dtype)
+    linear = CpuKernels.linear_of(layer.weight, layer.bias, None, dtype)
+    if isinstance(layer.packed, PackedWeight):
+        linear.packed = layer.packed.data.data_ptr()
+    return linear
+
+
+def projections(model):
+    """Each layer's q|k|v, output, gate|up and down projections, in that order."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        yield from (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
 
 class DecodeRow:
@@ -48,6 +62,7 @@ class DecodeRow:
         self.model = model
         self._layers: ctypes.Array | None = None
         self._bound_to: list | None = None  # the first and last layers' K caches when ``_layers`` was made
+        self._any_rows = False  # every projection packed for gemm.c: more than MAX_FUSED_ROWS rows taken
 
     @staticmethod
     def fits(model) -> bool:
@@ -78,15 +93,15 @@ class DecodeRow:
                  for layer in (self.model.layers[0], self.model.layers[-1])]
         if self._layers is None or self._bound_to != bound:
             rows = []
-            for layer in self.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                linears = (_linear(m, dtype) for m in projections)
+            linears = [_linear(m, dtype) for m in projections(self.model)]
+            for i, layer in enumerate(self.model.layers):
+                attn = layer.self_attn
                 rows.append(RowLayer(
                     layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                    *linears, attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr()))
+                    *linears[4 * i:4 * i + 4], attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr()))
             self._layers = (RowLayer * len(rows))(*rows)
             self._bound_to = bound
+            self._any_rows = all(linear.packed for linear in linears)
         return self._layers
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
@@ -94,7 +109,7 @@ class DecodeRow:
         """(the last layer's output, the residual) for ``hidden`` [rows, H], one token of each of
         ``rows`` sequences, or None where the fused step does not apply (the caller then runs the
         layers)."""
-        rows = hidden.shape[0]  # the caller sends at most MAX_FUSED_ROWS
+        rows = hidden.shape[0]
         if (not isinstance(meta, TorchAttentionMetadata) or meta.max_query_len != 1
                 or meta.slot_mapping.numel() != rows or meta.block_tables.shape[0] != rows):
             return None
@@ -106,6 +121,9 @@ class DecodeRow:
         if (kernels is None or norm.weight.dtype not in DTYPES or k_cache.dim() != 4
                 or not CpuKernels.takes_caches(dtype, k_cache, attn.attn.v_cache)):
             return None
+        layers = self._layer_array(dtype)
+        if rows > MAX_FUSED_ROWS and not self._any_rows:
+            return None  # more rows need gemm.c's packed copies
         cos, sin = model.rotary_emb.cos_sin(positions, dtype)
         ctx = (positions + 1).to(torch.int32)
         slots = meta.slot_mapping.contiguous()
@@ -118,6 +136,6 @@ class DecodeRow:
             ctx.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr())
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
-        if not kernels.decode_row(self._layer_array(dtype), step, hidden, residual):
+        if not kernels.decode_row(layers, step, hidden, residual):
             return None
         return hidden, residual

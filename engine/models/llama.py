@@ -20,7 +20,6 @@ from kvserve.engine.layers.norm import RMSNorm
 from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from kvserve.engine.models.decode_row import DecodeRow
 from kvserve.engine.models.registry import register_model
-from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
 
 
 def head_dim_of(config) -> int:
@@ -126,9 +125,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        row = self.decode_row() if hidden.shape[0] <= MAX_FUSED_ROWS else None
+        row = self.decode_row()
         if row is not None and (out := row(hidden, positions, meta)):
-            return self.norm(*out)[0]  # a small decode batch through every layer in one kernel call
+            return self.norm(*out)[0]  # a decode step through every layer in one kernel call
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
         for layer in self.layers:

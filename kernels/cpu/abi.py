@@ -55,10 +55,11 @@ class PackedWeight(NamedTuple):
 
 class Linear(ctypes.Structure):
     """csrc/common.h ``lin_t``: a few-row linear's weight (int8 with ``scales``, int4 with
-    ``groups``, or the activations' dtype), rows ``row_bytes`` apart."""
+    ``groups``, or the activations' dtype), rows ``row_bytes`` apart; a bfloat16 one may carry
+    gemm.c's ``packed`` copy (``PackedWeight.data``), with which the fused step takes more rows."""
 
     _fields_ = [("w", _P), ("row_bytes", _I64), ("kind", _I32), ("scales", _P), ("bias", _P),
-                ("n_out", _I32), ("k_in", _I32), ("groups", _P)]
+                ("n_out", _I32), ("k_in", _I32), ("groups", _P), ("packed", _P)]
 
 
 class RowLayer(ctypes.Structure):

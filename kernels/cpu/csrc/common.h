@@ -96,6 +96,7 @@ typedef struct {
     int n_out, k_in;
     const void *groups;      /* int4 weights: per row, each INT4_GROUP inputs' scale, then their
                               * minimums (float16); else NULL */
+    const void *packed;      /* bfloat16 weights: gemm.c's packed copy (gemm_bf16_pack), or NULL */
 } lin_t;
 /* whether L's int4 weight is one the kernels lay out (its scales and minimums given, its width a
  * multiple of INT4_WIDTH) */
@@ -112,6 +113,10 @@ int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int
 #define GEMM_MR 8
 #define GEMM_NR 3
 #define GEMM_MC 512
+/* gemm_bf16's work as a team's part (an OpenMP for over the panels, its barrier at the end) */
+void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
+                    void *yv);
+int gemm_bf16_available(void);
 
 /* The elementwise kernels (elementwise.c), shared with the fused decode row. */
 int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, int64_t res_outer,

@@ -28,7 +28,7 @@ typedef struct {
 } row_layer_t;
 
 typedef struct {
-    int rows; /* tokens, one per sequence (1..MAX_FUSED_ROWS) */
+    int rows; /* tokens, one per sequence: 1..MAX_FUSED_ROWS, more where every projection is packed */
     int hidden, heads, kv_heads, head_dim, inter;
     int dtype, norm_dtype, cache_dtype; /* cache_dtype: dtype, or KV_INT8 (common.h) */
     float eps, scale;
@@ -40,6 +40,22 @@ typedef struct {
     const int64_t *slots;  /* [rows]: where each row's K/V go */
     const void *cos, *sin; /* [rows][head_dim] for their positions (RotaryEmbedding.cos_sin), dtype */
 } row_step_t;
+
+/* Whether L multiplies more than MAX_FUSED_ROWS rows here: bfloat16 with gemm.c's packed copy. */
+static int gemm_takes(const lin_t *L, int dtype) {
+    return dtype == DTYPE_BF16 && L->kind == W_BF16 && L->packed != NULL && gemm_bf16_available() &&
+           L->n_out % GEMM_VEC == 0 && L->k_in % 2 == 0;
+}
+
+/* y = x L^T for the step's rows, a team's part: up to MAX_FUSED_ROWS rows in linear.c's row
+ * kernel (xf: x as floats), more in gemm.c's tiles over the packed copy (xh: x in bfloat16), as
+ * the per-op path multiplies them (engine/layers/linear.py), with the same roundings. */
+static void project(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
+    if (rows > MAX_FUSED_ROWS)
+        gemm_bf16_team(xh, L->k_in, rows, L->packed, L->bias, L->n_out, L->k_in, y);
+    else
+        linear_rows_team(L, rows, xf, dtype == DTYPE_BF16 ? xh : NULL, y, dtype);
+}
 
 /* 1 where the library was built with the fused step (AVX-512 with BW and VL), else 0. */
 int decode_row_available(void) { return HAVE_AVX512_TEAM; }
@@ -55,7 +71,8 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
 #else
     const int R = st->rows, H = st->hidden, D = st->head_dim, heads = st->heads, kvh = st->kv_heads;
     const int I = st->inter, dtype = st->dtype, elem = elem_size(dtype);
-    if (R < 1 || R > MAX_FUSED_ROWS || kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || D % 2 ||
+    const int wide = R > MAX_FUSED_ROWS; /* gemm.c's tiles multiply the rows (project) */
+    if (R < 1 || kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || D % 2 ||
         heads / kvh > MAX_GROUP || !kv_cache_takes(dtype, st->cache_dtype))
         return 1;
     const int group = heads / kvh, qkv_n = (heads + 2 * kvh) * D;
@@ -64,6 +81,9 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
         if (L->qkv.n_out != qkv_n || L->qkv.k_in != H || L->o.n_out != H || L->o.k_in != heads * D ||
             L->gate_up.n_out != 2 * I || L->gate_up.k_in != H || L->down.n_out != H || L->down.k_in != I ||
             !linear_takes(&L->qkv) || !linear_takes(&L->o) || !linear_takes(&L->gate_up) || !linear_takes(&L->down))
+            return 1;
+        if (wide && !(gemm_takes(&L->qkv, dtype) && gemm_takes(&L->o, dtype) && gemm_takes(&L->gate_up, dtype) &&
+                      gemm_takes(&L->down, dtype)))
             return 1;
     }
     const int64_t cache_slots = st->num_blocks * st->block_size;
@@ -77,15 +97,15 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
     const int threads = num_threads > 0 ? num_threads : 1;
     const size_t att_floats = attend_scratch_floats(group, D, st->block_size, max_ctx);
     /* per row: x (a norm's output), q|k|v, the attention's output, gate|up and the activation in
-     * dtype; the projections' input as floats; then each thread's attention scratch */
+     * dtype; the projections' input as floats (row kernel only); then each thread's attention scratch */
     const size_t typed = (size_t)R * ((size_t)H + qkv_n + (size_t)heads * D + 3 * (size_t)I);
-    char *mem = malloc(typed * elem + sizeof(float) * ((size_t)R * widest + att_floats * threads) + 64);
+    const size_t as_floats = wide ? 0 : (size_t)R * widest;
+    char *mem = malloc(typed * elem + sizeof(float) * (as_floats + att_floats * threads) + 64);
     if (!mem) return 2;
     char *x = mem, *qkv = x + (size_t)R * H * elem, *att = qkv + (size_t)R * qkv_n * elem;
     char *gu = att + (size_t)R * heads * D * elem, *act = gu + (size_t)R * 2 * I * elem;
     float *xf = (float *)(((uintptr_t)(act + (size_t)R * I * elem) + 63) & ~(uintptr_t)63);
-    float *att_scratch = xf + (size_t)R * widest;
-    const int bf16 = dtype == DTYPE_BF16; /* bfloat16 inputs are dotted as stored */
+    float *att_scratch = xf + as_floats;
 #pragma omp parallel num_threads(threads)
     {
         float *mine = att_scratch + att_floats * (size_t)omp_get_thread_num();
@@ -100,9 +120,9 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
                     rms_norm(hidden, H, 0, residual, H, L->input_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps,
                              dtype, 1);
                 }
-                to_float(x, dtype, xf, R * H);
+                if (!wide) to_float(x, dtype, xf, R * H); /* the row kernel's input */
             }
-            linear_rows_team(&L->qkv, R, xf, bf16 ? x : NULL, qkv, dtype);
+            project(&L->qkv, R, xf, x, qkv, dtype);
 #pragma omp single
             {
                 rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1); /* q and k, side by side */
@@ -119,20 +139,20 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
                            (int64_t)D * elem);
             }
 #pragma omp single
-            to_float(att, dtype, xf, R * heads * D);
-            linear_rows_team(&L->o, R, xf, bf16 ? att : NULL, hidden, dtype);
+            if (!wide) to_float(att, dtype, xf, R * heads * D); /* the row kernel's input */
+            project(&L->o, R, xf, att, hidden, dtype);
 #pragma omp single
             {
                 rms_norm(hidden, H, 0, residual, H, L->post_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps, dtype, 1);
-                to_float(x, dtype, xf, R * H);
+                if (!wide) to_float(x, dtype, xf, R * H); /* the row kernel's input */
             }
-            linear_rows_team(&L->gate_up, R, xf, bf16 ? x : NULL, gu, dtype);
+            project(&L->gate_up, R, xf, x, gu, dtype);
 #pragma omp single
             {
                 silu_and_mul(gu, 2 * I, act, I, R, I, dtype, 1);
-                to_float(act, dtype, xf, R * I);
+                if (!wide) to_float(act, dtype, xf, R * I); /* the row kernel's input */
             }
-            linear_rows_team(&L->down, R, xf, bf16 ? act : NULL, hidden, dtype);
+            project(&L->down, R, xf, act, hidden, dtype);
         }
     }
     free(mem);

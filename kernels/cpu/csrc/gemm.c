@@ -92,14 +92,12 @@ int gemm_bf16_pack(const void *w, int64_t w_stride, int n, int k, void *packed, 
     return 0;
 }
 
-int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
-              void *yv, int num_threads) {
-    if (n % GEMM_VEC != 0 || k % 2 != 0 || m <= 0) return 1;
+void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
+                    void *yv) {
     const uint16_t *x = (const uint16_t *)xv, *bias = (const uint16_t *)biasv;
     uint16_t *y = (uint16_t *)yv;
     const int64_t bstride = (int64_t)(k / 2) * 2 * GEMM_VEC; /* elements from one block to the next */
     const int blocks = n / GEMM_VEC, panels = (blocks + GEMM_NR - 1) / GEMM_NR;
-#pragma omp parallel num_threads(num_threads)
     for (int m0 = 0; m0 < m; m0 += GEMM_MC) {
         const int m1 = m - m0 < GEMM_MC ? m : m0 + GEMM_MC;
 #pragma omp for schedule(static)
@@ -114,11 +112,23 @@ int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const
             }
         }
     }
+}
+
+int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
+              void *yv, int num_threads) {
+    if (n % GEMM_VEC != 0 || k % 2 != 0 || m <= 0) return 1;
+#pragma omp parallel num_threads(num_threads)
+    gemm_bf16_team(xv, x_stride, m, packed, biasv, n, k, yv);
     return 0;
 }
 
 int gemm_bf16_available(void) { return 1; }
 #else
+void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
+                    void *yv) {
+    (void)xv, (void)x_stride, (void)m, (void)packed, (void)biasv, (void)n, (void)k, (void)yv;
+}
+
 int gemm_bf16_pack(const void *w, int64_t w_stride, int n, int k, void *packed, int num_threads) {
     (void)w, (void)w_stride, (void)n, (void)k, (void)packed, (void)num_threads;
     return 1;

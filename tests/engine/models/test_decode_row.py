@@ -1,7 +1,8 @@
 """The fused decode step (engine/models/decode_row.py, kernels/cpu/csrc/decode_row.c) against the
 per-op path it replaces: the same kernels in the same order, so the same tokens and the same
 log-probabilities, in float32 and bfloat16, with int8 weights, an int8 KV cache and Qwen2's
-biases, one sequence at a time and several (up to MAX_FUSED_ROWS) side by side."""
+biases, one sequence at a time and several (up to MAX_FUSED_ROWS) side by side; in bfloat16 with
+csrc/gemm.c's packed weights, batches of more rows too."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from kvserve.benchmarks.attention_cpu import step_input
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.models.decode_row import DecodeRow
+from kvserve.engine.models.decode_row import DecodeRow, projections
 from kvserve.kernels.cpu import bindings as cpu_kernels
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
 from kvserve.kernels.cpu.bindings import load_kernels
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
@@ -178,10 +180,8 @@ def test_fused_step_with_output_and_down_projection_biases(tmp_path, monkeypatch
 @needs_kernels
 def test_rows_without_a_cache_slot_and_batches_above_the_limit_take_the_per_op_path(monkeypatch):
     """A row whose slot is -1 (nothing to store: a padding row) makes the C call refuse the step,
-    and the per-op path computes it, with the per-op path's result; a decode step of more rows than
-    MAX_FUSED_ROWS never reaches the fused step."""
-    from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
-
+    and the per-op path computes it, with the per-op path's result; in float32 (no gemm.c copies) a
+    decode step of more rows than MAX_FUSED_ROWS is refused before the kernel call."""
     llm = LLM("default", dtype="float32", max_num_seqs=MAX_FUSED_ROWS + 1, num_kv_blocks=64)
     runner = llm.engine.executor
     model = runner.model.model
@@ -213,5 +213,52 @@ def test_rows_without_a_cache_slot_and_batches_above_the_limit_take_the_per_op_p
     params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(n)]
     model._decode_row = DecodeRow(model)
     llm.generate(prompts, params, use_tqdm=False)
-    assert rows and max(rows) == MAX_FUSED_ROWS and all(calls)  # from the step after the first ended
+    # (the first step prefills every prompt, 63 tokens in one step: asked too, and refused at once)
+    assert rows[0] == sum(map(len, prompts)) and rows[1] == MAX_FUSED_ROWS + 1 and all(calls)
+    assert len(calls) == sum(r <= MAX_FUSED_ROWS for r in rows)  # the steps of n rows never reached C
+    llm.shutdown()
+
+
+@needs_kernels
+def test_batches_above_the_row_kernel_through_gemm_give_the_per_op_paths_results(monkeypatch):
+    """bfloat16 with every projection packed for csrc/gemm.c: a decode step of more than
+    MAX_FUSED_ROWS rows runs fused, the projections in gemm.c's tiles as the per-op path multiplies
+    them, with the same attention and elementwise kernels: bit for bit the per-op path's hidden
+    states (9, 12 and 20 rows over a cache of random K/V), tokens and log-probabilities (12
+    sequences decoding together to the end). (At 2..8 rows the two differ: the fused step keeps
+    linear.c's row kernel there, which sums in another order than gemm.c.)"""
+    # (no prefix caching: the second run would prefill the prompts' last tokens alone, another sum)
+    llm = LLM("default", dtype="bfloat16", max_num_seqs=20, num_kv_blocks=128, enable_prefix_caching=False)
+    runner = llm.engine.executor
+    model = runner.model.model
+    if not all(isinstance(m.packed, PackedWeight) for m in projections(model)):
+        llm.shutdown()
+        pytest.skip("csrc/gemm.c packs the weights where it is built (AVX512-BF16) and the CPU has no AMX")
+    calls = _fused_steps(monkeypatch)
+    gen = torch.Generator().manual_seed(2)
+    runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).to(runner.kv_cache.dtype))
+
+    def forward(n: int, fused: bool):
+        model._decode_row = DecodeRow(model) if fused else None
+        seqs = [([4 * i + j for j in range(4)], 7 + 5 * i % 50, 1) for i in range(n)]  # 7..52 cached
+        inp = step_input(runner.block_size, seqs)
+        meta = runner.backend.build_metadata(inp, torch.device("cpu"))
+        with torch.inference_mode():
+            return model(torch.arange(n) * 37 + 5, torch.tensor(inp.positions), meta)
+
+    for n in (MAX_FUSED_ROWS + 1, 12, 20):
+        assert torch.equal(forward(n, True), forward(n, False))
+    assert calls == [True] * 3
+    prompts = [[(13 * i + j) % llm.engine.vocab_size for j in range(5 + 3 * i)] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def tokens(fused: bool):
+        model._decode_row = DecodeRow(model) if fused else None
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+    calls.clear()
+    fused = tokens(True)
+    assert calls == [True] * 7  # every decode step, 12 rows each
+    assert tokens(False) == fused and len(calls) == 7
     llm.shutdown()
