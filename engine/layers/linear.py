@@ -33,18 +33,20 @@ Packed = torch.Tensor | PackedWeight  # oneDNN's blocked copy, or csrc/gemm.c's
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: Packed | None = None, few_rows: int = 1) -> torch.Tensor:
-    """``F.linear``; on the CPU, up to ``few_rows`` rows (one: a single stream's decode step) go
-    through the C kernel, which reads the weight at memory speed where torch's one-row bfloat16
+    """``F.linear``; on the CPU, every row through csrc/gemm.c where ``packed`` is its copy (each
+    row's result independent of the rows beside it at any count, and as fast as the row kernel at
+    one row: faster from two); else up to ``few_rows`` rows (one: a single stream's decode step) go
+    through the C row kernel, which reads the weight at memory speed where torch's one-row bfloat16
     matmul reads it at less than half of that (kernels/cpu/bindings.py ``small_linear``), and
     computes each row alike whatever rows are beside it (up to MAX_FUSED_ROWS); more rows go
-    through ``packed`` (``pack_weight``) where there is one."""
-    if x.dim() == 2 and 0 < x.shape[0] <= few_rows and (kernels := kernels_for(x, weight, bias)) is not None:
-        return kernels.small_linear(x, weight, bias)
+    through oneDNN's ``packed`` copy (``pack_weight``) where there is one."""
     if isinstance(packed, PackedWeight):
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         return load_kernels().gemm(rows, packed, bias).view(*x.shape[:-1], packed.n_out)
+    if x.dim() == 2 and 0 < x.shape[0] <= few_rows and (kernels := kernels_for(x, weight, bias)) is not None:
+        return kernels.small_linear(x, weight, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -57,7 +59,8 @@ class RowsAlike:
     steps (verification rows are decode rows), so that where the fused step does not run (tensor
     parallelism, layers it does not compute) a verification row's logits are still those a plain
     one-row decode gives, bit for bit; prefill steps multiply as in a runner that does not
-    speculate. Off otherwise: in bfloat16 oneDNN's packed GEMM is faster for a few rows."""
+    speculate. Off otherwise: in bfloat16 oneDNN's packed GEMM is faster for a few rows. Weights
+    packed for csrc/gemm.c do not need it (their rows are alike at every count)."""
 
     def __init__(self) -> None:
         self.rows = 1

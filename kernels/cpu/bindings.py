@@ -9,7 +9,7 @@
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_`` and ``store_kv``
   (csrc/elementwise.c): one pass each where eager torch runs several ops, each with its own
   allocation and thread-pool wake-up.
-- ``gemm`` (csrc/gemm.c): bfloat16 projections of more than a few rows over a copy of the weight
+- ``gemm`` (csrc/gemm.c): bfloat16 projections of any number of rows over a copy of the weight
   packed once (``pack_gemm_weight``); faster than oneDNN's at 8 to 128 rows, as fast beyond.
 - ``argmax`` (csrc/sampling.c): the greedy pick; torch's CPU argmax is not vectorized (2.2 ms
   for 256 rows of 10,240 logits, where a max over the same rows takes 0.1 ms).

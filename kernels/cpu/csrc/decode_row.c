@@ -1,7 +1,9 @@
-/* A single stream's decode step through every decoder layer in one call: the Llama layer
- * (input RMSNorm, q|k|v projection, rotary, KV store, attention, output projection, residual
- * RMSNorm, gate|up projection, SiLU*up, down projection) for one token, with the same kernels and
- * the same roundings as the per-op path (kernels/cpu_kernels.py), in one OpenMP team.
+/* A decode step through every decoder layer in one call: the Llama layer (input RMSNorm, q|k|v
+ * projection, rotary, KV store, attention, output projection, residual RMSNorm, gate|up
+ * projection, SiLU*up, down projection) for one token of each sequence, with the same kernels and
+ * the same roundings as the per-op path (kernels/cpu/bindings.py), in one OpenMP team. The
+ * projections run in gemm.c's tiles where every one has its packed copy (bfloat16; any number of
+ * rows), else in linear.c's row kernel (up to MAX_FUSED_ROWS rows).
  *
  * Per op, that path opens a parallel region for each projection and the attention (~5 a layer)
  * and runs Python in between; at one token a step is mostly weight reads of a few hundred
@@ -28,7 +30,7 @@ typedef struct {
 } row_layer_t;
 
 typedef struct {
-    int rows; /* tokens, one per sequence: 1..MAX_FUSED_ROWS, more where every projection is packed */
+    int rows; /* tokens, one per sequence: 1..MAX_FUSED_ROWS, any number where every projection is packed */
     int hidden, heads, kv_heads, head_dim, inter;
     int dtype, norm_dtype, cache_dtype; /* cache_dtype: dtype, or KV_INT8 (common.h) */
     float eps, scale;
@@ -41,17 +43,18 @@ typedef struct {
     const void *cos, *sin; /* [rows][head_dim] for their positions (RotaryEmbedding.cos_sin), dtype */
 } row_step_t;
 
-/* Whether L multiplies more than MAX_FUSED_ROWS rows here: bfloat16 with gemm.c's packed copy. */
+/* Whether gemm.c multiplies L here: bfloat16 with its packed copy. */
 static int gemm_takes(const lin_t *L, int dtype) {
     return dtype == DTYPE_BF16 && L->kind == W_BF16 && L->packed != NULL && gemm_bf16_available() &&
            L->n_out % GEMM_VEC == 0 && L->k_in % 2 == 0;
 }
 
-/* y = x L^T for the step's rows, a team's part: up to MAX_FUSED_ROWS rows in linear.c's row
- * kernel (xf: x as floats), more in gemm.c's tiles over the packed copy (xh: x in bfloat16), as
- * the per-op path multiplies them (engine/layers/linear.py), with the same roundings. */
-static void project(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
-    if (rows > MAX_FUSED_ROWS)
+/* y = x L^T for the step's rows, a team's part: in gemm.c's tiles over the packed copy (xh: x in
+ * bfloat16) where every projection has one, as the per-op path multiplies them
+ * (engine/layers/linear.py): a row's result then does not depend on how many rows the step has;
+ * else in linear.c's row kernel (xf: x as floats; at most MAX_FUSED_ROWS rows). */
+static void project(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype, int gemm) {
+    if (gemm)
         gemm_bf16_team(xh, L->k_in, rows, L->packed, L->bias, L->n_out, L->k_in, y);
     else
         linear_rows_team(L, rows, xf, dtype == DTYPE_BF16 ? xh : NULL, y, dtype);
@@ -71,21 +74,21 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
 #else
     const int R = st->rows, H = st->hidden, D = st->head_dim, heads = st->heads, kvh = st->kv_heads;
     const int I = st->inter, dtype = st->dtype, elem = elem_size(dtype);
-    const int wide = R > MAX_FUSED_ROWS; /* gemm.c's tiles multiply the rows (project) */
     if (R < 1 || kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || D % 2 ||
         heads / kvh > MAX_GROUP || !kv_cache_takes(dtype, st->cache_dtype))
         return 1;
     const int group = heads / kvh, qkv_n = (heads + 2 * kvh) * D;
+    int gemm = 1; /* every projection packed for gemm.c: it multiplies them all (project) */
     for (int l = 0; l < num_layers; ++l) { /* the buffers below are sized from st: the weights must fit */
         const row_layer_t *L = layers + l;
         if (L->qkv.n_out != qkv_n || L->qkv.k_in != H || L->o.n_out != H || L->o.k_in != heads * D ||
             L->gate_up.n_out != 2 * I || L->gate_up.k_in != H || L->down.n_out != H || L->down.k_in != I ||
             !linear_takes(&L->qkv) || !linear_takes(&L->o) || !linear_takes(&L->gate_up) || !linear_takes(&L->down))
             return 1;
-        if (wide && !(gemm_takes(&L->qkv, dtype) && gemm_takes(&L->o, dtype) && gemm_takes(&L->gate_up, dtype) &&
-                      gemm_takes(&L->down, dtype)))
-            return 1;
+        gemm = gemm && gemm_takes(&L->qkv, dtype) && gemm_takes(&L->o, dtype) && gemm_takes(&L->gate_up, dtype) &&
+               gemm_takes(&L->down, dtype);
     }
+    if (R > MAX_FUSED_ROWS && !gemm) return 1; /* the row kernel's limit */
     const int64_t cache_slots = st->num_blocks * st->block_size;
     int max_ctx = 1;
     for (int r = 0; r < R; ++r) {
@@ -99,7 +102,7 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
     /* per row: x (a norm's output), q|k|v, the attention's output, gate|up and the activation in
      * dtype; the projections' input as floats (row kernel only); then each thread's attention scratch */
     const size_t typed = (size_t)R * ((size_t)H + qkv_n + (size_t)heads * D + 3 * (size_t)I);
-    const size_t as_floats = wide ? 0 : (size_t)R * widest;
+    const size_t as_floats = gemm ? 0 : (size_t)R * widest;
     char *mem = malloc(typed * elem + sizeof(float) * (as_floats + att_floats * threads) + 64);
     if (!mem) return 2;
     char *x = mem, *qkv = x + (size_t)R * H * elem, *att = qkv + (size_t)R * qkv_n * elem;
@@ -120,9 +123,9 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
                     rms_norm(hidden, H, 0, residual, H, L->input_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps,
                              dtype, 1);
                 }
-                if (!wide) to_float(x, dtype, xf, R * H); /* the row kernel's input */
+                if (!gemm) to_float(x, dtype, xf, R * H); /* the row kernel's input */
             }
-            project(&L->qkv, R, xf, x, qkv, dtype);
+            project(&L->qkv, R, xf, x, qkv, dtype, gemm);
 #pragma omp single
             {
                 rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1); /* q and k, side by side */
@@ -139,20 +142,20 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
                            (int64_t)D * elem);
             }
 #pragma omp single
-            if (!wide) to_float(att, dtype, xf, R * heads * D); /* the row kernel's input */
-            project(&L->o, R, xf, att, hidden, dtype);
+            if (!gemm) to_float(att, dtype, xf, R * heads * D); /* the row kernel's input */
+            project(&L->o, R, xf, att, hidden, dtype, gemm);
 #pragma omp single
             {
                 rms_norm(hidden, H, 0, residual, H, L->post_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps, dtype, 1);
-                if (!wide) to_float(x, dtype, xf, R * H); /* the row kernel's input */
+                if (!gemm) to_float(x, dtype, xf, R * H); /* the row kernel's input */
             }
-            project(&L->gate_up, R, xf, x, gu, dtype);
+            project(&L->gate_up, R, xf, x, gu, dtype, gemm);
 #pragma omp single
             {
                 silu_and_mul(gu, 2 * I, act, I, R, I, dtype, 1);
-                if (!wide) to_float(act, dtype, xf, R * I); /* the row kernel's input */
+                if (!gemm) to_float(act, dtype, xf, R * I); /* the row kernel's input */
             }
-            project(&L->down, R, xf, act, hidden, dtype);
+            project(&L->down, R, xf, act, hidden, dtype, gemm);
         }
     }
     free(mem);

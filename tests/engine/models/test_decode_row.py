@@ -220,13 +220,12 @@ def test_rows_without_a_cache_slot_and_batches_above_the_limit_take_the_per_op_p
 
 
 @needs_kernels
-def test_batches_above_the_row_kernel_through_gemm_give_the_per_op_paths_results(monkeypatch):
-    """bfloat16 with every projection packed for csrc/gemm.c: a decode step of more than
-    MAX_FUSED_ROWS rows runs fused, the projections in gemm.c's tiles as the per-op path multiplies
-    them, with the same attention and elementwise kernels: bit for bit the per-op path's hidden
-    states (9, 12 and 20 rows over a cache of random K/V), tokens and log-probabilities (12
-    sequences decoding together to the end). (At 2..8 rows the two differ: the fused step keeps
-    linear.c's row kernel there, which sums in another order than gemm.c.)"""
+def test_batches_of_any_size_through_gemm_give_the_per_op_paths_results(monkeypatch):
+    """bfloat16 with every projection packed for csrc/gemm.c: a decode step of any number of rows,
+    above MAX_FUSED_ROWS too, runs fused, the projections in gemm.c's tiles as the per-op path
+    multiplies them, with the same attention and elementwise kernels: bit for bit the per-op path's
+    hidden states (1 to 20 rows over a cache of random K/V), each row's alone as in the batch, and
+    the same tokens and log-probabilities (12 sequences decoding together to the end)."""
     # (no prefix caching: the second run would prefill the prompts' last tokens alone, another sum)
     llm = LLM("default", dtype="bfloat16", max_num_seqs=20, num_kv_blocks=128, enable_prefix_caching=False)
     runner = llm.engine.executor
@@ -246,9 +245,12 @@ def test_batches_above_the_row_kernel_through_gemm_give_the_per_op_paths_results
         with torch.inference_mode():
             return model(torch.arange(n) * 37 + 5, torch.tensor(inp.positions), meta)
 
-    for n in (MAX_FUSED_ROWS + 1, 12, 20):
-        assert torch.equal(forward(n, True), forward(n, False))
-    assert calls == [True] * 3
+    sizes = (1, 3, MAX_FUSED_ROWS, MAX_FUSED_ROWS + 1, 12, 20)
+    batches = {n: forward(n, True) for n in sizes}
+    for n in sizes:
+        assert torch.equal(batches[n], forward(n, False))
+        assert torch.equal(batches[n], batches[20][:n])  # row i sees the same context in every batch
+    assert calls == [True] * len(sizes)
     prompts = [[(13 * i + j) % llm.engine.vocab_size for j in range(5 + 3 * i)] for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
 
