@@ -30,13 +30,21 @@ ACCEPTANCE_DECAY = 0.8  # weight of the past in the per-position acceptance aver
 
 
 class StepCosts:
-    """T(rows) from measured (rows, seconds) pairs; linear between them and beyond the last."""
+    """T(rows) from measured (rows, seconds) pairs; linear between them and beyond the last.
+
+    A step of more rows never costs less than one of fewer, so a size measured slower than a
+    larger one was slowed by something else (other load only adds time): it takes the larger
+    one's time. Without that, one disturbed size near the bottom (measured here once: T(2) = 1.93
+    T(1) beside T(3) = 1.49 T(1), int4 weights) made the first draft look like a loss, and a whole
+    run drafted nothing."""
 
     def __init__(self, measured: dict[int, float]):
         if not measured or 1 not in measured:
             raise ValueError("step costs need a measurement at one row")
         self.rows = sorted(measured)
         self.seconds = [max(measured[r], 1e-9) for r in self.rows]
+        for i in range(len(self.seconds) - 2, -1, -1):  # each the least of its own and every larger size's
+            self.seconds[i] = min(self.seconds[i], self.seconds[i + 1])
 
     def __call__(self, rows: int) -> float:
         i = bisect.bisect_left(self.rows, rows)

@@ -1,7 +1,8 @@
 """The C kernels' interface as Python sees it: the constants of csrc/common.h (written once,
 there), the element-type codes, each exported function's ctypes argument types, and the structs
 the few-row linears and the fused decode step take (mirrors of ``lin_t``, ``row_layer_t`` and
-``row_step_t``). bindings.py loads the library and calls through these."""
+``row_step_t``), and the KV cache layouts the attention kernels read (``takes_caches``,
+``check_caches``). bindings.py loads the library and calls through these."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "gemm_bf16_pack": [_P, _I64, _I32, _I32, _P, _I32],
     "gemm_bf16": [_P, _I64, _I32, _P, _P, _I32, _I32, _P, _I32],
     "gemm_bf16_available": [],
+    "gemm_bf16_quantized": [_P, _P, _I64, _I32, _P, _I32],
 }
 
 
@@ -82,3 +84,30 @@ def cache_row_width(head_dim: int, int8: bool) -> int:
     """Elements in the last dimension of a cache row: head_dim, or an int8 row's values and the
     ``KV_SCALE_BYTES`` of its scale (``KV_INT8``)."""
     return head_dim + KV_SCALE_BYTES if int8 else head_dim
+
+
+def takes_caches(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """CPU caches the attention kernels read beside queries of ``dtype``: that dtype, or int8
+    (rows of int8 values and their float32 scale, ``KV_INT8``), contiguous rows."""
+    kinds = (dtype, torch.int8)
+    return all(c.is_cpu and c.dtype in kinds and c.stride(-1) == 1 for c in (k_cache, v_cache))
+
+
+def cache_code(dtype: torch.dtype, cache: torch.Tensor) -> int:
+    """The C sources' code for a cache beside queries of ``dtype``: KV_INT8 or a DTYPE_*."""
+    return KV_INT8 if cache.dtype == torch.int8 else DTYPES[dtype]
+
+
+def check_caches(dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
+                 name: str) -> None:
+    """ValueError unless the checked entries' K and V caches are what the kernels read beside
+    queries (or K/V) of ``dtype`` with ``head_dim``."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+            and k_cache.shape == v_cache.shape and takes_caches(dtype, k_cache, v_cache)):
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: contiguous caches of one shape, of {kind} or int8")
+    row = cache_row_width(head_dim, k_cache.dtype == torch.int8)
+    if k_cache.shape[-1] != row:
+        kind = str(k_cache.dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: a {kind} cache for head_dim {head_dim} has rows of {row}, "
+                         f"got {k_cache.shape[-1]}")

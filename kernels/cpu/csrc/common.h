@@ -117,6 +117,9 @@ int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int
 void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
                     void *yv);
 int gemm_bf16_available(void);
+/* dequantize.c: row n of an int8 or int4 weight in dtype (gemm.c dequantizes its panels with it) */
+int dequantize_takes(const lin_t *L);
+void dequantize_row(const lin_t *L, int n, int dtype, void *out);
 
 /* The elementwise kernels (elementwise.c), shared with the fused decode row. */
 int rms_norm(const void *x, int64_t x_outer, int64_t x_inner, void *residual, int64_t res_outer,

@@ -29,70 +29,83 @@ static inline void store16(__m512 v, int dtype, char *out) {
         _mm512_storeu_ps((float *)out, v);
 }
 
-/* out [n_out][k_in] (dtype) = L's int8 or int4 weight dequantized (scale * q; scale * q + min),
- * by num_threads threads: for multiplying many rows (a prefill) in the GEMM. 0, or 1 for a weight
- * of another kind or an int4 width not a multiple of 64. */
-int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
-    if (!(L->kind == W_INT8 || (L->kind == W_INT4 && int4_layout(L)))) return 1;
+/* Whether dequantize_row takes L: int8, or int4 of a width that is a multiple of 64. */
+int dequantize_takes(const lin_t *L) { return L->kind == W_INT8 || (L->kind == W_INT4 && int4_layout(L)); }
+
+/* row [k_in] (dtype) = row n of L's int8 or int4 weight dequantized (scale * q; scale * q + min,
+ * rounded to dtype once); L one dequantize_takes takes, an int8 weight's scales of dtype. */
+void dequantize_row(const lin_t *L, int n, int dtype, void *out) {
     const int k_in = L->k_in, elem = elem_size(dtype);
     const int64_t group_bytes = group_row_bytes(k_in);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int n = 0; n < L->n_out; ++n) {
-        const char *w = (const char *)L->w + (int64_t)n * L->row_bytes;
-        char *row = (char *)out + (int64_t)n * k_in * elem;
-        if (L->kind == W_INT8) {
-            float s;
-            to_float((const char *)L->scales + (int64_t)n * elem, dtype, &s, 1);
-            int k = 0;
-            for (; k + 16 <= k_in; k += 16) {
-                const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
-                store16(_mm512_mul_ps(v, _mm512_set1_ps(s)), dtype, row + (int64_t)k * elem);
-            }
-            for (; k < k_in; ++k) {
-                const float v = (float)(int8_t)w[k] * s;
-                from_float(&v, 1.f, dtype, row + (int64_t)k * elem, 1);
-            }
-            continue;
+    const char *w = (const char *)L->w + (int64_t)n * L->row_bytes;
+    char *row = (char *)out;
+    if (L->kind == W_INT8) {
+        float s;
+        to_float((const char *)L->scales + (int64_t)n * elem, dtype, &s, 1);
+        int k = 0;
+        for (; k + 16 <= k_in; k += 16) {
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
+            store16(_mm512_mul_ps(v, _mm512_set1_ps(s)), dtype, row + (int64_t)k * elem);
         }
-        const uint16_t *scales = (const uint16_t *)((const char *)L->groups + (int64_t)n * group_bytes);
-        const uint16_t *mins = scales + k_in / INT4_GROUP;
-        const int num_groups = k_in / INT4_GROUP;
-        for (int sb = 0; sb * SB_GROUPS < num_groups; ++sb) { /* the layout dot_block_q4 reads */
-            const int G = num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
-            const char *block = w + (int64_t)sb * (SB_INPUTS / 2);
-            const int P = sb_lanes(G), S = 8 / P, vb = 4 * G * P;
-            const __mmask64 bytes_in = vb == 64 ? ~(__mmask64)0 : (((__mmask64)1 << vb) - 1);
-            int32_t steps[8][SB_GROUPS]; /* as dot_block_q4 reads them: int32 l of step s is 4 values */
-            if (S == 1) {
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)block), l4 = _mm256_set1_epi8(0x0F);
-                _mm256_storeu_si256((__m256i *)steps[0], _mm256_and_si256(packed, l4));
-                _mm256_storeu_si256((__m256i *)&steps[0][8], _mm256_and_si256(_mm256_srli_epi16(packed, 4), l4));
-            }
-            for (int t = 0; 2 * t < S && S > 1; ++t) {
-                const __m512i packed = _mm512_maskz_loadu_epi8(bytes_in, block + (int64_t)t * vb);
-                _mm512_storeu_si512(steps[2 * t], _mm512_and_si512(packed, _mm512_set1_epi8(0x0F)));
-                _mm512_storeu_si512(steps[2 * t + 1], _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F)));
-            }
-            /* quad u of a group: step u / P, lane u % P past the group's first */
-            __m256i quad_at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            quad_at = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(quad_at, __builtin_ctz(P)), _mm256_set1_epi32(SB_GROUPS)),
-                                       _mm256_and_si256(quad_at, _mm256_set1_epi32(P - 1)));
-            for (int l = 0; l < G; ++l) {
-                const int g = sb * SB_GROUPS + l;
-                const __m512 d = _mm512_set1_ps(_cvtsh_ss(scales[g])), m = _mm512_set1_ps(_cvtsh_ss(mins[g]));
-                /* group l's 32 values in order: its int32 of each step */
-                const __m256i values = _mm256_i32gather_epi32(&steps[0][l * P], quad_at, 4);
-                for (int h = 0; h < 2; ++h) {
-                    const __m128i bytes = h ? _mm256_extracti128_si256(values, 1) : _mm256_castsi256_si128(values);
-                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-                    store16(_mm512_add_ps(_mm512_mul_ps(v, d), m), dtype, row + ((int64_t)g * INT4_GROUP + 16 * h) * elem);
-                }
+        for (; k < k_in; ++k) {
+            const float v = (float)(int8_t)w[k] * s;
+            from_float(&v, 1.f, dtype, row + (int64_t)k * elem, 1);
+        }
+        return;
+    }
+    const uint16_t *scales = (const uint16_t *)((const char *)L->groups + (int64_t)n * group_bytes);
+    const uint16_t *mins = scales + k_in / INT4_GROUP;
+    const int num_groups = k_in / INT4_GROUP;
+    for (int sb = 0; sb * SB_GROUPS < num_groups; ++sb) { /* the layout dot_block_q4 reads */
+        const int G = num_groups - sb * SB_GROUPS < SB_GROUPS ? num_groups - sb * SB_GROUPS : SB_GROUPS;
+        const char *block = w + (int64_t)sb * (SB_INPUTS / 2);
+        const int P = sb_lanes(G), S = 8 / P, vb = 4 * G * P;
+        const __mmask64 bytes_in = vb == 64 ? ~(__mmask64)0 : (((__mmask64)1 << vb) - 1);
+        int32_t steps[8][SB_GROUPS]; /* as dot_block_q4 reads them: int32 l of step s is 4 values */
+        if (S == 1) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)block), l4 = _mm256_set1_epi8(0x0F);
+            _mm256_storeu_si256((__m256i *)steps[0], _mm256_and_si256(packed, l4));
+            _mm256_storeu_si256((__m256i *)&steps[0][8], _mm256_and_si256(_mm256_srli_epi16(packed, 4), l4));
+        }
+        for (int t = 0; 2 * t < S && S > 1; ++t) {
+            const __m512i packed = _mm512_maskz_loadu_epi8(bytes_in, block + (int64_t)t * vb);
+            _mm512_storeu_si512(steps[2 * t], _mm512_and_si512(packed, _mm512_set1_epi8(0x0F)));
+            _mm512_storeu_si512(steps[2 * t + 1], _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F)));
+        }
+        /* quad u of a group: step u / P, lane u % P past the group's first */
+        __m256i quad_at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        quad_at = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(quad_at, __builtin_ctz(P)), _mm256_set1_epi32(SB_GROUPS)),
+                                   _mm256_and_si256(quad_at, _mm256_set1_epi32(P - 1)));
+        for (int l = 0; l < G; ++l) {
+            const int g = sb * SB_GROUPS + l;
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(scales[g])), m = _mm512_set1_ps(_cvtsh_ss(mins[g]));
+            /* group l's 32 values in order: its int32 of each step */
+            const __m256i values = _mm256_i32gather_epi32(&steps[0][l * P], quad_at, 4);
+            for (int h = 0; h < 2; ++h) {
+                const __m128i bytes = h ? _mm256_extracti128_si256(values, 1) : _mm256_castsi256_si128(values);
+                const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+                store16(_mm512_add_ps(_mm512_mul_ps(v, d), m), dtype, row + ((int64_t)g * INT4_GROUP + 16 * h) * elem);
             }
         }
     }
+}
+
+/* out [n_out][k_in] (dtype) = L's int8 or int4 weight dequantized, by num_threads threads: for
+ * multiplying many rows in a GEMM other than gemm.c's (float32 activations). 0, or 1 for a
+ * weight dequantize_takes refuses. */
+int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
+    if (!dequantize_takes(L)) return 1;
+    const int64_t row_bytes = (int64_t)L->k_in * elem_size(dtype);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int n = 0; n < L->n_out; ++n) dequantize_row(L, n, dtype, (char *)out + n * row_bytes);
     return 0;
 }
 #else
+int dequantize_takes(const lin_t *L) {
+    (void)L;
+    return 0;
+}
+
 int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
     (void)L, (void)out, (void)dtype, (void)num_threads;
     return 1;

@@ -20,6 +20,7 @@
  * and the caller keeps oneDNN or torch.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "common.h"
 
@@ -122,8 +123,79 @@ int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const
     return 0;
 }
 
+/* A thread's panel of a quantized weight in the packed layout (GEMM_NR blocks) and one row
+ * dequantized, kept as long as the thread (OpenMP keeps its threads): a fresh one per call would be
+ * mapped and faulted in again at every projection. */
+static __thread uint16_t *quantized_panel;
+static __thread size_t quantized_panel_bytes;
+
+/* blocks b0 .. b0 + nr - 1 of L's int8 or int4 weight, dequantized to bfloat16 (dequantize_row)
+ * and laid out as gemm_bf16_pack lays out a bfloat16 weight, at panel (blocks bstride apart) */
+static void dequantize_panel(const lin_t *L, int b0, int nr, int64_t bstride, uint16_t *panel, uint16_t *row) {
+    const int pairs = L->k_in / 2;
+    for (int j = 0; j < nr; ++j)
+        for (int c = 0; c < GEMM_VEC; ++c) {
+            dequantize_row(L, (b0 + j) * GEMM_VEC + c, DTYPE_BF16, row);
+            const uint32_t *src = (const uint32_t *)row;
+            uint32_t *dst = (uint32_t *)(panel + j * bstride) + c;
+            for (int p = 0; p < pairs; ++p) dst[(int64_t)p * GEMM_VEC] = src[p];
+        }
+}
+
+/* y = x L^T + bias for bfloat16 x (m rows, x_stride apart) and an int8 (bfloat16 scales) or int4
+ * weight L, any m: each thread dequantizes a panel of the weight into its cache-sized buffer, in
+ * gemm_bf16_pack's layout, and runs gemm_bf16's tiles over it, so the weight is read in its
+ * quantized bytes once per GEMM_MC rows and no dequantized copy of it is ever written out. Each
+ * row's sum runs as gemm_bf16 runs it over the dequantized weight: a row's result does not
+ * depend on the batch. 0, 1 for a weight or shape it does not take, 2 when memory could not be
+ * had. */
+int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m, void *yv, int num_threads) {
+    const int n = L->n_out, k = L->k_in;
+    if (!dequantize_takes(L) || (L->kind == W_INT8 && L->scales == NULL) || n % GEMM_VEC || k % 2 || m <= 0)
+        return 1;
+    const uint16_t *x = (const uint16_t *)xv, *bias = (const uint16_t *)L->bias;
+    uint16_t *y = (uint16_t *)yv;
+    const int64_t bstride = (int64_t)(k / 2) * 2 * GEMM_VEC;
+    const int blocks = n / GEMM_VEC, panels = (blocks + GEMM_NR - 1) / GEMM_NR;
+    const size_t need = sizeof(uint16_t) * (size_t)(GEMM_NR * bstride + k);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        if (need > quantized_panel_bytes) {
+            free(quantized_panel);
+            quantized_panel = aligned_alloc(64, (need + 63) & ~(size_t)63);
+            quantized_panel_bytes = quantized_panel != NULL ? need : 0;
+        }
+        if (quantized_panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        uint16_t *panel = quantized_panel, *row = panel + GEMM_NR * bstride;
+        for (int m0 = 0; m0 < m && !failed; m0 += GEMM_MC) {
+            const int m1 = m - m0 < GEMM_MC ? m : m0 + GEMM_MC;
+#pragma omp for schedule(static)
+            for (int p = 0; p < panels; ++p) {
+                const int b0 = p * GEMM_NR, nr = blocks - b0 < GEMM_NR ? blocks - b0 : GEMM_NR;
+                dequantize_panel(L, b0, nr, bstride, panel, row);
+                for (int r = m0; r < m1; r += GEMM_MR) {
+                    const int rows = m1 - r < GEMM_MR ? m1 - r : GEMM_MR;
+                    tile_any(x + (int64_t)r * x_stride, x_stride, rows, panel, bstride, nr, k,
+                             bias == NULL ? NULL : bias + b0 * GEMM_VEC, y + (int64_t)r * n + b0 * GEMM_VEC, n);
+                }
+            }
+        }
+    }
+    return failed ? 2 : 0;
+}
+
 int gemm_bf16_available(void) { return 1; }
 #else
+int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m, void *yv, int num_threads) {
+    (void)L, (void)xv, (void)x_stride, (void)m, (void)yv, (void)num_threads;
+    return 1;
+}
+
 void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
                     void *yv) {
     (void)xv, (void)x_stride, (void)m, (void)packed, (void)biasv, (void)n, (void)k, (void)yv;

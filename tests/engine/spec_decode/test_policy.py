@@ -25,6 +25,15 @@ def test_step_costs_interpolate_and_extend_the_last_slope():
     assert costs.relative() == {1: 1.0, 3: 2.0, 5: 2.0}
 
 
+def test_a_size_measured_slower_than_a_larger_one_takes_the_larger_ones_time():
+    """A disturbed measurement at two rows (int4 weights, once) must not stop all drafting."""
+    measured = {1: 1.0, 2: 1.93, 3: 1.49, 4: 1.5, 5: 1.61, 6: 2.02}
+    costs = StepCosts(measured)
+    assert costs.relative() == {**measured, 2: 1.49}
+    assert allocate(costs, 1, [(INITIAL_ACCEPTANCE, 5)])[0] >= 2
+    assert StepCosts({1: 2.0, 2: 1.0})(1) == 1.0
+
+
 def test_a_single_stream_with_good_drafts_verifies_them_all():
     assert allocate(CPU_LIKE, 1, [(0.9, 5)]) == [5]
 

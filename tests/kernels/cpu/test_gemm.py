@@ -75,3 +75,29 @@ def test_shapes_it_does_not_take_stay_with_onednn_or_torch():
         assert torch.allclose(got, reference(x, w, None), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="bfloat16 x"):
         KERNEL.gemm(torch.zeros(3, 8), KERNEL.pack_gemm_weight(torch.zeros(16, 8).to(torch.bfloat16)), None)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize(("n_out", "k_in"), [(16, 64), (5 * 48 + 16, 128), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 9, 33, MC + 9])
+def test_quantized_weights_dequantized_panel_by_panel(method, n_out, k_in, rows):
+    """gemm_bf16_quantized: int4 and int8 weights (engine/layers/quantization.py) multiplied as
+    gemm_bf16 multiplies their dequantized bfloat16 values (the format's definition,
+    ``dequantize_torch``), bias added; each row's result independent of the rows beside it."""
+    from kvserve.engine.layers.quantization import quantize_int4, quantize_int8
+
+    gen = torch.Generator().manual_seed(n_out + rows)
+    w = torch.randn(n_out, k_in, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n_out, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k_in, generator=gen).to(torch.bfloat16)
+    q = (quantize_int4 if method == "int4" else quantize_int8)(w)
+    got = KERNEL.quantized_gemm(x, q.kernel_linear(b, torch.bfloat16))
+    deq = q.dequantize_torch(torch.bfloat16)
+    assert torch.equal(got, KERNEL.gemm(x, KERNEL.pack_gemm_weight(deq), b))
+    want = reference(x, deq, b)
+    assert ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-3 * k_in ** 0.5).all()
+    assert torch.equal(KERNEL.quantized_gemm(x[-1:].clone(), q.kernel_linear(b, torch.bfloat16)), got[-1:])
+    # the projections beyond the few-row kernels' rows take it
+    if rows > 8:
+        assert torch.equal(q.linear(x, b), got)
+    assert KERNEL.quantized_gemm(x[:0], q.kernel_linear(b, torch.bfloat16)).shape == (0, n_out)
