@@ -123,23 +123,50 @@ int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const
     return 0;
 }
 
-/* A thread's panel of a quantized weight in the packed layout (GEMM_NR blocks) and one row
+/* A thread's panel of a quantized weight in the packed layout (GEMM_NR blocks) and a block's rows
  * dequantized, kept as long as the thread (OpenMP keeps its threads): a fresh one per call would be
  * mapped and faulted in again at every projection. */
 static __thread uint16_t *quantized_panel;
 static __thread size_t quantized_panel_bytes;
 
-/* blocks b0 .. b0 + nr - 1 of L's int8 or int4 weight, dequantized to bfloat16 (dequantize_row)
- * and laid out as gemm_bf16_pack lays out a bfloat16 weight, at panel (blocks bstride apart) */
-static void dequantize_panel(const lin_t *L, int b0, int nr, int64_t bstride, uint16_t *panel, uint16_t *row) {
-    const int pairs = L->k_in / 2;
-    for (int j = 0; j < nr; ++j)
-        for (int c = 0; c < GEMM_VEC; ++c) {
-            dequantize_row(L, (b0 + j) * GEMM_VEC + c, DTYPE_BF16, row);
-            const uint32_t *src = (const uint32_t *)row;
-            uint32_t *dst = (uint32_t *)(panel + j * bstride) + c;
-            for (int p = 0; p < pairs; ++p) dst[(int64_t)p * GEMM_VEC] = src[p];
+/* r[i] lane c -> r[c] lane i for 16 vectors of 16 32-bit lanes: 4x4 transposes inside each
+ * 128-bit lane (unpack), then of the 128-bit lanes across each four vectors (shuffle_i32x4) */
+static inline void transpose16(__m512i r[16]) {
+    __m512i u[16];
+    for (int q = 0; q < 16; q += 4) { /* u[q + j] lane k: element 4k + j of rows q..q+3 */
+        const __m512i t0 = _mm512_unpacklo_epi32(r[q], r[q + 1]), t1 = _mm512_unpackhi_epi32(r[q], r[q + 1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(r[q + 2], r[q + 3]), t3 = _mm512_unpackhi_epi32(r[q + 2], r[q + 3]);
+        u[q] = _mm512_unpacklo_epi64(t0, t2), u[q + 1] = _mm512_unpackhi_epi64(t0, t2);
+        u[q + 2] = _mm512_unpacklo_epi64(t1, t3), u[q + 3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    for (int j = 0; j < 4; ++j) { /* column 4k + j: lane k of u[j], u[4 + j], u[8 + j], u[12 + j] */
+        const __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), x1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+        const __m512i x2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i x3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(x0, x2, 0x88), r[4 + j] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(x1, x3, 0x88), r[12 + j] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+    }
+}
+
+/* blocks b0 .. b0 + nr - 1 of L's int8 or int4 weight, dequantized to bfloat16 (dequantize_row,
+ * a block's GEMM_VEC rows into rows) and laid out as gemm_bf16_pack lays out a bfloat16 weight
+ * (a block's pairs of inputs as 16 x 16 transposes), at panel (blocks bstride apart) */
+static void dequantize_panel(const lin_t *L, int b0, int nr, int64_t bstride, uint16_t *panel, uint16_t *rows) {
+    const int k = L->k_in, pairs = k / 2;
+    for (int j = 0; j < nr; ++j) {
+        for (int c = 0; c < GEMM_VEC; ++c) dequantize_row(L, (b0 + j) * GEMM_VEC + c, DTYPE_BF16, rows + (int64_t)c * k);
+        uint32_t *dst = (uint32_t *)(panel + j * bstride);
+        const uint32_t *src = (const uint32_t *)rows; /* row c's pair p at src[c * pairs + p] */
+        int p = 0;
+        for (; p + GEMM_VEC <= pairs; p += GEMM_VEC) {
+            __m512i r[GEMM_VEC];
+            for (int c = 0; c < GEMM_VEC; ++c) r[c] = _mm512_loadu_si512(src + (int64_t)c * pairs + p);
+            transpose16(r);
+            for (int i = 0; i < GEMM_VEC; ++i) _mm512_storeu_si512(dst + (int64_t)(p + i) * GEMM_VEC, r[i]);
         }
+        for (; p < pairs; ++p)
+            for (int c = 0; c < GEMM_VEC; ++c) dst[(int64_t)p * GEMM_VEC + c] = src[(int64_t)c * pairs + p];
+    }
 }
 
 /* y = x L^T + bias for bfloat16 x (m rows, x_stride apart) and an int8 (bfloat16 scales) or int4
@@ -157,7 +184,7 @@ int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m,
     uint16_t *y = (uint16_t *)yv;
     const int64_t bstride = (int64_t)(k / 2) * 2 * GEMM_VEC;
     const int blocks = n / GEMM_VEC, panels = (blocks + GEMM_NR - 1) / GEMM_NR;
-    const size_t need = sizeof(uint16_t) * (size_t)(GEMM_NR * bstride + k);
+    const size_t need = sizeof(uint16_t) * (size_t)(GEMM_NR * bstride + GEMM_VEC * k);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -171,13 +198,13 @@ int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m,
             failed = 1;
         }
 #pragma omp barrier
-        uint16_t *panel = quantized_panel, *row = panel + GEMM_NR * bstride;
+        uint16_t *panel = quantized_panel, *rows = panel + GEMM_NR * bstride;
         for (int m0 = 0; m0 < m && !failed; m0 += GEMM_MC) {
             const int m1 = m - m0 < GEMM_MC ? m : m0 + GEMM_MC;
 #pragma omp for schedule(static)
             for (int p = 0; p < panels; ++p) {
                 const int b0 = p * GEMM_NR, nr = blocks - b0 < GEMM_NR ? blocks - b0 : GEMM_NR;
-                dequantize_panel(L, b0, nr, bstride, panel, row);
+                dequantize_panel(L, b0, nr, bstride, panel, rows);
                 for (int r = m0; r < m1; r += GEMM_MR) {
                     const int rows = m1 - r < GEMM_MR ? m1 - r : GEMM_MR;
                     tile_any(x + (int64_t)r * x_stride, x_stride, rows, panel, bstride, nr, k,
