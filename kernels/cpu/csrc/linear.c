@@ -158,10 +158,15 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
     }
 }
 
-/* NX rows: four weight rows at a time up to four rows of x, two beyond (the accumulators stay
- * within the 32 vector registers) */
+/* Weight rows at a time for NX rows of x, so that the accumulators stay within the 32 vector
+ * registers: four up to four rows of x, two beyond; int4 keeps two sets (the integer sums of a
+ * superblock and the float totals), so four up to 3 rows, two up to 6, one beyond. A row's result
+ * does not depend on it (each output's sums run in the same order). */
+#define ROWS_NW(NX, KIND) \
+    ((KIND) == W_Q4 ? ((NX) <= 3 ? ROWS_AT_ONCE : (NX) <= 6 ? ROWS_AT_ONCE / 2 : 1) \
+                    : ((NX) <= 4 ? ROWS_AT_ONCE : ROWS_AT_ONCE / 2))
 #define ROWS_CASE(NX, KIND) \
-    case NX: rows_team(L, NX, (NX) <= 4 ? ROWS_AT_ONCE : ROWS_AT_ONCE / 2, xf, h, q, y, dtype, KIND); return;
+    case NX: rows_team(L, NX, ROWS_NW(NX, KIND), xf, h, q, y, dtype, KIND); return;
 #define ROWS_SWITCH(KIND) \
     switch (rows) { \
         ROWS_CASE(1, KIND) ROWS_CASE(2, KIND) ROWS_CASE(3, KIND) ROWS_CASE(4, KIND) \

@@ -100,9 +100,10 @@ def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantizati
 @pytest.mark.parametrize(("dtype", "quantization"),
                          [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization, monkeypatch):
-    """Five decode rows over different contexts (a cache of random K/V) through the fused step
-    at once, and each alone: bit for bit the same hidden states, so a sequence's tokens do not
-    depend on what else is decoding beside it (up to MAX_FUSED_ROWS rows)."""
+    """Eight decode rows over different contexts (a cache of random K/V) through the fused step
+    at once, five of them, and each alone: bit for bit the same hidden states, so a sequence's
+    tokens do not depend on what else is decoding beside it (up to MAX_FUSED_ROWS rows; the row
+    kernel takes 1, 2 or 4 weight rows at a time by the number of rows)."""
     _int4_needs_vnni(quantization)
     options = {"quantization": quantization} if quantization else {}
     llm = LLM("default", dtype=dtype, max_num_seqs=8, num_kv_blocks=64, **options)
@@ -111,8 +112,9 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization
     gen = torch.Generator().manual_seed(0)
     runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).to(runner.kv_cache.dtype))
     block = runner.block_size
-    seqs = [([3, 9], 20, 1), ([1], 4, 1), ([12, 4, 7, 30], 50, 1), ([2, 5], 16, 1), ([40, 41, 42], 33, 1)]
-    ids = torch.tensor([11, 222, 3333, 444, 55])
+    seqs = [([3, 9], 20, 1), ([1], 4, 1), ([12, 4, 7, 30], 50, 1), ([2, 5], 16, 1), ([40, 41, 42], 33, 1),
+            ([6], 9, 1), ([13, 14], 27, 1), ([8, 0, 21], 40, 1)]
+    ids = torch.tensor([11, 222, 3333, 444, 55, 6666, 77, 888])
     calls = _fused_steps(monkeypatch)
 
     def forward(rows):
@@ -121,10 +123,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization
         with torch.inference_mode():
             return model(ids[rows], torch.tensor(inp.positions), meta)
 
-    together = forward([0, 1, 2, 3, 4])
-    for i in range(5):
-        assert torch.equal(together[i : i + 1], forward([i]))
-    assert len(calls) == 6 and all(calls)
+    together, five = forward(list(range(8))), forward([0, 1, 2, 3, 4])
+    for i in range(8):
+        alone = forward([i])
+        assert torch.equal(together[i : i + 1], alone) and (i >= 5 or torch.equal(five[i : i + 1], alone))
+    assert len(calls) == 10 and all(calls)
     llm.shutdown()
 
 
