@@ -20,7 +20,7 @@ def with_control_plane(llm: LLM, step_costs: StepCosts = FLAT_STEP_COSTS, **chan
     eng = llm.engine
     cfg = eng.config.replace(**changes)
     eng.speculator = (None if cfg.speculative == "off"
-                      else Speculator(cfg, step_costs, exact_rows(eng.executor.device)))
+                      else Speculator(cfg, step_costs, exact_rows(eng.executor)))
     blocks = min(cfg.num_kv_blocks or eng.executor.num_kv_blocks, eng.executor.num_kv_blocks)
     eng.config = cfg
     eng.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)

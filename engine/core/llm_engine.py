@@ -96,7 +96,7 @@ class LLMEngine:
         self.speculator = None if config.speculative == "off" else speculation.Speculator(
             config, speculation.measure_step_costs(self.executor.execute_model, self.executor.num_kv_blocks,
                                                    config.block_size, config.max_num_batched_tokens),
-            exact_rows=speculation.exact_rows(self.executor.device))
+            exact_rows=speculation.exact_rows(self.executor))
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                            config.grammar_compile_workers, config.grammar_compile_timeout)
         # which row of the runners' persistent block table each running sequence has

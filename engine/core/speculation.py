@@ -33,7 +33,8 @@ SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec
 class Speculator:
     """``exact_rows``: where a step of that many decode rows or fewer computes each row as a
     one-row step would (the CPU's fused decode step), drafts never take a step that fits past it,
-    so that a batch of up to that many sequences gives the tokens of plain decoding bit for bit."""
+    so that a batch of up to that many sequences gives the tokens of plain decoding bit for bit
+    (None: rows alike at any count, ``exact_rows()``)."""
 
     def __init__(self, config: EngineConfig, costs: StepCosts, exact_rows: int | None = None):
         self.exact_rows = exact_rows
@@ -116,13 +117,24 @@ def speculation_stats(counters: dict | None) -> dict:
             "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else 0.0}
 
 
-def exact_rows(device) -> int | None:
-    """How many decode rows a step may hold and still compute each row as alone: the fused decode
-    step's MAX_FUSED_ROWS on the CPU, None elsewhere."""
-    if device.type != "cpu":
+def exact_rows(executor) -> int | None:
+    """How many decode rows a step may hold and still compute each row as alone: any (None) on a
+    GPU, and on the CPU where every projection and the LM head multiply in csrc/gemm.c (their
+    packed bfloat16 copies, by which a row's result does not depend on the rows beside it at any
+    count; one process, no mixture of experts); else the fused decode step's MAX_FUSED_ROWS."""
+    if executor.device.type != "cpu":
         return None
-    from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
+    from kvserve.engine.layers.embed_head import ParallelLMHead
+    from kvserve.engine.layers.linear import LinearBase
+    from kvserve.engine.layers.moe import FusedExperts
+    from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
 
+    model = getattr(executor, "model", None)  # a ModelRunner; a tensor-parallel executor's are in its workers
+    modules = list(model.modules()) if model is not None else []
+    linears = [m for m in modules if isinstance(m, LinearBase | ParallelLMHead)]
+    if (linears and all(isinstance(m.packed, PackedWeight) for m in linears)
+            and not any(isinstance(m, FusedExperts) for m in modules)):
+        return None
     return MAX_FUSED_ROWS
 
 

@@ -20,6 +20,7 @@ from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.constraints import constraint_of
 from kvserve.engine.sequence import FinishReason
 from kvserve.engine.spec_decode.ngram import NgramIndex
+from kvserve.engine.spec_decode.policy import StepCosts
 from kvserve.engine.structured.drafts import valid_prefix
 from kvserve.testing.engine import with_control_plane
 
@@ -244,3 +245,37 @@ def test_where_the_fused_decode_step_does_not_run_speculation_still_gives_plain_
         llm.shutdown()
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
     assert runs["ngram"] == runs["off"]
+
+
+def test_where_every_projection_is_in_gemm_c_a_small_batch_drafts_past_eight_rows():
+    """bfloat16 weights all packed for csrc/gemm.c compute a row alike at any number of rows, so a
+    batch of up to MAX_FUSED_ROWS sequences may verify drafts past that many rows and still give
+    each sequence the tokens and logprobs it gets alone without speculation."""
+    from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
+    from kvserve.kernels.cpu.bindings import load_kernels
+
+    if load_kernels() is None or not load_kernels().gemm_available():
+        pytest.skip("csrc/gemm.c is built only where the compiler targets AVX512-BF16")
+    llm = LLM("default", dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=512, speculative="ngram")
+    try:
+        assert llm.engine.speculator.exact_rows is None
+        # a cost table under which drafts always pay, so that steps of 4 sequences verify 5 each
+        with_control_plane(llm, step_costs=StepCosts({1: 1.0, 64: 1.01}), speculative="ngram")
+        rows = []
+        execute = llm.engine.executor.execute_model
+
+        def counted(inp):  # decode steps' rows (a verification's rows are decode rows too)
+            if max(inp.query_lens) == 1:
+                rows.append(len(inp.input_ids))
+            return execute(inp)
+
+        llm.engine.executor.execute_model = counted
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
+        text = "one two three four five six seven eight nine ten " * 3
+        prompts = [f"Repeat: {text}", f"Say again: {text}", f"Copy: {text}", f"Echo: {text}"]
+        spec = _generate(llm, prompts, params)
+        assert max(rows) > MAX_FUSED_ROWS and llm.stats()["spec_decode_num_accepted_tokens"] > 0
+        with_control_plane(llm, speculative="off")
+        assert spec == [_generate(llm, [p], params)[0] for p in prompts]
+    finally:
+        llm.shutdown()
