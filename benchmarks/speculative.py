@@ -175,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer == "llama.cpp" and (args.model != "default" or 1 not in args.batches):
         ap.error("--peer llama.cpp: the bundled model (--model default) and a single stream "
                  "(--batches 1 ...)")
-    # no prefix caching: the arms run the same prompts, and the second must not find them cached
+    # no prefix caching: the arms run the same prompts, and the second must not find them cached;
+    # no step time bound: it splits prefills by measured step times, and a prompt token's attention
+    # rounds by how its chunk is tiled, so the arms could differ at near-ties for that alone
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, speculative=args.speculative,
               num_speculative_tokens=args.num_speculative_tokens, max_num_seqs=max(args.batches),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, max_step_time_ms=0)
     try:
         print(f"step costs c(n): {llm.engine.speculator.costs.relative()}", flush=True)
         singles: dict = {}
