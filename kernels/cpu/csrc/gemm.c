@@ -93,36 +93,6 @@ int gemm_bf16_pack(const void *w, int64_t w_stride, int n, int k, void *packed, 
     return 0;
 }
 
-void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
-                    void *yv) {
-    const uint16_t *x = (const uint16_t *)xv, *bias = (const uint16_t *)biasv;
-    uint16_t *y = (uint16_t *)yv;
-    const int64_t bstride = (int64_t)(k / 2) * 2 * GEMM_VEC; /* elements from one block to the next */
-    const int blocks = n / GEMM_VEC, panels = (blocks + GEMM_NR - 1) / GEMM_NR;
-    for (int m0 = 0; m0 < m; m0 += GEMM_MC) {
-        const int m1 = m - m0 < GEMM_MC ? m : m0 + GEMM_MC;
-#pragma omp for schedule(static)
-        for (int panel = 0; panel < panels; ++panel) {
-            const int b0 = panel * GEMM_NR, nr = blocks - b0 < GEMM_NR ? blocks - b0 : GEMM_NR;
-            const uint16_t *wp = (const uint16_t *)packed + (int64_t)b0 * bstride;
-            const uint16_t *bp = bias == NULL ? NULL : bias + b0 * GEMM_VEC;
-            for (int r = m0; r < m1; r += GEMM_MR) {
-                const int rows = m1 - r < GEMM_MR ? m1 - r : GEMM_MR;
-                tile_any(x + (int64_t)r * x_stride, x_stride, rows, wp, bstride, nr, k, bp,
-                         y + (int64_t)r * n + b0 * GEMM_VEC, n);
-            }
-        }
-    }
-}
-
-int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
-              void *yv, int num_threads) {
-    if (n % GEMM_VEC != 0 || k % 2 != 0 || m <= 0) return 1;
-#pragma omp parallel num_threads(num_threads)
-    gemm_bf16_team(xv, x_stride, m, packed, biasv, n, k, yv);
-    return 0;
-}
-
 /* A thread's panel of a quantized weight in the packed layout (GEMM_NR blocks) and a block's rows
  * dequantized, kept as long as the thread (OpenMP keeps its threads): a fresh one per call would be
  * mapped and faulted in again at every projection. */
@@ -169,6 +139,47 @@ static void dequantize_panel(const lin_t *L, int b0, int nr, int64_t bstride, ui
     }
 }
 
+/* The team's share of y = x w^T + bias over w's panels (an OpenMP for over them per GEMM_MC rows
+ * of x, its barrier at the end): each panel read from packed (gemm_bf16_pack's copy), or, with L,
+ * dequantized from L into the thread's scratch first (dequantize_panel) */
+static void panels_team(const uint16_t *x, int64_t x_stride, int m, const uint16_t *packed, const lin_t *L,
+                        uint16_t *scratch, const uint16_t *bias, int n, int k, uint16_t *y) {
+    const int64_t bstride = (int64_t)(k / 2) * 2 * GEMM_VEC; /* elements from one block to the next */
+    const int blocks = n / GEMM_VEC, panels = (blocks + GEMM_NR - 1) / GEMM_NR;
+    for (int m0 = 0; m0 < m; m0 += GEMM_MC) {
+        const int m1 = m - m0 < GEMM_MC ? m : m0 + GEMM_MC;
+#pragma omp for schedule(static)
+        for (int panel = 0; panel < panels; ++panel) {
+            const int b0 = panel * GEMM_NR, nr = blocks - b0 < GEMM_NR ? blocks - b0 : GEMM_NR;
+            const uint16_t *wp = scratch;
+            if (L != NULL)
+                dequantize_panel(L, b0, nr, bstride, scratch, scratch + GEMM_NR * bstride);
+            else
+                wp = packed + (int64_t)b0 * bstride;
+            const uint16_t *bp = bias == NULL ? NULL : bias + b0 * GEMM_VEC;
+            for (int r = m0; r < m1; r += GEMM_MR) {
+                const int rows = m1 - r < GEMM_MR ? m1 - r : GEMM_MR;
+                tile_any(x + (int64_t)r * x_stride, x_stride, rows, wp, bstride, nr, k, bp,
+                         y + (int64_t)r * n + b0 * GEMM_VEC, n);
+            }
+        }
+    }
+}
+
+void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
+                    void *yv) {
+    panels_team((const uint16_t *)xv, x_stride, m, (const uint16_t *)packed, NULL, NULL, (const uint16_t *)biasv,
+                n, k, (uint16_t *)yv);
+}
+
+int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
+              void *yv, int num_threads) {
+    if (n % GEMM_VEC != 0 || k % 2 != 0 || m <= 0) return 1;
+#pragma omp parallel num_threads(num_threads)
+    gemm_bf16_team(xv, x_stride, m, packed, biasv, n, k, yv);
+    return 0;
+}
+
 /* y = x L^T + bias for bfloat16 x (m rows, x_stride apart) and an int8 (bfloat16 scales) or int4
  * weight L, any m: each thread dequantizes a panel of the weight into its cache-sized buffer, in
  * gemm_bf16_pack's layout, and runs gemm_bf16's tiles over it, so the weight is read in its
@@ -180,10 +191,7 @@ int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m,
     const int n = L->n_out, k = L->k_in;
     if (!dequantize_takes(L) || (L->kind == W_INT8 && L->scales == NULL) || n % GEMM_VEC || k % 2 || m <= 0)
         return 1;
-    const uint16_t *x = (const uint16_t *)xv, *bias = (const uint16_t *)L->bias;
-    uint16_t *y = (uint16_t *)yv;
     const int64_t bstride = (int64_t)(k / 2) * 2 * GEMM_VEC;
-    const int blocks = n / GEMM_VEC, panels = (blocks + GEMM_NR - 1) / GEMM_NR;
     const size_t need = sizeof(uint16_t) * (size_t)(GEMM_NR * bstride + GEMM_VEC * k);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -198,20 +206,9 @@ int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m,
             failed = 1;
         }
 #pragma omp barrier
-        uint16_t *panel = quantized_panel, *rows = panel + GEMM_NR * bstride;
-        for (int m0 = 0; m0 < m && !failed; m0 += GEMM_MC) {
-            const int m1 = m - m0 < GEMM_MC ? m : m0 + GEMM_MC;
-#pragma omp for schedule(static)
-            for (int p = 0; p < panels; ++p) {
-                const int b0 = p * GEMM_NR, nr = blocks - b0 < GEMM_NR ? blocks - b0 : GEMM_NR;
-                dequantize_panel(L, b0, nr, bstride, panel, rows);
-                for (int r = m0; r < m1; r += GEMM_MR) {
-                    const int rows = m1 - r < GEMM_MR ? m1 - r : GEMM_MR;
-                    tile_any(x + (int64_t)r * x_stride, x_stride, rows, panel, bstride, nr, k,
-                             bias == NULL ? NULL : bias + b0 * GEMM_VEC, y + (int64_t)r * n + b0 * GEMM_VEC, n);
-                }
-            }
-        }
+        if (!failed)
+            panels_team((const uint16_t *)xv, x_stride, m, NULL, L, quantized_panel, (const uint16_t *)L->bias, n, k,
+                        (uint16_t *)yv);
     }
     return failed ? 2 : 0;
 }
