@@ -222,6 +222,23 @@ class MergedColumnParallelLinear(LinearBase):
         self.part_sizes = [divide(size, parallel.size, "output features") for size in output_sizes]
         super().__init__(input_size, sum(self.part_sizes), bias, parallel)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a gate|up layer's product, computed by csrc/gemm.c as it multiplies
+        (the product itself is never stored): bfloat16 x with the weight packed for it, or an int8 or
+        int4 weight at more rows than the row kernel takes. Exactly ``silu_and_mul(self(x))``; None
+        where gemm.c does not take the call (then the caller does that)."""
+        if len(self.part_sizes) != 2 or self.part_sizes[0] != self.part_sizes[1] or x.dtype != torch.bfloat16:
+            return None
+        rows = x.reshape(-1, x.shape[-1])
+        if self.quantized is not None:
+            y = self.quantized.silu_and_mul(rows, self.bias)
+        elif isinstance(self.packed, PackedWeight) and self.packed.n_out % 32 == 0:
+            rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+            y = load_kernels().gemm(rows, self.packed, self.bias, glu=True)
+        else:
+            return None
+        return None if y is None else y.view(*x.shape[:-1], self.part_sizes[0])
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         if shard_id is None:
             raise ValueError("a merged linear layer needs the shard id of the loaded part")

@@ -137,14 +137,30 @@ class QuantizedWeight:
             bias = None if y is not None else bias
         if y is None and self.method == "int8" and few and x.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.data, self.scales.to(x.dtype))
-        gemm = x.dtype == torch.bfloat16 and (self.method == "int4" or self.scales.dtype == x.dtype)
-        if y is None and gemm and (kernels := kernels_for(rows, bias)) is not None:  # bias None, or as rows
+        # bias None, or as rows
+        if y is None and self._gemm_takes(x.dtype) and (kernels := kernels_for(rows, bias)) is not None:
             y = kernels.quantized_gemm(rows.contiguous(), self.kernel_linear(bias, x.dtype))
             bias = None if y is not None else bias
         if y is None:
             y = F.linear(rows, self.dequantize(x.dtype))
         y = y.view(*x.shape[:-1], self.data.shape[0])
         return y if bias is None else y + bias
+
+    def silu_and_mul(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``silu(gate) * up`` of ``linear(rows, bias)`` for a gate|up weight, from csrc/gemm.c's
+        panels as it multiplies, where it takes the call: bfloat16 rows, more of them than the row
+        kernel takes (fewer go through it, as in ``linear``); else None."""
+        if rows.shape[0] <= MAX_FUSED_ROWS or not self._gemm_takes(rows.dtype):
+            return None
+        kernels = kernels_for(rows, bias)
+        if kernels is None or self.data.shape[0] % 32:
+            return None
+        return kernels.quantized_gemm(rows.contiguous(), self.kernel_linear(bias, rows.dtype), glu=True)
+
+    def _gemm_takes(self, dtype: torch.dtype) -> bool:
+        """Whether csrc/gemm.c multiplies activations of ``dtype`` by this weight (bfloat16; int8
+        with scales of that dtype)."""
+        return dtype == torch.bfloat16 and (self.method == "int4" or self.scales.dtype == dtype)
 
     def kernel_linear(self, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
         """The weight as the C kernels' ``Linear`` (the fused decode step)."""

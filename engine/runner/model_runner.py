@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import mmap
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ from kvserve.engine.runner.cuda_graphs import (
 )
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
+from kvserve.kernels.cpu.bindings import load_kernels
 
 log = logging.getLogger("kvserve.engine.runner.model_runner")
 
@@ -82,9 +84,18 @@ def prepare_inputs(inp: ModelInput, backend: AttentionBackend, device: torch.dev
 def flush_denormals(device: torch.device) -> None:
     """Treat denormal floats as zero on CPU. The dequantized weights hold a few, and x86 handles
     denormals in microcode: measured here, a float32 decode step ran up to 10x slower with them.
-    Threads inherit the setting, so it is set in the stepping thread before its first parallel op."""
+    It is set in the stepping thread, and once per (thread, team size) in the OpenMP threads that
+    thread runs (new threads inherit it; a pool made earlier does not): a row's result must not
+    depend on which thread computed it."""
     if device.type == "cpu":
         torch.set_flush_denormal(True)
+        team = (threading.get_ident(), torch.get_num_threads())
+        if team not in _SHARED_FP_MODE and (kernels := load_kernels()) is not None:
+            kernels.share_fp_mode(team[1])
+            _SHARED_FP_MODE.add(team)
+
+
+_SHARED_FP_MODE: set[tuple[int, int]] = set()  # teams whose threads flush denormals (flush_denormals)
 
 
 class ModelRunner:

@@ -28,6 +28,7 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
                      _F32, _P, _I64, _I64, _I32, _I32, _I32],
     "rms_norm": [_P, _I64, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _I32, _I32],
     "silu_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
+    "share_fp_mode": [_I32],
     "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "argmax_rows": [_P, _I64, _I32, _I32, _P, _I32],
@@ -40,9 +41,9 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "decode_row": [_P, _I32, _P, _P, _P, _I32],
     "decode_row_available": [],
     "gemm_bf16_pack": [_P, _I64, _I32, _I32, _P, _I32],
-    "gemm_bf16": [_P, _I64, _I32, _P, _P, _I32, _I32, _P, _I32],
+    "gemm_bf16": [_P, _I64, _I32, _P, _P, _I32, _I32, _P, _I32, _I32],
     "gemm_bf16_available": [],
-    "gemm_bf16_quantized": [_P, _P, _I64, _I32, _P, _I32],
+    "gemm_bf16_quantized": [_P, _P, _I64, _I32, _P, _I32, _I32],
 }
 
 

@@ -164,6 +164,11 @@ class CpuKernels:
         ), "rms_norm")
         return out
 
+    def share_fp_mode(self, num_threads: int) -> None:
+        """Every thread of a team of ``num_threads`` takes on this thread's floating-point mode (its
+        flushing of denormals): elementwise.c ``share_fp_mode``."""
+        self._lib.share_fp_mode(num_threads)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x[:, :w]) * x[:, w:]`` for 2-D ``x`` of width ``2w``."""
         rows, width = x.shape[0], x.shape[1] // 2
@@ -259,30 +264,35 @@ class CpuKernels:
                                           torch.get_num_threads())
         return None if status == 1 else PackedWeight(data, n_out, k_in)
 
-    def gemm(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
+             glu: bool = False) -> torch.Tensor:
         """``x W^T + b`` for bfloat16 ``x`` [rows, in] (rows contiguous) over ``pack_gemm_weight``'s
-        copy of W; ``bias`` bfloat16 or None."""
+        copy of W; ``bias`` bfloat16 or None. ``glu``: W is gate|up (``n_out / 2`` rows each, a
+        multiple of 16) and the result is ``silu(gate) * up`` [rows, n_out / 2], exactly
+        ``silu_and_mul`` of the product, which is never stored."""
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.k_in:
             raise ValueError(f"gemm: bfloat16 x [rows, {weight.k_in}] with contiguous rows, got "
                              f"{x.dtype} {tuple(x.shape)}")
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             raise ValueError("gemm: a contiguous bfloat16 bias")
-        y = torch.empty(x.shape[0], weight.n_out, dtype=torch.bfloat16)
+        if glu and weight.n_out % 32:
+            raise ValueError(f"gemm: glu takes gate|up halves of a multiple of 16 rows, got {weight.n_out}")
+        y = torch.empty(x.shape[0], weight.n_out // 2 if glu else weight.n_out, dtype=torch.bfloat16)
         if x.shape[0]:
             _check(self._lib.gemm_bf16(x.data_ptr(), x.stride(0), x.shape[0], weight.data.data_ptr(),
                                        None if bias is None else bias.data_ptr(), weight.n_out, weight.k_in,
-                                       y.data_ptr(), torch.get_num_threads()), "gemm_bf16")
+                                       y.data_ptr(), int(glu), torch.get_num_threads()), "gemm_bf16")
         return y
 
-    def quantized_gemm(self, x: torch.Tensor, linear: Linear) -> torch.Tensor | None:
+    def quantized_gemm(self, x: torch.Tensor, linear: Linear, glu: bool = False) -> torch.Tensor | None:
         """``x W^T + b`` for bfloat16 ``x`` [rows, in] (rows contiguous) and an int8 (bfloat16 scales)
         or int4 ``linear``, any rows: csrc/gemm.c dequantizes W a cache-sized panel at a time, never
-        whole; None where it was not built or does not take the weight."""
-        y = torch.empty(x.shape[0], linear.n_out, dtype=torch.bfloat16)
+        whole; ``glu`` as in ``gemm``; None where it was not built or does not take the weight."""
+        y = torch.empty(x.shape[0], linear.n_out // 2 if glu else linear.n_out, dtype=torch.bfloat16)
         if not x.shape[0]:  # (a step of prefill chunks asks the LM head for no rows)
             return y
         status = self._lib.gemm_bf16_quantized(ctypes.byref(linear), x.data_ptr(), x.stride(0), x.shape[0],
-                                               y.data_ptr(), torch.get_num_threads())
+                                               y.data_ptr(), int(glu), torch.get_num_threads())
         if status == 1:
             return None
         _check(status, "gemm_bf16_quantized")

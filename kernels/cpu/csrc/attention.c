@@ -378,26 +378,6 @@ static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx,
  * 1 + MAX_SPECULATIVE_TOKENS of a sequence) keep the per-query arithmetic, so a verified row equals
  * the plain decode row bit for bit. */
 
-/* fast_exp's arithmetic on 16 lanes (rounding to nearest even instead of away from zero) */
-static inline __m512 exp16(__m512 x) {
-    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-06f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), c));
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-    return _mm512_mask_mov_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)), tiny, _mm512_setzero_ps());
-}
-
 /* Floats of scratch one thread needs for a tile of G heads of D dims over up to max_ctx keys:
  * the transposed queries, the score vectors, the sums. */
 static size_t tile_scratch_floats(int group, int head_dim, int max_ctx) {

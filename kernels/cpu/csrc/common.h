@@ -113,9 +113,10 @@ int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int
 #define GEMM_MR 8
 #define GEMM_NR 3
 #define GEMM_MC 512
-/* gemm_bf16's work as a team's part (an OpenMP for over the panels, its barrier at the end) */
+/* gemm_bf16's work as a team's part (an OpenMP for over the panels, its barrier at the end); glu:
+ * the weight is gate|up (n / 2 rows each) and y [m][n / 2] gets silu(gate) * up */
 void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
-                    void *yv);
+                    void *yv, int glu);
 int gemm_bf16_available(void);
 /* dequantize.c: row n of an int8 or int4 weight in dtype (gemm.c dequantizes its panels with it) */
 int dequantize_takes(const lin_t *L);
@@ -132,6 +133,7 @@ int store_kv(void *k, int64_t k_token, int64_t k_head, void *v, int64_t v_token,
              int64_t cache_slots, int dtype, int cache_dtype);
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,
                  int dtype, int num_threads);
+void silu_mul_row(const void *gate, const void *up, void *out, int width, int dtype);
 
 /* Attention (attention.c), shared with the fused decode row. */
 size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ctx);
@@ -185,5 +187,46 @@ static inline float fast_exp(float x) {
     bits32 scale = {.u = (uint32_t)((int32_t)n + 127) << 23};
     return x < -87.0f ? 0.f : p * scale.f;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* fast_exp's arithmetic on 16 lanes (rounding to nearest even instead of away from zero) */
+static inline __m512 exp16(__m512 x) {
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-06f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), c));
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+    return _mm512_mask_mov_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)), tiny, _mm512_setzero_ps());
+}
+
+/* from_float's rounding of 16 floats to bfloat16 (nearest even; a NaN stays a quiet NaN) */
+static inline __m256i bf16_round16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                 _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+/* 16 bfloat16 values at p as floats */
+static inline __m512 bf16_load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
 
 #endif

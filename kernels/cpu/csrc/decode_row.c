@@ -53,9 +53,10 @@ static int gemm_takes(const lin_t *L, int dtype) {
  * bfloat16) where every projection has one, as the per-op path multiplies them
  * (engine/layers/linear.py): a row's result then does not depend on how many rows the step has;
  * else in linear.c's row kernel (xf: x as floats; at most MAX_FUSED_ROWS rows). */
-static void project(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype, int gemm) {
+static void project(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype, int gemm,
+                    int glu) {
     if (gemm)
-        gemm_bf16_team(xh, L->k_in, rows, L->packed, L->bias, L->n_out, L->k_in, y);
+        gemm_bf16_team(xh, L->k_in, rows, L->packed, L->bias, L->n_out, L->k_in, y, glu);
     else
         linear_rows_team(L, rows, xf, dtype == DTYPE_BF16 ? xh : NULL, y, dtype);
 }
@@ -86,6 +87,7 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
             !linear_takes(&L->qkv) || !linear_takes(&L->o) || !linear_takes(&L->gate_up) || !linear_takes(&L->down))
             return 1;
         gemm = gemm && gemm_takes(&L->qkv, dtype) && gemm_takes(&L->o, dtype) && gemm_takes(&L->gate_up, dtype) &&
+               L->gate_up.n_out % (2 * GEMM_VEC) == 0 &&
                gemm_takes(&L->down, dtype);
     }
     if (R > MAX_FUSED_ROWS && !gemm) return 1; /* the row kernel's limit */
@@ -125,7 +127,7 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
                 }
                 if (!gemm) to_float(x, dtype, xf, R * H); /* the row kernel's input */
             }
-            project(&L->qkv, R, xf, x, qkv, dtype, gemm);
+            project(&L->qkv, R, xf, x, qkv, dtype, gemm, 0);
 #pragma omp single
             {
                 rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1); /* q and k, side by side */
@@ -143,19 +145,23 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
             }
 #pragma omp single
             if (!gemm) to_float(att, dtype, xf, R * heads * D); /* the row kernel's input */
-            project(&L->o, R, xf, att, hidden, dtype, gemm);
+            project(&L->o, R, xf, att, hidden, dtype, gemm, 0);
 #pragma omp single
             {
                 rms_norm(hidden, H, 0, residual, H, L->post_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps, dtype, 1);
                 if (!gemm) to_float(x, dtype, xf, R * H); /* the row kernel's input */
             }
-            project(&L->gate_up, R, xf, x, gu, dtype, gemm);
+            /* in gemm.c, silu(gate) * up comes out of the gate|up tiles (glu); the row kernel's
+             * product goes through silu_and_mul, the same arithmetic */
+            project(&L->gate_up, R, xf, x, gemm ? act : gu, dtype, gemm, 1);
+            if (!gemm) {
 #pragma omp single
-            {
-                silu_and_mul(gu, 2 * I, act, I, R, I, dtype, 1);
-                if (!gemm) to_float(act, dtype, xf, R * I); /* the row kernel's input */
+                {
+                    silu_and_mul(gu, 2 * I, act, I, R, I, dtype, 1);
+                    to_float(act, dtype, xf, R * I); /* the row kernel's input */
+                }
             }
-            project(&L->down, R, xf, act, hidden, dtype, gemm);
+            project(&L->down, R, xf, act, hidden, dtype, gemm, 0);
         }
     }
     free(mem);

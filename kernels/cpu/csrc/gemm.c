@@ -16,6 +16,11 @@
  * 16 221 -> 260, 32 291 -> 331, 64 355 -> 365, 128 386 -> 400, 684 and 2048 rows ~420 both; a
  * decode step of 32 sequences ~8% shorter (docs/performance/step_profile.md).
  *
+ * A gate|up projection can give silu(gate) * up instead of its product (glu, panels_team): a
+ * thread computes a tile of the gate panel and the same features' up tile, and the activation
+ * comes out of the cache, the product never stored (the separate pass over it read 2x and wrote
+ * 1x the activation's bytes). Same bits as the separate silu_and_mul.
+ *
  * Built where the compiler targets AVX512-BF16; elsewhere every entry point answers 1 (not taken)
  * and the caller keeps oneDNN or torch.
  */
@@ -141,42 +146,71 @@ static void dequantize_panel(const lin_t *L, int b0, int nr, int64_t bstride, ui
 
 /* The team's share of y = x w^T + bias over w's panels (an OpenMP for over them per GEMM_MC rows
  * of x, its barrier at the end): each panel read from packed (gemm_bf16_pack's copy), or, with L,
- * dequantized from L into the thread's scratch first (dequantize_panel) */
+ * dequantized from L into the thread's scratch first (dequantize_panel). glu: w is gate|up, n / 2
+ * rows each; a thread takes a gate panel with the up panel of the same features, runs each tile
+ * of both into its cache and writes silu(gate) * up (elementwise.c's silu_mul_row over the
+ * rounded halves, as silu_and_mul computes it from the stored product): y [m][n / 2], and the
+ * gate|up product is never stored. scratch holds (glu ? 2 : 1) panels and a block's rows. */
 static void panels_team(const uint16_t *x, int64_t x_stride, int m, const uint16_t *packed, const lin_t *L,
-                        uint16_t *scratch, const uint16_t *bias, int n, int k, uint16_t *y) {
+                        uint16_t *scratch, const uint16_t *bias, int n, int k, uint16_t *y, int glu) {
     const int64_t bstride = (int64_t)(k / 2) * 2 * GEMM_VEC; /* elements from one block to the next */
-    const int blocks = n / GEMM_VEC, panels = (blocks + GEMM_NR - 1) / GEMM_NR;
+    const int out_n = glu ? n / 2 : n, blocks = out_n / GEMM_VEC, panels = (blocks + GEMM_NR - 1) / GEMM_NR;
+    const int up_blocks = glu ? blocks : 0; /* the up panel's first block, from the gate panel's */
     for (int m0 = 0; m0 < m; m0 += GEMM_MC) {
         const int m1 = m - m0 < GEMM_MC ? m : m0 + GEMM_MC;
 #pragma omp for schedule(static)
         for (int panel = 0; panel < panels; ++panel) {
             const int b0 = panel * GEMM_NR, nr = blocks - b0 < GEMM_NR ? blocks - b0 : GEMM_NR;
-            const uint16_t *wp = scratch;
-            if (L != NULL)
-                dequantize_panel(L, b0, nr, bstride, scratch, scratch + GEMM_NR * bstride);
-            else
+            const uint16_t *wp = scratch, *up = scratch + GEMM_NR * bstride;
+            if (L != NULL) {
+                uint16_t *rows = scratch + (glu ? 2 : 1) * GEMM_NR * bstride;
+                dequantize_panel(L, b0, nr, bstride, scratch, rows);
+                if (glu) dequantize_panel(L, b0 + up_blocks, nr, bstride, scratch + GEMM_NR * bstride, rows);
+            } else {
                 wp = packed + (int64_t)b0 * bstride;
+                up = packed + (int64_t)(b0 + up_blocks) * bstride;
+            }
             const uint16_t *bp = bias == NULL ? NULL : bias + b0 * GEMM_VEC;
+            const uint16_t *bu = bias == NULL ? NULL : bias + (b0 + up_blocks) * GEMM_VEC;
             for (int r = m0; r < m1; r += GEMM_MR) {
                 const int rows = m1 - r < GEMM_MR ? m1 - r : GEMM_MR;
-                tile_any(x + (int64_t)r * x_stride, x_stride, rows, wp, bstride, nr, k, bp,
-                         y + (int64_t)r * n + b0 * GEMM_VEC, n);
+                uint16_t *yt = y + (int64_t)r * out_n + b0 * GEMM_VEC;
+                if (!glu) {
+                    tile_any(x + (int64_t)r * x_stride, x_stride, rows, wp, bstride, nr, k, bp, yt, out_n);
+                    continue;
+                }
+                uint16_t g[GEMM_MR * GEMM_NR * GEMM_VEC], u[GEMM_MR * GEMM_NR * GEMM_VEC];
+                const int w = GEMM_NR * GEMM_VEC;
+                tile_any(x + (int64_t)r * x_stride, x_stride, rows, wp, bstride, nr, k, bp, g, w);
+                tile_any(x + (int64_t)r * x_stride, x_stride, rows, up, bstride, nr, k, bu, u, w);
+                if (nr == GEMM_NR) { /* the tile's rows are contiguous in g and u: one pass, then copied */
+                    uint16_t o[GEMM_MR * GEMM_NR * GEMM_VEC];
+                    silu_mul_row(g, u, o, rows * w, DTYPE_BF16);
+                    for (int i = 0; i < rows; ++i)
+                        __builtin_memcpy(yt + (int64_t)i * out_n, o + i * w, sizeof(uint16_t) * w);
+                } else {
+                    for (int i = 0; i < rows; ++i)
+                        silu_mul_row(g + i * w, u + i * w, yt + (int64_t)i * out_n, nr * GEMM_VEC, DTYPE_BF16);
+                }
             }
         }
     }
 }
 
+/* whether gemm.c takes a weight of n outputs by k inputs (glu: gate|up halves of whole blocks) */
+static int gemm_shape(int n, int k, int glu) { return n % ((glu ? 2 : 1) * GEMM_VEC) == 0 && k % 2 == 0; }
+
 void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
-                    void *yv) {
+                    void *yv, int glu) {
     panels_team((const uint16_t *)xv, x_stride, m, (const uint16_t *)packed, NULL, NULL, (const uint16_t *)biasv,
-                n, k, (uint16_t *)yv);
+                n, k, (uint16_t *)yv, glu);
 }
 
 int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
-              void *yv, int num_threads) {
-    if (n % GEMM_VEC != 0 || k % 2 != 0 || m <= 0) return 1;
+              void *yv, int glu, int num_threads) {
+    if (!gemm_shape(n, k, glu) || m <= 0) return 1;
 #pragma omp parallel num_threads(num_threads)
-    gemm_bf16_team(xv, x_stride, m, packed, biasv, n, k, yv);
+    gemm_bf16_team(xv, x_stride, m, packed, biasv, n, k, yv, glu);
     return 0;
 }
 
@@ -187,12 +221,13 @@ int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const
  * row's sum runs as gemm_bf16 runs it over the dequantized weight: a row's result does not
  * depend on the batch. 0, 1 for a weight or shape it does not take, 2 when memory could not be
  * had. */
-int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m, void *yv, int num_threads) {
+int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m, void *yv, int glu,
+                        int num_threads) {
     const int n = L->n_out, k = L->k_in;
-    if (!dequantize_takes(L) || (L->kind == W_INT8 && L->scales == NULL) || n % GEMM_VEC || k % 2 || m <= 0)
+    if (!dequantize_takes(L) || (L->kind == W_INT8 && L->scales == NULL) || !gemm_shape(n, k, glu) || m <= 0)
         return 1;
     const int64_t bstride = (int64_t)(k / 2) * 2 * GEMM_VEC;
-    const size_t need = sizeof(uint16_t) * (size_t)(GEMM_NR * bstride + GEMM_VEC * k);
+    const size_t need = sizeof(uint16_t) * (size_t)((glu ? 2 : 1) * GEMM_NR * bstride + GEMM_VEC * k);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -208,21 +243,22 @@ int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m,
 #pragma omp barrier
         if (!failed)
             panels_team((const uint16_t *)xv, x_stride, m, NULL, L, quantized_panel, (const uint16_t *)L->bias, n, k,
-                        (uint16_t *)yv);
+                        (uint16_t *)yv, glu);
     }
     return failed ? 2 : 0;
 }
 
 int gemm_bf16_available(void) { return 1; }
 #else
-int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m, void *yv, int num_threads) {
-    (void)L, (void)xv, (void)x_stride, (void)m, (void)yv, (void)num_threads;
+int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m, void *yv, int glu,
+                        int num_threads) {
+    (void)L, (void)xv, (void)x_stride, (void)m, (void)yv, (void)glu, (void)num_threads;
     return 1;
 }
 
 void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
-                    void *yv) {
-    (void)xv, (void)x_stride, (void)m, (void)packed, (void)biasv, (void)n, (void)k, (void)yv;
+                    void *yv, int glu) {
+    (void)xv, (void)x_stride, (void)m, (void)packed, (void)biasv, (void)n, (void)k, (void)yv, (void)glu;
 }
 
 int gemm_bf16_pack(const void *w, int64_t w_stride, int n, int k, void *packed, int num_threads) {
@@ -231,8 +267,9 @@ int gemm_bf16_pack(const void *w, int64_t w_stride, int n, int k, void *packed, 
 }
 
 int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
-              void *yv, int num_threads) {
-    (void)xv, (void)x_stride, (void)m, (void)packed, (void)biasv, (void)n, (void)k, (void)yv, (void)num_threads;
+              void *yv, int glu, int num_threads) {
+    (void)xv, (void)x_stride, (void)m, (void)packed, (void)biasv, (void)n, (void)k, (void)yv, (void)glu;
+    (void)num_threads;
     return 1;
 }
 

@@ -3,6 +3,8 @@ torch backend against the torch-ops path it replaces; the fused elementwise kern
 torch ops they replace; the build, cache and fallback rules."""
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -365,3 +367,24 @@ def test_rows_wider_than_the_kernels_piece_are_taken_whole():
     assert torch.equal(res, residual + rows)
     want = torch.nn.functional.rms_norm(residual + rows, (18_944,), weight, 1e-6)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_every_thread_of_the_team_flushes_denormals_once_the_runner_does():
+    """torch.set_flush_denormal sets only the calling thread; OpenMP's threads made before keep
+    rounding denormals. flush_denormals (the model runner, each step) hands its mode to the team, so
+    a row's silu(gate) * up (here ~-1e-39, a denormal) is the same whichever thread computes it.
+    In a fresh process: the team is made first, as a test run or a user's process may have made it."""
+    if KERNEL is None:
+        pytest.skip("no C compiler here")
+    code = """
+import torch
+from kvserve.engine.layers.activation import silu_and_mul
+from kvserve.engine.runner.model_runner import flush_denormals
+torch.set_num_threads(2)
+x = torch.cat([torch.full((512, 2048), -87.0), torch.full((512, 2048), 1e-3)], dim=1).to(torch.bfloat16)
+before = int((silu_and_mul(x).float() != 0).sum())  # the team exists now, denormals not flushed in it
+flush_denormals(torch.device("cpu"))
+print(before, int((silu_and_mul(x).float() != 0).sum()))  # rows split between the two threads
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert out == [str(512 * 2048), "0"]  # denormal everywhere, then flushed to zero in every thread

@@ -101,3 +101,48 @@ def test_quantized_weights_dequantized_panel_by_panel(method, n_out, k_in, rows)
     if rows > 8:
         assert torch.equal(q.linear(x, b), got)
     assert KERNEL.quantized_gemm(x[:0], q.kernel_linear(b, torch.bfloat16)).shape == (0, n_out)
+
+
+@pytest.mark.parametrize("method", [None, "int4", "int8"])
+@pytest.mark.parametrize(("half", "k_in"), [(16, 64), (5 * 48 + 16, 128), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 9, 33, MC + 9])
+def test_gate_up_product_comes_out_as_silu_of_gate_times_up(method, half, k_in, rows):
+    """glu: a gate|up weight's silu(gate) * up straight out of the tiles (the product is never
+    stored) equals silu_and_mul of the stored product bit for bit, packed or quantized, bias
+    included, each row independent of the rows beside it; and the layer (MergedColumnParallelLinear
+    .silu_and_mul) takes that path where gemm.c takes the call, leaving the rest to its caller."""
+    from kvserve.engine.layers.activation import silu_and_mul
+    from kvserve.engine.layers.linear import MergedColumnParallelLinear
+    from kvserve.engine.layers.quantization import quantize_int4, quantize_int8
+
+    gen = torch.Generator().manual_seed(half + rows)
+    w = torch.randn(2 * half, k_in, generator=gen).to(torch.bfloat16)
+    b = torch.randn(2 * half, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k_in, generator=gen).to(torch.bfloat16)
+    if method is None:
+        packed = KERNEL.pack_gemm_weight(w)
+        got, product = KERNEL.gemm(x, packed, b, glu=True), KERNEL.gemm(x, packed, b)
+        one = KERNEL.gemm(x[-1:].clone(), packed, b, glu=True)
+    else:
+        q = (quantize_int4 if method == "int4" else quantize_int8)(w)
+        lin = q.kernel_linear(b, torch.bfloat16)
+        got, product = KERNEL.quantized_gemm(x, lin, glu=True), KERNEL.quantized_gemm(x, lin)
+        one = KERNEL.quantized_gemm(x[-1:].clone(), lin, glu=True)
+    assert got.shape == (rows, half)
+    assert torch.equal(got, silu_and_mul(product))
+    assert torch.equal(one, got[-1:])
+
+    layer = MergedColumnParallelLinear(k_in, [half, half], bias=True).to(torch.bfloat16)
+    layer.weight.data.copy_(w)
+    layer.bias.data.copy_(b)
+    if method is None:
+        layer.packed = KERNEL.pack_gemm_weight(w)
+    else:
+        layer.quantize(method)
+    fused = layer.silu_and_mul(x)
+    if method is not None and rows <= header_constant("MAX_FUSED_ROWS"):
+        assert fused is None  # the row kernel's rows: the caller multiplies, then silu_and_mul
+    else:
+        assert torch.equal(fused, silu_and_mul(layer(x)))
+    with pytest.raises(ValueError, match="glu"):
+        KERNEL.gemm(x, KERNEL.pack_gemm_weight(torch.ones(48, k_in).to(torch.bfloat16)), None, glu=True)
