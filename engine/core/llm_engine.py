@@ -93,10 +93,7 @@ class LLMEngine:
             last_prompt_token_alone=config.enable_prefix_caching,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
-        self.speculator = None if config.speculative == "off" else speculation.Speculator(
-            config, speculation.measure_step_costs(self.executor.execute_model, self.executor.num_kv_blocks,
-                                                   config.block_size, config.max_num_batched_tokens),
-            exact_rows=speculation.exact_rows(self.executor))
+        self.speculator = speculation.speculator_for(config, self.executor)
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                            config.grammar_compile_workers, config.grammar_compile_timeout)
         # which row of the runners' persistent block table each running sequence has
@@ -245,7 +242,10 @@ class LLMEngine:
         pairs = sched.attended_pairs if self.scheduler.step_time else 0
         self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
         inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
+        model_started = time.perf_counter()
         logits = self.executor.execute_model(inp)
+        if self.speculator is not None and inp.is_decode_only:  # what the policy's rows cost now
+            self.speculator.observe_step(sched.num_tokens, time.perf_counter() - model_started)
         sampling = sched.sampling_seqs
         rows, counts = sampling_rows(sched.scheduled)  # a row per sequence, and one per draft
         self.structured.mask_logits(logits, rows)

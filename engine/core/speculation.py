@@ -36,8 +36,10 @@ class Speculator:
     so that a batch of up to that many sequences gives the tokens of plain decoding bit for bit
     (None: rows alike at any count, ``exact_rows()``)."""
 
-    def __init__(self, config: EngineConfig, costs: StepCosts, exact_rows: int | None = None):
+    def __init__(self, config: EngineConfig, costs: StepCosts, exact_rows: int | None = None,
+                 observe_costs: bool = False):
         self.exact_rows = exact_rows
+        self.observe_costs = observe_costs  # whether decode steps refresh ``costs`` (observe_step)
         self.max_drafts = config.num_speculative_tokens
         # the draft sources of the mode: n-gram drafts (every sequence), forced tokens (constrained ones)
         mode = config.speculative
@@ -103,8 +105,25 @@ class Speculator:
             runs.append(run)
         return runs
 
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode step of ``rows`` rows (drafts included) ran its model in ``seconds``."""
+        if self.observe_costs:
+            self.costs.observe(rows, seconds)
+
     def stats(self) -> dict:
         return speculation_stats(self.counters)
+
+
+def speculator_for(config: EngineConfig, executor) -> Speculator | None:
+    """The engine's speculator, its step costs measured now through ``executor`` (None when
+    speculation is off). Decode steps refresh them on the CPU, where a step's wall time is its
+    cost (a GPU step returns before the device is done: the measured table stands there)."""
+    if config.speculative == "off":
+        return None
+    costs = measure_step_costs(executor.execute_model, executor.num_kv_blocks, config.block_size,
+                               config.max_num_batched_tokens)
+    return Speculator(config, costs, exact_rows=exact_rows(executor),
+                      observe_costs=executor.device.type == "cpu")
 
 
 def speculation_stats(counters: dict | None) -> dict:

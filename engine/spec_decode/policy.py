@@ -27,24 +27,57 @@ INITIAL_ACCEPTANCE = 0.7  # before a request's first verified draft (n-gram hits
 # benchmark's 8 structured prompts (greedy, bfloat16).
 INITIAL_FORCED_ACCEPTANCE = 0.9
 ACCEPTANCE_DECAY = 0.8  # weight of the past in the per-position acceptance average
+OBSERVED_WEIGHT = 0.1  # least weight of a new decode step's time in its size's running ratio (StepCosts)
 
 
 class StepCosts:
-    """T(rows) from measured (rows, seconds) pairs; linear between them and beyond the last.
+    """T(rows) from measured (rows, seconds) pairs; linear between them and beyond the last;
+    refreshed by the steps the engine then runs (``observe``).
 
     A step of more rows never costs less than one of fewer, so a size measured slower than a
     larger one was slowed by something else (other load only adds time): it takes the larger
     one's time. Without that, one disturbed size near the bottom (measured here once: T(2) = 1.93
     T(1) beside T(3) = 1.49 T(1), int4 weights) made the first draft look like a loss, and a whole
-    run drafted nothing."""
+    run drafted nothing.
+
+    The start-up table times rows at a short context, on a machine doing nothing else; a serving
+    step's rows attend over the requests' real contexts, beside the front-end. ``observe`` keeps,
+    per measured size, a running ratio of the decode steps' observed time to the table's
+    (the table counts as the first observation, then each new one weighs at least
+    ``OBSERVED_WEIGHT``); a size not observed yet takes the ratio of the nearest observed size
+    below it, so that verification rows found dearer than the table said make the larger sizes
+    dearer too. The policy then stops buying drafts whose rows cost more than measured."""
 
     def __init__(self, measured: dict[int, float]):
         if not measured or 1 not in measured:
             raise ValueError("step costs need a measurement at one row")
         self.rows = sorted(measured)
-        self.seconds = [max(measured[r], 1e-9) for r in self.rows]
-        for i in range(len(self.seconds) - 2, -1, -1):  # each the least of its own and every larger size's
-            self.seconds[i] = min(self.seconds[i], self.seconds[i + 1])
+        self.table = self._monotone([max(measured[r], 1e-9) for r in self.rows])
+        self.ratios: list[float | None] = [None] * len(self.rows)  # observed / table, per size
+        self.counts = [0] * len(self.rows)  # observations per size
+        self.seconds = list(self.table)
+
+    @staticmethod
+    def _monotone(seconds: list[float]) -> list[float]:
+        """Each the least of its own and every larger size's."""
+        for i in range(len(seconds) - 2, -1, -1):
+            seconds[i] = min(seconds[i], seconds[i + 1])
+        return seconds
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Fold in a decode step of ``rows`` rows that took ``seconds`` (sizes the table holds)."""
+        i = bisect.bisect_left(self.rows, rows)
+        if i == len(self.rows) or self.rows[i] != rows or seconds <= 0:
+            return
+        self.counts[i] += 1
+        w = max(OBSERVED_WEIGHT, 1.0 / (self.counts[i] + 1))
+        before = self.ratios[i] if self.ratios[i] is not None else 1.0
+        self.ratios[i] = (1 - w) * before + w * seconds / self.table[i]
+        carried, seconds_now = 1.0, []
+        for base, ratio in zip(self.table, self.ratios, strict=True):
+            carried = ratio if ratio is not None else carried
+            seconds_now.append(base * carried)
+        self.seconds = self._monotone(seconds_now)
 
     def __call__(self, rows: int) -> float:
         i = bisect.bisect_left(self.rows, rows)

@@ -372,16 +372,20 @@ static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx,
  * transposed once, make the lanes (token m in lane m, one vector per head), so each key's bfloat16
  * pairs are broadcast and dotted with every token of the tile at once, and each score vector comes
  * out whole, with no horizontal sum. The causal limit (token m sees ctx0 + m keys) is a lane mask
- * on the tile's last keys. The softmax runs lane-wise over the score vectors, and the values are
- * read once per few rows, as floats, accumulated in registers. Only runs of at least
+ * on the tile's last keys. The softmax runs lane-wise over the score vectors; the probabilities
+ * are then rounded to bfloat16 and paired by key, the values interleaved the same way once per
+ * tile, so that the weighted sum takes two keys per vdpbf16ps into float accumulators in
+ * registers (as flash attention multiplies its bfloat16 probabilities; the sums stay float). Only runs of at least
  * PREFILL_TILE_MIN_RUN tokens are tiled: decodes and speculative verification rows (at most
  * 1 + MAX_SPECULATIVE_TOKENS of a sequence) keep the per-query arithmetic, so a verified row equals
  * the plain decode row bit for bit. */
 
 /* Floats of scratch one thread needs for a tile of G heads of D dims over up to max_ctx keys:
- * the transposed queries, the score vectors, the sums. */
+ * the transposed queries, the score vectors, the sums, the probabilities and values in key pairs. */
 static size_t tile_scratch_floats(int group, int head_dim, int max_ctx) {
-    return (size_t)TILE_TOKENS * group * ((size_t)head_dim / 2 + (size_t)max_ctx + 1);
+    const size_t pairs = ((size_t)max_ctx + 1) / 2; /* of keys, for the values' pass */
+    return (size_t)TILE_TOKENS * group * ((size_t)head_dim / 2 + (size_t)max_ctx + 1) +
+           pairs * ((size_t)TILE_TOKENS * group + (size_t)head_dim);
 }
 
 static inline const char *key_row(const char *cache, const int32_t *table, int64_t head_base,
@@ -451,11 +455,34 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         _mm512_storeu_ps(sums + j * TILE_TOKENS, sum);
     }
-    /* the values: RC rows (token m, head j) at a time, row r = m * G + j */
+    /* the values, two keys per product: pp[kp][j][m] holds token m's (head j's) probabilities of
+     * keys 2kp and 2kp + 1 as a bfloat16 pair, vv[kp][v] the two keys' values of dims 16v.. side by
+     * side, so that one vdpbf16ps adds both keys' parts for 16 dims (a missing last key: 0) */
+    const int kpairs = (T + 1) / 2;
+    uint32_t *pp = (uint32_t *)(sums + G * TILE_TOKENS), *vv = pp + (size_t)kpairs * G * TILE_TOKENS;
+    for (int kp = 0; kp < kpairs; ++kp) {
+        const int k0 = 2 * kp, k1 = k0 + 1;
+        for (int j = 0; j < G; ++j) {
+            const __m512 e0 = _mm512_loadu_ps(scores + ((size_t)k0 * G + j) * TILE_TOKENS);
+            const __m512 e1 = k1 < T ? _mm512_loadu_ps(scores + ((size_t)k1 * G + j) * TILE_TOKENS) : _mm512_setzero_ps();
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+            const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1)), 16);
+            _mm512_storeu_si512(pp + ((size_t)kp * G + j) * TILE_TOKENS, _mm512_or_si512(lo, hi));
+        }
+        const char *v0 = key_row(c->v_cache, table, head_base, block_bytes, row_bytes, bs, k0);
+        const char *v1 = k1 < T ? key_row(c->v_cache, table, head_base, block_bytes, row_bytes, bs, k1) : NULL;
+        for (int v = 0; v < V; ++v) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + v * 32)));
+            const __m512i hi = v1 == NULL ? _mm512_setzero_si512()
+                : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + v * 32))), 16);
+            _mm512_storeu_si512(vv + ((size_t)kp * V + v) * 16, _mm512_or_si512(lo, hi));
+        }
+    }
+    /* RC rows (token m, head j) at a time, row r = m * G + j */
     for (int r0 = 0; r0 < M * G; r0 += RC) {
         const int nr = M * G - r0 < RC ? M * G - r0 : RC;
         const int keys = ctx0 + (r0 + nr - 1) / G; /* what the pass's last token sees */
-        int at[6]; /* each row's probability within a key's [G][16] */
+        int at[6]; /* each row's probability pair within a key pair's [G][16] */
         for (int i = 0; i < RC; ++i) {
             const int r = r0 + (i < nr ? i : 0);
             at[i] = (r % G) * TILE_TOKENS + r / G;
@@ -463,14 +490,13 @@ static inline __attribute__((always_inline)) void attend_tile(
         __m512 a[6][8];
         for (int i = 0; i < RC; ++i)
             for (int v = 0; v < V; ++v) a[i][v] = _mm512_setzero_ps();
-        for (int key = 0; key < keys; ++key) {
-            const char *vt = key_row(c->v_cache, table, head_base, block_bytes, row_bytes, bs, key);
-            __m512 row[8];
-            for (int v = 0; v < V; ++v) row[v] = load16(vt + v * 32, DTYPE_BF16);
-            const float *pk = scores + (size_t)key * G * TILE_TOKENS;
+        for (int kp = 0; kp < (keys + 1) / 2; ++kp) {
+            __m512bh row[8];
+            for (int v = 0; v < V; ++v) row[v] = (__m512bh)_mm512_loadu_si512(vv + ((size_t)kp * V + v) * 16);
+            const uint32_t *pk = pp + (size_t)kp * G * TILE_TOKENS;
             for (int i = 0; i < RC; ++i) {
-                const __m512 pr = _mm512_set1_ps(pk[at[i]]);
-                for (int v = 0; v < V; ++v) a[i][v] = _mm512_fmadd_ps(pr, row[v], a[i][v]);
+                const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)pk[at[i]]);
+                for (int v = 0; v < V; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], row[v], pr);
             }
         }
         for (int i = 0; i < nr; ++i) {

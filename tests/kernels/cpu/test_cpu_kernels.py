@@ -386,5 +386,6 @@ before = int((silu_and_mul(x).float() != 0).sum())  # the team exists now, denor
 flush_denormals(torch.device("cpu"))
 print(before, int((silu_and_mul(x).float() != 0).sum()))  # rows split between the two threads
 """
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    out = out.split()
     assert out == [str(512 * 2048), "0"]  # denormal everywhere, then flushed to zero in every thread
