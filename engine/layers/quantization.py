@@ -137,9 +137,8 @@ class QuantizedWeight:
             bias = None if y is not None else bias
         if y is None and self.method == "int8" and few and x.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.data, self.scales.to(x.dtype))
-        # bias None, or as rows
         if y is None and self._gemm_takes(x.dtype) and (kernels := kernels_for(rows, bias)) is not None:
-            y = kernels.quantized_gemm(rows.contiguous(), self.kernel_linear(bias, x.dtype))
+            y = kernels.quantized_gemm(rows.contiguous(), self.kernel_linear(bias, x.dtype))  # bias as rows
             bias = None if y is not None else bias
         if y is None:
             y = F.linear(rows, self.dequantize(x.dtype))
@@ -152,8 +151,7 @@ class QuantizedWeight:
         kernel takes (fewer go through it, as in ``linear``); else None."""
         if rows.shape[0] <= MAX_FUSED_ROWS or not self._gemm_takes(rows.dtype):
             return None
-        kernels = kernels_for(rows, bias)
-        if kernels is None or self.data.shape[0] % 32:
+        if (kernels := kernels_for(rows, bias)) is None:
             return None
         return kernels.quantized_gemm(rows.contiguous(), self.kernel_linear(bias, rows.dtype), glu=True)
 
