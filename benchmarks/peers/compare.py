@@ -16,8 +16,12 @@ level's prompts in a prefix cache. Printed: per system and level output tokens/s
 inter-token latency p50/p99 and errors, then kvserve's ratio to each peer. The ``engine`` system
 is kvserve's engine stepped in the harness's process on the same requests and arrivals, no server
 (``benchmarks/instruments/in_process.py``): ``kvserve / engine`` is what the service keeps of its
-engine. The peers are set up once by ``make bench-peers``; ``--systems kvserve,engine`` needs no
-peer (the test runs it).
+engine. ``--rounds N`` runs the systems N times on the same requests, in turn forwards and
+backwards (kvserve, vllm, vllm, kvserve, ...), and ends with each ratio's median over the rounds
+and its range: a shared machine whose speed drifts over minutes moves one round's ratios, and
+alternating gives each system the same share of the slow and the fast minutes. The peers are
+set up once by ``make bench-peers``; ``--systems kvserve,engine`` needs no peer (the test runs
+it).
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ from types import SimpleNamespace
 
 from kvserve.benchmarks import write_json
 from kvserve.benchmarks.peers import dialects, servers, setup
-from kvserve.benchmarks.peers.table import HEADER, level_label, print_ratios, print_table, row
+from kvserve.benchmarks.peers.table import (
+    HEADER,
+    level_label,
+    print_median_ratios,
+    print_ratios,
+    print_table,
+    row,
+)
 from kvserve.benchmarks.serving.load import (
     Request,
     add_engine_flags,
@@ -87,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt token ids are drawn from [LO, HI)")
     p.add_argument("--shared-prefix", type=float, default=0.0, help="share of each prompt that is common")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the systems this many times, in turn forwards and backwards; the ratios' "
+                        "medians over the rounds end the output")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--plot", metavar="FILE.png", help="draw output tokens/s against TTFT p99 (goodput)")
     p.add_argument("--peers-dir", help="where the peers are set up (default $KVSERVE_PEERS_DIR or "
@@ -212,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not 0.0 <= args.shared_prefix <= 1.0:
         raise SystemExit(f"--shared-prefix must be in [0, 1], got {args.shared_prefix}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     paths = check_peers(args)
     levels = levels_of(args)
     works = workloads(args, levels)
@@ -219,19 +235,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"output {args.output_len[0]}-{args.output_len[1]} tokens, temperature {args.temperature:g}, "
                 f"{args.dtype}")
     print(f"peers: {', '.join(args.systems)}; {workload}; levels {' '.join(map(level_label, levels))}")
-    result = {"workload": workload, "levels": levels, "systems": {},
+    result = {"workload": workload, "levels": levels, "systems": {}, "rounds": [],
               "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}}
-    for system in args.systems:
-        result["systems"][system] = run_system(system, args, paths, levels, works)
-    print_table(result)
-    result["ratios"] = print_ratios(result)
+    for i in range(args.rounds):
+        if args.rounds > 1:
+            print(f"\n==== round {i + 1} of {args.rounds}", flush=True)
+        order = args.systems if i % 2 == 0 else args.systems[::-1]
+        ran = {system: run_system(system, args, paths, levels, works) for system in order}
+        one = {**result, "systems": {system: ran[system] for system in args.systems}}
+        print_table(one)
+        result["rounds"].append({"systems": one["systems"], "ratios": print_ratios(one)})
+    result["systems"], result["ratios"] = result["rounds"][0]["systems"], result["rounds"][0]["ratios"]
+    if args.rounds > 1:
+        result["median_ratios"] = print_median_ratios(levels, [r["ratios"] for r in result["rounds"]])
     write_json(args.json, result)
     if args.plot:
         from kvserve.benchmarks.peers.table import plot_goodput
 
         plot_goodput(result, args.plot)
         print(f"figure: {args.plot}")
-    return 0 if all("levels" in r for r in result["systems"].values()) else 1
+    return 0 if all("levels" in r for one in result["rounds"] for r in one["systems"].values()) else 1
 
 
 if __name__ == "__main__":

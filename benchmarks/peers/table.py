@@ -69,6 +69,41 @@ def print_ratios(result: dict) -> dict:
     return out
 
 
+def median_ratios(rounds: list[dict]) -> dict:
+    """Per peer that ran in every round, per level and ratio: the median over the rounds and the
+    range, as {"median": m, "low": lo, "high": hi} (NaN rounds left out)."""
+    out = {}
+    for peer in (rounds[0] if rounds else {}):
+        if not all(peer in r for r in rounds):
+            continue
+        out[peer] = []
+        for at in range(len(rounds[0][peer])):
+            level = {}
+            for key in rounds[0][peer][at]:
+                values = sorted(v for r in rounds if not math.isnan(v := r[peer][at][key]))
+                if not values:
+                    level[key] = {"median": float("nan"), "low": float("nan"), "high": float("nan")}
+                    continue
+                half = len(values) // 2
+                middle = values[half] if len(values) % 2 else (values[half - 1] + values[half]) / 2
+                level[key] = {"median": middle, "low": values[0], "high": values[-1]}
+            out[peer].append(level)
+    return out
+
+
+def print_median_ratios(levels: list[dict], rounds: list[dict]) -> dict:
+    """``median_ratios`` printed, median (low-high) per level and peer; returned too."""
+    out = median_ratios(rounds)
+    for peer, per_level in out.items():
+        print(f"\n== kvserve / {peer}, median of {len(rounds)} rounds (low-high)")
+        print(f"{'load':>8s} {'throughput':>19s} {'TTFT p50':>19s} {'TTFT p99':>19s} {'ITL p50':>19s}")
+        for level, r in zip(levels, per_level, strict=True):
+            cells = [f"{r[k]['median']:.2f}x ({r[k]['low']:.2f}-{r[k]['high']:.2f})"
+                     for k in ("output_tokens_per_s", "ttft_p50", "ttft_p99", "itl_p50")]
+            print(f"{level_label(level):>8s} " + " ".join(f"{c:>19s}" for c in cells))
+    return out
+
+
 COLORS = {"kvserve": "tab:blue", "vllm": "tab:orange", "llama.cpp": "tab:green"}
 
 

@@ -250,3 +250,27 @@ def test_ratios_and_the_goodput_figure_cover_every_peer_that_ran(tmp_path, capsy
     assert [r["ttft_p99"] for r in got["vllm"]] == [0.5, 0.5, 0.5]
     plot_goodput(result, str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").stat().st_size < 200_000
+
+
+def test_rounds_end_with_each_ratios_median_and_range(capsys):
+    from kvserve.benchmarks.peers.table import median_ratios, print_median_ratios
+
+    def ratio(tok_s, ttft99):
+        return {"output_tokens_per_s": tok_s, "ttft_p50": 1.0, "ttft_p99": ttft99, "itl_p50": 0.5}
+
+    nan = float("nan")
+    rounds = [{"vllm": [ratio(1.2, 0.9)], "llama.cpp": [ratio(3.0, 0.4)]},
+              {"vllm": [ratio(1.6, nan)]},  # llama.cpp failed in this round: no median for it
+              {"vllm": [ratio(1.4, 1.1)]}]
+    got = median_ratios(rounds)
+    assert list(got) == ["vllm"]
+    assert got["vllm"][0]["output_tokens_per_s"] == {"median": 1.4, "low": 1.2, "high": 1.6}
+    assert got["vllm"][0]["ttft_p99"] == {"median": 1.0, "low": 0.9, "high": 1.1}  # the NaN left out
+    assert print_median_ratios([{"kind": "concurrency", "value": 32}], rounds) == got
+    out = capsys.readouterr().out
+    assert "median of 3 rounds" in out and "1.40x (1.20-1.60)" in out and "1.00x (0.90-1.10)" in out
+
+
+def test_rounds_must_be_positive(tmp_path):
+    with pytest.raises(SystemExit, match="--rounds must be at least 1"):
+        compare.main(["--systems", "kvserve", "--rounds", "0", "--peers-dir", str(tmp_path)])
