@@ -7,14 +7,17 @@
 - **How they wait**: between parallel regions (each matmul, each kernel) OpenMP's worker threads
   wait for the next one. libgomp's default spins 300,000 rounds first: on a machine where another
   process also wants the cores, a spinning thread takes CPU from the sibling it waits for, and a
-  step ran 50x slower here. Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``) fixes that but pays a
-  futex wake-up per region: a single stream's step took 32-34 ms instead of 16-19 ms with spinning.
-  ``kvserve/__init__.py`` therefore sets ``GOMP_SPINCOUNT=1000`` (unless ``OMP_WAIT_POLICY`` or
-  ``GOMP_SPINCOUNT`` is set): a worker spins about as long as the gap between the regions of one
-  layer, then sleeps. Measured (``profile_step --compete 1``, 2 CPUs): one stream 18-25 ms per
-  step; beside a busy process a batch-48 step slows 1.47-1.57x where the CPU left to it predicts
-  1.63-1.69x (3,000 rounds: 1.98x against 1.78x; 300,000: 3.3x). The runtime reads these once,
-  at load, so a program that imports torch before kvserve keeps whatever it started with.
+  step ran 50x slower here (2026-11-30). Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``) pays a
+  futex wake-up per region, and on a virtual machine the woken CPU may first have to be brought
+  back from idle. ``kvserve/__init__.py`` sets ``GOMP_SPINCOUNT=30000`` (unless
+  ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is set): a worker bridges the Python between the
+  regions of one step (final norm, LM head, sampler) and sleeps between steps. From 2026-11-30
+  to 2026-12-03 it was 1,000, which let a worker sleep inside a step: served on the 2-CPU VM,
+  alternating runs, 1,000 against 30,000 rounds gave one stream 50.9-53.7 against 66.3-67.1
+  output tok/s and 32 streams 253-259 against 295-312 (docs/deployment/security.md has the
+  figures beside a busy process). The fused decode step waits between its stages on a barrier
+  of its own (csrc/decode_row.c), whatever this says. The runtime reads these once, at load, so
+  a program that imports torch before kvserve keeps whatever it started with.
 
 No torch import here: the count is plain arithmetic over what the OS reports.
 """

@@ -103,6 +103,7 @@ typedef struct {
 static inline int int4_layout(const lin_t *L) { return L->k_in % INT4_WIDTH == 0 && L->groups != NULL; }
 /* rows of x the team kernel takes (and the fused decode step); also read by cpu_kernels.py */
 #define MAX_FUSED_ROWS 8
+/* linear.c's few-row projection as a team's part (no barrier at the end) */
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype);
 int linear_takes(const lin_t *L);
 int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int num_threads);
@@ -113,7 +114,7 @@ int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int
 #define GEMM_MR 8
 #define GEMM_NR 3
 #define GEMM_MC 512
-/* gemm_bf16's work as a team's part (an OpenMP for over the panels, its barrier at the end); glu:
+/* gemm_bf16's work as a team's part (an OpenMP for over the panels, no barrier at the end); glu:
  * the weight is gate|up (n / 2 rows each) and y [m][n / 2] gets silu(gate) * up */
 void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
                     void *yv, int glu);

@@ -15,9 +15,14 @@
  *
  * Built and loaded by kernels/cpu_kernels.py; engine/models/decode_row.py decides when it runs.
  */
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <omp.h>
 
@@ -42,6 +47,44 @@ typedef struct {
     const int64_t *slots;  /* [rows]: where each row's K/V go */
     const void *cos, *sin; /* [rows][head_dim] for their positions (RotaryEmbedding.cos_sin), dtype */
 } row_step_t;
+
+/* The team's barrier between the stages of a step. OpenMP's own barrier waits the way
+ * GOMP_SPINCOUNT says, and kvserve sets that low (engine/process/threads.py: between parallel
+ * regions a spinning thread takes the CPU another process may need), so at ~10 barriers a layer
+ * a thread that waited a few microseconds for the other went to sleep and was woken by a futex:
+ * ~120 context switches a one-row step, ~15-20% of its time. Inside a step the waits are
+ * microseconds (a norm on one thread, an attention head more on one side), so here a waiting
+ * thread spins up to SPIN_CYCLES of the time-stamp counter, then sleeps on a futex (a thread the
+ * OS took away from the team for longer does not keep a CPU busy for nothing). The atomics are
+ * sequentially consistent: a sleeper announces itself before it checks the generation, the last
+ * arrival moves the generation before it counts the sleepers, so one of them sees the other. */
+#define SPIN_CYCLES 200000 /* ~70 us at this VM's ~2.6 GHz time-stamp counter */
+
+typedef struct {
+    atomic_int arrived, generation, sleepers;
+    int size;
+} team_barrier_t;
+
+static void team_barrier(team_barrier_t *b) {
+    const int gen = atomic_load(&b->generation);
+    if (atomic_fetch_add(&b->arrived, 1) == b->size - 1) {
+        atomic_store(&b->arrived, 0);
+        atomic_fetch_add(&b->generation, 1);
+        if (atomic_load(&b->sleepers) > 0) syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+        return;
+    }
+    const uint64_t start = __rdtsc();
+    while (atomic_load(&b->generation) == gen) {
+        if (__rdtsc() - start < SPIN_CYCLES) {
+            _mm_pause();
+            continue;
+        }
+        atomic_fetch_add(&b->sleepers, 1);
+        if (atomic_load(&b->generation) == gen) /* the futex sleeps only while it still holds gen */
+            syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
+        atomic_fetch_sub(&b->sleepers, 1);
+    }
+}
 
 /* Whether gemm.c multiplies L here: bfloat16 with its packed copy. */
 static int gemm_takes(const lin_t *L, int dtype) {
@@ -111,12 +154,16 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
     char *gu = att + (size_t)R * heads * D * elem, *act = gu + (size_t)R * 2 * I * elem;
     float *xf = (float *)(((uintptr_t)(act + (size_t)R * I * elem) + 63) & ~(uintptr_t)63);
     float *att_scratch = xf + as_floats;
+    team_barrier_t sync = {0, 0, 0, 0};
 #pragma omp parallel num_threads(threads)
     {
         float *mine = att_scratch + att_floats * (size_t)omp_get_thread_num();
+#pragma omp single
+        sync.size = omp_get_num_threads(); /* (OpenMP's barrier ends it: every thread sees it) */
+        /* each stage ends with team_barrier: the next one reads what every thread wrote */
         for (int l = 0; l < num_layers; ++l) {
             const row_layer_t *L = layers + l;
-#pragma omp single
+#pragma omp single nowait
             {
                 if (l == 0) { /* the first norm has no residual yet: it is the embedding */
                     memcpy(residual, hidden, (size_t)R * H * elem);
@@ -127,15 +174,18 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
                 }
                 if (!gemm) to_float(x, dtype, xf, R * H); /* the row kernel's input */
             }
+            team_barrier(&sync);
             project(&L->qkv, R, xf, x, qkv, dtype, gemm, 0);
-#pragma omp single
+            team_barrier(&sync);
+#pragma omp single nowait
             {
                 rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1); /* q and k, side by side */
                 char *k = qkv + (size_t)heads * D * elem, *v = k + (size_t)kvh * D * elem;
                 store_kv(k, qkv_n, D, v, qkv_n, D, st->slots, R, kvh, D, L->k_cache, L->v_cache, cache_slots, dtype,
                          st->cache_dtype);
             }
-#pragma omp for schedule(dynamic, 1)
+            team_barrier(&sync);
+#pragma omp for schedule(dynamic, 1) nowait
             for (int item = 0; item < R * kvh; ++item) {
                 const int r = item / kvh, h = item % kvh;
                 attend_one(L->k_cache, L->v_cache, st->num_blocks, st->block_size, st->tables + r * st->table_stride,
@@ -143,25 +193,34 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
                            st->scale, group, D, dtype, st->cache_dtype, mine, att + ((size_t)r * heads + (size_t)h * group) * D * elem,
                            (int64_t)D * elem);
             }
-#pragma omp single
-            if (!gemm) to_float(att, dtype, xf, R * heads * D); /* the row kernel's input */
+            team_barrier(&sync);
+            if (!gemm) {
+#pragma omp single nowait
+                to_float(att, dtype, xf, R * heads * D); /* the row kernel's input */
+                team_barrier(&sync);
+            }
             project(&L->o, R, xf, att, hidden, dtype, gemm, 0);
-#pragma omp single
+            team_barrier(&sync);
+#pragma omp single nowait
             {
                 rms_norm(hidden, H, 0, residual, H, L->post_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps, dtype, 1);
                 if (!gemm) to_float(x, dtype, xf, R * H); /* the row kernel's input */
             }
+            team_barrier(&sync);
             /* in gemm.c, silu(gate) * up comes out of the gate|up tiles (glu); the row kernel's
              * product goes through silu_and_mul, the same arithmetic */
             project(&L->gate_up, R, xf, x, gemm ? act : gu, dtype, gemm, 1);
+            team_barrier(&sync);
             if (!gemm) {
-#pragma omp single
+#pragma omp single nowait
                 {
                     silu_and_mul(gu, 2 * I, act, I, R, I, dtype, 1);
                     to_float(act, dtype, xf, R * I); /* the row kernel's input */
                 }
+                team_barrier(&sync);
             }
             project(&L->down, R, xf, act, hidden, dtype, gemm, 0);
+            team_barrier(&sync);
         }
     }
     free(mem);

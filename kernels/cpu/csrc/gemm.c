@@ -145,7 +145,7 @@ static void dequantize_panel(const lin_t *L, int b0, int nr, int64_t bstride, ui
 }
 
 /* The team's share of y = x w^T + bias over w's panels (an OpenMP for over them per GEMM_MC rows
- * of x, its barrier at the end): each panel read from packed (gemm_bf16_pack's copy), or, with L,
+ * of x, no barrier: the caller waits for the team before reading y): each panel read from packed (gemm_bf16_pack's copy), or, with L,
  * dequantized from L into the thread's scratch first (dequantize_panel). glu: w is gate|up, n / 2
  * rows each; a thread takes a gate panel with the up panel of the same features, runs each tile
  * of both into its cache and writes silu(gate) * up (elementwise.c's silu_mul_row over the
@@ -158,7 +158,7 @@ static void panels_team(const uint16_t *x, int64_t x_stride, int m, const uint16
     const int up_blocks = glu ? blocks : 0; /* the up panel's first block, from the gate panel's */
     for (int m0 = 0; m0 < m; m0 += GEMM_MC) {
         const int m1 = m - m0 < GEMM_MC ? m : m0 + GEMM_MC;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1) nowait
         for (int panel = 0; panel < panels; ++panel) {
             const int b0 = panel * GEMM_NR, nr = blocks - b0 < GEMM_NR ? blocks - b0 : GEMM_NR;
             const uint16_t *wp = scratch, *up = scratch + GEMM_NR * bstride;

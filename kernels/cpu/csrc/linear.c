@@ -150,7 +150,7 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
             acc);
         finish_block(L, b * NW, NX, NW, acc, dtype, y);
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int n = blocks * NW; n < L->n_out; ++n) {
         dot(xf, xh, q, NX, w + (int64_t)n * row_bytes, row_bytes, groups + (int64_t)n * group_bytes, group_bytes, 1,
             kind, k_in, acc);
@@ -175,7 +175,8 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
     }
 
 /* y = x w^T for rows (1..MAX_FUSED_ROWS) rows of x, by every thread of the enclosing team (each
- * call site is reached by all of them; ends with a barrier). xf: x as floats, k_in apart; xh: x
+ * call site is reached by all of them; no barrier at the end: y is whole once every thread has
+ * returned, so the caller waits for the team before reading it). xf: x as floats, k_in apart; xh: x
  * itself when it is bfloat16 (the weight's pairs are then dotted as stored), else NULL. y: rows
  * of n_out elements. L must be one linear_takes takes. */
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {

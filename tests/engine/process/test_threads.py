@@ -83,6 +83,6 @@ def test_importing_kvserve_bounds_openmp_spinning():
                              text=True, check=True)
         return out.stdout.split()[-2:]
 
-    assert run() == ["None", "1000"]
+    assert run() == ["None", "30000"]
     assert run(OMP_WAIT_POLICY="PASSIVE") == ["PASSIVE", "None"]
     assert run(GOMP_SPINCOUNT="50") == ["None", "50"]
