@@ -16,13 +16,16 @@
  * Built and loaded by kernels/cpu_kernels.py; engine/models/decode_row.py decides when it runs.
  */
 #include <limits.h>
-#include <linux/futex.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __linux__
+#include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #include <omp.h>
 
@@ -49,16 +52,18 @@ typedef struct {
 } row_step_t;
 
 /* The team's barrier between the stages of a step. OpenMP's own barrier waits the way
- * GOMP_SPINCOUNT says, and kvserve sets that low (engine/process/threads.py: between parallel
- * regions a spinning thread takes the CPU another process may need), so at ~10 barriers a layer
- * a thread that waited a few microseconds for the other went to sleep and was woken by a futex:
- * ~120 context switches a one-row step, ~15-20% of its time. Inside a step the waits are
+ * GOMP_SPINCOUNT says; at the 1,000 rounds kvserve set until 2026-12-03, a thread that waited
+ * more than a few microseconds at one of the step's ~10 barriers a layer went to sleep and was
+ * woken by a futex (~120 context switches a one-row step). Inside a step the waits are
  * microseconds (a norm on one thread, an attention head more on one side), so here a waiting
- * thread spins up to SPIN_CYCLES of the time-stamp counter, then sleeps on a futex (a thread the
- * OS took away from the team for longer does not keep a CPU busy for nothing). The atomics are
- * sequentially consistent: a sleeper announces itself before it checks the generation, the last
- * arrival moves the generation before it counts the sleepers, so one of them sees the other. */
-#define SPIN_CYCLES 200000 /* ~70 us at this VM's ~2.6 GHz time-stamp counter */
+ * thread spins up to SPIN_CYCLES of the time-stamp counter whatever GOMP_SPINCOUNT says, then
+ * sleeps on a futex (a thread the OS took away from the team for longer does not keep a CPU busy
+ * for nothing). The atomics are sequentially consistent: a sleeper announces itself before it
+ * checks the generation, the last arrival moves the generation before it counts the sleepers,
+ * so one of them sees the other. */
+#if HAVE_AVX512_TEAM /* (x86: the time-stamp counter; the fused step is built only there) */
+/* ~70 us at the development VM's ~2.6 GHz time-stamp counter */
+#define SPIN_CYCLES 200000
 
 typedef struct {
     atomic_int arrived, generation, sleepers;
@@ -70,7 +75,9 @@ static void team_barrier(team_barrier_t *b) {
     if (atomic_fetch_add(&b->arrived, 1) == b->size - 1) {
         atomic_store(&b->arrived, 0);
         atomic_fetch_add(&b->generation, 1);
+#ifdef __linux__
         if (atomic_load(&b->sleepers) > 0) syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#endif
         return;
     }
     const uint64_t start = __rdtsc();
@@ -79,12 +86,17 @@ static void team_barrier(team_barrier_t *b) {
             _mm_pause();
             continue;
         }
+#ifdef __linux__
         atomic_fetch_add(&b->sleepers, 1);
         if (atomic_load(&b->generation) == gen) /* the futex sleeps only while it still holds gen */
             syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
         atomic_fetch_sub(&b->sleepers, 1);
+#else
+        sched_yield();
+#endif
     }
 }
+#endif
 
 /* Whether gemm.c multiplies L here: bfloat16 with its packed copy. */
 static int gemm_takes(const lin_t *L, int dtype) {
