@@ -8,6 +8,7 @@ benchmark's ``summarize``.
 from __future__ import annotations
 
 import math
+import statistics
 
 HEADER = (f"{'system':10s} {'load':>8s} {'tok/s':>9s} {'TTFT p50':>10s} {'TTFT p99':>10s} "
           f"{'ITL p50':>9s} {'ITL p99':>9s} {'ok':>5s}  errors")
@@ -84,9 +85,7 @@ def median_ratios(rounds: list[dict]) -> dict:
                 if not values:
                     level[key] = {"median": float("nan"), "low": float("nan"), "high": float("nan")}
                     continue
-                half = len(values) // 2
-                middle = values[half] if len(values) % 2 else (values[half - 1] + values[half]) / 2
-                level[key] = {"median": middle, "low": values[0], "high": values[-1]}
+                level[key] = {"median": statistics.median(values), "low": values[0], "high": values[-1]}
             out[peer].append(level)
     return out
 
