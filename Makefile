@@ -7,6 +7,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.stamp-install
+# the checkout's folders (kernels/, engine/, ...) are kvserve.*, never top-level modules: a
+# `python -m` here must not put the checkout first on sys.path, where kernels/ would shadow
+# the `kernels` distribution that newer transformers import
+export PYTHONSAFEPATH := 1
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 

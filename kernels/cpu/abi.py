@@ -44,6 +44,7 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "gemm_bf16": [_P, _I64, _I32, _P, _P, _I32, _I32, _P, _I32, _I32],
     "gemm_bf16_available": [],
     "gemm_bf16_quantized": [_P, _P, _I64, _I32, _P, _I32, _I32],
+    "gemm_bf16_quantized_available": [],
 }
 
 

@@ -250,8 +250,11 @@ class CpuKernels:
         groups = groups.contiguous()  # (held here: the Linear keeps only its address)
         return self._linear_rows(x, self.linear_of(packed, bias, None, x.dtype, groups))
 
-    def gemm_available(self) -> bool:  # csrc/gemm.c is built where the compiler targets AVX512-BF16
+    def gemm_available(self) -> bool:  # csrc/gemm.c is built for AVX512-BF16, or AVX2 with FMA
         return bool(self._lib.gemm_bf16_available())
+
+    def quantized_gemm_available(self) -> bool:  # its int8/int4 panels: the AVX512-BF16 build only
+        return bool(self._lib.gemm_bf16_quantized_available())
 
     def pack_gemm_weight(self, weight: torch.Tensor) -> PackedWeight | None:
         """csrc/gemm.c's packed copy of a bfloat16 weight [out, in] (rows contiguous), or None where

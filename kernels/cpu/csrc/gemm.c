@@ -21,7 +21,11 @@
  * comes out of the cache, the product never stored (the separate pass over it read 2x and wrote
  * 1x the activation's bytes). Same bits as the separate silu_and_mul.
  *
- * Built where the compiler targets AVX512-BF16; elsewhere every entry point answers 1 (not taken)
+ * Built where the compiler targets AVX512-BF16, and (bfloat16 weights only) where it targets AVX2
+ * with FMA: there the same packed layout is read as two 256-bit halves of 8 features, each
+ * bfloat16 pair widened to floats by a shift (the even input) and a mask (the odd one), and
+ * multiplied in float FMAs against x widened once per tile; each output's sum again runs over k
+ * in one order whatever rows are beside it. Elsewhere every entry point answers 1 (not taken)
  * and the caller keeps oneDNN or torch.
  */
 #include <stdint.h>
@@ -30,8 +34,23 @@
 #include "common.h"
 
 #if HAVE_AVX512_TEAM && defined(__AVX512BF16__)
+#define GEMM_BUILT 1
+#define GEMM_AVX512 1
+#define GEMM_QUANTIZED 1 /* int8/int4 panels: dequantize.c and the 16-lane transposes */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMM_BUILT 1
+#define GEMM_AVX512 0
+#define GEMM_QUANTIZED 0
+#else
+#define GEMM_BUILT 0
+#define GEMM_AVX512 0
+#define GEMM_QUANTIZED 0
+#endif
+
+#if GEMM_BUILT
 #include <immintrin.h>
 
+#if GEMM_AVX512
 /* The tile's NX rows (x: rows x_stride elements apart) by NR blocks of the panel wp (blocks
  * bstride elements apart) into y (rows n apart), bias added, rounded to bfloat16 once. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t x_stride, const int NX,
@@ -60,6 +79,72 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b)));
     }
 }
+
+#else
+/* Floats of the tile's x rows, k apart, per thread (OpenMP keeps its threads). */
+static __thread float *tile_x;
+static __thread size_t tile_x_floats;
+
+/* Up to 4 rows of x (floats, k apart) against one packed block (16 features), into acc[m][half]:
+ * per pair of inputs the block's two 256-bit halves, each widened to the even input's floats (the
+ * low bfloat16 of each lane, shifted up) and the odd input's (the high one, masked), then two FMAs
+ * per half and row, even input first. */
+static inline __attribute__((always_inline)) void block4(const float *xf, int k, const int NX, const uint16_t *wb,
+                                                         __m256 acc[4][2]) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int m = 0; m < NX; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int p = 0; p < k / 2; ++p) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + (int64_t)p * 2 * GEMM_VEC));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + (int64_t)p * 2 * GEMM_VEC + GEMM_VEC));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+        for (int m = 0; m < NX; ++m) {
+            const __m256 xe = _mm256_broadcast_ss(xf + (int64_t)m * k + 2 * p);
+            const __m256 xo = _mm256_broadcast_ss(xf + (int64_t)m * k + 2 * p + 1);
+            acc[m][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[m][0]));
+            acc[m][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[m][1]));
+        }
+    }
+}
+
+/* The tile as above with AVX2 and FMA: x's NX rows widened to floats once, then each block of
+ * the panel by 4 rows at a time (block4's 8 accumulators, 4 weight vectors and 2 broadcasts fit
+ * the 16 registers), bias added, rounded to bfloat16 once as from_float rounds. */
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t x_stride, const int NX,
+                                                       const uint16_t *wp, int64_t bstride, const int NR,
+                                                       int k, const uint16_t *bias, uint16_t *y, int64_t n) {
+    const size_t need = (size_t)GEMM_MR * (size_t)k;
+    if (need > tile_x_floats) {
+        free(tile_x);
+        tile_x = aligned_alloc(64, (sizeof(float) * need + 63) & ~(size_t)63);
+        tile_x_floats = tile_x != NULL ? need : 0;
+        if (tile_x == NULL) abort(); /* a few KiB per thread, as the int4 activations' buffer */
+    }
+    for (int m = 0; m < NX; ++m) to_float(x + m * x_stride, DTYPE_BF16, tile_x + (int64_t)m * k, k);
+    for (int j = 0; j < NR; ++j) {
+        float b[GEMM_VEC] = {0};
+        if (bias != NULL) to_float(bias + j * GEMM_VEC, DTYPE_BF16, b, GEMM_VEC);
+        for (int m0 = 0; m0 < NX; m0 += 4) {
+            __m256 acc[4][2];
+            const int rows = NX - m0 < 4 ? NX - m0 : 4;
+            const float *xf = tile_x + (int64_t)m0 * k;
+            const uint16_t *wb = wp + j * bstride;
+            switch (rows) { /* constant row counts: the accumulators stay in registers */
+                case 1: block4(xf, k, 1, wb, acc); break;
+                case 2: block4(xf, k, 2, wb, acc); break;
+                case 3: block4(xf, k, 3, wb, acc); break;
+                default: block4(xf, k, 4, wb, acc); break;
+            }
+            for (int m = 0; m < rows; ++m) {
+                float out[GEMM_VEC];
+                _mm256_storeu_ps(out, _mm256_add_ps(acc[m][0], _mm256_loadu_ps(b)));
+                _mm256_storeu_ps(out + 8, _mm256_add_ps(acc[m][1], _mm256_loadu_ps(b + 8)));
+                from_float(out, 1.f, DTYPE_BF16, y + (m0 + m) * n + j * GEMM_VEC, GEMM_VEC);
+            }
+        }
+    }
+}
+#endif
 
 #define TILE_ROWS(NR)                                                                            \
     switch (rows) {                                                                              \
@@ -98,6 +183,7 @@ int gemm_bf16_pack(const void *w, int64_t w_stride, int n, int k, void *packed, 
     return 0;
 }
 
+#if GEMM_QUANTIZED
 /* A thread's panel of a quantized weight in the packed layout (GEMM_NR blocks) and a block's rows
  * dequantized, kept as long as the thread (OpenMP keeps its threads): a fresh one per call would be
  * mapped and faulted in again at every projection. */
@@ -144,6 +230,8 @@ static void dequantize_panel(const lin_t *L, int b0, int nr, int64_t bstride, ui
     }
 }
 
+#endif
+
 /* The team's share of y = x w^T + bias over w's panels (an OpenMP for over them per GEMM_MC rows
  * of x, no barrier: the caller waits for the team before reading y): each panel read from packed (gemm_bf16_pack's copy), or, with L,
  * dequantized from L into the thread's scratch first (dequantize_panel). glu: w is gate|up, n / 2
@@ -162,6 +250,7 @@ static void panels_team(const uint16_t *x, int64_t x_stride, int m, const uint16
         for (int panel = 0; panel < panels; ++panel) {
             const int b0 = panel * GEMM_NR, nr = blocks - b0 < GEMM_NR ? blocks - b0 : GEMM_NR;
             const uint16_t *wp = scratch, *up = scratch + GEMM_NR * bstride;
+#if GEMM_QUANTIZED
             if (L != NULL) {
                 uint16_t *rows = scratch + (glu ? 2 : 1) * GEMM_NR * bstride;
                 dequantize_panel(L, b0, nr, bstride, scratch, rows);
@@ -170,6 +259,10 @@ static void panels_team(const uint16_t *x, int64_t x_stride, int m, const uint16
                 wp = packed + (int64_t)b0 * bstride;
                 up = packed + (int64_t)(b0 + up_blocks) * bstride;
             }
+#else
+            (void)L, (void)scratch;
+            wp = packed + (int64_t)b0 * bstride, up = packed + (int64_t)(b0 + up_blocks) * bstride;
+#endif
             const uint16_t *bp = bias == NULL ? NULL : bias + b0 * GEMM_VEC;
             const uint16_t *bu = bias == NULL ? NULL : bias + (b0 + up_blocks) * GEMM_VEC;
             for (int r = m0; r < m1; r += GEMM_MR) {
@@ -214,6 +307,7 @@ int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const
     return 0;
 }
 
+#if GEMM_QUANTIZED
 /* y = x L^T + bias for bfloat16 x (m rows, x_stride apart) and an int8 (bfloat16 scales) or int4
  * weight L, any m: each thread dequantizes a panel of the weight into its cache-sized buffer, in
  * gemm_bf16_pack's layout, and runs gemm_bf16's tiles over it, so the weight is read in its
@@ -248,13 +342,10 @@ int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m,
     return failed ? 2 : 0;
 }
 
+#endif
+
 int gemm_bf16_available(void) { return 1; }
 #else
-int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m, void *yv, int glu,
-                        int num_threads) {
-    (void)L, (void)xv, (void)x_stride, (void)m, (void)yv, (void)glu, (void)num_threads;
-    return 1;
-}
 
 void gemm_bf16_team(const void *xv, int64_t x_stride, int m, const void *packed, const void *biasv, int n, int k,
                     void *yv, int glu) {
@@ -274,4 +365,14 @@ int gemm_bf16(const void *xv, int64_t x_stride, int m, const void *packed, const
 }
 
 int gemm_bf16_available(void) { return 0; }
+#endif
+
+int gemm_bf16_quantized_available(void) { return GEMM_QUANTIZED; }
+
+#if !GEMM_QUANTIZED
+int gemm_bf16_quantized(const lin_t *L, const void *xv, int64_t x_stride, int m, void *yv, int glu,
+                        int num_threads) {
+    (void)L, (void)xv, (void)x_stride, (void)m, (void)yv, (void)glu, (void)num_threads;
+    return 1;
+}
 #endif

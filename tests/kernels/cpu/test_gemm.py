@@ -14,7 +14,9 @@ from kvserve.kernels.cpu.build import header_constant
 
 KERNEL = load_kernels()
 pytestmark = pytest.mark.skipif(KERNEL is None or not KERNEL.gemm_available(),
-                                reason="csrc/gemm.c is built only where the compiler targets AVX512-BF16")
+                                reason="csrc/gemm.c is built where the compiler targets AVX512-BF16 or AVX2")
+needs_quantized = pytest.mark.skipif(KERNEL is None or not KERNEL.quantized_gemm_available(),
+                                     reason="gemm.c dequantizes int8/int4 panels in its AVX512-BF16 build only")
 MC = header_constant("GEMM_MC")  # rows of x per pass over the weight panels
 
 
@@ -77,6 +79,7 @@ def test_shapes_it_does_not_take_stay_with_onednn_or_torch():
         KERNEL.gemm(torch.zeros(3, 8), KERNEL.pack_gemm_weight(torch.zeros(16, 8).to(torch.bfloat16)), None)
 
 
+@needs_quantized
 @pytest.mark.parametrize("method", ["int4", "int8"])
 @pytest.mark.parametrize(("n_out", "k_in"), [(16, 64), (5 * 48 + 16, 128), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 9, 33, MC + 9])
@@ -103,7 +106,8 @@ def test_quantized_weights_dequantized_panel_by_panel(method, n_out, k_in, rows)
     assert KERNEL.quantized_gemm(x[:0], q.kernel_linear(b, torch.bfloat16)).shape == (0, n_out)
 
 
-@pytest.mark.parametrize("method", [None, "int4", "int8"])
+@pytest.mark.parametrize("method", [None, pytest.param("int4", marks=needs_quantized),
+                                    pytest.param("int8", marks=needs_quantized)])
 @pytest.mark.parametrize(("half", "k_in"), [(16, 64), (5 * 48 + 16, 128), (1536, 576)])
 @pytest.mark.parametrize("rows", [1, 9, 33, MC + 9])
 def test_gate_up_product_comes_out_as_silu_of_gate_times_up(method, half, k_in, rows):
