@@ -6,6 +6,7 @@ from kvserve.engine import LLM
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.core.speculation import Speculator, exact_rows
+from kvserve.engine.layers.linear import compute_rows_alike
 from kvserve.engine.spec_decode.policy import StepCosts
 
 # a step-cost table under which drafting up to 8 rows is nearly free: tests of speculation then do
@@ -16,11 +17,15 @@ FLAT_STEP_COSTS = StepCosts({1: 1.0, 8: 1.05, 9: 4.0, 64: 20.0})
 def with_control_plane(llm: LLM, step_costs: StepCosts = FLAT_STEP_COSTS, **changes) -> LLM:
     """Swap the engine's scheduler/block manager (and speculator) for ones built with other
     settings, over the same loaded model (loading costs seconds; these settings live only in the
-    control plane)."""
+    control plane; a runner that was built not speculating gets the switch one built speculating
+    has, ``compute_rows_alike``)."""
     eng = llm.engine
     cfg = eng.config.replace(**changes)
     eng.speculator = (None if cfg.speculative == "off"
                       else Speculator(cfg, step_costs, exact_rows(eng.executor)))
+    runner = eng.executor  # in process: speculating, its float projections compute rows alike, as a
+    if cfg.speculative != "off" and getattr(runner, "rows_alike", False) is None:  # runner built so does
+        runner.rows_alike = compute_rows_alike(runner.model)
     blocks = min(cfg.num_kv_blocks or eng.executor.num_kv_blocks, eng.executor.num_kv_blocks)
     eng.config = cfg
     eng.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)

@@ -16,8 +16,10 @@ import torch
 
 from kvserve.benchmarks import write_json
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.layers.linear import _onednn_bf16
 from kvserve.engine.models.decode_row import projections as _projections
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
+from kvserve.kernels.cpu.bindings import load_kernels
 
 
 class Timed:
@@ -161,6 +163,9 @@ def profile_fused(llm: LLM, args) -> dict:
     if fused is None:
         raise SystemExit("the fused decode step does not apply to this model (engine/models/decode_row.py)")
     packed = all(isinstance(m.packed, PackedWeight) for m in _projections(model))
+    if not packed and not load_kernels().fused_row_kernel:
+        raise SystemExit("--fused-ab: without AVX-512 the fused step takes only bfloat16 projections "
+                         "packed for csrc/gemm.c")
     if args.batch > MAX_FUSED_ROWS and not packed:
         raise SystemExit(f"--fused-ab: above {MAX_FUSED_ROWS} sequences the fused step needs every "
                          "projection packed for csrc/gemm.c (bfloat16, an AVX512-BF16 build, no AMX)")
@@ -173,15 +178,20 @@ def profile_fused(llm: LLM, args) -> dict:
 
 def profile_gemm(llm: LLM, args) -> dict:
     """The projections through csrc/gemm.c's packed copies (as loaded) against oneDNN's packed
-    copies of the same weights, swapped between rounds (``alternate``), both on the per-op path
-    (the fused decode step, which takes such batches too, holds gemm.c's copies)."""
+    copies of the same weights (torch's plain bfloat16 matmul where oneDNN has no bfloat16 path:
+    CPUs without AVX-512), swapped between rounds (``alternate``), both on the per-op path (the
+    fused decode step, which takes such batches too, holds gemm.c's copies)."""
     layers = [m for m in llm.engine.executor.model.modules()
               if isinstance(getattr(m, "packed", None), PackedWeight)]
     if not layers:
         raise SystemExit("--gemm-ab: no projection multiplies through csrc/gemm.c here (it needs bfloat16 "
-                         "and AVX512-BF16, and CPUs with AMX keep oneDNN)")
+                         "and AVX512-BF16 or AVX2; CPUs with AMX keep oneDNN)")
     ours = [m.packed for m in layers]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous(), None) for m in layers]
+    if _onednn_bf16():
+        other, copies = "onednn", [torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous(), None)
+                                   for m in layers]
+    else:  # linear() multiplies an unpacked weight with F.linear
+        other, copies = "torch", [None] * len(layers)
 
     model = llm.engine.executor.model.model
     fused, model._decode_row = model.decode_row(), None
@@ -189,7 +199,7 @@ def profile_gemm(llm: LLM, args) -> dict:
     def use(copies):
         return lambda: [setattr(m, "packed", c) for m, c in zip(layers, copies, strict=True)]
     try:
-        return alternate(llm.engine, args, {"gemm": use(ours), "onednn": use(onednn)}, "gemm")
+        return alternate(llm.engine, args, {"gemm": use(ours), other: use(copies)}, "gemm")
     finally:
         use(ours)()
         model._decode_row = fused
@@ -203,8 +213,8 @@ def ab_main(llm: LLM, args) -> dict:
                   **(profile_fused if fused else profile_gemm)(llm, args)}
     finally:
         llm.shutdown()
-    new, old = ("fused", "per_op") if fused else ("gemm", "onednn")
-    label = {"fused": "fused", "per_op": "per-op", "gemm": "gemm.c", "onednn": "oneDNN"}
+    new, old = ("fused", "per_op") if fused else ("gemm", "onednn" if "onednn" in result else "torch")
+    label = {"fused": "fused", "per_op": "per-op", "gemm": "gemm.c", "onednn": "oneDNN", "torch": "torch"}
     print(f"decode step, batch {args.batch}, {args.context}-token contexts (median of alternating rounds): "
           f"{label[new]} {result[new]:.1f} ms, {label[old]} {result[old]:.1f} ms: "
           f"{result[old] / result[new]:.2f}x")

@@ -8,7 +8,8 @@ kernels with the same roundings (tests/engine/models/test_decode_row.py pins its
 per-op path's).
 
 It runs when every condition holds, else the step takes the per-op path unchanged: the CPU
-kernels take the model's dtype (float32 or bfloat16) and were built for AVX-512; one rank (no
+kernels take the model's dtype (float32 or bfloat16) and were built for AVX-512 (on x86 CPUs with
+AVX2 only: bfloat16 with every projection packed for csrc/gemm.c, below); one rank (no
 tensor parallelism); every layer is the plain Llama layer (Llama, Qwen2: optional biases;
 not Qwen3's q/k norms, not mixtures of experts) over the torch attention backend; the step is one
 token per sequence (a decode step), each with a cache slot; at most ``MAX_FUSED_ROWS`` of them,
@@ -66,8 +67,8 @@ class DecodeRow:
 
     @staticmethod
     def fits(model) -> bool:
-        """Whether the fused step was built here (AVX-512) and ``model``'s layers are all of the
-        shape it computes, on the CPU."""
+        """Whether the fused step was built here (x86) and ``model``'s layers are all of the shape it
+        computes, on the CPU."""
         if not len(model.layers):
             return False
         first = model.layers[0].self_attn.qkv_proj
@@ -122,8 +123,8 @@ class DecodeRow:
                 or not CpuKernels.takes_caches(dtype, k_cache, attn.attn.v_cache)):
             return None
         layers = self._layer_array(dtype)
-        if rows > MAX_FUSED_ROWS and not self._any_rows:
-            return None  # more rows need gemm.c's packed copies
+        if not self._any_rows and (rows > MAX_FUSED_ROWS or not kernels.fused_row_kernel):
+            return None  # more rows, or a build without linear.c's row kernel, need gemm.c's packed copies
         cos, sin = model.rotary_emb.cos_sin(positions, dtype)
         ctx = (positions + 1).to(torch.int32)
         slots = meta.slot_mapping.contiguous()

@@ -77,7 +77,11 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib = lib
-        self.fused_rows = bool(lib.decode_row_available())  # the fused decode step was built here
+        fused = lib.decode_row_available()
+        self.fused_rows = fused > 0  # the fused decode step was built here (x86)
+        # ... with linear.c's row kernel (AVX-512): any weights it takes, up to MAX_FUSED_ROWS rows;
+        # without it (AVX2) only steps whose projections all go through gemm.c's packed copies
+        self.fused_row_kernel = fused == 2
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:

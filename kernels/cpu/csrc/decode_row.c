@@ -13,7 +13,9 @@
  * barrier separates each stage from the next. The order of the stages is LlamaDecoderLayer.forward's
  * (engine/models/llama.py), layer 0's residual rule included: a change there belongs here too.
  *
- * Built and loaded by kernels/cpu_kernels.py; engine/models/decode_row.py decides when it runs.
+ * Built and loaded by kernels/cpu_kernels.py; engine/models/decode_row.py decides when it runs. On
+ * x86 CPUs without AVX-512 (no linear.c row kernel) it takes the steps whose projections all go
+ * through gemm.c (its AVX2 build: bfloat16 weights with their packed copies).
  */
 #include <limits.h>
 #include <sched.h>
@@ -30,6 +32,12 @@
 #include <omp.h>
 
 #include "common.h"
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h> /* __rdtsc, _mm_pause */
+#define HAVE_FUSED_STEP 1
+#else
+#define HAVE_FUSED_STEP 0
+#endif
 
 typedef struct {
     const void *input_norm, *post_norm; /* [hidden] of norm_dtype */
@@ -61,7 +69,7 @@ typedef struct {
  * for nothing). The atomics are sequentially consistent: a sleeper announces itself before it
  * checks the generation, the last arrival moves the generation before it counts the sleepers,
  * so one of them sees the other. */
-#if HAVE_AVX512_TEAM /* (x86: the time-stamp counter; the fused step is built only there) */
+#if HAVE_FUSED_STEP /* (x86: the time-stamp counter; the fused step is built only there) */
 /* ~70 us at the development VM's ~2.6 GHz time-stamp counter */
 #define SPIN_CYCLES 200000
 
@@ -116,17 +124,22 @@ static void project(const lin_t *L, int rows, const float *xf, const void *xh, v
         linear_rows_team(L, rows, xf, dtype == DTYPE_BF16 ? xh : NULL, y, dtype);
 }
 
-/* 1 where the library was built with the fused step (AVX-512 with BW and VL), else 0. */
-int decode_row_available(void) { return HAVE_AVX512_TEAM; }
+/* 2 where the library was built with the fused step and linear.c's row kernel (AVX-512 with BW and
+ * VL): any weights the row kernel takes, up to MAX_FUSED_ROWS rows, and any rows where gemm.c
+ * takes every projection; 1 where only the latter (x86 with gemm.c's AVX2 build); else 0. */
+int decode_row_available(void) {
+    if (!HAVE_FUSED_STEP) return 0;
+    return HAVE_AVX512_TEAM ? 2 : gemm_bf16_available();
+}
 
 /* hidden [rows][hidden]: in, the embedded tokens; out, the last layer's output. residual
  * [rows][hidden]: out, the running residual (the final norm adds the two). 0, or 1 for shapes it
  * does not take, 2 when memory could not be had. */
 int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, void *hidden, void *residual,
                int num_threads) {
-#if !HAVE_AVX512_TEAM
+#if !HAVE_FUSED_STEP
     (void)layers, (void)num_layers, (void)st, (void)hidden, (void)residual, (void)num_threads;
-    return 1; /* the projections' team kernel is AVX-512 only (linear.c): decode_row_available says so */
+    return 1; /* decode_row_available says so */
 #else
     const int R = st->rows, H = st->hidden, D = st->head_dim, heads = st->heads, kvh = st->kv_heads;
     const int I = st->inter, dtype = st->dtype, elem = elem_size(dtype);
@@ -135,17 +148,19 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
         return 1;
     const int group = heads / kvh, qkv_n = (heads + 2 * kvh) * D;
     int gemm = 1; /* every projection packed for gemm.c: it multiplies them all (project) */
+    int row_kernel = 1; /* linear.c's row kernel takes every projection (built for AVX-512 only) */
     for (int l = 0; l < num_layers; ++l) { /* the buffers below are sized from st: the weights must fit */
         const row_layer_t *L = layers + l;
         if (L->qkv.n_out != qkv_n || L->qkv.k_in != H || L->o.n_out != H || L->o.k_in != heads * D ||
-            L->gate_up.n_out != 2 * I || L->gate_up.k_in != H || L->down.n_out != H || L->down.k_in != I ||
-            !linear_takes(&L->qkv) || !linear_takes(&L->o) || !linear_takes(&L->gate_up) || !linear_takes(&L->down))
+            L->gate_up.n_out != 2 * I || L->gate_up.k_in != H || L->down.n_out != H || L->down.k_in != I)
             return 1;
+        row_kernel = row_kernel && linear_takes(&L->qkv) && linear_takes(&L->o) && linear_takes(&L->gate_up) &&
+                     linear_takes(&L->down);
         gemm = gemm && gemm_takes(&L->qkv, dtype) && gemm_takes(&L->o, dtype) && gemm_takes(&L->gate_up, dtype) &&
                L->gate_up.n_out % (2 * GEMM_VEC) == 0 &&
                gemm_takes(&L->down, dtype);
     }
-    if (R > MAX_FUSED_ROWS && !gemm) return 1; /* the row kernel's limit */
+    if (!gemm && (!row_kernel || R > MAX_FUSED_ROWS)) return 1; /* the row kernel's weights and limit */
     const int64_t cache_slots = st->num_blocks * st->block_size;
     int max_ctx = 1;
     for (int r = 0; r < R; ++r) {

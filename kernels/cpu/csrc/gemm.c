@@ -81,16 +81,25 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 }
 
 #else
-/* Floats of the tile's x rows, k apart, per thread (OpenMP keeps its threads). */
-static __thread float *tile_x;
-static __thread size_t tile_x_floats;
+/* AVX2 tiles take up to TILE_M rows: from WIDEN_ROWS rows on, each block of the panel is widened
+ * to floats once per tile (k x 16, in the thread's scratch) and multiplied 6 rows at a time with
+ * no conversion in the loop; fewer rows multiply the packed pairs directly (block4). Both run
+ * each output's FMAs in the same order (input 0, 1, 2, ...), so the two give the same bits and a
+ * row's result still does not depend on how many rows are beside it. */
+#define TILE_M 48
+#define WIDEN_ROWS 8
+
+/* A thread's scratch (OpenMP keeps its threads): the tile's x rows as floats (TILE_M x k), then
+ * one block widened (k x GEMM_VEC floats). */
+static __thread float *tile_scratch;
+static __thread size_t tile_scratch_floats;
 
 /* Up to 4 rows of x (floats, k apart) against one packed block (16 features), into acc[m][half]:
  * per pair of inputs the block's two 256-bit halves, each widened to the even input's floats (the
- * low bfloat16 of each lane, shifted up) and the odd input's (the high one, masked), then two FMAs
- * per half and row, even input first. */
+ * low bfloat16 of each lane, shifted up) and the odd input's (the high one, masked), then per half
+ * and row an FMA with the even input, then one with the odd. */
 static inline __attribute__((always_inline)) void block4(const float *xf, int k, const int NX, const uint16_t *wb,
-                                                         __m256 acc[4][2]) {
+                                                         __m256 acc[6][2]) {
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int m = 0; m < NX; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int p = 0; p < k / 2; ++p) {
@@ -107,45 +116,90 @@ static inline __attribute__((always_inline)) void block4(const float *xf, int k,
     }
 }
 
-/* The tile as above with AVX2 and FMA: x's NX rows widened to floats once, then each block of
- * the panel by 4 rows at a time (block4's 8 accumulators, 4 weight vectors and 2 broadcasts fit
- * the 16 registers), bias added, rounded to bfloat16 once as from_float rounds. */
-static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t x_stride, const int NX,
-                                                       const uint16_t *wp, int64_t bstride, const int NR,
-                                                       int k, const uint16_t *bias, uint16_t *y, int64_t n) {
-    const size_t need = (size_t)GEMM_MR * (size_t)k;
-    if (need > tile_x_floats) {
-        free(tile_x);
-        tile_x = aligned_alloc(64, (sizeof(float) * need + 63) & ~(size_t)63);
-        tile_x_floats = tile_x != NULL ? need : 0;
-        if (tile_x == NULL) abort(); /* a few KiB per thread, as the int4 activations' buffer */
+/* Up to 6 rows of x against a block widened to floats (wf: per input its 16 features' weights):
+ * 12 accumulators, 2 weight vectors and a broadcast in the 16 registers, one FMA per input. */
+static inline __attribute__((always_inline)) void block6(const float *xf, int k, const int NX, const float *wf,
+                                                         __m256 acc[6][2]) {
+    for (int m = 0; m < NX; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int i = 0; i < k; ++i) {
+        const __m256 w0 = _mm256_load_ps(wf + (int64_t)i * GEMM_VEC), w1 = _mm256_load_ps(wf + (int64_t)i * GEMM_VEC + 8);
+        for (int m = 0; m < NX; ++m) {
+            const __m256 xb = _mm256_broadcast_ss(xf + (int64_t)m * k + i);
+            acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+        }
     }
-    for (int m = 0; m < NX; ++m) to_float(x + m * x_stride, DTYPE_BF16, tile_x + (int64_t)m * k, k);
+}
+
+/* packed block wb (k / 2 pairs of 16 features) as floats: wf[i][c] = feature c's weight of input i */
+static void widen_block(const uint16_t *wb, int k, float *wf) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int p = 0; p < k / 2; ++p)
+        for (int h = 0; h < 2; ++h) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + (int64_t)p * 2 * GEMM_VEC + h * GEMM_VEC));
+            _mm256_store_ps(wf + (int64_t)2 * p * GEMM_VEC + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            _mm256_store_ps(wf + (int64_t)(2 * p + 1) * GEMM_VEC + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(w, high)));
+        }
+}
+
+/* acc's rows (+ bias b, floats) rounded to bfloat16 as from_float rounds, into y (rows n apart) */
+static inline void store_rows(__m256 acc[6][2], int rows, const float *b, uint16_t *y, int64_t n) {
+    for (int m = 0; m < rows; ++m) {
+        float out[GEMM_VEC];
+        _mm256_storeu_ps(out, _mm256_add_ps(acc[m][0], _mm256_loadu_ps(b)));
+        _mm256_storeu_ps(out + 8, _mm256_add_ps(acc[m][1], _mm256_loadu_ps(b + 8)));
+        from_float(out, 1.f, DTYPE_BF16, y + m * n, GEMM_VEC);
+    }
+}
+
+/* The tile with AVX2 and FMA: NX (1..TILE_M) rows of x widened to floats once, then each block of
+ * the panel, bias added, rounded to bfloat16 once. */
+static void tile(const uint16_t *x, int64_t x_stride, const int NX, const uint16_t *wp, int64_t bstride,
+                 const int NR, int k, const uint16_t *bias, uint16_t *y, int64_t n) {
+    const size_t need = (size_t)(TILE_M + GEMM_VEC) * (size_t)k;
+    if (need > tile_scratch_floats) {
+        free(tile_scratch);
+        tile_scratch = aligned_alloc(64, (sizeof(float) * need + 63) & ~(size_t)63);
+        tile_scratch_floats = tile_scratch != NULL ? need : 0;
+        if (tile_scratch == NULL) abort(); /* hundreds of KiB per thread at most */
+    }
+    float *xs = tile_scratch, *wf = tile_scratch + (size_t)TILE_M * k;
+    for (int m = 0; m < NX; ++m) to_float(x + m * x_stride, DTYPE_BF16, xs + (int64_t)m * k, k);
+    const int widen = NX >= WIDEN_ROWS, step = widen ? 6 : 4;
     for (int j = 0; j < NR; ++j) {
         float b[GEMM_VEC] = {0};
         if (bias != NULL) to_float(bias + j * GEMM_VEC, DTYPE_BF16, b, GEMM_VEC);
-        for (int m0 = 0; m0 < NX; m0 += 4) {
-            __m256 acc[4][2];
-            const int rows = NX - m0 < 4 ? NX - m0 : 4;
-            const float *xf = tile_x + (int64_t)m0 * k;
-            const uint16_t *wb = wp + j * bstride;
-            switch (rows) { /* constant row counts: the accumulators stay in registers */
-                case 1: block4(xf, k, 1, wb, acc); break;
-                case 2: block4(xf, k, 2, wb, acc); break;
-                case 3: block4(xf, k, 3, wb, acc); break;
-                default: block4(xf, k, 4, wb, acc); break;
+        const uint16_t *wb = wp + j * bstride;
+        if (widen) widen_block(wb, k, wf);
+        for (int m0 = 0; m0 < NX; m0 += step) {
+            __m256 acc[6][2];
+            const int rows = NX - m0 < step ? NX - m0 : step;
+            const float *xf = xs + (int64_t)m0 * k;
+            if (widen) {
+                switch (rows) { /* constant row counts: the accumulators stay in registers */
+                    case 1: block6(xf, k, 1, wf, acc); break;
+                    case 2: block6(xf, k, 2, wf, acc); break;
+                    case 3: block6(xf, k, 3, wf, acc); break;
+                    case 4: block6(xf, k, 4, wf, acc); break;
+                    case 5: block6(xf, k, 5, wf, acc); break;
+                    default: block6(xf, k, 6, wf, acc); break;
+                }
+            } else {
+                switch (rows) {
+                    case 1: block4(xf, k, 1, wb, acc); break;
+                    case 2: block4(xf, k, 2, wb, acc); break;
+                    case 3: block4(xf, k, 3, wb, acc); break;
+                    default: block4(xf, k, 4, wb, acc); break;
+                }
             }
-            for (int m = 0; m < rows; ++m) {
-                float out[GEMM_VEC];
-                _mm256_storeu_ps(out, _mm256_add_ps(acc[m][0], _mm256_loadu_ps(b)));
-                _mm256_storeu_ps(out + 8, _mm256_add_ps(acc[m][1], _mm256_loadu_ps(b + 8)));
-                from_float(out, 1.f, DTYPE_BF16, y + (m0 + m) * n + j * GEMM_VEC, GEMM_VEC);
-            }
+            store_rows(acc, rows, b, y + m0 * n + j * GEMM_VEC, n);
         }
     }
 }
 #endif
 
+#if GEMM_AVX512
+#define TILE_M GEMM_MR
 #define TILE_ROWS(NR)                                                                            \
     switch (rows) {                                                                              \
         case 1: tile(x, x_stride, 1, wp, bstride, NR, k, bias, y, n); break;                     \
@@ -158,7 +212,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         default: tile(x, x_stride, GEMM_MR, wp, bstride, NR, k, bias, y, n); break;              \
     }
 
-/* rows (1..GEMM_MR) of x against nr (1..GEMM_NR) blocks */
+/* rows (1..TILE_M) of x against nr (1..GEMM_NR) blocks */
 static void tile_any(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *wp, int64_t bstride, int nr,
                      int k, const uint16_t *bias, uint16_t *y, int64_t n) {
     if (nr == 3) {
@@ -169,6 +223,12 @@ static void tile_any(const uint16_t *x, int64_t x_stride, int rows, const uint16
         TILE_ROWS(1)
     }
 }
+#else
+static void tile_any(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *wp, int64_t bstride, int nr,
+                     int k, const uint16_t *bias, uint16_t *y, int64_t n) {
+    tile(x, x_stride, rows, wp, bstride, nr, k, bias, y, n);
+}
+#endif
 
 int gemm_bf16_pack(const void *w, int64_t w_stride, int n, int k, void *packed, int num_threads) {
     if (n % GEMM_VEC != 0 || k % 2 != 0 || w_stride % 2 != 0 || n <= 0 || k <= 0) return 1;
@@ -265,19 +325,19 @@ static void panels_team(const uint16_t *x, int64_t x_stride, int m, const uint16
 #endif
             const uint16_t *bp = bias == NULL ? NULL : bias + b0 * GEMM_VEC;
             const uint16_t *bu = bias == NULL ? NULL : bias + (b0 + up_blocks) * GEMM_VEC;
-            for (int r = m0; r < m1; r += GEMM_MR) {
-                const int rows = m1 - r < GEMM_MR ? m1 - r : GEMM_MR;
+            for (int r = m0; r < m1; r += TILE_M) {
+                const int rows = m1 - r < TILE_M ? m1 - r : TILE_M;
                 uint16_t *yt = y + (int64_t)r * out_n + b0 * GEMM_VEC;
                 if (!glu) {
                     tile_any(x + (int64_t)r * x_stride, x_stride, rows, wp, bstride, nr, k, bp, yt, out_n);
                     continue;
                 }
-                uint16_t g[GEMM_MR * GEMM_NR * GEMM_VEC], u[GEMM_MR * GEMM_NR * GEMM_VEC];
+                uint16_t g[TILE_M * GEMM_NR * GEMM_VEC], u[TILE_M * GEMM_NR * GEMM_VEC];
                 const int w = GEMM_NR * GEMM_VEC;
                 tile_any(x + (int64_t)r * x_stride, x_stride, rows, wp, bstride, nr, k, bp, g, w);
                 tile_any(x + (int64_t)r * x_stride, x_stride, rows, up, bstride, nr, k, bu, u, w);
                 if (nr == GEMM_NR) { /* the tile's rows are contiguous in g and u: one pass, then copied */
-                    uint16_t o[GEMM_MR * GEMM_NR * GEMM_VEC];
+                    uint16_t o[TILE_M * GEMM_NR * GEMM_VEC];
                     silu_mul_row(g, u, o, rows * w, DTYPE_BF16);
                     for (int i = 0; i < rows; ++i)
                         __builtin_memcpy(yt + (int64_t)i * out_n, o + i * w, sizeof(uint16_t) * w);

@@ -54,8 +54,11 @@ def _generate(llm: LLM, fused: bool, prompts=PROMPTS, together: bool = False
 
 
 _kernels = load_kernels()
-needs_kernels = pytest.mark.skipif(_kernels is None or not _kernels.fused_rows,
-                                   reason="the fused decode step is built for AVX-512 CPUs only")
+needs_kernels = pytest.mark.skipif(_kernels is None or not _kernels.fused_row_kernel,
+                                   reason="the fused step takes any weights on AVX-512 CPUs only")
+# built on x86 without AVX-512 too, taking steps whose projections all go through csrc/gemm.c
+needs_fused = pytest.mark.skipif(_kernels is None or not _kernels.fused_rows,
+                                 reason="the fused decode step is built for x86 CPUs")
 
 
 @needs_kernels
@@ -222,7 +225,7 @@ def test_rows_without_a_cache_slot_and_batches_above_the_limit_take_the_per_op_p
     llm.shutdown()
 
 
-@needs_kernels
+@needs_fused
 def test_batches_of_any_size_through_gemm_give_the_per_op_paths_results(monkeypatch):
     """bfloat16 with every projection packed for csrc/gemm.c: a decode step of any number of rows,
     above MAX_FUSED_ROWS too, runs fused, the projections in gemm.c's tiles as the per-op path
@@ -235,7 +238,7 @@ def test_batches_of_any_size_through_gemm_give_the_per_op_paths_results(monkeypa
     model = runner.model.model
     if not all(isinstance(m.packed, PackedWeight) for m in projections(model)):
         llm.shutdown()
-        pytest.skip("csrc/gemm.c packs the weights where it is built (AVX512-BF16) and the CPU has no AMX")
+        pytest.skip("csrc/gemm.c packs the weights where it is built (AVX512-BF16, AVX2), without AMX")
     calls = _fused_steps(monkeypatch)
     gen = torch.Generator().manual_seed(2)
     runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).to(runner.kv_cache.dtype))
