@@ -77,11 +77,9 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib = lib
-        fused = lib.decode_row_available()
-        self.fused_rows = fused > 0  # the fused decode step was built here (x86)
-        # ... with linear.c's row kernel (AVX-512): any weights it takes, up to MAX_FUSED_ROWS rows;
-        # without it (AVX2) only steps whose projections all go through gemm.c's packed copies
-        self.fused_row_kernel = fused == 2
+        fused = lib.decode_row_available()  # the fused decode step (x86): 2 with linear.c's row kernel
+        self.fused_rows, self.fused_row_kernel = fused > 0, fused == 2  # (AVX-512), 1 gemm.c's steps only
+        self.gemm_quantized = bool(lib.gemm_bf16_quantized_available())  # int8/int4 panels: AVX512-BF16
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:
@@ -256,9 +254,6 @@ class CpuKernels:
 
     def gemm_available(self) -> bool:  # csrc/gemm.c is built for AVX512-BF16, or AVX2 with FMA
         return bool(self._lib.gemm_bf16_available())
-
-    def quantized_gemm_available(self) -> bool:  # its int8/int4 panels: the AVX512-BF16 build only
-        return bool(self._lib.gemm_bf16_quantized_available())
 
     def pack_gemm_weight(self, weight: torch.Tensor) -> PackedWeight | None:
         """csrc/gemm.c's packed copy of a bfloat16 weight [out, in] (rows contiguous), or None where

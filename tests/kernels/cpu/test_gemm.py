@@ -15,7 +15,7 @@ from kvserve.kernels.cpu.build import header_constant
 KERNEL = load_kernels()
 pytestmark = pytest.mark.skipif(KERNEL is None or not KERNEL.gemm_available(),
                                 reason="csrc/gemm.c is built where the compiler targets AVX512-BF16 or AVX2")
-needs_quantized = pytest.mark.skipif(KERNEL is None or not KERNEL.quantized_gemm_available(),
+needs_quantized = pytest.mark.skipif(KERNEL is None or not KERNEL.gemm_quantized,
                                      reason="int8/int4 panels: gemm.c's AVX512-BF16 build only")
 MC = header_constant("GEMM_MC")  # rows of x per pass over the weight panels
 
