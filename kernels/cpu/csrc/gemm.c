@@ -81,16 +81,13 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 }
 
 #else
-/* AVX2 tiles take up to TILE_M rows: from WIDEN_ROWS rows on, each block of the panel is widened
- * to floats once per tile (k x 16, in the thread's scratch) and multiplied 6 rows at a time with
- * no conversion in the loop; fewer rows multiply the packed pairs directly (block4). Both run
- * each output's FMAs in the same order (input 0, 1, 2, ...), so the two give the same bits and a
- * row's result still does not depend on how many rows are beside it. */
+/* AVX2 tiles take up to TILE_M rows of x, widened to floats once per tile (in the thread's
+ * scratch), then multiplied 4 rows at a time against each packed block (block4). */
+#ifndef TILE_M
 #define TILE_M 48
-#define WIDEN_ROWS 8
+#endif
 
-/* A thread's scratch (OpenMP keeps its threads): the tile's x rows as floats (TILE_M x k), then
- * one block widened (k x GEMM_VEC floats). */
+/* A thread's scratch (OpenMP keeps its threads): the tile's x rows as floats, k apart. */
 static __thread float *tile_scratch;
 static __thread size_t tile_scratch_floats;
 
@@ -99,9 +96,10 @@ static __thread size_t tile_scratch_floats;
  * low bfloat16 of each lane, shifted up) and the odd input's (the high one, masked), then per half
  * and row an FMA with the even input, then one with the odd. */
 static inline __attribute__((always_inline)) void block4(const float *xf, int k, const int NX, const uint16_t *wb,
-                                                         __m256 acc[6][2]) {
+                                                         __m256 acc[4][2]) {
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int m = 0; m < NX; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    __m256 a0[4], a1[4]; /* locals, stored once at the end: acc itself stayed in memory */
+    for (int m = 0; m < NX; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int p = 0; p < k / 2; ++p) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + (int64_t)p * 2 * GEMM_VEC));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + (int64_t)p * 2 * GEMM_VEC + GEMM_VEC));
@@ -110,40 +108,15 @@ static inline __attribute__((always_inline)) void block4(const float *xf, int k,
         for (int m = 0; m < NX; ++m) {
             const __m256 xe = _mm256_broadcast_ss(xf + (int64_t)m * k + 2 * p);
             const __m256 xo = _mm256_broadcast_ss(xf + (int64_t)m * k + 2 * p + 1);
-            acc[m][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[m][0]));
-            acc[m][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[m][1]));
+            a0[m] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, a0[m]));
+            a1[m] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, a1[m]));
         }
     }
-}
-
-/* Up to 6 rows of x against a block widened to floats (wf: per input its 16 features' weights):
- * 12 accumulators, 2 weight vectors and a broadcast in the 16 registers, one FMA per input. */
-static inline __attribute__((always_inline)) void block6(const float *xf, int k, const int NX, const float *wf,
-                                                         __m256 acc[6][2]) {
-    for (int m = 0; m < NX; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int i = 0; i < k; ++i) {
-        const __m256 w0 = _mm256_load_ps(wf + (int64_t)i * GEMM_VEC), w1 = _mm256_load_ps(wf + (int64_t)i * GEMM_VEC + 8);
-        for (int m = 0; m < NX; ++m) {
-            const __m256 xb = _mm256_broadcast_ss(xf + (int64_t)m * k + i);
-            acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
-        }
-    }
-}
-
-/* packed block wb (k / 2 pairs of 16 features) as floats: wf[i][c] = feature c's weight of input i */
-static void widen_block(const uint16_t *wb, int k, float *wf) {
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int p = 0; p < k / 2; ++p)
-        for (int h = 0; h < 2; ++h) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + (int64_t)p * 2 * GEMM_VEC + h * GEMM_VEC));
-            _mm256_store_ps(wf + (int64_t)2 * p * GEMM_VEC + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-            _mm256_store_ps(wf + (int64_t)(2 * p + 1) * GEMM_VEC + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(w, high)));
-        }
+    for (int m = 0; m < NX; ++m) acc[m][0] = a0[m], acc[m][1] = a1[m];
 }
 
 /* acc's rows (+ bias b, floats) rounded to bfloat16 as from_float rounds, into y (rows n apart) */
-static inline void store_rows(__m256 acc[6][2], int rows, const float *b, uint16_t *y, int64_t n) {
+static inline void store_rows(__m256 acc[4][2], int rows, const float *b, uint16_t *y, int64_t n) {
     for (int m = 0; m < rows; ++m) {
         float out[GEMM_VEC];
         _mm256_storeu_ps(out, _mm256_add_ps(acc[m][0], _mm256_loadu_ps(b)));
@@ -153,44 +126,33 @@ static inline void store_rows(__m256 acc[6][2], int rows, const float *b, uint16
 }
 
 /* The tile with AVX2 and FMA: NX (1..TILE_M) rows of x widened to floats once, then each block of
- * the panel, bias added, rounded to bfloat16 once. */
+ * the panel 4 rows at a time (block4's 8 accumulators, 4 weight vectors and 2 broadcasts fit the
+ * 16 registers), bias added, rounded to bfloat16 once. A weight block widened to floats once per
+ * tile and multiplied 5 rows at a time was 1.3-1.5x slower (the same bits): its loads, not the
+ * FMAs, set the pace. */
 static void tile(const uint16_t *x, int64_t x_stride, const int NX, const uint16_t *wp, int64_t bstride,
                  const int NR, int k, const uint16_t *bias, uint16_t *y, int64_t n) {
-    const size_t need = (size_t)(TILE_M + GEMM_VEC) * (size_t)k;
+    const size_t need = (size_t)TILE_M * (size_t)k;
     if (need > tile_scratch_floats) {
         free(tile_scratch);
         tile_scratch = aligned_alloc(64, (sizeof(float) * need + 63) & ~(size_t)63);
         tile_scratch_floats = tile_scratch != NULL ? need : 0;
         if (tile_scratch == NULL) abort(); /* hundreds of KiB per thread at most */
     }
-    float *xs = tile_scratch, *wf = tile_scratch + (size_t)TILE_M * k;
-    for (int m = 0; m < NX; ++m) to_float(x + m * x_stride, DTYPE_BF16, xs + (int64_t)m * k, k);
-    const int widen = NX >= WIDEN_ROWS, step = widen ? 6 : 4;
+    for (int m = 0; m < NX; ++m) to_float(x + m * x_stride, DTYPE_BF16, tile_scratch + (int64_t)m * k, k);
     for (int j = 0; j < NR; ++j) {
         float b[GEMM_VEC] = {0};
         if (bias != NULL) to_float(bias + j * GEMM_VEC, DTYPE_BF16, b, GEMM_VEC);
-        const uint16_t *wb = wp + j * bstride;
-        if (widen) widen_block(wb, k, wf);
-        for (int m0 = 0; m0 < NX; m0 += step) {
-            __m256 acc[6][2];
-            const int rows = NX - m0 < step ? NX - m0 : step;
-            const float *xf = xs + (int64_t)m0 * k;
-            if (widen) {
-                switch (rows) { /* constant row counts: the accumulators stay in registers */
-                    case 1: block6(xf, k, 1, wf, acc); break;
-                    case 2: block6(xf, k, 2, wf, acc); break;
-                    case 3: block6(xf, k, 3, wf, acc); break;
-                    case 4: block6(xf, k, 4, wf, acc); break;
-                    case 5: block6(xf, k, 5, wf, acc); break;
-                    default: block6(xf, k, 6, wf, acc); break;
-                }
-            } else {
-                switch (rows) {
-                    case 1: block4(xf, k, 1, wb, acc); break;
-                    case 2: block4(xf, k, 2, wb, acc); break;
-                    case 3: block4(xf, k, 3, wb, acc); break;
-                    default: block4(xf, k, 4, wb, acc); break;
-                }
+        for (int m0 = 0; m0 < NX; m0 += 4) {
+            __m256 acc[4][2];
+            const int rows = NX - m0 < 4 ? NX - m0 : 4;
+            const float *xf = tile_scratch + (int64_t)m0 * k;
+            const uint16_t *wb = wp + j * bstride;
+            switch (rows) { /* constant row counts: the accumulators stay in registers */
+                case 1: block4(xf, k, 1, wb, acc); break;
+                case 2: block4(xf, k, 2, wb, acc); break;
+                case 3: block4(xf, k, 3, wb, acc); break;
+                default: block4(xf, k, 4, wb, acc); break;
             }
             store_rows(acc, rows, b, y + m0 * n + j * GEMM_VEC, n);
         }
