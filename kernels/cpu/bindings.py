@@ -4,18 +4,17 @@
   one query row at a time. In torch ops a decode gathers every sequence's K/V blocks into a padded
   copy, multiplies in many small batched matmuls and allocates several MiB per layer; the kernel
   reads each key and value once, in place. Prefill tokens go through it too, each over the keys
-  up to its own position (``ctx_lens``): at prompts of a few hundred tokens that is ~1.8x faster
-  than torch's CPU flash SDPA (which multiplies bfloat16 in float32 GEMMs), and as fast at 2-4k.
+  up to its own position (``ctx_lens``), with AVX-512: ~1.8x torch's CPU flash SDPA at prompts of
+  a few hundred tokens, as fast at 2-4k (without AVX-512 SDPA wins: ``sdpa_prefill``).
+- ``gemm`` (csrc/gemm.c): bfloat16 projections of any number of rows over a copy of the weight
+  packed once (``pack_gemm_weight``; AVX512-BF16, or AVX2 with FMA); faster than oneDNN's at 8 to
+  128 rows, as fast beyond; ``quantized_gemm``: int8/int4 weights, dequantized a panel at a time.
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_`` and ``store_kv``
   (csrc/elementwise.c): one pass each where eager torch runs several ops, each with its own
   allocation and thread-pool wake-up.
-- ``gemm`` (csrc/gemm.c): bfloat16 projections of any number of rows over a copy of the weight
-  packed once (``pack_gemm_weight``); faster than oneDNN's at 8 to 128 rows, as fast beyond;
-  ``quantized_gemm``: the same over int8/int4 weights, dequantized a panel at a time.
-- ``argmax`` (csrc/sampling.c): the greedy pick; torch's CPU argmax is not vectorized (2.2 ms
-  for 256 rows of 10,240 logits, where a max over the same rows takes 0.1 ms).
-- ``inverse_cdf_draw`` (csrc/sampling.c): the random pick, one pass for the maximum and one
-  for exp and chunk sums, then a walk inside one chunk (torch: amax, exp, cumsum, searchsorted).
+- ``argmax`` (csrc/sampling.c): the greedy pick (torch's CPU argmax is not vectorized: 2.2 ms for
+  256 rows of 10,240 logits); ``inverse_cdf_draw``: the random pick, one pass for the maximum and
+  one for exp and chunk sums, then a walk inside one chunk (torch: amax, exp, cumsum, searchsorted).
 
 Why C: small plain C (no torch headers), so a build takes a second or two, with the compiler
 every Linux image has (the build and its cache: build.py). It links ``libgomp.so.1``, the
@@ -80,6 +79,7 @@ class CpuKernels:
         fused = lib.decode_row_available()  # the fused decode step (x86): 2 with linear.c's row kernel
         self.fused_rows, self.fused_row_kernel = fused > 0, fused == 2  # (AVX-512), 1 gemm.c's steps only
         self.gemm_quantized = bool(lib.gemm_bf16_quantized_available())  # int8/int4 panels: AVX512-BF16
+        self.attention_avx512 = bool(lib.attention_avx512())  # else prefills go to torch's SDPA
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:

@@ -21,7 +21,8 @@ keys up to its own position (``query_*`` fields; the step's K/V are stored first
 takes a long run of one prompt's tokens as tiles of 16, see kernels/cpu/csrc/attention.c). With AMX tiles
 torch's SDPA multiplies the prefill's bfloat16 blocks in them and beats the kernel's one query
 row at a time (``benchmarks/attention_cpu.py``: 1.2x at 6 prompts of 300 tokens, 4x at one of
-2,048), so prefills keep the SDPA plans there (``prefill_in_kernel``). The torch-ops plans are
+2,048), so prefills keep the SDPA plans there (``prefill_in_kernel``), as on CPUs without AVX-512,
+where the kernel's portable loop is slower still (``sdpa_prefill``). The torch-ops plans are
 made only when a layer reads them.
 
 With ``kv_cache_dtype="int8"`` each cache row is head_dim int8 values and their float32 scale
@@ -49,7 +50,7 @@ from kvserve.engine.layers.attention.backend import (
 from kvserve.engine.layers.attention.kv_quant import dequantize_rows, quantize_rows
 from kvserve.engine.model_input import ModelInput, blocks_for, step_block_tables
 from kvserve.kernels.cpu.abi import cache_row_width
-from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for
+from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for, load_kernels
 
 # A decode group is cut where a sequence's context is shorter than this share of the group's
 # longest: below it, padding would cost more than running one more group.
@@ -134,9 +135,16 @@ class TorchAttentionMetadata(AttentionMetadata):
         return self.prefills
 
 
-def amx_prefill() -> bool:
-    """Whether torch's CPU SDPA has AMX tiles to multiply prefills in (then it beats the kernel)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+def sdpa_prefill(kv_cache_dtype: str = "auto") -> bool:
+    """Whether torch's CPU SDPA beats the kernel at prefills here: it has AMX tiles to multiply in,
+    or the kernel was built without AVX-512 (its portable per-query loop measured 3-7x slower than
+    SDPA on an AVX2 Zen 3, ``benchmarks/attention_cpu.py``) and the cache is of the model's dtype
+    (an int8 cache stays with the kernel, which reads its rows as they are; SDPA would take a
+    dequantized copy of the context, summed in another order than the decodes that read it)."""
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return True
+    kernels = load_kernels()
+    return kernels is not None and not kernels.attention_avx512 and kv_cache_dtype != "int8"
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -147,7 +155,8 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(block_size, kv_cache_dtype)
         # prefill tokens as the CPU kernel's queries (see the module docstring); the default
         # follows the CPU
-        self.prefill_in_kernel = not amx_prefill() if prefill_in_kernel is None else prefill_in_kernel
+        self.prefill_in_kernel = (not sdpa_prefill(kv_cache_dtype) if prefill_in_kernel is None
+                                  else prefill_in_kernel)
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         width = cache_row_width(head_dim, self.kv_cache_dtype == "int8")

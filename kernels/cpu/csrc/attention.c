@@ -663,3 +663,14 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     free(scratch);
     return 0;
 }
+
+/* 1 where the attention kernels were built with their AVX-512 paths (16 keys' scores a vector; the
+ * prefill tiles with AVX512-BF16), else 0: elsewhere a prefill token's query runs the portable loop,
+ * several times slower than torch's SDPA (benchmarks/attention_cpu.py). */
+int attention_avx512(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

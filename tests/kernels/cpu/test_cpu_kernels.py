@@ -188,11 +188,14 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
     assert (with_kernel.float() - without.float()).abs().max().item() <= tol
 
 
-def test_prefills_go_to_the_kernel_unless_the_cpu_has_amx(monkeypatch):
+def test_prefills_go_to_the_kernel_unless_the_cpu_has_amx_or_no_avx512(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert not attention_torch.TorchAttentionBackend(16).prefill_in_kernel
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert attention_torch.TorchAttentionBackend(16).prefill_in_kernel
+    kernels = load_kernels()
+    with_avx512 = kernels is not None and kernels.attention_avx512
+    assert attention_torch.TorchAttentionBackend(16).prefill_in_kernel == with_avx512
+    assert attention_torch.TorchAttentionBackend(16, kv_cache_dtype="int8").prefill_in_kernel
 
 
 def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog):
