@@ -43,7 +43,8 @@ CHOICES = {
 }
 HELP = {
     "model": "'default' (the bundled SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file",
-    "dtype": "weights and activations: auto = bfloat16 on GPUs and on CPUs with native bf16, else float32",
+    "dtype": ("weights and activations: auto = bfloat16 on GPUs, on CPUs with native bf16 and where the CPU "
+              "kernels' bf16 GEMM is built (AVX2 with FMA), else float32"),
     "device": "where the model runs: auto = cuda when available, else cpu",
     "attention_backend": "auto = torch on CPU; on CUDA flash-attn when it imports and --block-size is a "
                          "multiple of 256, else triton",

@@ -123,11 +123,14 @@ def test_gguf_q_and_k_rows_are_restored_to_rotate_half_order():
     assert torch.equal(gguf_file._unpermute_rotary_rows(gguf_rows, heads), hf_rows)
 
 
-def test_dtype_auto_is_bf16_on_cpus_with_native_bf16_and_on_cuda(monkeypatch):
+def test_dtype_auto_is_bf16_on_cpus_with_native_bf16_or_the_kernels_gemm_and_on_cuda(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", cpu) == torch.bfloat16
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(loader, "cpu_gemm_bf16", lambda: True)  # gemm.c's AVX2 build
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_gemm_bf16", lambda: False)
     assert resolve_dtype("auto", cpu) == torch.float32
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
