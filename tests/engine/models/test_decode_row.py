@@ -233,7 +233,10 @@ def test_batches_of_any_size_through_gemm_give_the_per_op_paths_results(monkeypa
     hidden states (1 to 20 rows over a cache of random K/V), each row's alone as in the batch, and
     the same tokens and log-probabilities (12 sequences decoding together to the end)."""
     # (no prefix caching: the second run would prefill the prompts' last tokens alone, another sum)
-    llm = LLM("default", dtype="bfloat16", max_num_seqs=20, num_kv_blocks=128, enable_prefix_caching=False)
+    # (no step time bound: it cuts prefill chunks by measured step times, and where the prefills go
+    # to SDPA (AMX, no AVX-512) a prompt's logits depend on where its chunks end)
+    llm = LLM("default", dtype="bfloat16", max_num_seqs=20, num_kv_blocks=128, enable_prefix_caching=False,
+              max_step_time_ms=0)
     runner = llm.engine.executor
     model = runner.model.model
     if not all(isinstance(m.packed, PackedWeight) for m in projections(model)):
