@@ -146,7 +146,9 @@ def main(argv=None) -> dict:
     for p in result["prefill"]:
         print(f"prefill, {p['prompts']} x {p['length']} tokens, one layer: kernel {p['kernel_ms']:.2f} ms, "
               f"torch SDPA {p['torch_ms']:.2f} ms: {p['speedup']:.2f}x (max |diff| {p['max_abs_diff']:.4f})")
-    result["engine_prefill"] = "SDPA" if attention_torch.sdpa_prefill() else "kernel"
+    limit = attention_torch.kernel_prefill_context(args.kv_cache_dtype)
+    result["engine_prefill"] = ("kernel" if limit == attention_torch.EVERY_CONTEXT else "SDPA" if limit == 0
+                                else f"kernel up to {limit} tokens of context, SDPA beyond")
     print(f"the engine's prefill attention on this CPU: {result['engine_prefill']}")
     write_json(args.json, result)
     return result

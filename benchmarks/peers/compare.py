@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "~/.cache/kvserve-peers)")
     p.add_argument("--llama-gguf", help="the GGUF llama-server loads (default: the bundled model's)")
     p.add_argument("--server-timeout", type=float, default=900.0, help="seconds a server may take to start")
-    e = p.add_argument_group("kvserve's server (--dtype also vLLM's)")
+    p.add_argument("--vllm-dtype", help="vLLM's dtype (default: --dtype); on a CPU without AVX-512 vLLM's "
+                                        "float32 beats its bfloat16, so each system runs in its best")
+    e = p.add_argument_group("kvserve's server (--dtype also vLLM's unless --vllm-dtype)")
     add_engine_flags(e, "bfloat16", model_help="kvserve's model; the peers serve the bundled one")
     e.add_argument("--stream-interval", type=int, default=1)
     e.add_argument("--kvserve-flags", default="", help="more `kvserve serve` flags, as one string")
@@ -171,8 +173,8 @@ def started(system: str, args: argparse.Namespace, paths: setup.PeerPaths):
             engine.close()
         return
     if system == "vllm":
-        srv = servers.vllm_server(paths.vllm_python, paths.hf_model, args.dtype, dialects.VLLM_MODEL_NAME,
-                                  args.server_timeout)
+        srv = servers.vllm_server(paths.vllm_python, paths.hf_model, args.vllm_dtype or args.dtype,
+                                  dialects.VLLM_MODEL_NAME, args.server_timeout)
         stream = dialects.stream_vllm
     else:
         from kvserve.engine.model_loader.source import resolve_model
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     works = workloads(args, levels)
     workload = (f"{args.num_requests} requests a level, prompt {args.prompt_len[0]}-{args.prompt_len[1]}, "
                 f"output {args.output_len[0]}-{args.output_len[1]} tokens, temperature {args.temperature:g}, "
-                f"{args.dtype}")
+                f"{args.dtype}" + (f" (vLLM {args.vllm_dtype})" if args.vllm_dtype else ""))
     print(f"peers: {', '.join(args.systems)}; {workload}; levels {' '.join(map(level_label, levels))}")
     result = {"workload": workload, "levels": levels, "systems": {}, "rounds": [],
               "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}}

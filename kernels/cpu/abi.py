@@ -40,7 +40,7 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "dequantize_weight": [_P, _P, _I32, _I32],
     "decode_row": [_P, _I32, _P, _P, _P, _I32],
     "decode_row_available": [],
-    "attention_avx512": [],
+    "attention_vector_bits": [],
     "gemm_bf16_pack": [_P, _I64, _I32, _I32, _P, _I32],
     "gemm_bf16": [_P, _I64, _I32, _P, _P, _I32, _I32, _P, _I32, _I32],
     "gemm_bf16_available": [],

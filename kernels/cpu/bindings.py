@@ -5,7 +5,8 @@
   copy, multiplies in many small batched matmuls and allocates several MiB per layer; the kernel
   reads each key and value once, in place. Prefill tokens go through it too, each over the keys
   up to its own position (``ctx_lens``), with AVX-512: ~1.8x torch's CPU flash SDPA at prompts of
-  a few hundred tokens, as fast at 2-4k (without AVX-512 SDPA wins: ``sdpa_prefill``).
+  a few hundred tokens, as fast at 2-4k; with AVX2 only, faster up to ~600 tokens of context
+  (``kernel_prefill_context``).
 - ``gemm`` (csrc/gemm.c): bfloat16 projections of any number of rows over a copy of the weight
   packed once (``pack_gemm_weight``; AVX512-BF16, or AVX2 with FMA); faster than oneDNN's at 8 to
   128 rows, as fast beyond; ``quantized_gemm``: int8/int4 weights, dequantized a panel at a time.
@@ -79,7 +80,7 @@ class CpuKernels:
         fused = lib.decode_row_available()  # the fused decode step (x86): 2 with linear.c's row kernel
         self.fused_rows, self.fused_row_kernel = fused > 0, fused == 2  # (AVX-512), 1 gemm.c's steps only
         self.gemm_quantized = bool(lib.gemm_bf16_quantized_available())  # int8/int4 panels: AVX512-BF16
-        self.attention_avx512 = bool(lib.attention_avx512())  # else prefills go to torch's SDPA
+        self.attention_vector_bits = lib.attention_vector_bits()  # 512, 256 (AVX2), 0: portable loop
 
     @staticmethod
     def takes(*tensors: torch.Tensor) -> bool:

@@ -16,14 +16,15 @@ Per step, ``build_metadata`` plans the work on the host (no device sync later):
   view when the context's blocks are consecutive (the common case), else through one gather.
 
 Where the CPU kernels take the tensors (kernels/cpu/bindings.py), they serve the decodes instead,
-and on CPUs without AMX the prefills too: every token of the step as one query over the cached
+and on CPUs without AMX the prefills too: every token of a chunk as one query over the cached
 keys up to its own position (``query_*`` fields; the step's K/V are stored first; the kernel
 takes a long run of one prompt's tokens as tiles of 16, see kernels/cpu/csrc/attention.c). With AMX tiles
 torch's SDPA multiplies the prefill's bfloat16 blocks in them and beats the kernel's one query
 row at a time (``benchmarks/attention_cpu.py``: 1.2x at 6 prompts of 300 tokens, 4x at one of
-2,048), so prefills keep the SDPA plans there (``prefill_in_kernel``), as on CPUs without AVX-512,
-where the kernel's portable loop is slower still (``sdpa_prefill``). The torch-ops plans are
-made only when a layer reads them.
+2,048), so prefills keep the SDPA plans there. With AVX2 only (no tiles) the kernel wins up to a
+few hundred tokens of context and SDPA beyond, so chunks reaching further go to SDPA; without
+either the kernel's portable loop is slower throughout (``kernel_prefill_context``). The
+torch-ops plans are made only when a layer reads them.
 
 With ``kv_cache_dtype="int8"`` each cache row is head_dim int8 values and their float32 scale
 (engine/layers/attention/kv_quant.py): the kernels store rows quantized and read them scaled as they go;
@@ -109,12 +110,14 @@ class TorchAttentionMetadata(AttentionMetadata):
     store_slots: torch.Tensor | None = None  # their slots (``slot_mapping`` when None above)
     plan_decode: Callable[[], DecodePlan] | None = None  # the torch-ops decode plan, made on first use
     decode: DecodePlan | None = None
-    plan_prefills: Callable[[], list[PrefillPlan]] | None = None  # the SDPA plans, made on first use
+    # the SDPA plans, made on first use: of every prefill chunk, or (True) of those the kernel's
+    # queries leave
+    plan_prefills: Callable[[bool], list[PrefillPlan]] | None = None
     prefills: list[PrefillPlan] | None = None
-    # the CPU kernel's queries: every token when each one's K/V is stored (the kernel reads keys
-    # from the cache) and the backend sends prefills to the kernel, else the decodes only; int32
-    # rows, their sequences, and how many keys each sees (its position + 1). None: no query for
-    # the kernel.
+    # the CPU kernel's queries: the decodes, and every token of the prefill chunks the backend
+    # sends to the kernel when each token's K/V is stored (the kernel reads keys from the cache);
+    # int32 rows, their sequences, and how many keys each sees (its position + 1). None: no query
+    # for the kernel.
     query_tokens: torch.Tensor | None = None
     query_seqs: torch.Tensor | None = None
     query_ctx: torch.Tensor | None = None
@@ -127,24 +130,36 @@ class TorchAttentionMetadata(AttentionMetadata):
             self.decode = self.plan_decode()
         return self.decode
 
-    def prefill_plans(self) -> list[PrefillPlan]:
-        """The SDPA plans of the step's prefill chunks, made once per step by the first layer that
-        needs them (none does when the CPU kernel takes every token)."""
+    def prefill_plans(self, after_kernel: bool) -> list[PrefillPlan]:
+        """The SDPA plans of the step's prefill chunks (``after_kernel``: only of those the CPU
+        kernel's queries did not cover), made once per step by the first layer that needs them
+        (none does when the CPU kernel takes every token; every layer of a step takes one path)."""
         if self.prefills is None:
-            self.prefills = self.plan_prefills() if self.plan_prefills is not None else []
+            self.prefills = self.plan_prefills(after_kernel) if self.plan_prefills is not None else []
         return self.prefills
 
 
-def sdpa_prefill(kv_cache_dtype: str = "auto") -> bool:
-    """Whether torch's CPU SDPA beats the kernel at prefills here: it has AMX tiles to multiply in,
-    or the kernel was built without AVX-512 (its portable per-query loop measured 3-7x slower than
-    SDPA on an AVX2 Zen 3, ``benchmarks/attention_cpu.py``) and the cache is of the model's dtype
-    (an int8 cache stays with the kernel, which reads its rows as they are; SDPA would take a
-    dequantized copy of the context, summed in another order than the decodes that read it)."""
+# With the kernel's AVX2 path (8 lanes, one query at a time), prefill chunks whose context reaches
+# past this many tokens go to torch's SDPA: on an AVX2 Zen 3 (``benchmarks/attention_cpu.py``, one
+# layer, 9 heads over 3 KV heads of 64) the kernel took 0.76x SDPA's time at 4 prompts of 400
+# tokens and 1 of 512, 1.1x at 768, 1.4x at 1,536.
+AVX2_KERNEL_PREFILL_CONTEXT = 640
+EVERY_CONTEXT = 1 << 62
+
+
+def kernel_prefill_context(kv_cache_dtype: str = "auto") -> int:
+    """The longest context (the chunk's own tokens included) at which a prefill chunk's tokens go
+    through the CPU kernel rather than torch's SDPA: none with AMX tiles for SDPA to multiply in;
+    every one with the kernel's AVX-512 path, or over an int8 cache (which the kernel reads as its
+    rows are; SDPA would take a dequantized copy of the context, summed in another order than the
+    decodes that read it); AVX2_KERNEL_PREFILL_CONTEXT with its AVX2 path; none with its portable
+    loop only (3-7x slower than SDPA)."""
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
-        return True
+        return 0
     kernels = load_kernels()
-    return kernels is not None and not kernels.attention_avx512 and kv_cache_dtype != "int8"
+    if kernels is None or kernels.attention_vector_bits >= 512 or kv_cache_dtype == "int8":
+        return EVERY_CONTEXT
+    return AVX2_KERNEL_PREFILL_CONTEXT if kernels.attention_vector_bits == 256 else 0
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -153,10 +168,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, block_size: int, prefill_in_kernel: bool | None = None, kv_cache_dtype: str = "auto"):
         super().__init__(block_size, kv_cache_dtype)
-        # prefill tokens as the CPU kernel's queries (see the module docstring); the default
-        # follows the CPU
-        self.prefill_in_kernel = (not sdpa_prefill(kv_cache_dtype) if prefill_in_kernel is None
-                                  else prefill_in_kernel)
+        # prefill chunks of up to this context as the CPU kernel's queries (see the module
+        # docstring); ``prefill_in_kernel`` True: every chunk, False: none; the default follows the CPU
+        self.kernel_prefill_context = (kernel_prefill_context(kv_cache_dtype) if prefill_in_kernel is None
+                                       else EVERY_CONTEXT if prefill_in_kernel else 0)
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         width = cache_row_width(head_dim, self.kv_cache_dtype == "int8")
@@ -173,13 +188,22 @@ class TorchAttentionBackend(AttentionBackend):
         if decode_seqs.size:
             meta.plan_decode = lambda: self._plan_decode(step, decode_seqs, device)
         prefill_seqs = np.flatnonzero(step.query_lens > 1)
+        in_kernel = step.context_lens[prefill_seqs] <= self.kernel_prefill_context
+        if meta.store_tokens is not None:  # the kernel reads a token's keys from the cache
+            in_kernel[:] = False
         if prefill_seqs.size:
-            meta.plan_prefills = lambda: [self._plan_prefill(step, i, device) for i in prefill_seqs]
-        kernel_prefills = self.prefill_in_kernel or not prefill_seqs.size
-        meta.every_token_queried = meta.store_tokens is None and kernel_prefills
+            left = prefill_seqs[~in_kernel]
+            meta.plan_prefills = lambda after_kernel: [self._plan_prefill(step, i, device)
+                                                       for i in (left if after_kernel else prefill_seqs)]
+        meta.every_token_queried = meta.store_tokens is None and bool(in_kernel.all())
         if meta.every_token_queried:
             queried = np.arange(step.starts[-1])
             seq_of = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+        elif in_kernel.any():  # the decodes and the chunks the kernel takes, each token once
+            seqs = np.sort(np.concatenate([decode_seqs, prefill_seqs[in_kernel]]))
+            lens = step.query_lens[seqs]
+            seq_of = np.repeat(seqs, lens)
+            queried = step.starts[seq_of] + np.arange(len(seq_of)) - np.repeat(np.cumsum(lens) - lens, lens)
         else:
             queried, seq_of = step.starts[decode_seqs], decode_seqs
         if queried.size:
@@ -276,11 +300,14 @@ class TorchAttentionImpl(AttentionImpl):
                                  meta.query_tokens, out, self.scale, ctx_lens=meta.query_ctx)
             if meta.every_token_queried:
                 return out
-        elif meta.plan_decode is not None:
-            decode = meta.decode_plan()
-            parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g) for g in decode.groups]
-            out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
-        for plan in meta.prefill_plans():
+            plans = meta.prefill_plans(after_kernel=True)
+        else:
+            if meta.plan_decode is not None:
+                decode = meta.decode_plan()
+                parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g) for g in decode.groups]
+                out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
+            plans = meta.prefill_plans(after_kernel=False)
+        for plan in plans:
             out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
         return out
 

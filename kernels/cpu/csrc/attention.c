@@ -13,7 +13,8 @@
  * to 8 query heads per KV head take attend_fast: 16 keys' scores per vector (no horizontal sum
  * per key), bfloat16 keys dotted as stored with AVX512-BF16, the running maximum kept as the
  * scores come out, and each value row converted once for all the group's heads, whose
- * accumulators stay in registers. Everything else takes the portable attend().
+ * accumulators stay in registers. Where it targets AVX2 with FMA (no AVX-512), the same shapes take
+ * an 8-lane attend_fast (bfloat16 widened by pairs). Everything else takes the portable attend().
  *
  * Prefill runs of PREFILL_TILE_MIN_RUN or more tokens of one sequence, in bfloat16 with
  * AVX512-BF16, go as tiles of 16 tokens x the group's heads instead (attend_tile below: the
@@ -347,24 +348,6 @@ static inline __attribute__((always_inline)) void attend_fast(
         for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + j * D + 16 * v, a[j][v]);
 }
 
-#define FAST_CASE(G, D) \
-    case (G) * 1000 + (D): attend_fast(c, table, ctx, kv_head, q, q_head_bytes, scale, G, D, w); return 1;
-
-/* 1 when the fast path took this item (accumulators and 1 / sums in w->acc), else 0. It stays in
- * this file, static: moved into a translation unit of its own (with a shared header) the decode
- * kernel ran 20-30% slower (batch 48 x 300, 30 layers: 26-28 vs 21-22 ms, alternating runs). */
-static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
-                                int64_t q_head_bytes, float scale, int group, int head_dim,
-                                const scratch_t *w) {
-    switch (group * 1000 + head_dim) {
-        FAST_CASE(1, 64) FAST_CASE(2, 64) FAST_CASE(3, 64) FAST_CASE(4, 64)
-        FAST_CASE(5, 64) FAST_CASE(6, 64) FAST_CASE(7, 64) FAST_CASE(8, 64)
-        FAST_CASE(1, 128) FAST_CASE(2, 128) FAST_CASE(3, 128) FAST_CASE(4, 128)
-        FAST_CASE(5, 128) FAST_CASE(6, 128) FAST_CASE(7, 128) FAST_CASE(8, 128)
-        default: return 0;
-    }
-}
-
 #if defined(__AVX512BF16__)
 /* Prefill tiles (bfloat16 queries over a bfloat16 cache): up to TILE_TOKENS consecutive prompt
  * tokens of one sequence with the G query heads of one KV head. One query per item reads every
@@ -534,6 +517,210 @@ static int tiles_take(int dtype, int cache_dtype, int group, int head_dim) {
 }
 #define HAVE_TILES 1
 #endif /* __AVX512BF16__ */
+#define HAVE_FAST_PATH 1
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 path (no AVX-512), for the same shapes: 8 keys' scores out of one vector, the running
+ * maximum and the softmax's exponentials 8 lanes at a time. A bfloat16 row is widened by pairs: a
+ * 32-bit lane holds elements 2i and 2i + 1, whose floats are the lane shifted up 16 bits and the
+ * lane with its low half cleared (two operations per 16 elements). The queries are taken apart the
+ * same way, so a score sums the same products in another order; the value accumulators keep even
+ * and odd elements apart until the end. Value rows go through the group's accumulators a few
+ * vectors at a time (AVX2 has 16 registers). Before this path the portable loop ran the decode
+ * attention on such CPUs at 2.6 GB/s of K/V (benchmarks/attention_cpu.py). */
+#include <immintrin.h>
+#include <math.h> /* INFINITY */
+
+#define FAST_KEYS 8
+
+/* r[i] = the sum of v[i]'s 8 lanes */
+static inline __m256 sum_lanes8(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d); /* v0..v3 | v4..v7, by halves */
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+static inline float max_lanes8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* n (even) float vectors of the row at p: a bfloat16 row in pair order (even elements, then odd
+ * ones, of each 16), others in order (KV_INT8: the int8 values, unscaled) */
+static inline __attribute__((always_inline)) void load_row8(const char *p, int dtype, __m256 *out, const int n) {
+    if (dtype == DTYPE_BF16) {
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+        for (int u = 0; u < n / 2; ++u) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(p + 32 * u));
+            out[2 * u] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+            out[2 * u + 1] = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+        }
+    } else if (dtype == KV_INT8) {
+        for (int v = 0; v < n; ++v)
+            out[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * v))));
+    } else {
+        for (int v = 0; v < n; ++v) out[v] = _mm256_loadu_ps((const float *)p + 8 * v);
+    }
+}
+
+/* fast_exp's arithmetic on 8 lanes (rounding to nearest even instead of away from zero) */
+static inline __m256 exp8(__m256 x) {
+    const __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-06f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), c));
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* exp_in_place 8 scores at a time; returns their sum */
+static inline float exp_in_place8(float *restrict s, int ctx, float max) {
+    const __m256 vm = _mm256_set1_ps(max);
+    __m256 sum = _mm256_setzero_ps();
+    int p = 0;
+    for (; p + 8 <= ctx; p += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), vm));
+        _mm256_storeu_ps(s + p, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    float total = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    for (; p < ctx; ++p) {
+        s[p] = fast_exp(s[p] - max);
+        total += s[p];
+    }
+    return total;
+}
+
+/* One (sequence, KV head), as the AVX-512 attend_fast above: G query heads of D dims at q. */
+static inline __attribute__((always_inline)) void attend_fast(
+        const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q, int64_t q_head_bytes,
+        float scale, const int G, const int D, const scratch_t *w) {
+    enum { MAXV = 16 };
+    const int V = D / 8;                        /* float vectors per row */
+    const int VC = G == 1 ? 8 : (G == 2 ? 4 : 2); /* of them per pass over a value block */
+    float *restrict scores = w->scores, *restrict acc = w->acc;
+    const int bs = c->block_size, cd = c->cdtype, celem = kv_elem_size(cd), quant = cd == KV_INT8;
+    const int64_t head_base = (int64_t)kv_head * c->num_blocks;
+    const int64_t row_bytes = c->row_bytes, block_bytes = bs * row_bytes;
+    const int last = (ctx - 1) / bs;
+    const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 qf[8][MAXV]; /* in the keys' order: pairs when the cache is bfloat16 (then so is q) */
+    for (int j = 0; j < G; ++j) {
+        const char *qj = q + j * q_head_bytes;
+        if (cd == DTYPE_BF16 || c->dtype == DTYPE_F32) {
+            load_row8(qj, c->dtype, qf[j], V);
+        } else { /* bfloat16 queries over an int8 cache: in order */
+            for (int v = 0; v < V; ++v)
+                qf[j][v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(qj + 16 * v))), 16));
+        }
+    }
+    __m256 vmax[8];
+    for (int j = 0; j < G; ++j) vmax[j] = ninf;
+    prefetch_first_keys(c, table, head_base, block_bytes, last);
+    for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
+        const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
+        prefetch_while_keys(c, table, head_base, block_bytes, b, last);
+        const char *kb = c->k_cache + (head_base + table[b]) * block_bytes;
+        for (int t0 = 0; t0 < n; t0 += FAST_KEYS) {
+            const int m = n - t0 < FAST_KEYS ? n - t0 : FAST_KEYS;
+            const char *k0 = kb + t0 * row_bytes;
+            __m256 kscale = vscale;
+            if (quant) {
+                float ks[FAST_KEYS];
+                for (int t = 0; t < FAST_KEYS; ++t) ks[t] = t < m ? kv_row_scale(k0 + t * row_bytes, D) : 0.f;
+                kscale = _mm256_mul_ps(vscale, _mm256_loadu_ps(ks));
+            }
+            const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), iota);
+            for (int j = 0; j < G; ++j) {
+                __m256 part[FAST_KEYS];
+                for (int t = 0; t < FAST_KEYS; ++t) {
+                    part[t] = _mm256_setzero_ps();
+                    if (t >= m) continue;
+                    __m256 row[MAXV];
+                    load_row8(k0 + t * row_bytes, cd, row, V);
+                    for (int v = 0; v < V; ++v) part[t] = _mm256_fmadd_ps(row[v], qf[j][v], part[t]);
+                }
+                const __m256 sums = _mm256_mul_ps(sum_lanes8(part), kscale);
+                _mm256_maskstore_ps(scores + j * ctx + pos0 + t0, valid, sums);
+                vmax[j] = _mm256_max_ps(vmax[j], _mm256_blendv_ps(ninf, sums, _mm256_castsi256_ps(valid)));
+            }
+        }
+    }
+    /* softmax per query head, in place; 1 / sum kept in acc's tail */
+    for (int j = 0; j < G; ++j) acc[G * D + j] = 1.f / exp_in_place8(scores + j * ctx, ctx, max_lanes8(vmax[j]));
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
+        const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
+        prefetch_while_values(c, table, head_base, block_bytes, b, last);
+        const char *vb = c->v_cache + (head_base + table[b]) * block_bytes;
+        if (quant) /* the values' scales into the probabilities */
+            for (int t = 0; t < n; ++t) {
+                const float vs = kv_row_scale(vb + t * row_bytes, D);
+                for (int j = 0; j < G; ++j) scores[j * ctx + pos0 + t] *= vs;
+            }
+        for (int c0 = 0; c0 < V; c0 += VC) {
+            __m256 a[8][8];
+            for (int j = 0; j < G; ++j)
+                for (int v = 0; v < VC; ++v) a[j][v] = _mm256_loadu_ps(acc + j * D + 8 * (c0 + v));
+            for (int t = 0; t < n; ++t) {
+                __m256 row[8];
+                load_row8(vb + t * row_bytes + 8 * c0 * celem, cd, row, VC);
+                for (int j = 0; j < G; ++j) {
+                    const __m256 p = _mm256_broadcast_ss(scores + j * ctx + pos0 + t);
+                    for (int v = 0; v < VC; ++v) a[j][v] = _mm256_fmadd_ps(p, row[v], a[j][v]);
+                }
+            }
+            for (int j = 0; j < G; ++j)
+                for (int v = 0; v < VC; ++v) _mm256_storeu_ps(acc + j * D + 8 * (c0 + v), a[j][v]);
+        }
+    }
+    if (cd == DTYPE_BF16) /* pair order back to element order */
+        for (int j = 0; j < G; ++j)
+            for (int u = 0; u < V / 2; ++u) {
+                float *x = acc + j * D + 16 * u;
+                const __m256 even = _mm256_loadu_ps(x), odd = _mm256_loadu_ps(x + 8);
+                const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+                _mm256_storeu_ps(x, _mm256_permute2f128_ps(lo, hi, 0x20));
+                _mm256_storeu_ps(x + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+            }
+}
+#define HAVE_FAST_PATH 1
+#endif
+
+#ifdef HAVE_FAST_PATH
+#define FAST_CASE(G, D) \
+    case (G) * 1000 + (D): attend_fast(c, table, ctx, kv_head, q, q_head_bytes, scale, G, D, w); return 1;
+
+/* 1 when the fast path took this item (accumulators and 1 / sums in w->acc), else 0. It stays in
+ * this file, static: moved into a translation unit of its own (with a shared header) the decode
+ * kernel ran 20-30% slower (batch 48 x 300, 30 layers: 26-28 vs 21-22 ms, alternating runs). */
+static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
+                                int64_t q_head_bytes, float scale, int group, int head_dim,
+                                const scratch_t *w) {
+    switch (group * 1000 + head_dim) {
+        FAST_CASE(1, 64) FAST_CASE(2, 64) FAST_CASE(3, 64) FAST_CASE(4, 64)
+        FAST_CASE(5, 64) FAST_CASE(6, 64) FAST_CASE(7, 64) FAST_CASE(8, 64)
+        FAST_CASE(1, 128) FAST_CASE(2, 128) FAST_CASE(3, 128) FAST_CASE(4, 128)
+        FAST_CASE(5, 128) FAST_CASE(6, 128) FAST_CASE(7, 128) FAST_CASE(8, 128)
+        default: return 0;
+    }
+}
 #else
 static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
                                 int64_t q_head_bytes, float scale, int group, int head_dim,
@@ -664,12 +851,14 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     return 0;
 }
 
-/* 1 where the attention kernels were built with their AVX-512 paths (16 keys' scores a vector; the
- * prefill tiles with AVX512-BF16), else 0: elsewhere a prefill token's query runs the portable loop,
- * several times slower than torch's SDPA (benchmarks/attention_cpu.py). */
-int attention_avx512(void) {
+/* The vector width of the fast path the attention kernels were built with: 512 (16 keys' scores a
+ * vector; the prefill tiles with AVX512-BF16), 256 (AVX2 with FMA: 8 keys' scores a vector, no
+ * tiles), 0 (the portable loop only, several times slower than torch's SDPA at prefills). */
+int attention_vector_bits(void) {
 #if defined(__AVX512F__)
-    return 1;
+    return 512;
+#elif defined(HAVE_FAST_PATH)
+    return 256;
 #else
     return 0;
 #endif

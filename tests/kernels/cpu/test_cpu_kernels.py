@@ -144,9 +144,10 @@ def mixed_step(block_size: int) -> ModelInput:
     return step_input(block_size, [([9, 2, 14], 36, 1), ([5], 4, 1), ([7, 1, 3], 20, 9), ([11, 12], 0, 6)])
 
 
-@pytest.mark.parametrize("head_dim", [32, 64])  # the portable and the AVX-512 paths
+@pytest.mark.parametrize("head_dim", [32, 64])  # the portable and the AVX-512 / AVX2 paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefill_in_kernel", [True, False])  # CPUs without AMX / with AMX
+# CPUs with AVX-512 and no AMX / with AMX / with AVX2 only (a short chunk to the kernel, a long one to SDPA)
+@pytest.mark.parametrize("prefill_in_kernel", [True, False, "up to 25 tokens"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
         dtype, head_dim, prefill_in_kernel, kv_cache_dtype, monkeypatch):
@@ -155,8 +156,11 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
     ops (SDPA) agree, over a cache in the model's dtype and over an int8 one (which both paths
     store and read the same way)."""
     block_size, heads, kv_heads = 16, 6, 2
-    backend = attention_torch.TorchAttentionBackend(block_size, prefill_in_kernel=prefill_in_kernel,
+    split = isinstance(prefill_in_kernel, str)
+    backend = attention_torch.TorchAttentionBackend(block_size, prefill_in_kernel=split or prefill_in_kernel,
                                                     kv_cache_dtype=kv_cache_dtype)
+    if split:
+        backend.kernel_prefill_context = 25  # the fresh prompt (6 tokens) but not the chunk (29)
     impl = backend.create_impl(heads, kv_heads, head_dim, head_dim**-0.5)
     gen = torch.Generator().manual_seed(3)
     inp = mixed_step(block_size)
@@ -176,7 +180,10 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
     with_kernel, meta = run()
     assert meta.decode is None  # the kernel served the decodes: the torch-ops plan was never made
     ctx = meta.query_ctx.tolist()
-    if prefill_in_kernel:
+    if split:
+        assert ctx == [37, 5, 1, 2, 3, 4, 5, 6]  # the decodes and the fresh prompt
+        assert [(p.start, p.end) for p in meta.prefills] == [(2, 11)]  # the chunk, to SDPA
+    elif prefill_in_kernel:
         assert ctx[:2] == [37, 5] and ctx[2:11] == list(range(21, 30)) and len(ctx) == inp.num_tokens
         assert meta.prefills is None  # nor the SDPA plans
     else:
@@ -188,14 +195,18 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
     assert (with_kernel.float() - without.float()).abs().max().item() <= tol
 
 
-def test_prefills_go_to_the_kernel_unless_the_cpu_has_amx_or_no_avx512(monkeypatch):
+def test_prefills_go_to_the_kernel_by_the_cpu(monkeypatch):
+    """None with AMX; all with the AVX-512 path or an int8 cache; short ones with the AVX2 path;
+    none with the portable loop only."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert not attention_torch.TorchAttentionBackend(16).prefill_in_kernel
+    assert attention_torch.TorchAttentionBackend(16).kernel_prefill_context == 0
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     kernels = load_kernels()
-    with_avx512 = kernels is not None and kernels.attention_avx512
-    assert attention_torch.TorchAttentionBackend(16).prefill_in_kernel == with_avx512
-    assert attention_torch.TorchAttentionBackend(16, kv_cache_dtype="int8").prefill_in_kernel
+    bits = kernels.attention_vector_bits if kernels is not None else 512
+    expected = {512: attention_torch.EVERY_CONTEXT, 256: attention_torch.AVX2_KERNEL_PREFILL_CONTEXT, 0: 0}
+    assert attention_torch.TorchAttentionBackend(16).kernel_prefill_context == expected[bits]
+    assert (attention_torch.TorchAttentionBackend(16, kv_cache_dtype="int8").kernel_prefill_context
+            == attention_torch.EVERY_CONTEXT)
 
 
 def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog):
