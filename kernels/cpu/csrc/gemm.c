@@ -82,41 +82,51 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 
 #else
 /* AVX2 tiles take up to TILE_M rows of x, widened to floats once per tile (in the thread's
- * scratch), then multiplied 4 rows at a time against each packed block (block4). */
+ * scratch), then multiplied AVX2_MR rows at a time against each packed block (block_rows). */
+#ifndef AVX2_MR
+#define AVX2_MR 5
+#endif
 #ifndef TILE_M
-#define TILE_M 48
+#define TILE_M (10 * AVX2_MR)
 #endif
 
 /* A thread's scratch (OpenMP keeps its threads): the tile's x rows as floats, k apart. */
 static __thread float *tile_scratch;
 static __thread size_t tile_scratch_floats;
 
-/* Up to 4 rows of x (floats, k apart) against one packed block (16 features), into acc[m][half]:
- * per pair of inputs the block's two 256-bit halves, each widened to the even input's floats (the
- * low bfloat16 of each lane, shifted up) and the odd input's (the high one, masked), then per half
- * and row an FMA with the even input, then one with the odd. */
-static inline __attribute__((always_inline)) void block4(const float *xf, int k, const int NX, const uint16_t *wb,
-                                                         __m256 acc[4][2]) {
+/* Up to AVX2_MR rows of x (floats, k apart) against one packed block (16 features), into
+ * acc[m][half]: per pair of inputs the block's two 256-bit halves widened to the even input's
+ * floats (the low bfloat16 of each lane, shifted up), an FMA per half and row, then the odd
+ * input's (the high one, masked) and theirs: 2 * NX accumulators, 2 weight vectors and their two
+ * widenings and a broadcast in the 16 registers. */
+static inline __attribute__((always_inline)) void block_rows(const float *xf, int k, const int NX,
+                                                             const uint16_t *wb, __m256 acc[AVX2_MR][2]) {
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    __m256 a0[4], a1[4]; /* locals, stored once at the end: acc itself stayed in memory */
+    __m256 a0[AVX2_MR], a1[AVX2_MR]; /* locals, stored once at the end: acc itself stayed in memory */
     for (int m = 0; m < NX; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int p = 0; p < k / 2; ++p) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + (int64_t)p * 2 * GEMM_VEC));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + (int64_t)p * 2 * GEMM_VEC + GEMM_VEC));
-        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
-        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
         for (int m = 0; m < NX; ++m) {
             const __m256 xe = _mm256_broadcast_ss(xf + (int64_t)m * k + 2 * p);
+            a0[m] = _mm256_fmadd_ps(e0, xe, a0[m]);
+            a1[m] = _mm256_fmadd_ps(e1, xe, a1[m]);
+        }
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+        for (int m = 0; m < NX; ++m) {
             const __m256 xo = _mm256_broadcast_ss(xf + (int64_t)m * k + 2 * p + 1);
-            a0[m] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, a0[m]));
-            a1[m] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, a1[m]));
+            a0[m] = _mm256_fmadd_ps(o0, xo, a0[m]);
+            a1[m] = _mm256_fmadd_ps(o1, xo, a1[m]);
         }
     }
     for (int m = 0; m < NX; ++m) acc[m][0] = a0[m], acc[m][1] = a1[m];
 }
 
 /* acc's rows (+ bias b, floats) rounded to bfloat16 as from_float rounds, into y (rows n apart) */
-static inline void store_rows(__m256 acc[4][2], int rows, const float *b, uint16_t *y, int64_t n) {
+static inline void store_rows(__m256 acc[AVX2_MR][2], int rows, const float *b, uint16_t *y, int64_t n) {
     for (int m = 0; m < rows; ++m) {
         float out[GEMM_VEC];
         _mm256_storeu_ps(out, _mm256_add_ps(acc[m][0], _mm256_loadu_ps(b)));
@@ -125,11 +135,13 @@ static inline void store_rows(__m256 acc[4][2], int rows, const float *b, uint16
     }
 }
 
+#define BLOCK_ROWS(R) \
+    case R: block_rows(xf, k, R, wb, acc); break;
+
 /* The tile with AVX2 and FMA: NX (1..TILE_M) rows of x widened to floats once, then each block of
- * the panel 4 rows at a time (block4's 8 accumulators, 4 weight vectors and 2 broadcasts fit the
- * 16 registers), bias added, rounded to bfloat16 once. A weight block widened to floats once per
- * tile and multiplied 5 rows at a time was 1.3-1.5x slower (the same bits): its loads, not the
- * FMAs, set the pace. */
+ * the panel AVX2_MR rows at a time, bias added, rounded to bfloat16 once. A weight block widened
+ * to floats once per tile and multiplied 5 rows at a time was 1.3-1.5x slower (the same bits):
+ * its loads, not the FMAs, set the pace. */
 static void tile(const uint16_t *x, int64_t x_stride, const int NX, const uint16_t *wp, int64_t bstride,
                  const int NR, int k, const uint16_t *bias, uint16_t *y, int64_t n) {
     const size_t need = (size_t)TILE_M * (size_t)k;
@@ -143,16 +155,26 @@ static void tile(const uint16_t *x, int64_t x_stride, const int NX, const uint16
     for (int j = 0; j < NR; ++j) {
         float b[GEMM_VEC] = {0};
         if (bias != NULL) to_float(bias + j * GEMM_VEC, DTYPE_BF16, b, GEMM_VEC);
-        for (int m0 = 0; m0 < NX; m0 += 4) {
-            __m256 acc[4][2];
-            const int rows = NX - m0 < 4 ? NX - m0 : 4;
+        for (int m0 = 0; m0 < NX; m0 += AVX2_MR) {
+            __m256 acc[AVX2_MR][2];
+            const int rows = NX - m0 < AVX2_MR ? NX - m0 : AVX2_MR;
             const float *xf = tile_scratch + (int64_t)m0 * k;
             const uint16_t *wb = wp + j * bstride;
             switch (rows) { /* constant row counts: the accumulators stay in registers */
-                case 1: block4(xf, k, 1, wb, acc); break;
-                case 2: block4(xf, k, 2, wb, acc); break;
-                case 3: block4(xf, k, 3, wb, acc); break;
-                default: block4(xf, k, 4, wb, acc); break;
+                BLOCK_ROWS(1)
+#if AVX2_MR > 2
+                BLOCK_ROWS(2)
+#endif
+#if AVX2_MR > 3
+                BLOCK_ROWS(3)
+#endif
+#if AVX2_MR > 4
+                BLOCK_ROWS(4)
+#endif
+#if AVX2_MR > 5
+                BLOCK_ROWS(5)
+#endif
+                default: block_rows(xf, k, AVX2_MR, wb, acc); break;
             }
             store_rows(acc, rows, b, y + m0 * n + j * GEMM_VEC, n);
         }
