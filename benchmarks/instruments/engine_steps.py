@@ -16,7 +16,7 @@ import torch
 
 from kvserve.benchmarks import write_json
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.layers.linear import _onednn_bf16
+from kvserve.engine.layers.linear import onednn_bf16
 from kvserve.engine.models.decode_row import projections as _projections
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
 from kvserve.kernels.cpu.bindings import load_kernels
@@ -187,7 +187,7 @@ def profile_gemm(llm: LLM, args) -> dict:
         raise SystemExit("--gemm-ab: no projection multiplies through csrc/gemm.c here (it needs bfloat16 "
                          "and AVX512-BF16 or AVX2; CPUs with AMX keep oneDNN)")
     ours = [m.packed for m in layers]
-    if _onednn_bf16():
+    if onednn_bf16():
         other, copies = "onednn", [torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous(), None)
                                    for m in layers]
     else:  # linear() multiplies an unpacked weight with F.linear

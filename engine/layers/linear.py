@@ -80,16 +80,17 @@ def compute_rows_alike(model: nn.Module) -> RowsAlike:
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether ``pack_weight`` makes a blocked copy of ``weight``: a 2-D bfloat16 CPU weight,
-    with csrc/gemm.c built (AVX512-BF16) or oneDNN's bfloat16 support."""
+    with csrc/gemm.c built (AVX512-BF16, or AVX2 with FMA) or oneDNN's bfloat16 support."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and (_gemm_kernel() is not None or _onednn_bf16()))
+            and (gemm_kernel() is not None or onednn_bf16()))
 
 
-def _onednn_bf16() -> bool:
+def onednn_bf16() -> bool:
+    """Whether oneDNN packs and multiplies bfloat16 here (it needs AVX-512 at least)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _gemm_kernel():
+def gemm_kernel():
     """The CPU kernels when their bfloat16 GEMM (csrc/gemm.c) was built here and the CPU has no AMX
     tiles (oneDNN multiplies in those, several times faster than AVX512-BF16 can), else None."""
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
@@ -111,9 +112,9 @@ def pack_weight(weight: torch.Tensor) -> Packed | None:
     if not can_pack(weight):
         return None
     weight = weight.contiguous()
-    if (kernels := _gemm_kernel()) is not None and (packed := kernels.pack_gemm_weight(weight)) is not None:
+    if (kernels := gemm_kernel()) is not None and (packed := kernels.pack_gemm_weight(weight)) is not None:
         return packed
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None) if _onednn_bf16() else None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn_bf16() else None
 
 
 # Blocked copies are made only while they take at most this share of the memory available.

@@ -181,16 +181,16 @@ def test_profile_step_times_the_fused_decode_step_against_the_per_op_path(tiny_l
 
 def test_profile_step_times_gemm_c_against_onednn_or_says_why_it_cannot(tiny_llama, capsys):
     from kvserve.benchmarks import profile_step
-    from kvserve.engine.layers.linear import _gemm_kernel, _onednn_bf16
+    from kvserve.engine.layers.linear import gemm_kernel, onednn_bf16
 
     argv = ["--model", tiny_llama, "--batch", "9", "--context", "12", "--steps", "2", "--rounds", "2",
             "--gemm-ab"]
     with pytest.raises(SystemExit, match="no projection multiplies through csrc/gemm.c"):
         profile_step.main([*argv, "--dtype", "float32"])
-    if _gemm_kernel() is None:
+    if gemm_kernel() is None:
         pytest.skip("csrc/gemm.c does not serve here (no AVX512-BF16 or AVX2, or AMX)")
     result = profile_step.main([*argv, "--dtype", "bfloat16"])
-    other = "onednn" if _onednn_bf16() else "torch"  # torch's own matmul where oneDNN has no bfloat16
+    other = "onednn" if onednn_bf16() else "torch"  # torch's own matmul where oneDNN has no bfloat16
     assert len(result["rounds_ms"]["gemm"]) == len(result["rounds_ms"][other]) == 4
     assert result["gemm"] > 0 and result[other] > 0
     assert "gemm.c" in capsys.readouterr().out

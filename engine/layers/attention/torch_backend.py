@@ -304,7 +304,8 @@ class TorchAttentionImpl(AttentionImpl):
         else:
             if meta.plan_decode is not None:
                 decode = meta.decode_plan()
-                parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g) for g in decode.groups]
+                parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g)
+                         for g in decode.groups]
                 out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
             plans = meta.prefill_plans(after_kernel=False)
         for plan in plans:
