@@ -146,8 +146,7 @@ def mixed_step(block_size: int) -> ModelInput:
 
 @pytest.mark.parametrize("head_dim", [32, 64])  # the portable and the AVX-512 / AVX2 paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# CPUs with AVX-512 and no AMX / with AMX / with AVX2 only (a short chunk to the kernel, a long one to SDPA)
-@pytest.mark.parametrize("prefill_in_kernel", [True, False, "up to 25 tokens"])
+@pytest.mark.parametrize("prefill_in_kernel", [True, False, "split"])  # AVX-512 / AMX / AVX2-only CPUs
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
         dtype, head_dim, prefill_in_kernel, kv_cache_dtype, monkeypatch):
@@ -156,11 +155,10 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
     ops (SDPA) agree, over a cache in the model's dtype and over an int8 one (which both paths
     store and read the same way)."""
     block_size, heads, kv_heads = 16, 6, 2
-    split = isinstance(prefill_in_kernel, str)
+    split = prefill_in_kernel == "split"  # the fresh prompt (6 tokens) to the kernel, the chunk (29) to SDPA
     backend = attention_torch.TorchAttentionBackend(block_size, prefill_in_kernel=split or prefill_in_kernel,
                                                     kv_cache_dtype=kv_cache_dtype)
-    if split:
-        backend.kernel_prefill_context = 25  # the fresh prompt (6 tokens) but not the chunk (29)
+    backend.kernel_prefill_context = 25 if split else backend.kernel_prefill_context
     impl = backend.create_impl(heads, kv_heads, head_dim, head_dim**-0.5)
     gen = torch.Generator().manual_seed(3)
     inp = mixed_step(block_size)
@@ -181,8 +179,7 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
     assert meta.decode is None  # the kernel served the decodes: the torch-ops plan was never made
     ctx = meta.query_ctx.tolist()
     if split:
-        assert ctx == [37, 5, 1, 2, 3, 4, 5, 6]  # the decodes and the fresh prompt
-        assert [(p.start, p.end) for p in meta.prefills] == [(2, 11)]  # the chunk, to SDPA
+        assert ctx == [37, 5, 1, 2, 3, 4, 5, 6] and [(p.start, p.end) for p in meta.prefills] == [(2, 11)]
     elif prefill_in_kernel:
         assert ctx[:2] == [37, 5] and ctx[2:11] == list(range(21, 30)) and len(ctx) == inp.num_tokens
         assert meta.prefills is None  # nor the SDPA plans
@@ -196,17 +193,15 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
 
 
 def test_prefills_go_to_the_kernel_by_the_cpu(monkeypatch):
-    """None with AMX; all with the AVX-512 path or an int8 cache; short ones with the AVX2 path;
-    none with the portable loop only."""
+    """None with AMX; all with the AVX-512 path or an int8 cache; short ones with the AVX2 path."""
+    backend, every = attention_torch.TorchAttentionBackend, attention_torch.EVERY_CONTEXT
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert attention_torch.TorchAttentionBackend(16).kernel_prefill_context == 0
+    assert backend(16).kernel_prefill_context == 0
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    kernels = load_kernels()
-    bits = kernels.attention_vector_bits if kernels is not None else 512
-    expected = {512: attention_torch.EVERY_CONTEXT, 256: attention_torch.AVX2_KERNEL_PREFILL_CONTEXT, 0: 0}
-    assert attention_torch.TorchAttentionBackend(16).kernel_prefill_context == expected[bits]
-    assert (attention_torch.TorchAttentionBackend(16, kv_cache_dtype="int8").kernel_prefill_context
-            == attention_torch.EVERY_CONTEXT)
+    bits = KERNEL.attention_vector_bits  # (the module skips where there are no kernels)
+    expected = {512: every, 256: attention_torch.AVX2_KERNEL_PREFILL_CONTEXT, 0: 0}[bits]
+    assert backend(16).kernel_prefill_context == expected
+    assert backend(16, kv_cache_dtype="int8").kernel_prefill_context == every
 
 
 def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog):
