@@ -84,7 +84,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 /* AVX2 tiles take up to TILE_M rows of x, widened to floats once per tile (in the thread's
  * scratch), then multiplied AVX2_MR rows at a time against each packed block (block_rows). */
 #ifndef AVX2_MR
-#define AVX2_MR 5
+#define AVX2_MR 4
 #endif
 #ifndef TILE_M
 #define TILE_M (10 * AVX2_MR)
