@@ -5,7 +5,7 @@
   copy, multiplies in many small batched matmuls and allocates several MiB per layer; the kernel
   reads each key and value once, in place. Prefill tokens go through it too, each over the keys
   up to its own position (``ctx_lens``), with AVX-512: ~1.8x torch's CPU flash SDPA at prompts of
-  a few hundred tokens, as fast at 2-4k; AVX2 only: faster to ~600 (``kernel_prefill_context``).
+  a few hundred tokens, as fast at 2-4k; AVX2 only: faster to ~1k (``kernel_prefill_context``).
 - ``gemm`` (csrc/gemm.c): bfloat16 projections of any number of rows over a copy of the weight
   packed once (``pack_gemm_weight``; AVX512-BF16, or AVX2 with FMA); faster than oneDNN's at 8 to
   128 rows, as fast beyond; ``quantized_gemm``: int8/int4 weights, dequantized a panel at a time.

@@ -18,11 +18,12 @@ Per step, ``build_metadata`` plans the work on the host (no device sync later):
 Where the CPU kernels take the tensors (kernels/cpu/bindings.py), they serve the decodes instead,
 and on CPUs without AMX the prefills too: every token of a chunk as one query over the cached
 keys up to its own position (``query_*`` fields; the step's K/V are stored first; the kernel
-takes a long run of one prompt's tokens as tiles of 16, see kernels/cpu/csrc/attention.c). With AMX tiles
+takes a long run of one prompt's tokens as tiles of 16 tokens, 8 with AVX2, see
+kernels/cpu/csrc/attention.c). With AMX tiles
 torch's SDPA multiplies the prefill's bfloat16 blocks in them and beats the kernel's one query
 row at a time (``benchmarks/attention_cpu.py``: 1.2x at 6 prompts of 300 tokens, 4x at one of
-2,048), so prefills keep the SDPA plans there. With AVX2 only (no tiles) the kernel wins up to a
-few hundred tokens of context and SDPA beyond, so chunks reaching further go to SDPA; without
+2,048), so prefills keep the SDPA plans there. With AVX2 only the kernel's float tiles win up to
+about a thousand tokens of context and SDPA beyond, so chunks reaching further go to SDPA; without
 either the kernel's portable loop is slower throughout (``kernel_prefill_context``). The
 torch-ops plans are made only when a layer reads them.
 
@@ -139,11 +140,13 @@ class TorchAttentionMetadata(AttentionMetadata):
         return self.prefills
 
 
-# With the kernel's AVX2 path (8 lanes, one query at a time), prefill chunks whose context reaches
-# past this many tokens go to torch's SDPA: on an AVX2 Zen 3 (``benchmarks/attention_cpu.py``, one
-# layer, 9 heads over 3 KV heads of 64) the kernel took 0.76x SDPA's time at 4 prompts of 400
-# tokens and 1 of 512, 1.1x at 768, 1.4x at 1,536.
-AVX2_KERNEL_PREFILL_CONTEXT = 640
+# With the kernel's AVX2 path (tiles of 8 prompt tokens in floats), prefill chunks whose context
+# reaches past this many tokens go to torch's SDPA: on an AVX2 Zen 3 (``benchmarks/attention_cpu.py``,
+# one layer) the tiles ran 1.3-1.7x SDPA's speed at 6-7 prompts of 300 tokens and at one of 640
+# (9 heads over 3 KV heads of 64; 16 over 2 of 128; 32 over 8 of 128), 1.0-1.35x at 2,048 with
+# 64 dims but 0.72x with 128, and 0.77x at 4,096 with 64: a tile widens its whole context's
+# keys to floats, which leave the core's cache at a few thousand keys.
+AVX2_KERNEL_PREFILL_CONTEXT = 1024
 EVERY_CONTEXT = 1 << 62
 
 

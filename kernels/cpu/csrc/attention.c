@@ -37,7 +37,11 @@
 
 #define MAX_ACC_VECTORS 8 /* head dims up to 128 accumulate in registers */
 #define PARALLEL_MIN_BYTES (512 << 10) /* K and V bytes below which one thread reads them all */
+#if defined(__AVX512BF16__)
 #define TILE_TOKENS 16 /* prompt tokens per prefill tile (the lanes of one float vector) */
+#else
+#define TILE_TOKENS 8
+#endif
 #define TILE_RUN(len) ((len) > 1 ? TILE_TOKENS : 1) /* queries per item: a tile or one */
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -197,6 +201,12 @@ static void attend_any(const cache_t *c, const int32_t *table, int ctx, int kv_h
         attend(c, table, ctx, kv_head, group, 128, w);
     else
         attend(c, table, ctx, kv_head, group, head_dim, w);
+}
+
+/* row key of a paged cache (rows row_bytes apart, blocks of bs of them) */
+static inline const char *key_row(const char *cache, const int32_t *table, int64_t head_base,
+                                   int64_t block_bytes, int64_t row_bytes, int bs, int key) {
+    return cache + (head_base + table[key / bs]) * block_bytes + (key % bs) * row_bytes;
 }
 
 #if defined(__AVX512F__)
@@ -371,11 +381,6 @@ static size_t tile_scratch_floats(int group, int head_dim, int max_ctx) {
            pairs * ((size_t)TILE_TOKENS * group + (size_t)head_dim);
 }
 
-static inline const char *key_row(const char *cache, const int32_t *table, int64_t head_base,
-                                   int64_t block_bytes, int64_t row_bytes, int bs, int key) {
-    return cache + (head_base + table[key / bs]) * block_bytes + (key % bs) * row_bytes;
-}
-
 /* The M (<= TILE_TOKENS) tokens at q (q_token_bytes apart; heads q_head_bytes apart) of which the
  * first sees ctx0 keys and each next one more; their outputs likewise at out. */
 static inline __attribute__((always_inline)) void attend_tile(
@@ -416,7 +421,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 for (int i = 0; i < KB; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv, kb[i]);
             }
         }
-        for (int i = 0; i < nk; ++i) {
+        for (int i = 0; i < KB; ++i) { /* keys from T on: unseen by every token, rows to spare */
             const int key = t + i; /* token m sees it when key < ctx0 + m */
             const __mmask16 seen = key < ctx0 ? lanes : (__mmask16)(lanes & (0xFFFFu << (key - ctx0 + 1)));
             for (int j = 0; j < G; ++j) {
@@ -492,29 +497,6 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-#define TILE_CASE(G, D)                                                                                 \
-    case (G) * 1000 + (D):                                                                              \
-        attend_tile(c, table, ctx0, M, kv_head, q, q_token_bytes, q_head_bytes, scale, G, D, work, out,   \
-                    out_token_bytes, out_head_bytes);                                                   \
-        return;
-
-static void attend_tile_dispatch(const cache_t *c, const int32_t *table, int ctx0, int M, int kv_head,
-                                 const char *q, int64_t q_token_bytes, int64_t q_head_bytes, float scale,
-                                 int group, int head_dim, float *work, char *out, int64_t out_token_bytes,
-                                 int64_t out_head_bytes) {
-    switch (group * 1000 + head_dim) {
-        TILE_CASE(1, 64) TILE_CASE(2, 64) TILE_CASE(3, 64) TILE_CASE(4, 64)
-        TILE_CASE(5, 64) TILE_CASE(6, 64) TILE_CASE(7, 64) TILE_CASE(8, 64)
-        TILE_CASE(1, 128) TILE_CASE(2, 128) TILE_CASE(3, 128) TILE_CASE(4, 128)
-        TILE_CASE(5, 128) TILE_CASE(6, 128) TILE_CASE(7, 128) TILE_CASE(8, 128)
-        default: return;
-    }
-}
-
-/* whether tiles take these shapes (else every query is an item of its own) */
-static int tiles_take(int dtype, int cache_dtype, int group, int head_dim) {
-    return dtype == DTYPE_BF16 && cache_dtype == DTYPE_BF16 && group <= 8 && (head_dim == 64 || head_dim == 128);
-}
 #define HAVE_TILES 1
 #endif /* __AVX512BF16__ */
 #define HAVE_FAST_PATH 1
@@ -700,7 +682,150 @@ static inline __attribute__((always_inline)) void attend_fast(
                 _mm256_storeu_ps(x + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
             }
 }
+
+/* Prefill tiles as the AVX-512 ones above, 8 tokens to a vector and in floats throughout: the
+ * tile's queries transposed (qt[d][j]: dim d of head j, token m in lane m), its keys and then its
+ * values widened to floats once (kv[key][d]), so that a key's dim is one broadcast from memory,
+ * multiplied into every token's score at once (KB keys x G heads of accumulators); the softmax
+ * lane-wise; the weighted sum again with the tokens as lanes, DB dims x G heads at a time, each
+ * value one broadcast. Decodes and speculative verification rows keep attend_fast, as there. */
+static size_t tile_scratch_floats(int group, int head_dim, int max_ctx) {
+    const size_t keys = (size_t)max_ctx + 8; /* score rows up to a whole pass of keys beyond the last */
+    return (size_t)TILE_TOKENS * group * ((size_t)head_dim + keys + 1) + (size_t)max_ctx * head_dim;
+}
+
+/* the first n rows of a cache (bfloat16, D wide) from key 0 on, as floats at dst (D apart) */
+static inline void rows_to_floats(const char *cache, const int32_t *table, int64_t head_base, int64_t block_bytes,
+                                  int64_t row_bytes, int bs, int n, const int D, float *dst) {
+    for (int key = 0; key < n; ++key) {
+        const char *src = key_row(cache, table, head_base, block_bytes, row_bytes, bs, key);
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(dst + (int64_t)key * D + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2 * d))), 16)));
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_tile(
+        const cache_t *c, const int32_t *table, int ctx0, int M, int kv_head, const char *q,
+        int64_t q_token_bytes, int64_t q_head_bytes, float scale, const int G, const int D, float *work,
+        char *out, int64_t out_token_bytes, int64_t out_head_bytes) {
+    enum { L = TILE_TOKENS };
+    /* keys and dims per pass: KB x G (DB x G) accumulators, G query (probability) vectors and a
+     * broadcast in the 16 registers; every count constant, so that nothing lives in memory */
+    const int KB = G <= 1 ? 8 : G <= 2 ? 6 : G <= 3 ? 4 : G <= 5 ? 2 : 1;
+    const int DB = G <= 1 ? 8 : G <= 3 ? 4 : G <= 5 ? 2 : 1;
+    const int T = ctx0 + M - 1, bs = c->block_size; /* T: the keys the tile's last token sees */
+    const int64_t row_bytes = c->row_bytes, block_bytes = bs * row_bytes;
+    const int64_t head_base = (int64_t)kv_head * c->num_blocks;
+    float *qt = work, *scores = qt + (size_t)D * G * L, *sums = scores + (size_t)(T + 8) * G * L, *kv = sums + G * L;
+    for (int j = 0; j < G; ++j)
+        for (int m = 0; m < L; ++m) {
+            const uint16_t *src = (const uint16_t *)(q + m * q_token_bytes + j * q_head_bytes);
+            for (int d = 0; d < D; ++d) {
+                uint32_t bits = m < M ? (uint32_t)src[d] << 16 : 0u;
+                __builtin_memcpy(qt + ((size_t)d * G + j) * L + m, &bits, sizeof bits);
+            }
+        }
+    rows_to_floats(c->k_cache, table, head_base, block_bytes, row_bytes, bs, T, D, kv);
+    const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    /* token m sees the keys below ctx0 + m; lanes beyond M none */
+    const __m256 limit = _mm256_blendv_ps(_mm256_set1_ps(-1.f),
+                                          _mm256_add_ps(_mm256_set1_ps((float)ctx0), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
+                                          _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(M),
+                                                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+    __m256 vmax[8];
+    for (int j = 0; j < G; ++j) vmax[j] = ninf;
+    for (int t = 0; t < T; t += KB) {
+        const int nk = T - t < KB ? T - t : KB;
+        const float *kr[8];
+        for (int i = 0; i < KB; ++i) kr[i] = kv + (int64_t)(t + (i < nk ? i : nk - 1)) * D;
+        __m256 acc[8][8];
+        for (int i = 0; i < KB; ++i)
+            for (int j = 0; j < G; ++j) acc[i][j] = _mm256_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+            __m256 qv[8];
+            for (int j = 0; j < G; ++j) qv[j] = _mm256_loadu_ps(qt + ((size_t)d * G + j) * L);
+            for (int i = 0; i < KB; ++i) {
+                const __m256 kb = _mm256_broadcast_ss(kr[i] + d);
+                for (int j = 0; j < G; ++j) acc[i][j] = _mm256_fmadd_ps(qv[j], kb, acc[i][j]);
+            }
+        }
+        for (int i = 0; i < KB; ++i) { /* keys from T on: unseen by every token, rows to spare */
+            const int key = t + i;
+            const __m256 seen = _mm256_cmp_ps(_mm256_set1_ps((float)key), limit, _CMP_LT_OQ);
+            for (int j = 0; j < G; ++j) {
+                const __m256 s = _mm256_blendv_ps(ninf, _mm256_mul_ps(acc[i][j], vscale), seen);
+                vmax[j] = _mm256_max_ps(vmax[j], s);
+                _mm256_storeu_ps(scores + ((size_t)key * G + j) * L, s);
+            }
+        }
+    }
+    /* probabilities in place (unseen keys and unused lanes: exp(-inf) = 0), their sums by lane */
+    for (int j = 0; j < G; ++j) {
+        const __m256 mx = _mm256_blendv_ps(_mm256_setzero_ps(), vmax[j], _mm256_cmp_ps(vmax[j], ninf, _CMP_GT_OQ));
+        __m256 sum = _mm256_setzero_ps();
+        for (int key = 0; key < T; ++key) {
+            float *sp = scores + ((size_t)key * G + j) * L;
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sp), mx));
+            _mm256_storeu_ps(sp, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(sums + j * L, sum);
+    }
+    rows_to_floats(c->v_cache, table, head_base, block_bytes, row_bytes, bs, T, D, kv);
+    float *o = qt; /* the queries are done with: o[d][j] by lane, the outputs' sums */
+    for (int d0 = 0; d0 < D; d0 += DB) {
+        __m256 acc[8][8];
+        for (int i = 0; i < DB; ++i)
+            for (int j = 0; j < G; ++j) acc[i][j] = _mm256_setzero_ps();
+        for (int key = 0; key < T; ++key) {
+            __m256 pv[8];
+            for (int j = 0; j < G; ++j) pv[j] = _mm256_loadu_ps(scores + ((size_t)key * G + j) * L);
+            const float *vr = kv + (int64_t)key * D + d0;
+            for (int i = 0; i < DB; ++i) {
+                const __m256 vb = _mm256_broadcast_ss(vr + i);
+                for (int j = 0; j < G; ++j) acc[i][j] = _mm256_fmadd_ps(pv[j], vb, acc[i][j]);
+            }
+        }
+        for (int i = 0; i < DB; ++i)
+            for (int j = 0; j < G; ++j) _mm256_storeu_ps(o + ((size_t)(d0 + i) * G + j) * L, acc[i][j]);
+    }
+    for (int m = 0; m < M; ++m)
+        for (int j = 0; j < G; ++j) {
+            float row[128];
+            for (int d = 0; d < D; ++d) row[d] = o[((size_t)d * G + j) * L + m];
+            from_float(row, 1.f / sums[j * L + m], DTYPE_BF16, out + m * out_token_bytes + j * out_head_bytes, D);
+        }
+}
+
+#define HAVE_TILES 1
 #define HAVE_FAST_PATH 1
+#endif
+
+#ifdef HAVE_TILES
+#define TILE_CASE(G, D)                                                                                 \
+    case (G) * 1000 + (D):                                                                              \
+        attend_tile(c, table, ctx0, M, kv_head, q, q_token_bytes, q_head_bytes, scale, G, D, work, out,   \
+                    out_token_bytes, out_head_bytes);                                                   \
+        return;
+
+static void attend_tile_dispatch(const cache_t *c, const int32_t *table, int ctx0, int M, int kv_head,
+                                 const char *q, int64_t q_token_bytes, int64_t q_head_bytes, float scale,
+                                 int group, int head_dim, float *work, char *out, int64_t out_token_bytes,
+                                 int64_t out_head_bytes) {
+    switch (group * 1000 + head_dim) {
+        TILE_CASE(1, 64) TILE_CASE(2, 64) TILE_CASE(3, 64) TILE_CASE(4, 64)
+        TILE_CASE(5, 64) TILE_CASE(6, 64) TILE_CASE(7, 64) TILE_CASE(8, 64)
+        TILE_CASE(1, 128) TILE_CASE(2, 128) TILE_CASE(3, 128) TILE_CASE(4, 128)
+        TILE_CASE(5, 128) TILE_CASE(6, 128) TILE_CASE(7, 128) TILE_CASE(8, 128)
+        default: return;
+    }
+}
+
+/* whether tiles take these shapes (else every query is an item of its own) */
+static int tiles_take(int dtype, int cache_dtype, int group, int head_dim) {
+    return dtype == DTYPE_BF16 && cache_dtype == DTYPE_BF16 && group <= 8 && (head_dim == 64 || head_dim == 128);
+}
 #endif
 
 #ifdef HAVE_FAST_PATH
@@ -852,8 +977,8 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
 }
 
 /* The vector width of the fast path the attention kernels were built with: 512 (16 keys' scores a
- * vector; the prefill tiles with AVX512-BF16), 256 (AVX2 with FMA: 8 keys' scores a vector, no
- * tiles), 0 (the portable loop only, several times slower than torch's SDPA at prefills). */
+ * vector; the prefill tiles with AVX512-BF16), 256 (AVX2 with FMA: 8 keys' scores a vector,
+ * prefill tiles of 8 tokens in floats), 0 (the portable loop only, several times slower than torch's SDPA at prefills). */
 int attention_vector_bits(void) {
 #if defined(__AVX512F__)
     return 512;
