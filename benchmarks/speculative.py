@@ -12,7 +12,10 @@ One engine (``--speculative all``) serves both arms: each request says ``specula
 step-cost table; they alternate (off, on, off, on) per set and batch size, prefix caching off so
 that neither finds the other's prompts cached. Greedy, so the two arms
 must give the same tokens: the table says whether they did. Per set and batch size (1 = one stream,
-then ``--batches``): output tok/s off and on, the ratio, the acceptance rate and mean accepted length.
+then ``--batches``): output tok/s off and on and their ratio (the whole requests, prefill
+included), the same after each request's first token (per stream, 1 / TPOT: the part speculation
+acts on; on this CPU a ~300-token prompt's prefill takes as long as ~30 plain decode steps), the
+acceptance rate and mean accepted length.
 ``--peer llama.cpp`` then runs llama-server (the peers' build, ``make bench-peers``) on the bundled
 GGUF, plain, one stream, on each set's single-stream prompts for the tokens kvserve gave each, and
 prints kvserve's ratio to it with and without speculation.
@@ -74,16 +77,18 @@ def prompt_set(llm: LLM, name: str, count: int) -> tuple[list[list[int]], dict]:
 
 
 def run_arm(llm: LLM, prompts: list[list[int]], batch: int,
-            params: SamplingParams) -> tuple[list, float, dict]:
-    """Generate ``prompts`` ``batch`` at a time; (token ids, seconds, spec counters' increase)."""
+            params: SamplingParams) -> tuple[list, float, dict, float]:
+    """Generate ``prompts`` ``batch`` at a time; (token ids, seconds, spec counters' increase,
+    seconds the requests spent after their first token, summed)."""
     before = llm.stats()
-    tokens, start = [], time.perf_counter()
+    outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        tokens += [o.token_ids for o in llm.generate(prompts[i : i + batch], params, use_tqdm=False)]
+        outputs += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = llm.stats()
     keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
-    return tokens, seconds, {k: after[k] - before[k] for k in keys}
+    decoding = sum(max(0.0, o.times.finished - o.times.first_token) for o in outputs)
+    return [o.token_ids for o in outputs], seconds, {k: after[k] - before[k] for k in keys}, decoding
 
 
 def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requests: int,
@@ -94,21 +99,28 @@ def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requ
     for name in sets:
         for batch in batches:
             prompts, extra = prompt_set(llm, name, max(requests, batch))
-            arms = {"off": [None, 0.0, None], "auto": [None, 0.0, None]}
+            # untimed: a structured set's first request compiles its schema's grammar (cached after)
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, **extra), use_tqdm=False)
+            arms = {"off": [None, 0.0, None, 0.0], "auto": [None, 0.0, None, 0.0]}
             for _ in range(rounds):  # off, on, off, on: drift on a shared machine hits both arms
                 for mode, arm in arms.items():
                     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculative=mode, **extra)
-                    ids, seconds, spec = run_arm(llm, prompts, batch, params)
-                    arm[0], arm[1], arm[2] = ids, arm[1] + seconds, spec
-            (off_ids, off_s, _), (on_ids, on_s, spec) = arms["off"], arms["auto"]
+                    ids, seconds, spec, decoding = run_arm(llm, prompts, batch, params)
+                    arm[0], arm[1], arm[2], arm[3] = ids, arm[1] + seconds, spec, arm[3] + decoding
+            (off_ids, off_s, _, off_decoding), (on_ids, on_s, spec, on_decoding) = arms["off"], arms["auto"]
             out_tokens = sum(map(len, on_ids))
             if batch == 1 and singles is not None:
                 singles[name] = (prompts, [len(ids) for ids in on_ids])
             drafts, drafted, accepted = spec.values()
+            after_first = rounds * (out_tokens - len(on_ids))  # tokens after each request's first
             rows.append({
                 "set": name, "batch": batch, "requests": len(prompts), "output_tokens": out_tokens,
                 "tok_s_off": rounds * sum(map(len, off_ids)) / off_s, "tok_s_on": rounds * out_tokens / on_s,
                 "speedup": off_s / on_s * out_tokens / max(1, sum(map(len, off_ids))),
+                # per stream after the first token (1 / TPOT), when both arms gave the same tokens
+                "decode_tok_s_off": after_first / off_decoding if off_decoding else 0.0,
+                "decode_tok_s_on": after_first / on_decoding if on_decoding else 0.0,
+                "decode_speedup": off_decoding / on_decoding if on_decoding else 0.0,
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
                 "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
                 "same_tokens": on_ids == off_ids,
@@ -149,7 +161,10 @@ def llama_single_stream(singles: dict, timeout: float = 900.0) -> dict[str, floa
 
 def _line(r: dict) -> str:
     return (f"{r['set']:<11} batch {r['batch']:>3}: off {r['tok_s_off']:7.1f} tok/s, "
-            f"on {r['tok_s_on']:7.1f} tok/s, {r['speedup']:.2f}x; acceptance {r['acceptance_rate']:.2f}, "
+            f"on {r['tok_s_on']:7.1f} tok/s, {r['speedup']:.2f}x "
+            f"(after the first token: {r['decode_speedup']:.2f}x, "
+            f"{r['decode_tok_s_off']:.1f} -> {r['decode_tok_s_on']:.1f} tok/s per stream); "
+            f"acceptance {r['acceptance_rate']:.2f}, "
             f"mean accepted length {r['mean_accepted_length']:.2f}; same tokens: {r['same_tokens']}")
 
 

@@ -80,6 +80,7 @@ class LLM:
                     r.finish_reason = out.finish_reason
                     r.cached_tokens = out.cached_tokens
                     r.draft_tokens, r.accepted_draft_tokens = out.draft_tokens, out.accepted_draft_tokens
+                    r.times = out.times
                     unfinished[out.request_id] -= 1
                     if not unfinished[out.request_id]:
                         done += 1

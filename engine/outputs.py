@@ -49,5 +49,6 @@ class CompletionOutput:
     index: int = 0
     draft_tokens: int = 0  # speculative decoding: draft tokens verified for this completion
     accepted_draft_tokens: int = 0  # of which accepted
+    times: SequenceTimes | None = None  # the request's time stamps, once it finished
     # all n completions, in index order, when SamplingParams.n > 1 (this object is choice 0)
     choices: list[CompletionOutput] = field(default_factory=list)

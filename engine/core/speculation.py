@@ -64,10 +64,10 @@ class Speculator:
             if seq.spec is None:
                 seq.spec = SpecState(NgramIndex(self.min_n, self.max_n))
             if constrained:
-                drafts, seq.spec.forced = grammar.draft(seq, cap, seq.spec.index if self.ngram else None,
-                                                        self.forced)
+                drafts, seq.spec.forced, seq.spec.match = grammar.draft(
+                    seq, cap, seq.spec.index if self.ngram else None, self.forced)
             else:
-                (drafts, _), seq.spec.forced = seq.spec.index.propose(seq.token_ids, cap), 0
+                (drafts, seq.spec.match), seq.spec.forced = seq.spec.index.propose(seq.token_ids, cap), 0
             if drafts:
                 candidates.append((seq.spec.rates(len(drafts)), len(drafts)))
                 drafting.append((seq, drafts))

@@ -7,6 +7,11 @@ is fed each new token as it is committed (``extend``): an n-gram enters once its
 at a cost of (max_n - min_n + 1) tuple hashes per token, whatever the context length. A lookup
 (``propose``) is at most that many dict probes, longest n first.
 
+Where the match is recent, fewer than k tokens follow it before the context ends: the text is then
+repeating with a period of (context length - follower position) tokens (a loop, a run of one
+character, a list of like lines), and the drafts go on through that period (each draft is the token
+one period before it), as a copy of the context's continuation would.
+
 Cost, measured on this machine (``python -m kvserve.engine.spec_decode.ngram``; see
 docs/serving/speculative.md): building over a prompt is linear in its length, a lookup and a
 one-token update are constant; memory is about 100 bytes per (token, n) pair.
@@ -38,15 +43,21 @@ class NgramIndex:
         (0 and no drafts when no suffix of min_n..max_n tokens occurred before).
 
         ``after``: tokens not committed yet (a grammar's forced tokens) that come after ``tokens``:
-        the suffix matched ends with them, but only ``tokens`` enter the index, and the proposal
-        stops where ``tokens`` end."""
+        the suffix matched ends with them and the copy runs on through them, but only ``tokens``
+        enter the index."""
         self.extend(tokens)
         context = tokens[-self.max_n :] + after if after else tokens
         end = len(tokens) + len(after or ())
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             follower = self._followers[n - self.min_n].get(hash(tuple(context[len(context) - n :])))
             if follower is not None:
-                return tokens[follower : follower + k], n
+                drafts = tokens[follower : follower + k]
+                if after and len(drafts) < k:
+                    drafts += after[: k - len(drafts)]
+                period = end - follower  # where the copy runs into its own drafts
+                while len(drafts) < k:
+                    drafts.append(drafts[len(drafts) - period])
+                return drafts, n
         return [], 0
 
 

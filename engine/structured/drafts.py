@@ -76,27 +76,29 @@ def valid_prefix(matcher, tokens: list[int]) -> int:
 
 
 def propose(matcher, forced_text: ForcedText | None, index, tokens: list[int], cap: int
-            ) -> tuple[list[int], int]:
-    """(drafts, how many of them lead as forced tokens) for a constrained sequence whose committed
-    tokens are ``tokens``: the module's rule. ``forced_text`` None: no forced drafts (mode
-    ``ngram``); ``index`` None: no n-gram drafts (mode ``grammar``)."""
+            ) -> tuple[list[int], int, int]:
+    """(drafts, how many of them lead as forced tokens, the n-gram length behind the n-gram drafts
+    after them (0: none)) for a constrained sequence whose committed tokens are ``tokens``: the
+    module's rule. ``forced_text`` None: no forced drafts (mode ``ngram``); ``index`` None: no
+    n-gram drafts (mode ``grammar``)."""
     if matcher.is_terminated() or cap <= 0:
-        return [], 0
+        return [], 0, 0
     forced: list[int] = []
     if forced_text is not None:
         forced = forced_text.tokens(matcher)[:cap]
         forced = forced[: valid_prefix(matcher, forced)]
-    composed = forced
+    composed, composed_match = forced, 0
     if index is not None and forced and len(forced) < cap:
-        more, _ = index.propose(tokens, cap - len(forced), after=forced)
-        composed = forced + more[: valid_prefix_after(matcher, forced, more)]
+        more, composed_match = index.propose(tokens, cap - len(forced), after=forced)
+        more = more[: valid_prefix_after(matcher, forced, more)]
+        composed, composed_match = forced + more, composed_match if more else 0
     ngram: list[int] = []
     if index is not None:
-        ngram, _ = index.propose(tokens, cap)
+        ngram, match = index.propose(tokens, cap)
         ngram = ngram[: valid_prefix(matcher, ngram)]
-    if len(ngram) > len(composed):
-        return ngram, 0
-    return composed, len(forced)
+        if len(ngram) > len(composed):
+            return ngram, 0, match
+    return composed, len(forced), composed_match
 
 
 def valid_prefix_after(matcher, head: list[int], tail: list[int]) -> int:

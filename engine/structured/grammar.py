@@ -181,10 +181,11 @@ class StructuredOutput:
         """Whether ``seq`` samples under a grammar (its drafts come from ``draft``)."""
         return seq.seq_id in self._matchers
 
-    def draft(self, seq: Sequence, cap: int, index, forced: bool) -> tuple[list[int], int]:
-        """(up to ``cap`` drafts, how many lead as forced tokens) for a constrained sequence, every
-        one allowed by its grammar in turn: ``forced`` whether the grammar's forced tokens take
-        part, ``index`` the sequence's n-gram index (None: no n-gram drafts)."""
+    def draft(self, seq: Sequence, cap: int, index, forced: bool) -> tuple[list[int], int, int]:
+        """(up to ``cap`` drafts, how many lead as forced tokens, the n-gram length behind the others:
+        ``drafts.propose``) for a constrained sequence, every one allowed by its grammar in turn:
+        ``forced`` whether the grammar's forced tokens take part, ``index`` the sequence's n-gram
+        index (None: no n-gram drafts)."""
         return drafts.propose(self._matchers[seq.seq_id], self._forced_text if forced else None, index,
                               seq.token_ids, cap)
 

@@ -22,6 +22,10 @@ def test_speculative_benchmark_runs_both_arms_on_every_set(tiny_llama, capsys, t
     assert [(r["set"], r["batch"]) for r in rows] == [
         (s, b) for s in ("grounded", "structured", "chat") for b in (1, 2)]
     assert all(r["same_tokens"] and r["tok_s_off"] > 0 and r["tok_s_on"] > 0 for r in rows)
+    # after the first token, per stream (a set whose requests gave one token each has no such time)
+    assert all(r["decode_tok_s_off"] > 0 and r["decode_speedup"] > 0
+               for r in rows if r["output_tokens"] > r["requests"])
+    assert any(r["output_tokens"] > r["requests"] for r in rows)
     printed = capsys.readouterr().out
     assert "step costs c(n)" in printed and "grounded    batch   1" in printed
 

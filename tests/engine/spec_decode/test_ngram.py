@@ -16,7 +16,10 @@ def _brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[lis
         suffix = tokens[end - n :]
         for follower in range(end - 1, n - 1, -1):  # the most recent earlier occurrence
             if tokens[follower - n : follower] == suffix:
-                return tokens[follower : follower + k], n
+                copied = list(tokens)  # copy on from the follower, the copy's own tokens included
+                for i in range(k):
+                    copied.append(copied[follower + i])
+                return copied[end:], n
     return [], 0
 
 
@@ -38,6 +41,12 @@ def test_copied_text_is_proposed_and_fresh_text_is_not():
     assert index.propose(prompt + [6, 7, 8, 9, 10, 11, 12], 3) == ([], 0)
 
 
+def test_a_recent_match_repeats_its_period_up_to_k_drafts():
+    index = NgramIndex(2, 3)
+    assert index.propose([7, 0, 0, 0], 4) == ([0, 0, 0, 0], 2)  # a run of one token
+    assert index.propose([9, 1, 2, 3, 1, 2, 3, 1, 2], 5) == ([3, 1, 2, 3, 1], 3)  # a loop of three
+
+
 def test_bad_lengths_are_refused():
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramIndex(3, 2)
@@ -50,3 +59,4 @@ def test_uncommitted_tokens_after_the_context_extend_the_match_but_not_the_index
     assert index.propose(tokens, 3, after=[6, 7, 8]) == ([9, 1, 2], 3)
     assert index.propose(tokens + [5, 6], 3) == ([7, 8, 9], 2)  # the index took only committed tokens
     assert index.propose(tokens, 3, after=[4, 4]) == ([], 0)
+    assert index.propose(tokens, 4, after=[8, 9]) == ([1, 2, 8, 9], 2)  # on through the forced tokens

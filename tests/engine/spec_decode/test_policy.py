@@ -14,6 +14,7 @@ from kvserve.engine.spec_decode.policy import (
     SpecState,
     StepCosts,
     allocate,
+    match_prior,
 )
 
 CPU_LIKE = StepCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4, 9: 2.5, 32: 8.0})
@@ -44,7 +45,7 @@ def test_observed_steps_refresh_the_costs_and_dearer_rows_stop_the_drafts():
     the drafts that paid under the table stop."""
     up, down = 1 + OBSERVED_STEP * OBSERVED_QUANTILE, 1 - OBSERVED_STEP * (1 - OBSERVED_QUANTILE)
     costs = StepCosts({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 6: 1.25})
-    assert allocate(costs, 1, [(0.7, 5)]) == [5]  # cheap rows pay
+    assert allocate(costs, 1, [(0.5, 5)]) == [3]  # cheap rows pay (a 4th and 5th would not)
     costs.observe(7, 9.0)  # a size the table does not hold: nothing to fold in
     costs.observe(2, 0.0)
     costs.observe(1, 1.0)  # as the table says: no move
@@ -55,7 +56,8 @@ def test_observed_steps_refresh_the_costs_and_dearer_rows_stop_the_drafts():
     for _ in range(80):
         costs.observe(2, 2.1)
     assert 2.1 * down <= costs(2) <= 2.1 * up
-    assert allocate(costs, 1, [(0.7, 5)]) == [0]  # 1.7 tokens for ~2x the time: a loss
+    # 1.5 tokens for 2.1x the time, ... 1.97 tokens for 6 rows at 2.5x: each a loss
+    assert allocate(costs, 1, [(0.5, 5)]) == [0]
     before = costs(2)
     costs.observe(2, 40.0)  # a step slowed by other load
     assert costs(2) == pytest.approx(before * up)
@@ -69,12 +71,27 @@ def test_a_single_stream_with_good_drafts_verifies_them_all():
 
 
 def test_drafts_that_keep_failing_stop_being_verified():
-    state = SpecState(NgramIndex(2, 3))
-    assert state.acceptance == INITIAL_ACCEPTANCE
+    state = SpecState(NgramIndex(2, 3), match=3)
+    assert state.acceptance() == match_prior(3) and state.acceptance(2) == INITIAL_ACCEPTANCE
     for _ in range(12):
         state.record(3, 0)
     assert state.drafted == 36 and state.accepted == 0
-    assert allocate(CPU_LIKE, 1, [(state.acceptance, 3)]) == [0]
+    assert allocate(CPU_LIKE, 1, [(state.acceptance(), 3)]) == [0]
+    assert state.acceptance(2) == INITIAL_ACCEPTANCE  # a match of another length keeps its own
+
+
+def test_longer_matches_are_surer_and_verify_more_drafts():
+    assert [round(match_prior(n), 3) for n in (1, 2, 3, 4, 5)] == [0.2, 0.6, 0.8, 0.9, 0.95]
+    costs = StepCosts({1: 1.0, 2: 1.05, 3: 1.11, 4: 1.11, 5: 1.26, 6: 1.26, 7: 1.57, 9: 1.63})
+    ks = [allocate(costs, 1, [(match_prior(n), 8)])[0] for n in (2, 5)]
+    assert ks[0] < ks[1]
+
+
+def test_the_best_draft_count_past_a_step_in_the_costs():
+    """Rows 2-4 cost one price and 5-9 another: a fifth draft alone loses, five more pay."""
+    costs = StepCosts({1: 1.0, 4: 1.0, 5: 1.3, 9: 1.3})
+    assert allocate(costs, 1, [(0.95, 8)]) == [8]
+    assert allocate(costs, 1, [(0.95, 4)]) == [3]  # the fourth draft's row costs 0.3 for 0.81
 
 
 def test_a_large_batch_drafts_less_when_rows_cost_in_proportion():
@@ -91,10 +108,10 @@ def test_drafts_keep_a_step_within_the_rows_computed_exactly():
 
 
 def test_forced_drafts_have_their_own_acceptance():
-    state = SpecState(NgramIndex(2, 3))
+    state = SpecState(NgramIndex(2, 3), match=2)
     state.forced = 2
     assert state.rates(4) == [INITIAL_FORCED_ACCEPTANCE] * 2 + [INITIAL_ACCEPTANCE] * 2
     state.record(4, 2)  # both forced kept, the first n-gram draft rejected
-    assert state.forced_acceptance > INITIAL_FORCED_ACCEPTANCE and state.acceptance < INITIAL_ACCEPTANCE
+    assert state.forced_acceptance > INITIAL_FORCED_ACCEPTANCE and state.acceptance() < INITIAL_ACCEPTANCE
     # per-position rates: a sure first draft before weak ones is worth one row, not three
     assert allocate(CPU_LIKE, 1, [([1.0, 0.05, 0.05], 3)]) == [1]
