@@ -15,7 +15,10 @@ must give the same tokens: the table says whether they did. Per set and batch si
 then ``--batches``): output tok/s off and on and their ratio (the whole requests, prefill
 included), the same after each request's first token (per stream, 1 / TPOT: the part speculation
 acts on; on this CPU a ~300-token prompt's prefill takes as long as ~30 plain decode steps), the
-acceptance rate and mean accepted length.
+acceptance rate and mean accepted length. For the sets without a schema, at one stream, also the
+bound of the n-gram drafter: what the speedup would be if every step verified exactly the drafts
+that the outputs show would be kept (no draft wasted, none missed), at the measured step costs
+(``oracle_decode_speedup``; ``oracle_speedup`` with the off arm's prefill time added to both).
 ``--peer llama.cpp`` then runs llama-server (the peers' build, ``make bench-peers``) on the bundled
 GGUF, plain, one stream, on each set's single-stream prompts for the tokens kvserve gave each, and
 prints kvserve's ratio to it with and without speculation.
@@ -34,6 +37,7 @@ from pathlib import Path
 
 from kvserve.benchmarks import write_json
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.spec_decode.ngram import NgramIndex
 
 ROOT = Path(__file__).resolve().parent.parent
 MATERIAL = ["docs/design/architecture.md", "docs/serving/grpc.md", "docs/performance/tuning.md",
@@ -112,6 +116,12 @@ def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requ
             if batch == 1 and singles is not None:
                 singles[name] = (prompts, [len(ids) for ids in on_ids])
             drafts, drafted, accepted = spec.values()
+            if batch == 1 and not extra and off_decoding:  # n-gram drafts alone: their bound
+                bound = oracle_decode_speedup(llm, prompts, on_ids)
+                rows_bound = {"oracle_decode_speedup": bound,
+                              "oracle_speedup": off_s / (off_s - off_decoding + off_decoding / bound)}
+            else:
+                rows_bound = {}
             after_first = rounds * (out_tokens - len(on_ids))  # tokens after each request's first
             rows.append({
                 "set": name, "batch": batch, "requests": len(prompts), "output_tokens": out_tokens,
@@ -123,10 +133,28 @@ def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requ
                 "decode_speedup": off_decoding / on_decoding if on_decoding else 0.0,
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
                 "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
-                "same_tokens": on_ids == off_ids,
+                "same_tokens": on_ids == off_ids, **rows_bound,
             })
             print(_line(rows[-1]), flush=True)
     return rows
+
+
+def oracle_decode_speedup(llm: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """The most any choice of draft lengths could gain after the first token, one stream, with the
+    engine's prompt-lookup drafter (its n-gram lengths and cap) and its step costs c(n): knowing
+    the outputs, each step verifies exactly the drafts that will be kept, paying c(kept + 1) for
+    kept + 1 tokens, where plain decoding pays c(1) a token."""
+    spec = llm.engine.speculator
+    cost = 0.0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        index, pos = NgramIndex(spec.min_n, spec.max_n), 1  # the first token comes with the prefill
+        while pos < len(out):
+            drafts, _ = index.propose(prompt + out[:pos], spec.max_drafts)
+            kept = 0
+            while kept < min(len(drafts), len(out) - pos - 1) and drafts[kept] == out[pos + kept]:
+                kept += 1
+            cost, pos = cost + spec.costs(kept + 1) / spec.costs(1), pos + kept + 1
+    return sum(len(out) - 1 for out in outputs) / cost if cost else 0.0
 
 
 def llama_single_stream(singles: dict, timeout: float = 900.0) -> dict[str, float]:
@@ -165,7 +193,9 @@ def _line(r: dict) -> str:
             f"(after the first token: {r['decode_speedup']:.2f}x, "
             f"{r['decode_tok_s_off']:.1f} -> {r['decode_tok_s_on']:.1f} tok/s per stream); "
             f"acceptance {r['acceptance_rate']:.2f}, "
-            f"mean accepted length {r['mean_accepted_length']:.2f}; same tokens: {r['same_tokens']}")
+            f"mean accepted length {r['mean_accepted_length']:.2f}; same tokens: {r['same_tokens']}"
+            + (f"\n{'':<11} bound with these drafts and step costs: {r['oracle_decode_speedup']:.2f}x "
+               f"after the first token, {r['oracle_speedup']:.2f}x whole" if "oracle_speedup" in r else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
