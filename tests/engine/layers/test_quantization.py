@@ -171,11 +171,15 @@ def _keeps_clear_choices(full: torch.Tensor, quantized: torch.Tensor, margin: fl
     assert torch.equal(quantized.argmax(-1)[clear], full.argmax(-1)[clear])
 
 
-def test_int8_runner_keeps_the_float_models_clear_greedy_choices(tiny_qwen2_dir):
+def test_int8_runner_keeps_the_float_models_clear_greedy_choices(tiny_qwen2_dir, caplog):
     ids = [5, 17, 250, 3, 99, 42, 7, 7, 1, 0, 123, 64, 31, 400, 2, 8, 8, 9]
     full, runner = _logits(str(tiny_qwen2_dir), None, ids)
     runner.shutdown()
-    int8, runner = _logits(str(tiny_qwen2_dir), "int8", ids)
+    with caplog.at_level("WARNING", logger="kvserve.engine"):
+        int8, runner = _logits(str(tiny_qwen2_dir), "int8", ids)
+    # a CPU without the in-place kernels (AVX2 only) dequantizes every step: the user is told
+    warned = "int8 weights: this CPU lacks the kernels" in caplog.text
+    assert warned == (KERNELS is None or not KERNELS.gemm_quantized)
     assert runner.model.model.layers[0].mlp.down_proj.quantized.data.dtype == torch.int8
     runner.shutdown()
     assert (int8 - full).abs().max() < 0.05 * full.abs().max()
