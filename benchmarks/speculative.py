@@ -24,8 +24,8 @@ GGUF, plain, one stream, on each set's single-stream prompts for the tokens kvse
 prints kvserve's ratio to it with and without speculation.
 
     python -m kvserve.benchmarks.speculative [--dtype bfloat16] [--quantization int4]
-        [--batches 1 8 32] [--sets grounded structured chat] [--max-tokens 128] [--peer llama.cpp]
-        [--json out.json]
+        [--batches 1 8 32] [--sets grounded structured chat] [--max-tokens 128] [--rounds 2]
+        [--peer llama.cpp] [--json out.json]
 """
 
 from __future__ import annotations
@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=4, help="requests per set (at least the batch size)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="off/on rounds per set and batch size, alternating (more: less of a noisy "
+                         "machine's drift in the ratios)")
     ap.add_argument("--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--speculative", default="all", choices=("ngram", "grammar", "all"),
                     help="the draft sources of the 'on' arm")
@@ -217,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                          "bundled model's GGUF; set up by make bench-peers)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.peer == "llama.cpp" and (args.model != "default" or 1 not in args.batches):
         ap.error("--peer llama.cpp: the bundled model (--model default) and a single stream "
                  "(--batches 1 ...)")
@@ -229,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"step costs c(n): {llm.engine.speculator.costs.relative()}", flush=True)
         singles: dict = {}
-        rows = measure(llm, args.sets, args.batches, args.max_tokens, args.requests, singles=singles)
+        rows = measure(llm, args.sets, args.batches, args.max_tokens, args.requests, rounds=args.rounds,
+                       singles=singles)
     finally:
         llm.shutdown()
     if args.peer == "llama.cpp":

@@ -19,7 +19,7 @@ def tiny_llama(tmp_path_factory):
 def test_speculative_benchmark_runs_both_arms_on_every_set(tiny_llama, capsys, tmp_path):
     out = tmp_path / "spec.json"
     speculative.main(["--model", tiny_llama, "--dtype", "float32", "--batches", "1", "2", "--requests", "2",
-                      "--max-tokens", "8", "--json", str(out)])
+                      "--max-tokens", "8", "--rounds", "1", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["set"], r["batch"]) for r in rows] == [
         (s, b) for s in ("grounded", "structured", "chat") for b in (1, 2)]
@@ -48,6 +48,9 @@ def test_the_drafters_bound_verifies_exactly_the_drafts_kept():
 
 def test_llama_cpp_peer_needs_the_bundled_model_a_single_stream_and_its_setup(
         tiny_llama, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        speculative.main(["--rounds", "0"])
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
     for argv in (["--model", tiny_llama], ["--batches", "8"]):
         with pytest.raises(SystemExit):
             speculative.main([*argv, "--peer", "llama.cpp"])
