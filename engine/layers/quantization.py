@@ -31,7 +31,7 @@ The tied embedding keeps its float table for lookups; the LM head gets its own q
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,8 @@ class QuantizedWeight:
     method: str
     data: torch.Tensor
     scales: torch.Tensor
+    # the kernels' Linear per (bias, dtype), made once: the tensors it points to are kept with it
+    _linears: dict = field(default_factory=dict, repr=False, compare=False)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in ``dtype``: by the CPU kernels where they take it (every thread;
@@ -130,10 +132,9 @@ class QuantizedWeight:
         y = None
         few = 0 < rows.shape[0] <= MAX_FUSED_ROWS  # (a step of prefill chunks only asks for 0 rows of logits)
         if few and (kernels := kernels_for(rows, bias)) is not None:
-            if self.method == "int8":
+            y = kernels.linear_rows(rows, self._rows_linear(bias, x.dtype))
+            if y is None and self.method == "int8":
                 y = kernels.small_linear(rows, self.data, bias, self.scales.to(x.dtype))
-            else:
-                y = kernels.int4_linear(rows, self.data, self.scales, bias)
             bias = None if y is not None else bias
         if y is None and self.method == "int8" and few and x.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.data, self.scales.to(x.dtype))
@@ -159,6 +160,16 @@ class QuantizedWeight:
         """Whether csrc/gemm.c multiplies activations of ``dtype`` by this weight (bfloat16; int8
         with scales of that dtype)."""
         return dtype == torch.bfloat16 and (self.method == "int4" or self.scales.dtype == dtype)
+
+    def _rows_linear(self, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+        """``kernel_linear`` made once per bias and dtype (a decode step asks for it per projection)."""
+        key = (None if bias is None else bias.data_ptr(), dtype)
+        if (made := self._linears.get(key)) is None:
+            scales = self.scales.to(dtype) if self.method == "int8" else self.scales
+            linear = (CpuKernels.linear_of(self.data, bias, scales, dtype) if self.method == "int8"
+                      else CpuKernels.linear_of(self.data, bias, None, dtype, scales))
+            made = self._linears[key] = (linear, bias, scales)
+        return made[0]
 
     def kernel_linear(self, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
         """The weight as the C kernels' ``Linear`` (the fused decode step)."""

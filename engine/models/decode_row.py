@@ -64,6 +64,7 @@ class DecodeRow:
         self._layers: ctypes.Array | None = None
         self._bound_to: list | None = None  # the first and last layers' K caches when ``_layers`` was made
         self._any_rows = False  # every projection packed for gemm.c: more than MAX_FUSED_ROWS rows taken
+        self._row_kernel = False  # the row kernel takes every projection (up to MAX_FUSED_ROWS rows)
 
     @staticmethod
     def fits(model) -> bool:
@@ -103,6 +104,8 @@ class DecodeRow:
             self._layers = (RowLayer * len(rows))(*rows)
             self._bound_to = bound
             self._any_rows = all(linear.packed for linear in linears)
+            kernels = load_kernels()  # (AVX-512: any weights; AVX2: int8 and int4, linear_avx2.c)
+            self._row_kernel = all(kernels.row_kernel_takes(linear) for linear in linears)
         return self._layers
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
@@ -123,8 +126,8 @@ class DecodeRow:
                 or not CpuKernels.takes_caches(dtype, k_cache, attn.attn.v_cache)):
             return None
         layers = self._layer_array(dtype)
-        if not self._any_rows and (rows > MAX_FUSED_ROWS or not kernels.fused_row_kernel):
-            return None  # more rows, or a build without linear.c's row kernel, need gemm.c's packed copies
+        if not self._any_rows and (rows > MAX_FUSED_ROWS or not self._row_kernel):
+            return None  # more rows, or weights the row kernel does not take, need gemm.c's packed copies
         cos, sin = model.rotary_emb.cos_sin(positions, dtype)
         ctx = (positions + 1).to(torch.int32)
         slots = meta.slot_mapping.contiguous()

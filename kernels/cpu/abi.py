@@ -37,6 +37,7 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "inverse_cdf_draw": [_P, _I64, _I32, _I32, _P, _P, _I32],
     "small_linear_int8": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "linear_rows": [_P, _I32, _P, _P, _I32, _I32],
+    "linear_takes": [_P],
     "dequantize_weight": [_P, _P, _I32, _I32],
     "decode_row": [_P, _I32, _P, _P, _P, _I32],
     "decode_row_available": [],

@@ -77,8 +77,8 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib = lib
         fused = lib.decode_row_available()  # the fused decode step (x86): 2 with linear.c's row kernel
-        self.fused_rows, self.fused_row_kernel = fused > 0, fused == 2  # (AVX-512), 1 gemm.c's steps only
-        self.gemm_quantized = bool(lib.gemm_bf16_quantized_available())  # int8/int4 panels: AVX512-BF16
+        self.fused_rows, self.fused_row_kernel = fused > 0, fused == 2  # (AVX-512); 1: gemm.c, AVX2 int8/int4
+        self.gemm_quantized = bool(lib.gemm_bf16_quantized_available())  # int8/int4 panels (AVX-512, AVX2)
         self.attention_vector_bits = lib.attention_vector_bits()  # 512, 256 (AVX2), 0: portable loop
 
     @staticmethod
@@ -228,7 +228,7 @@ class CpuKernels:
             if weight.dtype != torch.int8 or weight.stride(1) != 1:
                 raise ValueError("small_linear: an int8 weight with contiguous rows goes with scales")
             scales = scales.contiguous()
-        y = self._linear_rows(x, self.linear_of(weight, bias, scales, x.dtype))
+        y = self.linear_rows(x, self.linear_of(weight, bias, scales, x.dtype))
         if y is not None:
             return y
         y = torch.empty(rows, n_out, dtype=x.dtype)
@@ -240,17 +240,6 @@ class CpuKernels:
             _check(self._lib.small_linear_int8(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
                                                scales.data_ptr(), bias_ptr, *tail), "small_linear_int8")
         return y
-
-    def int4_linear(self, x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor | None:
-        """``x W^T + b`` for 2-D ``x`` of at most ``MAX_FUSED_ROWS`` rows and int4 weights (``packed``
-        uint8 [out, in / 2], ``groups`` float16 [out, 2, in / INT4_GROUP]: engine/layers/quantization.py
-        lays them out), or None where the kernel does not take them (no AVX512-VNNI, ``in`` not a
-        multiple of 64): the caller multiplies by the dequantized weight then."""
-        if packed.dtype != torch.uint8 or packed.stride(1) != 1 or groups.dtype != torch.float16:
-            raise ValueError("int4_linear: uint8 packed rows (contiguous) and float16 groups")
-        groups = groups.contiguous()  # (held here: the Linear keeps only its address)
-        return self._linear_rows(x, self.linear_of(packed, bias, None, x.dtype, groups))
 
     def gemm_available(self) -> bool:  # csrc/gemm.c is built for AVX512-BF16, or AVX2 with FMA
         return bool(self._lib.gemm_bf16_available())
@@ -300,8 +289,13 @@ class CpuKernels:
         _check(status, "gemm_bf16_quantized")
         return y
 
-    def _linear_rows(self, x: torch.Tensor, linear: Linear) -> torch.Tensor | None:
-        """csrc/linear.c's ``linear_rows``, or None where it does not take the call."""
+    def row_kernel_takes(self, linear: Linear) -> bool:  # linear_rows (and the fused decode step's)
+        return bool(self._lib.linear_takes(ctypes.byref(linear)))
+
+    def linear_rows(self, x: torch.Tensor, linear: Linear) -> torch.Tensor | None:
+        """``x W^T + b`` for ``linear`` (``linear_of``'s; the caller keeps its tensors alive):
+        csrc/linear.c's ``linear_rows`` (AVX-512; int8 and int4 weights on AVX2 in
+        linear_avx2.c), or None where it does not take the call."""
         rows = x.shape[0]
         if not x.is_contiguous() or rows > MAX_FUSED_ROWS:
             return None
@@ -314,9 +308,8 @@ class CpuKernels:
         return y
 
     def dequantize(self, linear: Linear, dtype: torch.dtype) -> torch.Tensor | None:
-        """``linear``'s int8 or int4 weight as a [n_out, k_in] tensor of ``dtype`` (csrc/linear.c's
-        ``dequantize_weight``, on every thread), or None where it was not built for AVX-512 or
-        does not take the weight."""
+        """``linear``'s int8 or int4 weight as [n_out, k_in] of ``dtype`` (csrc/dequantize.c, on
+        every thread), or None where it does not take the weight."""
         out = torch.empty(linear.n_out, linear.k_in, dtype=dtype)
         status = self._lib.dequantize_weight(ctypes.byref(linear), out.data_ptr(), DTYPES[dtype],
                                              torch.get_num_threads())
@@ -326,11 +319,9 @@ class CpuKernels:
         return out
 
     def quantized_activation_block(self, k_in: int) -> int:
-        """How the few-row kernels (``small_linear``, ``int4_linear``, the fused decode step)
-        multiply int8 and int4 weights by activations of width ``k_in``: on CPUs with AVX512-VNNI,
-        where ``k_in`` is a multiple of 64, the activations are quantized to int8 as well, per
-        block of this many values (scale = max|x| / 127, magnitudes rounded to nearest even), and
-        summed in integers; 0 where they stay floats (and int4 weights are not taken)."""
+        """How the row kernels multiply int8 and int4 weights by activations of width ``k_in``: with
+        AVX512-VNNI or AVX2, ``k_in`` a multiple of 64, x quantized per this many values (scale =
+        max|x| / 127, magnitudes to nearest even), summed in integers; 0: floats (no int4)."""
         return self._lib.quantized_activation_block(k_in)
 
     @staticmethod

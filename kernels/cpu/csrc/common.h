@@ -87,6 +87,16 @@ static inline int64_t group_row_bytes(int k_in) { return (int64_t)(k_in / INT4_G
 #else
 #define HAVE_AVX512_TEAM 0
 #endif
+/* linear_avx2.c's few-row int8 and int4 kernels: CPUs with AVX2, FMA and F16C but not the above */
+#if !HAVE_AVX512_TEAM && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2_ROWS 1
+#else
+#define HAVE_AVX2_ROWS 0
+#endif
+/* x quantized per this many values for the integer dots (both kernels), which take x this many
+ * values at a time (widths a multiple of it) */
+#define Q8_BLOCK 32
+#define Q8_CHUNK 64
 typedef struct {
     const void *w;           /* [n_out][k_in], rows row_bytes apart */
     int64_t row_bytes;
@@ -167,6 +177,21 @@ static inline void from_float(const float *restrict src, float scale, int dtype,
     } else {
         float *d = (float *)dst;
         for (int i = 0; i < n; ++i) d[i] = src[i] * scale;
+    }
+}
+
+/* y[m][n0 + j] (rows L->n_out apart) for NX rows' NW outputs' sums acc[m * NW + j]: scaled
+ * (int8 weights), biased, rounded once (the few-row kernels' last step) */
+static inline void finish_block(const lin_t *L, int n0, int NX, int NW, const float *acc, int dtype, void *y) {
+    const int elem = elem_size(dtype);
+    for (int j = 0; j < NW; ++j) {
+        float s = 1.f, b = 0.f;
+        if (L->scales != NULL) to_float((const char *)L->scales + (int64_t)(n0 + j) * elem, dtype, &s, 1);
+        if (L->bias != NULL) to_float((const char *)L->bias + (int64_t)(n0 + j) * elem, dtype, &b, 1);
+        for (int m = 0; m < NX; ++m) {
+            const float v = acc[m * NW + j] * s + b;
+            from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * L->n_out + n0 + j) * elem, 1);
+        }
     }
 }
 

@@ -14,8 +14,9 @@
  * (engine/models/llama.py), layer 0's residual rule included: a change there belongs here too.
  *
  * Built and loaded by kernels/cpu_kernels.py; engine/models/decode_row.py decides when it runs. On
- * x86 CPUs without AVX-512 (no linear.c row kernel) it takes the steps whose projections all go
- * through gemm.c (its AVX2 build: bfloat16 weights with their packed copies).
+ * x86 CPUs without AVX-512 it takes the steps whose projections all go through gemm.c (its AVX2
+ * build: bfloat16 weights with their packed copies), or all through linear_avx2.c's row kernel
+ * (int8 and int4 weights, up to MAX_FUSED_ROWS rows).
  */
 #include <limits.h>
 #include <sched.h>
@@ -126,7 +127,8 @@ static void project(const lin_t *L, int rows, const float *xf, const void *xh, v
 
 /* 2 where the library was built with the fused step and linear.c's row kernel (AVX-512 with BW and
  * VL): any weights the row kernel takes, up to MAX_FUSED_ROWS rows, and any rows where gemm.c
- * takes every projection; 1 where only the latter (x86 with gemm.c's AVX2 build); else 0. */
+ * takes every projection; 1 where only the latter, and the weights linear_avx2.c takes (x86 with
+ * AVX2: its int8 and int4 row kernel, gemm.c's bfloat16 build); else 0. */
 int decode_row_available(void) {
     if (!HAVE_FUSED_STEP) return 0;
     return HAVE_AVX512_TEAM ? 2 : gemm_bf16_available();
@@ -148,7 +150,7 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
         return 1;
     const int group = heads / kvh, qkv_n = (heads + 2 * kvh) * D;
     int gemm = 1; /* every projection packed for gemm.c: it multiplies them all (project) */
-    int row_kernel = 1; /* linear.c's row kernel takes every projection (built for AVX-512 only) */
+    int row_kernel = 1; /* the row kernel takes every projection (linear.c; linear_avx2.c: int8, int4) */
     for (int l = 0; l < num_layers; ++l) { /* the buffers below are sized from st: the weights must fit */
         const row_layer_t *L = layers + l;
         if (L->qkv.n_out != qkv_n || L->qkv.k_in != H || L->o.n_out != H || L->o.k_in != heads * D ||

@@ -1,8 +1,7 @@
 /* Quantized weights dequantized for the GEMM path (a prefill chunk, decode steps beyond
  * MAX_FUSED_ROWS rows): int8 rows times their scale, int4 superblocks (common.h) unpacked to
  * scale * q + min, in the activations' dtype, on every thread. Built and loaded with the other
- * kernels by kernels/cpu_kernels.py (CpuKernels.dequantize); returns 1 where it was not built for
- * AVX-512 (the caller then takes torch ops). */
+ * kernels by kernels/cpu/bindings.py (CpuKernels.dequantize): AVX-512 below, plain C elsewhere. */
 #include <stdint.h>
 
 #include "common.h"
@@ -146,13 +145,65 @@ int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
     return 0;
 }
 #else
-int dequantize_takes(const lin_t *L) {
-    (void)L;
-    return 0;
+/* The same in plain C for every other CPU (the compiler vectorises it for its target): gemm.c's
+ * AVX2 build dequantizes its panels with it. The values are the AVX-512 path's: scale * q (+ min),
+ * rounded to dtype once (an int4 q times its float16 scale is exact in float, so a fused
+ * multiply-add rounds as the separate product and sum do). */
+int dequantize_takes(const lin_t *L) { return L->kind == W_INT8 || (L->kind == W_INT4 && int4_layout(L)); }
+
+/* an IEEE half (the int4 groups' scales and minimums) as a float, exactly */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
+        const float f = (float)mantissa * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    bits32 b = {.u = sign | (exponent == 31 ? 0x7F800000u : (exponent + 112u) << 23) | mantissa << 13};
+    return b.f;
 }
 
+void dequantize_row(const lin_t *L, int n, int dtype, void *out) {
+    const int k_in = L->k_in, elem = elem_size(dtype), num_groups = k_in / INT4_GROUP;
+    const uint8_t *w = (const uint8_t *)L->w + (int64_t)n * L->row_bytes;
+    float values[SB_INPUTS];
+    if (L->kind == W_INT8) {
+        float s;
+        to_float((const char *)L->scales + (int64_t)n * elem, dtype, &s, 1);
+        for (int k0 = 0; k0 < k_in; k0 += SB_INPUTS) {
+            const int len = k_in - k0 < SB_INPUTS ? k_in - k0 : SB_INPUTS;
+            for (int k = 0; k < len; ++k) values[k] = (float)(int8_t)w[k0 + k] * s;
+            from_float(values, 1.f, dtype, (char *)out + (int64_t)k0 * elem, len);
+        }
+        return;
+    }
+    const uint16_t *scales = (const uint16_t *)((const char *)L->groups + (int64_t)n * group_row_bytes(k_in));
+    const uint16_t *mins = scales + num_groups;
+    for (int sb = 0; sb * SB_GROUPS < num_groups; ++sb) { /* the layout linear.c's dot_block_q4 reads */
+        const int G = sb_size(num_groups, sb), P = sb_lanes(G), S = 8 / P, vb = 4 * G * P;
+        const uint8_t *block = w + (int64_t)sb * (SB_INPUTS / 2);
+        uint8_t steps[8][4 * SB_GROUPS]; /* byte 4 l + i of step u: value i of lane l's quad */
+        if (S == 1) {
+            for (int i = 0; i < 32; ++i) steps[0][i] = block[i] & 0x0F, steps[0][32 + i] = block[i] >> 4;
+        }
+        for (int t = 0; 2 * t < S && S > 1; ++t)
+            for (int i = 0; i < vb; ++i)
+                steps[2 * t][i] = block[t * vb + i] & 0x0F, steps[2 * t + 1][i] = block[t * vb + i] >> 4;
+        for (int l = 0; l < G; ++l) {
+            const int g = sb * SB_GROUPS + l;
+            const float d = half_to_float(scales[g]), m = half_to_float(mins[g]);
+            for (int u = 0; u < 8; ++u) /* quad u: step u / P, lane l P + u % P */
+                for (int i = 0; i < 4; ++i) values[l * INT4_GROUP + 4 * u + i] = (float)steps[u / P][4 * (l * P + u % P) + i] * d + m;
+        }
+        from_float(values, 1.f, dtype, (char *)out + (int64_t)sb * SB_INPUTS * elem, G * INT4_GROUP);
+    }
+}
+
+/* as above */
 int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
-    (void)L, (void)out, (void)dtype, (void)num_threads;
-    return 1;
+    if (!dequantize_takes(L)) return 1;
+    const int64_t row_bytes = (int64_t)L->k_in * elem_size(dtype);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int n = 0; n < L->n_out; ++n) dequantize_row(L, n, dtype, (char *)out + n * row_bytes);
+    return 0;
 }
 #endif

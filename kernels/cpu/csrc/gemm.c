@@ -21,7 +21,7 @@
  * comes out of the cache, the product never stored (the separate pass over it read 2x and wrote
  * 1x the activation's bytes). Same bits as the separate silu_and_mul.
  *
- * Built where the compiler targets AVX512-BF16, and (bfloat16 weights only) where it targets AVX2
+ * Built where the compiler targets AVX512-BF16, and where it targets AVX2
  * with FMA: there the same packed layout is read as two 256-bit halves of 8 features, each
  * bfloat16 pair widened to floats by a shift (the even input) and a mask (the odd one), and
  * multiplied in float FMAs against x widened once per thread and GEMM_MC rows; each output's sum
@@ -40,7 +40,7 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define GEMM_BUILT 1
 #define GEMM_AVX512 0
-#define GEMM_QUANTIZED 0
+#define GEMM_QUANTIZED 1 /* int8/int4 panels: dequantize.c's plain C, transposed in plain C */
 #else
 #define GEMM_BUILT 0
 #define GEMM_AVX512 0
@@ -306,6 +306,7 @@ static __thread size_t quantized_panel_bytes;
 
 /* r[i] lane c -> r[c] lane i for 16 vectors of 16 32-bit lanes: 4x4 transposes inside each
  * 128-bit lane (unpack), then of the 128-bit lanes across each four vectors (shuffle_i32x4) */
+#if GEMM_AVX512
 static inline void transpose16(__m512i r[16]) {
     __m512i u[16];
     for (int q = 0; q < 16; q += 4) { /* u[q + j] lane k: element 4k + j of rows q..q+3 */
@@ -322,6 +323,7 @@ static inline void transpose16(__m512i r[16]) {
         r[8 + j] = _mm512_shuffle_i32x4(x1, x3, 0x88), r[12 + j] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
     }
 }
+#endif
 
 /* blocks b0 .. b0 + nr - 1 of L's int8 or int4 weight, dequantized to bfloat16 (dequantize_row,
  * a block's GEMM_VEC rows into rows) and laid out as gemm_bf16_pack lays out a bfloat16 weight
@@ -333,12 +335,14 @@ static void dequantize_panel(const lin_t *L, int b0, int nr, int64_t bstride, ui
         uint32_t *dst = (uint32_t *)(panel + j * bstride);
         const uint32_t *src = (const uint32_t *)rows; /* row c's pair p at src[c * pairs + p] */
         int p = 0;
+#if GEMM_AVX512
         for (; p + GEMM_VEC <= pairs; p += GEMM_VEC) {
             __m512i r[GEMM_VEC];
             for (int c = 0; c < GEMM_VEC; ++c) r[c] = _mm512_loadu_si512(src + (int64_t)c * pairs + p);
             transpose16(r);
             for (int i = 0; i < GEMM_VEC; ++i) _mm512_storeu_si512(dst + (int64_t)(p + i) * GEMM_VEC, r[i]);
         }
+#endif
         for (; p < pairs; ++p)
             for (int c = 0; c < GEMM_VEC; ++c) dst[(int64_t)p * GEMM_VEC + c] = src[(int64_t)c * pairs + p];
     }

@@ -34,8 +34,6 @@
 /* linear.c's own kinds: int8 and int4 weights against x quantized (q8_quantize) */
 #define W_Q8 8
 #define W_Q4 9
-#define Q8_BLOCK 32 /* values of x per scale */
-#define Q8_CHUNK 64 /* values per vpdpbusd: two blocks */
 
 #if HAVE_AVX512_TEAM
 #include <immintrin.h>
@@ -91,21 +89,6 @@ static inline __attribute__((always_inline)) void dot_block(
         }
     }
     for (int i = 0; i < NX * NW; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
-}
-
-/* y[m][n0 + j] (rows n_out apart) for dot_block's results: scaled (int8 weights), biased,
- * rounded once */
-static inline void finish_block(const lin_t *L, int n0, int NX, int NW, const float *acc, int dtype, void *y) {
-    const int elem = elem_size(dtype);
-    for (int j = 0; j < NW; ++j) {
-        float s = 1.f, b = 0.f;
-        if (L->scales != NULL) to_float((const char *)L->scales + (int64_t)(n0 + j) * elem, dtype, &s, 1);
-        if (L->bias != NULL) to_float((const char *)L->bias + (int64_t)(n0 + j) * elem, dtype, &b, 1);
-        for (int m = 0; m < NX; ++m) {
-            const float v = acc[m * NW + j] * s + b;
-            from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * L->n_out + n0 + j) * elem, 1);
-        }
-    }
 }
 
 /* dot_block, or the integer dots for W_Q8 and W_Q4 (kind is a compile-time constant in every
@@ -218,10 +201,21 @@ int linear_takes(const lin_t *L) {
     return L->kind != W_INT4 || (HAVE_Q8 && int4_layout(L));
 }
 
+#elif !HAVE_AVX2_ROWS /* (linear_avx2.c has them there) */
+void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
+    (void)L, (void)rows, (void)xf, (void)xh, (void)y, (void)dtype;
+}
+
+int linear_takes(const lin_t *L) {
+    (void)L;
+    return 0;
+}
+#endif
+
 /* y = x L^T for rows (1..MAX_FUSED_ROWS) contiguous rows of x, in a team of its own
  * (linear_rows_team is a team's part): x and y of dtype (DTYPE_*), L as cpu_kernels.py's
- * CpuKernels.linear_of makes it. 0 on success, 1 for a linear or row count it does not take,
- * 2 when memory could not be had. */
+ * CpuKernels.linear_of makes it. 0 on success, 1 for a linear or row count it does not take
+ * (no kernel built here for it), 2 when memory could not be had. */
 int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int num_threads) {
     if (rows < 1 || rows > MAX_FUSED_ROWS || !linear_takes(L)) return 1;
     float *xf = malloc(sizeof(float) * (size_t)rows * (size_t)L->k_in);
@@ -232,28 +226,13 @@ int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int
     free(xf);
     return 0;
 }
-#else
-void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
-    (void)L, (void)rows, (void)xf, (void)xh, (void)y, (void)dtype;
-}
-
-int linear_takes(const lin_t *L) {
-    (void)L;
-    return 0;
-}
-
-
-
-int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int num_threads) {
-    (void)L, (void)rows, (void)x, (void)y, (void)dtype, (void)num_threads;
-    return 1;
-}
-#endif
 
 #ifndef HAVE_Q8
 #define HAVE_Q8 0
 #endif
 /* How int8 and int4 weights multiply x of width k_in in linear_rows_team: Q8_BLOCK (x quantized
- * per that many values, the integer path), or 0 (x as floats; int4 not at all). Read by
- * cpu_kernels.py. */
-int quantized_activation_block(int k_in) { return HAVE_Q8 && k_in % Q8_CHUNK == 0 ? Q8_BLOCK : 0; }
+ * per that many values, the integer path: AVX512-VNNI, or linear_avx2.c's on AVX2), or 0 (x as
+ * floats; int4 not at all). Read by cpu_kernels.py. */
+int quantized_activation_block(int k_in) {
+    return (HAVE_Q8 || HAVE_AVX2_ROWS) && k_in % Q8_CHUNK == 0 ? Q8_BLOCK : 0;
+}

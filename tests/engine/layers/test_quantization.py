@@ -69,7 +69,7 @@ def test_int4_groups_are_quantized_within_half_a_step_and_come_back_as_stored():
     assert torch.equal(again.data, quantized.data) and torch.equal(again.scales, quantized.scales)
 
 
-@pytest.mark.skipif(KERNELS is None or not KERNELS.fused_row_kernel, reason="kernels built for AVX-512 CPUs")
+@pytest.mark.skipif(KERNELS is None, reason="the CPU kernels did not build")
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", INT4_WIDTHS)

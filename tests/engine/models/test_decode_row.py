@@ -19,9 +19,15 @@ from kvserve.kernels.cpu.bindings import load_kernels
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
 
 
-def _int4_needs_vnni(quantization: str | None) -> None:
-    if quantization == "int4" and not _kernels.quantized_activation_block(576):
-        pytest.skip("int4 weights in the kernels need AVX512-VNNI")
+def _needs_row_kernel(quantization: str | None) -> None:
+    """Skips where the fused step's row kernel does not take these weights unpacked: any on AVX-512
+    (int4 with AVX512-VNNI), int8 and int4 on AVX2 (csrc/linear_avx2.c)."""
+    if _kernels is None or not _kernels.fused_rows:
+        pytest.skip("the fused decode step is built for x86 CPUs")
+    if quantization and _kernels.quantized_activation_block(576):
+        return
+    if quantization == "int4" or not _kernels.fused_row_kernel:
+        pytest.skip("the row kernel takes these weights on AVX-512 CPUs only (int4: with AVX512-VNNI)")
 
 
 def _fused_steps(monkeypatch) -> list[bool]:
@@ -55,16 +61,15 @@ def _generate(llm: LLM, fused: bool, prompts=PROMPTS, together: bool = False
 
 _kernels = load_kernels()
 needs_kernels = pytest.mark.skipif(_kernels is None or not _kernels.fused_row_kernel,
-                                   reason="the fused step takes any weights on AVX-512 CPUs only")
+                                   reason="the fused step takes float weights unpacked on AVX-512 CPUs only")
 # built on x86 without AVX-512 too, taking steps whose projections all go through csrc/gemm.c
 needs_fused = pytest.mark.skipif(_kernels is None or not _kernels.fused_rows,
                                  reason="the fused decode step is built for x86 CPUs")
 
 
-@needs_kernels
 @pytest.mark.parametrize(("dtype", "quantization", "kv_cache_dtype"), [
     ("float32", None, "auto"), ("bfloat16", None, "auto"), ("bfloat16", "int8", "auto"),
-    ("bfloat16", "int4", "auto"),  # (int4 weights: on AVX512-VNNI CPUs; elsewhere neither path's kernel)
+    ("bfloat16", "int4", "auto"),  # (int4 weights: AVX512-VNNI or AVX2 CPUs; elsewhere neither path's kernel)
     ("float32", None, "int8"),  # the int8 KV cache: stored and read by the same kernels on both paths
 ])
 def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantization, kv_cache_dtype,
@@ -74,7 +79,7 @@ def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantizati
     a float model multiplies in oneDNN's GEMMs, whose sums run in another order: in float32 the
     same tokens and log-probabilities within 1e-4 (in bfloat16 a near tie may flip a token; the
     next test pins the rows there)."""
-    _int4_needs_vnni(quantization)
+    _needs_row_kernel(quantization)
     options = {"quantization": quantization} if quantization else {}
     llm = LLM("default", dtype=dtype, max_num_seqs=len(PROMPTS), num_kv_blocks=64,
               kv_cache_dtype=kv_cache_dtype, **options)
@@ -99,7 +104,6 @@ def test_fused_step_gives_the_per_op_paths_tokens_and_logprobs(dtype, quantizati
     llm.shutdown()
 
 
-@needs_kernels
 @pytest.mark.parametrize(("dtype", "quantization"),
                          [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization, monkeypatch):
@@ -107,7 +111,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, quantization
     at once, five of them, and each alone: bit for bit the same hidden states, so a sequence's
     tokens do not depend on what else is decoding beside it (up to MAX_FUSED_ROWS rows; the row
     kernel takes 1, 2 or 4 weight rows at a time by the number of rows)."""
-    _int4_needs_vnni(quantization)
+    _needs_row_kernel(quantization)
     options = {"quantization": quantization} if quantization else {}
     llm = LLM("default", dtype=dtype, max_num_seqs=8, num_kv_blocks=64, **options)
     runner = llm.engine.executor
