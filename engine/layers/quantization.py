@@ -11,20 +11,21 @@ quantized; mixtures of experts' expert weights stay in the serving dtype:
   The LM head takes int8 (``quantize_model``).
 
 At a handful of rows a step only streams weights, so fewer bytes per weight make it faster: up
-to ``MAX_FUSED_ROWS`` rows go through the CPU kernels (kernels/cpu/csrc/linear.c; the fused decode
-step uses the same ones). On CPUs with AVX512-VNNI those quantize the activations too, per 32
-values (scale = max|x| / 127), and sum 64 products per instruction in integers, as llama.cpp does
-for its quantized files; widening each weight to float instead kept them compute-bound at about
-half the speed the weights stream from cache (``CpuKernels.quantized_activation_block`` says which
-applies; docs/serving/quantization.md has the figures and the accuracy cost). Without the
-kernels, int8 rows go through PyTorch's weight-only kernel (``_weight_int8pack_mm``). At more rows
+to ``MAX_FUSED_ROWS`` rows go through the CPU kernels (kernels/cpu/csrc/linear.c on AVX-512,
+linear_avx2.c on AVX2; the fused decode step uses the same ones). On CPUs with AVX512-VNNI or
+AVX2 those quantize the activations too, per 32 values (scale = max|x| / 127), and sum the
+products in integers, as llama.cpp does for its quantized files; widening each weight to float
+instead kept them compute-bound at about half the speed the weights stream from cache
+(``CpuKernels.quantized_activation_block`` says which applies; docs/serving/quantization.md has
+the figures and the accuracy cost). Without the kernels, int8 rows go through PyTorch's
+weight-only kernel (``_weight_int8pack_mm``). At more rows
 the matmul is bound by arithmetic, so larger batches (prefill chunks, decode steps of more
 sequences) multiply by the weight dequantized, with activations in the serving dtype: in bfloat16
-by csrc/gemm.c, which dequantizes a cache-sized panel of the weight at a time and runs its tiles
-over it (no dequantized copy is written out: at 9 rows that made a step ~5x cheaper than
-dequantizing every weight whole and handing it to oneDNN); in float32, and for int4 weights the
-kernels do not take (no AVX512-VNNI, or an input width not a multiple of 64), by the whole
-weight dequantized.
+by csrc/gemm.c (AVX512-BF16 or AVX2), which dequantizes a cache-sized panel of the weight at a
+time and runs its tiles over it (no dequantized copy is written out: at 9 rows that made a step
+~5x cheaper than dequantizing every weight whole and handing it to oneDNN); in float32, and for
+int4 weights the kernels do not take (no AVX512-VNNI or AVX2, or an input width not a multiple of
+64), by the whole weight dequantized.
 The tied embedding keeps its float table for lookups; the LM head gets its own quantized copy.
 """
 
@@ -220,14 +221,14 @@ def quantize_model(model: torch.nn.Module, method: str, device: torch.device) ->
         raise ValueError(f"quantization {method!r} runs on the CPU only, got device {device.type!r}")
     kernels = load_kernels()
     if kernels is None or not kernels.gemm_quantized:
-        # measured on a 2-core AVX2 Zen 3 (profile_step, bfloat16 activations): one-row decode steps
-        # 17 ms in bfloat16, 39 ms int8, 305 ms int4; prefill 500, 74 and 59 tokens/s
+        # measured on a 2-core AVX2 Zen 3 before linear_avx2.c (profile_step, bfloat16 activations):
+        # one-row decode steps 17 ms in bfloat16, 39 ms int8, 305 ms int4; prefill 500, 74, 59 tokens/s
         log.warning("%s weights: this CPU lacks the kernels that multiply quantized weights in place "
-                    "(AVX512-BF16, and AVX512-VNNI for int4); every step dequantizes them, several times "
-                    "slower than serving the model unquantized here", method)
+                    "(AVX512-BF16 or AVX2 with FMA, and AVX512-VNNI or AVX2 for int4); every step "
+                    "dequantizes them, several times slower than serving the model unquantized here", method)
     elif method == "int4" and not kernels.quantized_activation_block(INT4_WIDTH):
-        log.warning("int4 weights: the CPU kernels that multiply them (AVX512-VNNI) are not available here; "
-                    "every step multiplies the dequantized weights, slower than --quantization int8")
+        log.warning("int4 weights: the CPU kernels that multiply them (AVX512-VNNI, AVX2) are not available "
+                    "here; every step multiplies the dequantized weights, slower than --quantization int8")
     for module in model.modules():
         if hasattr(module, "quantize"):
             module.quantize(method)
