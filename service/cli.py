@@ -75,8 +75,8 @@ HELP = {
                "and cgroup quota, shared among the tensor-parallel ranks on this machine)",
     "quantization": "quantized weights on the CPU: int8 = int8 projections and LM head; int4 = 4-bit "
                     "projections (a float16 scale and min per 32 inputs, as GGUF's Q4_1) and an int8 LM "
-                    "head; on AVX512-VNNI CPUs small decode steps quantize activations too, per 32 values "
-                    "(default: weights in --dtype)",
+                    "head; on AVX512-VNNI and AVX2 CPUs small decode steps quantize activations too, per "
+                    "32 values (default: weights in --dtype)",
     "grammar_compile_timeout": "seconds one structured-output constraint may take to compile; a longer "
                                "compile is stopped and its request refused (INVALID_ARGUMENT)",
     "grammar_compile_workers": "structured-output constraints compiled at once, each in a child process "
