@@ -1,7 +1,7 @@
 # kvserve: `make run` serves the bundled model, `make test` runs the whole suite (with a short
-# soak), `make test-slow` the long soak tests, `make shell` a shell with .venv/bin on PATH
-# (so that bare `kvserve` and `grpcurl` work). All build .venv from nothing; a stamp file
-# keeps re-runs cheap (idempotent).
+# soak), `make test-slow` the long soak tests, `make test-isa` the exactness tests per CPU class,
+# `make shell` a shell with .venv/bin on PATH (so that bare `kvserve` and `grpcurl` work). All build
+# .venv from nothing; a stamp file keeps re-runs cheap (idempotent).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +14,7 @@ export PYTHONSAFEPATH := 1
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 
-.PHONY: run test test-slow soak gpu-compile shell lint proto bench bench-single bench-peers bench-serving-peers clean
+.PHONY: run test test-slow test-isa soak gpu-compile shell lint proto bench bench-single bench-peers bench-serving-peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 soak: test-slow
+
+# The exactness tests (speculation on/off, packed/plain, fused/per-op, gemm rows alike) on each x86
+# CPU class this machine can stand in for: AVX512-BF16, AVX-512 without BF16 (Ice Lake/Cascade Lake
+# Xeons), AVX2 (testing/cpu_classes.py); each its own kernel build. Part of test-slow too.
+test-isa: $(STAMP)
+	$(PY) -m pytest -q -m slow tests/kernels/cpu/test_isa_paths.py tests/kernels/cpu/test_build.py
 
 # Every Triton kernel compiled for sm_80, sm_89 and sm_90 at every shape of the compile table, no GPU
 # needed; fails on a compile error, a register spill or too much shared memory

@@ -166,10 +166,11 @@ class QuantizedWeight:
         """``kernel_linear`` made once per bias and dtype (a decode step asks for it per projection)."""
         key = (None if bias is None else bias.data_ptr(), dtype)
         if (made := self._linears.get(key)) is None:
-            scales = self.scales.to(dtype) if self.method == "int8" else self.scales
-            linear = (CpuKernels.linear_of(self.data, bias, scales, dtype) if self.method == "int8"
-                      else CpuKernels.linear_of(self.data, bias, None, dtype, scales))
-            made = self._linears[key] = (linear, bias, scales)
+            # int8 scales in the activations' dtype, as the kernels read them
+            weight = self
+            if self.method == "int8":
+                weight = QuantizedWeight("int8", self.data, self.scales.to(dtype))
+            made = self._linears[key] = (weight.kernel_linear(bias, dtype), bias, weight)
         return made[0]
 
     def kernel_linear(self, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:

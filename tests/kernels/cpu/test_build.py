@@ -6,26 +6,18 @@ the engine runs torch ops after one clear warning and still matches transformers
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvserve.kernels.cpu import build as cpu_build
+from kvserve.testing.cpu_classes import run_pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 CPU_KERNEL_TESTS = ["tests/kernels/cpu/test_cpu_kernels.py", "tests/kernels/cpu/test_sampling_kernels.py"]
 PARITY_TEST = ("tests/engine/runner/test_model_runner.py::"
                "test_random_qwen3_matches_transformers_qwen3_with_the_same_weights")  # fmt: skip
 CROSS_CC = "aarch64-linux-gnu-gcc"
-
-
-def run_pytest(tests: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           "-o", "log_cli=true", "--log-cli-level=WARNING", *tests]  # fmt: skip
-    return subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def test_march_override_names_the_target_and_refuses_a_flag_in_disguise(monkeypatch):
