@@ -168,7 +168,7 @@ def profile_fused(llm: LLM, args) -> dict:
                          "packed for csrc/gemm.c")
     if args.batch > MAX_FUSED_ROWS and not packed:
         raise SystemExit(f"--fused-ab: above {MAX_FUSED_ROWS} sequences the fused step needs every "
-                         "projection packed for csrc/gemm.c (bfloat16, an AVX512-BF16 build, no AMX)")
+                         "projection packed for csrc/gemm.c (bfloat16, an AVX-512 or AVX2 build, no AMX)")
     try:
         return alternate(llm.engine, args, {"fused": lambda: setattr(model, "_decode_row", fused),
                                             "per_op": lambda: setattr(model, "_decode_row", None)}, "fused")
@@ -185,7 +185,7 @@ def profile_gemm(llm: LLM, args) -> dict:
               if isinstance(getattr(m, "packed", None), PackedWeight)]
     if not layers:
         raise SystemExit("--gemm-ab: no projection multiplies through csrc/gemm.c here (it needs bfloat16 "
-                         "and AVX512-BF16 or AVX2; CPUs with AMX keep oneDNN)")
+                         "and AVX-512 or AVX2; CPUs with AMX keep oneDNN)")
     ours = [m.packed for m in layers]
     if onednn_bf16():
         other, copies = "onednn", [torch.ops.mkldnn._reorder_linear_weight(m.weight.data.contiguous(), None)

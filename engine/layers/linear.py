@@ -80,7 +80,7 @@ def compute_rows_alike(model: nn.Module) -> RowsAlike:
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether ``pack_weight`` makes a blocked copy of ``weight``: a 2-D bfloat16 CPU weight,
-    with csrc/gemm.c built (AVX512-BF16, or AVX2 with FMA) or oneDNN's bfloat16 support."""
+    with csrc/gemm.c built (AVX-512, or AVX2 with FMA) or oneDNN's bfloat16 support."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and (gemm_kernel() is not None or onednn_bf16()))
 
@@ -101,9 +101,9 @@ def gemm_kernel():
 
 def pack_weight(weight: torch.Tensor) -> Packed | None:
     """A blocked copy of a bfloat16 CPU weight [out, in] for ``linear``, made once, or None where
-    there is nothing to gain (``can_pack``): csrc/gemm.c's where it takes the weight (AVX512-BF16
-    without AMX; against oneDNN there 1.5x at 8 rows, 1.15x at 32, as fast from ~500 rows on), else
-    oneDNN's.
+    there is nothing to gain (``can_pack``): csrc/gemm.c's where it takes the weight (AVX-512 or
+    AVX2 without AMX; against oneDNN with AVX512-BF16 1.5x at 8 rows, 1.15x at 32, as fast from ~500
+    rows on), else oneDNN's.
 
     torch's CPU bfloat16 matmul takes the plain [out, in] weight and re-blocks it for its
     AMX/AVX-512 kernels inside every call; oneDNN's blocked copy is made once. Measured on a Xeon

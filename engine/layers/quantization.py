@@ -21,7 +21,7 @@ the figures and the accuracy cost). Without the kernels, int8 rows go through Py
 weight-only kernel (``_weight_int8pack_mm``). At more rows
 the matmul is bound by arithmetic, so larger batches (prefill chunks, decode steps of more
 sequences) multiply by the weight dequantized, with activations in the serving dtype: in bfloat16
-by csrc/gemm.c (AVX512-BF16 or AVX2), which dequantizes a cache-sized panel of the weight at a
+by csrc/gemm.c (AVX-512 or AVX2), which dequantizes a cache-sized panel of the weight at a
 time and runs its tiles over it (no dequantized copy is written out: at 9 rows that made a step
 ~5x cheaper than dequantizing every weight whole and handing it to oneDNN); in float32, and for
 int4 weights the kernels do not take (no AVX512-VNNI or AVX2, or an input width not a multiple of
@@ -225,7 +225,7 @@ def quantize_model(model: torch.nn.Module, method: str, device: torch.device) ->
         # measured on a 2-core AVX2 Zen 3 before linear_avx2.c (profile_step, bfloat16 activations):
         # one-row decode steps 17 ms in bfloat16, 39 ms int8, 305 ms int4; prefill 500, 74, 59 tokens/s
         log.warning("%s weights: this CPU lacks the kernels that multiply quantized weights in place "
-                    "(AVX512-BF16 or AVX2 with FMA, and AVX512-VNNI or AVX2 for int4); every step "
+                    "(AVX-512 or AVX2 with FMA, and AVX512-VNNI or AVX2 for int4); every step "
                     "dequantizes them, several times slower than serving the model unquantized here", method)
     elif method == "int4" and not kernels.quantized_activation_block(INT4_WIDTH):
         log.warning("int4 weights: the CPU kernels that multiply them (AVX512-VNNI, AVX2) are not available "

@@ -7,7 +7,7 @@
   up to its own position (``ctx_lens``), with AVX-512: ~1.8x torch's CPU flash SDPA at prompts of
   a few hundred tokens, as fast at 2-4k; AVX2 only: faster to ~1k (``kernel_prefill_context``).
 - ``gemm`` (csrc/gemm.c): bfloat16 projections of any number of rows over a copy of the weight
-  packed once (``pack_gemm_weight``; AVX512-BF16, or AVX2 with FMA); faster than oneDNN's at 8 to
+  packed once (``pack_gemm_weight``; AVX-512, or AVX2 with FMA); faster than oneDNN's at 8 to
   128 rows, as fast beyond; ``quantized_gemm``: int8/int4 weights, dequantized a panel at a time.
 - ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_`` and ``store_kv``
   (csrc/elementwise.c): one pass each where eager torch runs several ops, each with its own
@@ -241,7 +241,7 @@ class CpuKernels:
                                                scales.data_ptr(), bias_ptr, *tail), "small_linear_int8")
         return y
 
-    def gemm_available(self) -> bool:  # csrc/gemm.c is built for AVX512-BF16, or AVX2 with FMA
+    def gemm_available(self) -> bool:  # csrc/gemm.c is built for AVX-512, or AVX2 with FMA
         return bool(self._lib.gemm_bf16_available())
 
     def pack_gemm_weight(self, weight: torch.Tensor) -> PackedWeight | None:

@@ -188,7 +188,7 @@ def test_profile_step_times_gemm_c_against_onednn_or_says_why_it_cannot(tiny_lla
     with pytest.raises(SystemExit, match="no projection multiplies through csrc/gemm.c"):
         profile_step.main([*argv, "--dtype", "float32"])
     if gemm_kernel() is None:
-        pytest.skip("csrc/gemm.c does not serve here (no AVX512-BF16 or AVX2, or AMX)")
+        pytest.skip("csrc/gemm.c does not serve here (no AVX-512 or AVX2, or AMX)")
     result = profile_step.main([*argv, "--dtype", "bfloat16"])
     other = "onednn" if onednn_bf16() else "torch"  # torch's own matmul where oneDNN has no bfloat16
     assert len(result["rounds_ms"]["gemm"]) == len(result["rounds_ms"][other]) == 4

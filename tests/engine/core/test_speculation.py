@@ -259,7 +259,7 @@ def test_where_every_projection_is_in_gemm_c_a_small_batch_drafts_past_eight_row
     from kvserve.kernels.cpu.bindings import load_kernels
 
     if load_kernels() is None or not load_kernels().gemm_available():
-        pytest.skip("csrc/gemm.c is built only where the compiler targets AVX512-BF16")
+        pytest.skip("csrc/gemm.c is built only where the compiler targets AVX-512 or AVX2")
     llm = LLM("default", dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=512, speculative="ngram")
     try:
         assert llm.engine.speculator.exact_rows is None

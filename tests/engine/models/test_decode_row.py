@@ -245,7 +245,7 @@ def test_batches_of_any_size_through_gemm_give_the_per_op_paths_results(monkeypa
     model = runner.model.model
     if not all(isinstance(m.packed, PackedWeight) for m in projections(model)):
         llm.shutdown()
-        pytest.skip("csrc/gemm.c packs the weights where it is built (AVX512-BF16, AVX2), without AMX")
+        pytest.skip("csrc/gemm.c packs the weights where it is built (AVX-512, AVX2), without AMX")
     calls = _fused_steps(monkeypatch)
     gen = torch.Generator().manual_seed(2)
     runner.kv_cache.copy_((torch.randn(runner.kv_cache.shape, generator=gen) * 0.5).to(runner.kv_cache.dtype))

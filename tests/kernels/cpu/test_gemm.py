@@ -14,9 +14,9 @@ from kvserve.kernels.cpu.build import header_constant
 
 KERNEL = load_kernels()
 pytestmark = pytest.mark.skipif(KERNEL is None or not KERNEL.gemm_available(),
-                                reason="csrc/gemm.c is built where the compiler targets AVX512-BF16 or AVX2")
+                                reason="csrc/gemm.c is built where the compiler targets AVX-512 or AVX2")
 needs_quantized = pytest.mark.skipif(KERNEL is None or not KERNEL.gemm_quantized,
-                                     reason="int8/int4 panels: gemm.c's AVX512-BF16 build only")
+                                     reason="int8/int4 panels: gemm.c's AVX-512 and AVX2 builds only")
 MC = header_constant("GEMM_MC")  # rows of x per pass over the weight panels
 
 

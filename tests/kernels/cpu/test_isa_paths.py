@@ -41,10 +41,9 @@ for n, kk in [(960, 576), (96, 130), (3072, 64)]:
     w = (torch.randn(n, kk, generator=g) * 0.05).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(torch.bfloat16)
     p = k.pack_gemm_weight(w)
-    for rows in (1, 5, 8, 9, 61, 600):
+    for rows in (1, 5, 8, 9, 47, 61, 600):
         x = torch.randn(rows, kk, generator=g).to(torch.bfloat16)
         out[f"{n}x{kk}@{rows}"] = k.gemm(x, p, b)
-        out[f"{n}x{kk}@{rows} glu"] = k.gemm(x, p, None, glu=True)
 torch.save(out, sys.argv[1])
 """
 
@@ -52,7 +51,8 @@ torch.save(out, sys.argv[1])
 @pytest.mark.slow
 def test_gemm_tiles_without_bf16_give_the_avx2_tiles_bits(tmp_path):
     """AVX-512 F's tiles sum each output even then odd input over k as the AVX2 tiles do: the same
-    bits at every row count, with a bias and as gate|up."""
+    bits at every row count, with a bias. (gate|up's silu is each build's own exp, whose vector forms
+    round n differently: test_gemm checks it per build.)"""
     avx512, avx2 = CLASS["avx512"], CLASS["avx2"]
     if not runs_here(avx512):
         pytest.skip("this CPU does not run the AVX-512 build")
