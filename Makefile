@@ -39,7 +39,7 @@ soak: test-slow
 
 # The exactness tests (speculation on/off, packed/plain, fused/per-op, gemm rows alike) on each x86
 # CPU class this machine can stand in for: AVX512-BF16, AVX-512 without BF16 (Ice Lake/Cascade Lake
-# Xeons), AVX2 (testing/cpu_classes.py); each its own kernel build. Part of test-slow too.
+# Xeons), AVX2 (testing/process.py); each its own kernel build. Part of test-slow too.
 test-isa: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/kernels/cpu/test_isa_paths.py tests/kernels/cpu/test_build.py
 

@@ -1,4 +1,5 @@
-"""Run ``kvserve serve`` as a child process on a free loopback port (tests, benchmarks)."""
+"""Child processes for tests and benchmarks: ``kvserve serve`` on a free loopback port, and a pytest
+run as on another x86 CPU class (``CLASSES``, ``class_env``, ``run_pytest``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.clients.client import Client
+from kvserve.kernels.cpu.build import MARCH_ENV, compiler, cpu_flags
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 _HEALTH_PORT = re.compile(r"health checks \(.*\) on (\S+):(\d+)")
@@ -124,3 +127,86 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---- the x86 CPU classes kvserve builds a path for, as a test on any AVX-512 machine can stand in for
+# them: the C kernels built for the class's target (``KVSERVE_CPU_MARCH``), oneDNN held to its
+# instruction set (``ONEDNN_MAX_CPU_ISA``), and MKL on its code paths for that class.
+#
+# MKL picks its kernels by vendor as well as by features: on an AMD CPU it runs its AVX2 code even
+# where AVX-512 is there, and its AVX-512 float32 GEMM (what an Intel Xeon runs) rounds rows below 16
+# by other kernels than larger batches (docs/serving/speculative.md). To stand in for an Intel Xeon
+# on an AMD machine, ``mkl_intel_paths`` builds a two-function library, preloaded, that answers MKL's
+# vendor question with "Intel" (MKL exports the question from torch's library); nothing else changes.
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (kvserve's root)
+
+
+@dataclass(frozen=True)
+class CpuClass:
+    name: str
+    march: str  # KVSERVE_CPU_MARCH ("native": this CPU's own)
+    needs: frozenset[str]  # /proc/cpuinfo flags the build's code may use
+    env: dict[str, str] = field(default_factory=dict)
+    intel_mkl: bool = False  # MKL on its Intel paths (preloaded on an AMD CPU)
+
+
+_AVX512 = {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+_ICELAKE = _AVX512 | {"avx512ifma", "avx512vbmi", "avx512_vbmi2", "avx512_vnni", "avx512_bitalg",
+                      "avx512_vpopcntdq", "gfni", "vaes", "vpclmulqdq"}
+CLASSES = (
+    # AMD Zen 4 / EPYC Genoa and Intel Cooper Lake: vdpbf16ps everywhere
+    CpuClass("avx512-bf16", "native", frozenset(_AVX512 | {"avx512_bf16"})),
+    # Intel Ice Lake and Cascade Lake Xeons (the cloud's most common x86): AVX-512 without BF16
+    CpuClass("avx512", "icelake-server", frozenset(_ICELAKE), {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
+             intel_mkl=True),
+    # AMD Zen 1-3 and Intel client cores: AVX2 with FMA, no AVX-512
+    CpuClass("avx2", "x86-64-v3", frozenset({"avx2", "fma", "f16c", "bmi2"}),
+             {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
+)
+
+
+def runs_here(cls: CpuClass) -> bool:
+    """Whether this CPU runs code built for ``cls`` (x86-64, every flag it needs, a C compiler)."""
+    return (os.uname().machine == "x86_64" and compiler() is not None
+            and cls.needs <= set(cpu_flags().split(":", 1)[-1].split()))
+
+
+def _amd() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    except OSError:
+        return False
+
+
+def mkl_intel_paths(directory: Path) -> Path:
+    """A library that, preloaded, has MKL take its Intel code paths (built into ``directory``)."""
+    lib = directory / "libmkl_intel_paths.so"
+    if not lib.exists():
+        src = directory / "mkl_intel_paths.c"
+        src.write_text("int mkl_serv_intel_cpu_true(void) { return 1; }\n"
+                       "int mkl_serv_intel_cpu(void) { return 1; }\n")
+        subprocess.run([compiler(), "-shared", "-fPIC", "-o", str(lib), str(src)], check=True,
+                       capture_output=True, timeout=60)
+    return lib
+
+
+def class_env(cls: CpuClass, scratch: Path) -> dict[str, str]:
+    """The environment variables that run a process as on ``cls`` (``scratch``: where to build the
+    MKL preload when needed)."""
+    env = dict(cls.env)
+    if cls.march != "native":
+        env[MARCH_ENV] = cls.march
+    if cls.intel_mkl and _amd():
+        env["LD_PRELOAD"] = str(mkl_intel_paths(scratch))
+    return env
+
+
+def run_pytest(tests: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
+    """pytest on ``tests`` (paths from the checkout's root) in a process of its own, with ``env``
+    added to this one's environment, every marker selected, warnings logged to its output."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           "-o", "log_cli=true", "--log-cli-level=WARNING", *tests]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=timeout)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.kernels.cpu import build as cpu_build
-from kvserve.testing.cpu_classes import run_pytest
+from kvserve.testing.process import run_pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 CPU_KERNEL_TESTS = ["tests/kernels/cpu/test_cpu_kernels.py", "tests/kernels/cpu/test_sampling_kernels.py"]
