@@ -4,7 +4,8 @@ Between the top-level packages: the engine knows nothing of the network, the ser
 the clients, the clients nothing of the server; only the command line (``cli.py``), the
 benchmarks and the test harness (``testing/``) gather them. Inside the engine: the front-end (and
 so the gRPC process) never reaches the model's code, layers and models never reach the engine
-core, the front-end or the executor, ``distributed/`` and ``process/`` are leaves, and the control
+core, the front-end or the executor, ``distributed/`` and ``process/`` are leaves, the core imports
+no model code but the sampler, speculation (``spec_decode/``) reaches none at all, and the control
 plane imports no torch. No module imports itself back through others (no circles), no file is over
 400 lines and no folder but ``models/`` and ``layers/`` holds more than eight modules. An engine on
 the CPU never imports Triton (kvserve.kernels loads its Triton modules on first use).
@@ -140,6 +141,9 @@ NEVER_REACHES = {
     "kvserve.engine.distributed": engine("core", "frontend", "executor", "runner", "layers", "models"),
     "kvserve.engine.process": engine("core", "frontend", "executor", "runner", "layers", "models"),
     "kvserve.kernels": ("kvserve.engine",),
+    # speculation is control-plane logic: what it needs of the model the executor answers
+    "kvserve.engine.spec_decode": (*engine("core", "executor", "runner", "layers", "models"),
+                                   "kvserve.kernels"),
 }
 
 
@@ -148,6 +152,16 @@ def test_group_never_reaches_what_it_must_not_know(group):
     modules = [m for m in GRAPH if under(m, group)]
     assert modules, f"no modules under {group}"
     offenders = {m: sorted(r for r in reachable(m) if under(r, *NEVER_REACHES[group])) for m in modules}
+    assert {m: bad for m, bad in offenders.items() if bad} == {}
+
+
+def test_the_core_imports_no_model_code_but_the_sampler():
+    """The core drives the executor and asks it (rows alike, block counts); it never looks at the
+    model's layers, models or kernels itself. The sampler, which turns its logits into tokens, is
+    its one import from layers/."""
+    model_code, sampler = (*engine("layers", "models"), "kvserve.kernels"), "kvserve.engine.layers.sampler"
+    offenders = {m: sorted(i for i in GRAPH[m] if under(i, *model_code) and i != sampler)
+                 for m in GRAPH if under(m, "kvserve.engine.core")}
     assert {m: bad for m, bad in offenders.items() if bad} == {}
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from kvserve.engine import config as limits
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.constraints import Constraint, constraint_of
-from kvserve.engine.core import speculation
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.executor.executor import create_executor
@@ -28,6 +27,7 @@ from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import FinishReason, Sequence
+from kvserve.engine.spec_decode.speculator import spec_usage, speculation_stats, speculator_for
 from kvserve.engine.spec_decode.verify import sampling_rows
 from kvserve.engine.structured.grammar import StructuredOutput
 from kvserve.engine.tokenizer.detokenizer import RequestText
@@ -93,7 +93,7 @@ class LLMEngine:
             last_prompt_token_alone=config.enable_prefix_caching,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
-        self.speculator = speculation.speculator_for(config, self.executor)
+        self.speculator = speculator_for(config, self.executor)
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                            config.grammar_compile_workers, config.grammar_compile_timeout)
         # which row of the runners' persistent block table each running sequence has
@@ -309,8 +309,8 @@ class LLMEngine:
             cached_tokens=seq.num_cached_prompt_tokens or 0,
             times=seq.times,
             index=choice.index,
-            draft_tokens=speculation.spec_usage(seq)[0],
-            accepted_draft_tokens=speculation.spec_usage(seq)[1],
+            draft_tokens=spec_usage(seq)[0],
+            accepted_draft_tokens=spec_usage(seq)[1],
         )
 
     # ---- state ----------------------------------------------------------------------------
@@ -344,7 +344,7 @@ class LLMEngine:
             "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
-            **speculation.speculation_stats(self.speculator and self.speculator.counters),
+            **speculation_stats(self.speculator and self.speculator.counters),
             "requests_rejected": 0,
             "uptime_s": time.monotonic() - self.started,
         }

@@ -41,6 +41,7 @@ from kvserve.engine.model_loader.loader import load_hf_config, resolve_device
 from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.process.child_process import PipeDoorbell
 from kvserve.engine.runner.model_runner import ModelRunner
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
 
 log = logging.getLogger("kvserve.engine.executor.executor")
 
@@ -152,6 +153,13 @@ class TensorParallelExecutor:
         cmd = tpd.Command(tpd.EXECUTE_MODEL, inp.to_bytes())
         tpd.check_payload_size(cmd.nbytes, self.max_payload_bytes)  # before anything is sent
         return self._wait(self._leader.submit(lambda: self._step(cmd, inp)))
+
+    def exact_rows(self) -> int | None:
+        """``ModelRunner.exact_rows`` for the group: any count on a GPU; on the CPU the rows the row
+        kernel takes (``RowsAlike``) even where every projection is packed for gemm.c, since a step's
+        all-reduces over more rows were never shown to sum each row alike (up to MAX_FUSED_ROWS:
+        tests/engine/executor/test_tp_speculation.py)."""
+        return None if self.device.type != "cpu" else MAX_FUSED_ROWS
 
     def add_failure_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(reason)`` once, from any thread, when the group breaks (a worker
