@@ -6,9 +6,10 @@ benchmarks and the test harness (``testing/``) gather them. Inside the engine: t
 so the gRPC process) never reaches the model's code, layers and models never reach the engine
 core, the front-end or the executor, ``distributed/`` and ``process/`` are leaves, the core imports
 no model code but the sampler, speculation (``spec_decode/``) reaches none at all, and the control
-plane imports no torch. No module imports itself back through others (no circles), no file is over
-400 lines and no folder but ``models/`` and ``layers/`` holds more than eight modules. An engine on
-the CPU never imports Triton (kvserve.kernels loads its Triton modules on first use).
+plane imports no torch. No module imports itself back through others (no circles), no Python file
+is over 400 lines (no C source over 600) and no folder but ``models/`` and ``layers/`` holds more
+than eight modules. An engine on the CPU never imports Triton (kvserve.kernels loads its Triton
+modules on first use).
 
 Imports are read from the source (``ast``), lazy ones inside functions included, so a rule
 cannot be dodged by moving an import into a function.
@@ -227,6 +228,14 @@ def test_no_python_file_over_400_lines():
     # make proto/kvserve/vllm/vllm_engine_pb2_grpc.py longer than that
     long = {str(p.relative_to(ROOT)): n for p in tracked_python_files()
             if "_pb2" not in p.name and (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_no_c_source_over_600_lines():
+    """The CPU kernels: a source that holds several instruction sets under #if splits them into a
+    file each (gemm_avx512.h / gemm_avx2.h, attention_avx512.h / attention_avx2.h) before this."""
+    csrc = ROOT / "kernels" / "cpu" / "csrc"
+    long = {p.name: n for p in sorted(csrc.glob("*.[ch]")) if (n := len(p.read_text().splitlines())) > 600}
     assert long == {}
 
 
