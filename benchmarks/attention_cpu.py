@@ -29,7 +29,7 @@ from kvserve.benchmarks.instruments.ceiling import best_time
 from kvserve.engine.config import KV_CACHE_DTYPES
 from kvserve.engine.layers.attention import torch_backend as attention_torch
 from kvserve.engine.layers.attention.kv_quant import quantize_rows
-from kvserve.engine.model_input import ModelInput, blocks_for
+from kvserve.engine.model_input import ModelInput, blocks_for, slot_of
 from kvserve.kernels.cpu.bindings import load_kernels
 
 CPU = torch.device("cpu")
@@ -43,7 +43,7 @@ def step_input(block_size: int, seqs: list[tuple[list[int], int, int]]) -> Model
         positions = list(range(cached, cached + n))
         inp.input_ids += [1] * n
         inp.positions += positions
-        inp.slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in positions]
+        inp.slot_mapping += [slot_of(blocks, p, block_size) for p in positions]
         inp.query_lens.append(n)
         inp.context_lens.append(cached + n)
         inp.block_tables.append(blocks[: blocks_for(cached + n, block_size)])

@@ -139,6 +139,28 @@ def blocks_for(num_tokens, block_size: int):
 block_table_width = blocks_for  # columns a block table needs for a sequence of that many tokens
 
 
+def slot_of(table: list[int], pos: int, block_size: int) -> int:
+    """The cache slot of position ``pos`` in a sequence whose blocks are ``table``."""
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def synthetic_input(spans: list[tuple[int, int]], tables: list[list[int]], block_size: int) -> ModelInput:
+    """Token-0 inputs with no request behind them (start-up measurements, warm-up): per span
+    (first position, tokens) one sequence over its block table in ``tables``, computing those
+    positions with its context ending at the last, the logits of its last token wanted."""
+    inp = ModelInput([], [], [], [], [], [], [])
+    for (start, n), table in zip(spans, tables, strict=True):
+        end = start + n
+        inp.input_ids += [0] * n
+        inp.positions += range(start, end)
+        inp.slot_mapping += [slot_of(table, p, block_size) for p in range(start, end)]
+        inp.query_lens.append(n)
+        inp.context_lens.append(end)
+        inp.block_tables.append(list(table))
+        inp.logits_indices.append(len(inp.input_ids) - 1)
+    return inp
+
+
 def pad_block_tables(tables: list[list[int]]) -> np.ndarray:
     """Lists of block ids as one int32 array, each padded with block 0 to the longest."""
     width = max(map(len, tables), default=0)
@@ -175,11 +197,11 @@ def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter
         if n == 1:  # a decode: the common case, kept to a few operations
             input_ids.append(seq.token_ids[start])
             positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
+            slots.append(slot_of(table, start, block_size))
         else:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            slots.extend(slot_of(table, p, block_size) for p in range(start, end))
         query_lens.append(n)
         inp.context_lens.append(end)
         if end == len(seq.token_ids):
@@ -215,7 +237,7 @@ def _add_verification_rows(inp: ModelInput, s, block_size: int, tables: BlockTab
         pos = start + j
         inp.input_ids.append(token)
         inp.positions.append(pos)
-        inp.slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        inp.slot_mapping.append(slot_of(table, pos, block_size))
         inp.query_lens.append(1)
         inp.context_lens.append(pos + 1)
         inp.logits_indices.append(len(inp.input_ids) - 1)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from kvserve.engine import LLM
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
-from kvserve.engine.core.speculation import Speculator, exact_rows
 from kvserve.engine.layers.linear import compute_rows_alike
 from kvserve.engine.spec_decode.policy import StepCosts
+from kvserve.engine.spec_decode.speculator import Speculator
 
 # a step-cost table under which drafting up to 8 rows is nearly free: tests of speculation then do
 # not depend on what the start-up measurement gave on a busy machine
@@ -22,7 +22,7 @@ def with_control_plane(llm: LLM, step_costs: StepCosts = FLAT_STEP_COSTS, **chan
     eng = llm.engine
     cfg = eng.config.replace(**changes)
     eng.speculator = (None if cfg.speculative == "off"
-                      else Speculator(cfg, step_costs, exact_rows(eng.executor)))
+                      else Speculator(cfg, step_costs, eng.executor.exact_rows()))
     runner = eng.executor  # in process: speculating, its float projections compute rows alike, as a
     if cfg.speculative != "off" and getattr(runner, "rows_alike", False) is None:  # runner built so does
         runner.rows_alike = compute_rows_alike(runner.model)

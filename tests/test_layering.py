@@ -4,10 +4,12 @@ Between the top-level packages: the engine knows nothing of the network, the ser
 the clients, the clients nothing of the server; only the command line (``cli.py``), the
 benchmarks and the test harness (``testing/``) gather them. Inside the engine: the front-end (and
 so the gRPC process) never reaches the model's code, layers and models never reach the engine
-core, the front-end or the executor, ``distributed/`` and ``process/`` are leaves, and the control
-plane imports no torch. No module imports itself back through others (no circles), no file is over
-400 lines and no folder but ``models/`` and ``layers/`` holds more than eight modules. An engine on
-the CPU never imports Triton (kvserve.kernels loads its Triton modules on first use).
+core, the front-end or the executor, ``distributed/`` and ``process/`` are leaves, the core imports
+no model code but the sampler, speculation (``spec_decode/``) reaches none at all, and the control
+plane imports no torch. No module imports itself back through others (no circles), no Python file
+is over 400 lines (no C source over 600) and no folder but ``models/`` and ``layers/`` holds more
+than eight modules. An engine on the CPU never imports Triton (kvserve.kernels loads its Triton
+modules on first use).
 
 Imports are read from the source (``ast``), lazy ones inside functions included, so a rule
 cannot be dodged by moving an import into a function.
@@ -140,6 +142,9 @@ NEVER_REACHES = {
     "kvserve.engine.distributed": engine("core", "frontend", "executor", "runner", "layers", "models"),
     "kvserve.engine.process": engine("core", "frontend", "executor", "runner", "layers", "models"),
     "kvserve.kernels": ("kvserve.engine",),
+    # speculation is control-plane logic: what it needs of the model the executor answers
+    "kvserve.engine.spec_decode": (*engine("core", "executor", "runner", "layers", "models"),
+                                   "kvserve.kernels"),
 }
 
 
@@ -148,6 +153,16 @@ def test_group_never_reaches_what_it_must_not_know(group):
     modules = [m for m in GRAPH if under(m, group)]
     assert modules, f"no modules under {group}"
     offenders = {m: sorted(r for r in reachable(m) if under(r, *NEVER_REACHES[group])) for m in modules}
+    assert {m: bad for m, bad in offenders.items() if bad} == {}
+
+
+def test_the_core_imports_no_model_code_but_the_sampler():
+    """The core drives the executor and asks it (rows alike, block counts); it never looks at the
+    model's layers, models or kernels itself. The sampler, which turns its logits into tokens, is
+    its one import from layers/."""
+    model_code, sampler = (*engine("layers", "models"), "kvserve.kernels"), "kvserve.engine.layers.sampler"
+    offenders = {m: sorted(i for i in GRAPH[m] if under(i, *model_code) and i != sampler)
+                 for m in GRAPH if under(m, "kvserve.engine.core")}
     assert {m: bad for m, bad in offenders.items() if bad} == {}
 
 
@@ -213,6 +228,14 @@ def test_no_python_file_over_400_lines():
     # make proto/kvserve/vllm/vllm_engine_pb2_grpc.py longer than that
     long = {str(p.relative_to(ROOT)): n for p in tracked_python_files()
             if "_pb2" not in p.name and (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_no_c_source_over_600_lines():
+    """The CPU kernels: a source that holds several instruction sets under #if splits them into a
+    file each (gemm_avx512.h / gemm_avx2.h, attention_avx512.h / attention_avx2.h) before this."""
+    csrc = ROOT / "kernels" / "cpu" / "csrc"
+    long = {p.name: n for p in sorted(csrc.glob("*.[ch]")) if (n := len(p.read_text().splitlines())) > 600}
     assert long == {}
 
 

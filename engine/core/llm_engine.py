@@ -8,17 +8,19 @@ process, the service's engine thread under gRPC). ``add_request`` validates at t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
-from dataclasses import dataclass
 
-from kvserve.engine import config as limits
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config import (
+    EngineConfig,
+    resolve_max_model_len,
+    resolve_max_num_batched_tokens,
+    resolve_max_step_time,
+)
 from kvserve.engine.constraints import Constraint, constraint_of
-from kvserve.engine.core import speculation
 from kvserve.engine.core.block_manager import BlockManager
+from kvserve.engine.core.requests import Choice, Request, choice_params
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
@@ -28,6 +30,7 @@ from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import FinishReason, Sequence
+from kvserve.engine.spec_decode.speculator import spec_usage, speculation_stats, speculator_for
 from kvserve.engine.spec_decode.verify import sampling_rows
 from kvserve.engine.structured.grammar import StructuredOutput
 from kvserve.engine.tokenizer.detokenizer import RequestText
@@ -37,27 +40,6 @@ from kvserve.engine.tokenizer.prompts import PromptEncoder
 log = logging.getLogger("kvserve.engine")
 
 COMPILE_WAIT_S = 0.05  # an idle engine waits this long for a grammar compile before stepping again
-
-
-@dataclass
-class _Choice:
-    """One of a request's n completions."""
-
-    seq: Sequence
-    index: int = 0
-
-
-@dataclass
-class _Request:
-    request_id: str
-    choices: list[_Choice]
-    unfinished: int = 0  # choices that have not finished yet
-    text: RequestText | None = None  # the detokenizers, when this engine detokenizes
-
-    @property
-    def seq(self) -> Sequence:
-        """Choice 0, the one that is prefilled."""
-        return self.choices[0].seq
 
 
 class LLMEngine:
@@ -70,8 +52,8 @@ class LLMEngine:
         hf_config = load_hf_config(self.source)
         device_type = resolve_device(config.device).type
         config = config.replace(
-            max_model_len=limits.resolve_max_model_len(config, hf_config),
-            max_num_batched_tokens=limits.resolve_max_num_batched_tokens(config),
+            max_model_len=resolve_max_model_len(config, hf_config),
+            max_num_batched_tokens=resolve_max_num_batched_tokens(config),
         )
         self.config = config
         self.tokenizer = load_tokenizer(self.source)
@@ -89,19 +71,19 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_model_len,
             self.eos_token_ids,
-            max_step_time=limits.resolve_max_step_time(config, device_type),
+            max_step_time=resolve_max_step_time(config, device_type),
             last_prompt_token_alone=config.enable_prefix_caching,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
-        self.speculator = speculation.speculator_for(config, self.executor)
+        self.speculator = speculator_for(config, self.executor)
         self.structured = StructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                            config.grammar_compile_workers, config.grammar_compile_timeout)
         # which row of the runners' persistent block table each running sequence has
         self.block_tables = BlockTableWriter(
             config.max_num_seqs, block_table_width(config.max_model_len, config.block_size)
         )
-        self.requests: dict[str, _Request] = {}
-        self._choices: dict[int, _Choice] = {}  # by seq_id
+        self.requests: dict[str, Request] = {}
+        self._choices: dict[int, Choice] = {}  # by seq_id
         self._forks: dict[int, list[Sequence]] = {}  # choice 0's seq_id -> the choices to fork from it
         self._aborted: list[RequestOutput] = []
         self._rejected: list[tuple[str, str]] = []
@@ -147,9 +129,9 @@ class LLMEngine:
                constraint: Constraint | None) -> None:
         seqs = [Sequence(request_id, ids, choice_params(params, i)) for i in range(params.n)]
         self.scheduler.check_fits(seqs[0])  # raises when it could never fit
-        choices = [_Choice(seq, i) for i, seq in enumerate(seqs)]
+        choices = [Choice(seq, i) for i, seq in enumerate(seqs)]
         text = RequestText(self.tokenizer, ids, params) if self.detokenize else None
-        req = _Request(request_id, choices, unfinished=len(choices), text=text)
+        req = Request(request_id, choices, unfinished=len(choices), text=text)
         self.requests[request_id] = req
         self._choices.update((c.seq.seq_id, c) for c in choices)
         if constraint is None:
@@ -158,7 +140,7 @@ class LLMEngine:
             self.structured.submit(req, constraint)
         self.counters["prompt_tokens_total"] += len(ids)
 
-    def _schedule(self, req: _Request) -> None:
+    def _schedule(self, req: Request) -> None:
         """Hand choice 0 to the scheduler; the other choices fork from it after its prefill."""
         if len(req.choices) > 1:  # choices 1..n-1 fork from choice 0 after its prefill
             self._forks[req.seq.seq_id] = [c.seq for c in req.choices[1:]]
@@ -182,7 +164,7 @@ class LLMEngine:
         rejected, self._rejected = self._rejected, []
         return rejected
 
-    def _drop(self, req: _Request) -> None:
+    def _drop(self, req: Request) -> None:
         """Forget a request whose choices have all ended."""
         self.requests.pop(req.request_id, None)
         self._forks.pop(req.seq.seq_id, None)
@@ -278,7 +260,7 @@ class LLMEngine:
             if seq.num_completion_tokens == 0 and seq.seq_id in self._forks:
                 self.scheduler.fork(seq, self._forks.pop(seq.seq_id))
 
-    def _emit(self, choice: _Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
+    def _emit(self, choice: Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         seq = choice.seq
         out = self._output(choice, tokens, logprobs)
         request = self.requests[seq.request_id]
@@ -288,14 +270,14 @@ class LLMEngine:
             self._choice_finished(request, seq)
         return out
 
-    def _choice_finished(self, request: _Request, seq: Sequence) -> None:
+    def _choice_finished(self, request: Request, seq: Sequence) -> None:
         self.structured.detach(seq)
         request.unfinished -= 1
         if not request.unfinished:
             self._drop(request)
             self.counters["requests_finished"] += 1
 
-    def _output(self, choice: _Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
+    def _output(self, choice: Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         seq = choice.seq
         return RequestOutput(
             request_id=seq.request_id,
@@ -309,8 +291,8 @@ class LLMEngine:
             cached_tokens=seq.num_cached_prompt_tokens or 0,
             times=seq.times,
             index=choice.index,
-            draft_tokens=speculation.spec_usage(seq)[0],
-            accepted_draft_tokens=speculation.spec_usage(seq)[1],
+            draft_tokens=spec_usage(seq)[0],
+            accepted_draft_tokens=spec_usage(seq)[1],
         )
 
     # ---- state ----------------------------------------------------------------------------
@@ -344,7 +326,7 @@ class LLMEngine:
             "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
-            **speculation.speculation_stats(self.speculator and self.speculator.counters),
+            **speculation_stats(self.speculator and self.speculator.counters),
             "requests_rejected": 0,
             "uptime_s": time.monotonic() - self.started,
         }
@@ -389,11 +371,3 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index`` of a request samples with its own seed stream, ``seed + index``."""
-    if index == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=params.seed + index)
-

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.distributed import channels as tpd
+from kvserve.engine.distributed import channels
 from kvserve.engine.distributed.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.engine.executor.worker import WorkerProcesses, WorkerSpec, pin_device
 from kvserve.engine.model_input import ModelInput
@@ -41,6 +41,7 @@ from kvserve.engine.model_loader.loader import load_hf_config, resolve_device
 from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.process.child_process import PipeDoorbell
 from kvserve.engine.runner.model_runner import ModelRunner
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
 
 log = logging.getLogger("kvserve.engine.executor.executor")
 
@@ -94,8 +95,8 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group, with the surface of a ModelRunner."""
 
-    def __init__(self, config: EngineConfig, *, max_payload_bytes: int = tpd.DEFAULT_MAX_PAYLOAD,
-                 timeout_s: float = tpd.DEFAULT_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S):
+    def __init__(self, config: EngineConfig, *, max_payload_bytes: int = channels.DEFAULT_MAX_PAYLOAD,
+                 timeout_s: float = channels.DEFAULT_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S):
         check_tensor_parallel(config, load_hf_config(resolve_model(config.model)))
         self.config = config = config.replace(device=resolve_device(config.device).type)
         self.tp_size = config.tensor_parallel_size
@@ -108,10 +109,10 @@ class TensorParallelExecutor:
         self._num_threads = torch.get_num_threads()  # the leader narrows it on CPU; restored at shutdown
         self._runner: ModelRunner | None = None
         self._group: Any = None  # the world group, once joined
-        channel = tpd.resolve_channel(config)
-        self._store = tpd.listen_store(config.master_addr, config.master_port, self.tp_size, timeout_s)
-        tpd.publish_launch(self._store, tpd.Launch(config, max_payload_bytes, timeout_s))
-        self._sender: tpd.Sender | None = None  # the dist channel's comes with the groups
+        channel = channels.resolve_channel(config)
+        self._store = channels.listen_store(config.master_addr, config.master_port, self.tp_size, timeout_s)
+        channels.publish_launch(self._store, channels.Launch(config, max_payload_bytes, timeout_s))
+        self._sender: channels.Sender | None = None  # the dist channel's comes with the groups
         self._workers = self._spawn_local_workers(channel)
         self._finalizer = weakref.finalize(self, _release, self._workers, self._sender, self._doorbells)
         self._workers.watch(self._on_worker_death)
@@ -133,7 +134,7 @@ class TensorParallelExecutor:
         local = self.tp_size // self.config.nnodes
         self._doorbells = [PipeDoorbell() for _ in range(local - 1)] if channel == "shm" else []
         if channel == "shm":
-            self._sender = tpd.ShmSender(self._doorbells, self.max_payload_bytes, self._timeout_s)
+            self._sender = channels.ShmSender(self._doorbells, self.max_payload_bytes, self._timeout_s)
         specs = [WorkerSpec(rank, rank, self.config.master_addr, self._store.port, channel,
                             getattr(self._sender, "name", None)) for rank in range(1, local)]
         try:
@@ -149,9 +150,16 @@ class TensorParallelExecutor:
     def execute_model(self, inp: ModelInput) -> torch.Tensor:
         """Run one step on every rank; returns rank 0's logits."""
         self._raise_if_broken()
-        cmd = tpd.Command(tpd.EXECUTE_MODEL, inp.to_bytes())
-        tpd.check_payload_size(cmd.nbytes, self.max_payload_bytes)  # before anything is sent
+        cmd = channels.Command(channels.EXECUTE_MODEL, inp.to_bytes())
+        channels.check_payload_size(cmd.nbytes, self.max_payload_bytes)  # before anything is sent
         return self._wait(self._leader.submit(lambda: self._step(cmd, inp)))
+
+    def exact_rows(self) -> int | None:
+        """``ModelRunner.exact_rows`` for the group: any count on a GPU; on the CPU the rows the row
+        kernel takes (``RowsAlike``) even where every projection is packed for gemm.c, since a step's
+        all-reduces over more rows were never shown to sum each row alike (up to MAX_FUSED_ROWS:
+        tests/engine/executor/test_tp_speculation.py)."""
+        return None if self.device.type != "cpu" else MAX_FUSED_ROWS
 
     def add_failure_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(reason)`` once, from any thread, when the group breaks (a worker
@@ -200,35 +208,35 @@ class TensorParallelExecutor:
         """Rank 0's start-up, mirrored by every worker: groups, runner, handshake."""
         pin_device(self.config, 0)
         # join only once every rank is about to: a rank that died first would stall the join
-        tpd.wait_for_ranks(self._store, range(1, self.tp_size), lambda: self._closed, self._timeout_s)
-        group, control = tpd.init_groups(self._store, 0, self.tp_size,
-                                         tpd.collective_backend(self.config.device), self._timeout_s)
+        channels.wait_for_ranks(self._store, range(1, self.tp_size), lambda: self._closed, self._timeout_s)
+        group, control = channels.init_groups(self._store, 0, self.tp_size,
+                                         channels.collective_backend(self.config.device), self._timeout_s)
         self._group = group
         self._runner = ModelRunner(self.config, ParallelContext(0, self.tp_size, group))
         if self._sender is None:
-            self._sender = tpd.DistSender(control, self.max_payload_bytes)
-        return tpd.all_reduce_min(self._runner.num_kv_blocks, control)
+            self._sender = channels.DistSender(control, self.max_payload_bytes)
+        return channels.all_reduce_min(self._runner.num_kv_blocks, control)
 
-    def _step(self, cmd: tpd.Command, inp: ModelInput) -> torch.Tensor:
+    def _step(self, cmd: channels.Command, inp: ModelInput) -> torch.Tensor:
         self._sender.send(cmd)
         return self._runner.execute_model(inp)
 
     def _heartbeat(self) -> None:
         if self._failure is None and not self._closed and self._runner is not None:
             try:
-                self._sender.send(tpd.Command(tpd.PING))
+                self._sender.send(channels.Command(channels.PING))
             except Exception as exc:
                 self._fail(self._cause(wait_s=1.0) or f"heartbeat to the workers failed: {exc}")
 
     def _close_leader(self, send_shutdown: bool) -> None:
         try:
             if send_shutdown and self._runner is not None:
-                self._sender.send(tpd.Command(tpd.SHUTDOWN))
+                self._sender.send(channels.Command(channels.SHUTDOWN))
         finally:
             if self._runner is not None:
                 self._runner.shutdown()
             if self._group is not None:
-                tpd.destroy_groups()
+                channels.destroy_groups()
 
     # ---- failure handling -------------------------------------------------------------------------
     def _wait(self, future: Future) -> Any:
@@ -253,7 +261,7 @@ class TensorParallelExecutor:
         if death:
             return death
         for rank in range(1, self.tp_size):
-            error = tpd.reported_error(self._store, rank)
+            error = channels.reported_error(self._store, rank)
             if error:
                 return f"tensor-parallel worker rank {rank} failed: {error}"
         return None
@@ -316,7 +324,7 @@ class _LeaderThread:
                     future.set_exception(exc)
 
 
-def _release(workers: WorkerProcesses, sender: tpd.Sender | None, doorbells: list[PipeDoorbell]) -> None:
+def _release(workers: WorkerProcesses, sender: channels.Sender | None, doorbells: list[PipeDoorbell]) -> None:
     """After shutdown, or as a last resort (garbage collection or interpreter exit): no orphans,
     no leftover segment, no open doorbell."""
     workers.reap(grace_s=0)

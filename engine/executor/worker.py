@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.distributed import channels as tpd
+from kvserve.engine.distributed import channels
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.process.child_process import Child, Lifeline, PipeDoorbell, describe_exit, watch_lifeline
@@ -57,46 +57,47 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, doorbell=None) -> None:
     """Body of a worker process: start, then serve commands until ``shutdown``."""
-    store = tpd.connect_store(spec.master_addr, spec.master_port, tpd.DEFAULT_TIMEOUT_S)
+    store = channels.connect_store(spec.master_addr, spec.master_port, channels.DEFAULT_TIMEOUT_S)
     try:
-        launch = tpd.fetch_launch(store)
+        launch = channels.fetch_launch(store)
         runner, receiver = _start(spec, launch, store, doorbell)
         tune_gc()
         _serve(runner, receiver)
     except BaseException as exc:
-        tpd.report_error(store, spec.rank, exc)
+        channels.report_error(store, spec.rank, exc)
         raise
     finally:
-        tpd.destroy_groups()
+        channels.destroy_groups()
 
 
-def _start(spec: WorkerSpec, launch: tpd.Launch, store, doorbell) -> tuple[ModelRunner, tpd.Receiver]:
+def _start(spec: WorkerSpec, launch: channels.Launch, store,
+           doorbell) -> tuple[ModelRunner, channels.Receiver]:
     """Mirror of the leader's start-up, in the same order: groups, runner, handshake."""
     config = launch.config if spec.model is None else launch.config.replace(model=spec.model)
     world = config.tensor_parallel_size
     pin_device(config, spec.local_rank)
-    tpd.announce_rank(store, spec.rank)
-    group, control = tpd.init_groups(store, spec.rank, world, tpd.collective_backend(config.device),
+    channels.announce_rank(store, spec.rank)
+    group, control = channels.init_groups(store, spec.rank, world, channels.collective_backend(config.device),
                                      launch.timeout_s)
     if spec.channel == "shm":
-        receiver = tpd.ShmReceiver(spec.shm_name, spec.rank - 1, doorbell, world - 1)
+        receiver = channels.ShmReceiver(spec.shm_name, spec.rank - 1, doorbell, world - 1)
     else:
-        receiver = tpd.DistReceiver(control, launch.max_payload)
+        receiver = channels.DistReceiver(control, launch.max_payload)
     runner = ModelRunner(config, ParallelContext(spec.rank, world, group))
-    tpd.all_reduce_min(runner.num_kv_blocks, control)
+    channels.all_reduce_min(runner.num_kv_blocks, control)
     return runner, receiver
 
 
-def _serve(runner: ModelRunner, receiver: tpd.Receiver) -> None:
+def _serve(runner: ModelRunner, receiver: channels.Receiver) -> None:
     while True:
         cmd = receiver.recv()
-        if cmd.name == tpd.EXECUTE_MODEL:
+        if cmd.name == channels.EXECUTE_MODEL:
             runner.execute_model(ModelInput.from_bytes(cmd.body))
-        elif cmd.name == tpd.SHUTDOWN:
+        elif cmd.name == channels.SHUTDOWN:
             runner.shutdown()
             receiver.close()
             return
-        elif cmd.name != tpd.PING:
+        elif cmd.name != channels.PING:
             raise RuntimeError(f"unknown tensor-parallel command {cmd.name!r}")
 
 
@@ -114,8 +115,8 @@ def run_node(node_rank: int, master_addr: str, master_port: int, model: str | No
     """
     if node_rank < 1:
         raise ValueError(f"node_rank must be >= 1 on a worker machine (0 is the leader), got {node_rank}")
-    store = tpd.connect_store(master_addr, master_port, tpd.DEFAULT_TIMEOUT_S)
-    config = tpd.fetch_launch(store).config
+    store = channels.connect_store(master_addr, master_port, channels.DEFAULT_TIMEOUT_S)
+    config = channels.fetch_launch(store).config
     if node_rank >= config.nnodes:
         raise ValueError(f"node_rank must be < nnodes ({config.nnodes}), got {node_rank}")
     per_node = config.tensor_parallel_size // config.nnodes
@@ -239,7 +240,7 @@ class WorkerProcesses:
 
     def _describe(self, rank: int, proc: Any) -> str:
         what = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
-        error = tpd.reported_error(self.store, rank)
+        error = channels.reported_error(self.store, rank)
         return f"{what}: {error}" if error else what
 
 

@@ -32,9 +32,18 @@ from kvserve.engine.layers.attention.backend import (
     create_attention_backend,
     to_device,
 )
-from kvserve.engine.layers.linear import compute_rows_alike, pack_model_weights
+from kvserve.engine.layers.embed_head import ParallelLMHead
+from kvserve.engine.layers.linear import LinearBase, compute_rows_alike, pack_model_weights
+from kvserve.engine.layers.moe import FusedExperts
 from kvserve.engine.layers.quantization import quantize_model
-from kvserve.engine.model_input import BlockTableArray, ModelInput, block_table_width, step_block_tables
+from kvserve.engine.model_input import (
+    BlockTableArray,
+    ModelInput,
+    block_table_width,
+    blocks_for,
+    step_block_tables,
+    synthetic_input,
+)
 from kvserve.engine.model_loader.loader import load_hf_config, load_weights, resolve_device, resolve_dtype
 from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.models import build_model
@@ -51,6 +60,7 @@ from kvserve.engine.runner.cuda_graphs import (
 )
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
 from kvserve.kernels.cpu.bindings import load_kernels
 
 log = logging.getLogger("kvserve.engine.runner.model_runner")
@@ -209,6 +219,21 @@ class ModelRunner:
         one_block = math.prod(layer_block)
         return 2 * self.hf_config.num_hidden_layers * one_block * self.cache_dtype.itemsize
 
+    def exact_rows(self) -> int | None:
+        """How many decode rows a step may hold and still compute each row as alone (what
+        speculation's verification relies on): any (None) on a GPU, where speculation agrees up to
+        near ties, and on the CPU where every projection and the LM head multiply in csrc/gemm.c
+        (packed bfloat16: a row's sums run in one order at any count; no mixture of experts);
+        else MAX_FUSED_ROWS, the rows the fused decode step and the row kernel (``RowsAlike``) take."""
+        if self.device.type != "cpu":
+            return None
+        modules = list(self.model.modules())
+        linears = [m for m in modules if isinstance(m, LinearBase | ParallelLMHead)]
+        if (linears and all(isinstance(m.packed, PackedWeight) for m in linears)
+                and not any(isinstance(m, FusedExperts) for m in modules)):
+            return None
+        return MAX_FUSED_ROWS
+
     def _count_kv_blocks(self, record_graph: Recorder | None) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
@@ -286,24 +311,14 @@ class ModelRunner:
     def _warm_up_input(self) -> ModelInput:
         """The largest prefill one step can hold: ``max_num_batched_tokens`` tokens in sequences
         of at most ``max_model_len``, with blocks numbered from 0."""
-        max_len = self.max_model_len
-        tokens = self.max_num_batched_tokens
+        max_len, tokens = self.max_model_len, self.max_num_batched_tokens
         lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
         lens = lens[: self.config.max_num_seqs]
-        inp = ModelInput([], [], [], [], [], [], [])
-        next_block = 0
+        tables, next_block = [], 0
         for n in lens:
-            table = list(range(next_block, next_block + -(-n // self.block_size)))
-            next_block += len(table)
-            inp.input_ids += [0] * n
-            inp.positions += range(n)
-            inp.slot_mapping += [table[p // self.block_size] * self.block_size + p % self.block_size
-                                 for p in range(n)]
-            inp.query_lens.append(n)
-            inp.context_lens.append(n)
-            inp.block_tables.append(table)
-            inp.logits_indices.append(len(inp.input_ids) - 1)
-        return inp
+            tables.append(list(range(next_block, next_block + blocks_for(n, self.block_size))))
+            next_block += len(tables[-1])
+        return synthetic_input([(0, n) for n in lens], tables, self.block_size)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """One tensor [2, layers, *per-layer shape]; each layer gets views. The per-layer shape is

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kvserve.cli import build_parser
-from kvserve.engine.core.speculation import speculation_stats
+from kvserve.engine.spec_decode.speculator import speculation_stats
 from kvserve.service.telemetry.metrics import SnapshotCollector
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")

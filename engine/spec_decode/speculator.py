@@ -17,13 +17,13 @@ import logging
 import time
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.model_input import ModelInput
+from kvserve.engine.model_input import ModelInput, blocks_for, synthetic_input
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.engine.spec_decode.ngram import NgramIndex
 from kvserve.engine.spec_decode.policy import SpecState, StepCosts, allocate
 from kvserve.engine.spec_decode.verify import accepted_run
 
-log = logging.getLogger("kvserve.engine.speculation")
+log = logging.getLogger("kvserve.engine.spec_decode")
 
 MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64)
 MEASURE_CONTEXT = 128  # context length of the timed rows
@@ -34,7 +34,8 @@ class Speculator:
     """``exact_rows``: where a step of that many decode rows or fewer computes each row as a
     one-row step would (the CPU's fused decode step), drafts never take a step that fits past it,
     so that a batch of up to that many sequences gives the tokens of plain decoding bit for bit
-    (None: rows alike at any count, ``exact_rows()``)."""
+    (None: rows alike at any count). The executor answers it (``exact_rows()``): the core never
+    looks at the model's layers or kernels."""
 
     def __init__(self, config: EngineConfig, costs: StepCosts, exact_rows: int | None = None,
                  observe_costs: bool = False):
@@ -122,7 +123,7 @@ def speculator_for(config: EngineConfig, executor) -> Speculator | None:
         return None
     costs = measure_step_costs(executor.execute_model, executor.num_kv_blocks, config.block_size,
                                config.max_num_batched_tokens)
-    return Speculator(config, costs, exact_rows=exact_rows(executor),
+    return Speculator(config, costs, exact_rows=executor.exact_rows(),
                       observe_costs=executor.device.type == "cpu")
 
 
@@ -134,27 +135,6 @@ def speculation_stats(counters: dict | None) -> dict:
             "spec_decode_acceptance_rate": accepted / tokens if tokens else 0.0,
             # tokens a verification step emits per sequence, the bonus token included
             "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else 0.0}
-
-
-def exact_rows(executor) -> int | None:
-    """How many decode rows a step may hold and still compute each row as alone: any (None) on a
-    GPU, and on the CPU where every projection and the LM head multiply in csrc/gemm.c (their
-    packed bfloat16 copies, by which a row's result does not depend on the rows beside it at any
-    count; one process, no mixture of experts); else the fused decode step's MAX_FUSED_ROWS."""
-    if executor.device.type != "cpu":
-        return None
-    from kvserve.engine.layers.embed_head import ParallelLMHead
-    from kvserve.engine.layers.linear import LinearBase
-    from kvserve.engine.layers.moe import FusedExperts
-    from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
-
-    model = getattr(executor, "model", None)  # a ModelRunner; a tensor-parallel executor's are in its workers
-    modules = list(model.modules()) if model is not None else []
-    linears = [m for m in modules if isinstance(m, LinearBase | ParallelLMHead)]
-    if (linears and all(isinstance(m.packed, PackedWeight) for m in linears)
-            and not any(isinstance(m, FusedExperts) for m in modules)):
-        return None
-    return MAX_FUSED_ROWS
 
 
 def spec_usage(seq: Sequence) -> tuple[int, int]:
@@ -188,9 +168,5 @@ def measure_step_costs(execute, num_kv_blocks: int, block_size: int, max_rows: i
 
 def _synthetic_rows(context: int, rows: int, block_size: int) -> ModelInput:
     """Decode rows of one sequence at positions context.., over blocks numbered from 0."""
-    end = context + rows
-    table = list(range(-(-end // block_size)))
-    positions = list(range(context, end))
-    slots = [table[p // block_size] * block_size + p % block_size for p in positions]
-    return ModelInput([0] * rows, positions, [1] * rows, [p + 1 for p in positions], [table] * rows, slots,
-                      list(range(rows)))
+    table = list(range(blocks_for(context + rows, block_size)))
+    return synthetic_input([(p, 1) for p in range(context, context + rows)], [table] * rows, block_size)
