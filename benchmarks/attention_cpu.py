@@ -38,7 +38,7 @@ CPU = torch.device("cpu")
 def step_input(block_size: int, seqs: list[tuple[list[int], int, int]]) -> ModelInput:
     """A step over hand-made block tables: per sequence (its blocks, tokens already cached, new
     tokens), the new tokens' positions and cache slots."""
-    inp = ModelInput([], [], [], [], [], [], [])
+    inp = ModelInput()
     for blocks, cached, n in seqs:
         positions = list(range(cached, cached + n))
         inp.input_ids += [1] * n

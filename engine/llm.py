@@ -17,9 +17,8 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str = "default", **config):
-        # No step-time bound unless asked for: the bound keeps the server's streams' token gaps
-        # short, and generate() returns whole outputs (the issue's offline workload on a 2-core
-        # Zen 3, alternating runs: 33.3-33.5 s without it, 34.6-38.4 s with 500 ms)
+        # No step-time bound unless asked for: the bound keeps a server's streams' token gaps short,
+        # and generate() returns whole outputs (docs/performance/tuning.md has the figures)
         config.setdefault("max_step_time_ms", 0)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
         self._ids = itertools.count()

@@ -29,13 +29,16 @@ import numpy as np
 
 @dataclass
 class ModelInput:
-    input_ids: list[int]  # flattened new tokens of every scheduled sequence, batch order
-    positions: list[int]  # position of each of those tokens in its sequence
-    query_lens: list[int]  # per sequence: tokens computed this step
-    context_lens: list[int]  # per sequence: KV length after this step (cached + new)
-    block_tables: list[list[int]]  # per sequence: its KV block ids, in inputs built by hand only
-    slot_mapping: list[int]  # per token: block_id * block_size + offset where its K/V goes; -1 = skip
-    logits_indices: list[int]  # flat token indices whose logits are wanted (last token of sampling seqs)
+    input_ids: list[int] = field(default_factory=list)  # flattened new tokens of every scheduled sequence
+    positions: list[int] = field(default_factory=list)  # position of each of those tokens in its sequence
+    query_lens: list[int] = field(default_factory=list)  # per sequence: tokens computed this step
+    context_lens: list[int] = field(default_factory=list)  # per sequence: KV length after this step
+    # per sequence: its KV block ids, in inputs built by hand only
+    block_tables: list[list[int]] = field(default_factory=list)
+    # per token: block_id * block_size + offset where its K/V goes (``slot_of``); -1 = skip
+    slot_mapping: list[int] = field(default_factory=list)
+    # flat token indices whose logits are wanted (the last token of sampling sequences)
+    logits_indices: list[int] = field(default_factory=list)
     # per sequence: its row in the runners' persistent block table; [] = use block_tables alone
     seq_rows: list[int] = field(default_factory=list)
     table_updates: list[list[int]] = field(default_factory=list)  # [row, first column, *block ids]
@@ -148,7 +151,7 @@ def synthetic_input(spans: list[tuple[int, int]], tables: list[list[int]], block
     """Token-0 inputs with no request behind them (start-up measurements, warm-up): per span
     (first position, tokens) one sequence over its block table in ``tables``, computing those
     positions with its context ending at the last, the logits of its last token wanted."""
-    inp = ModelInput([], [], [], [], [], [], [])
+    inp = ModelInput()
     for (start, n), table in zip(spans, tables, strict=True):
         end = start + n
         inp.input_ids += [0] * n
@@ -184,7 +187,7 @@ def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter
     """Lay out a scheduler step (``ScheduledSeq`` items, batch order) as one flat batch; with
     ``tables``, each sequence's row in the runners' block table and the blocks they lack instead
     of its whole block table."""
-    inp = ModelInput([], [], [], [], [], [], [])
+    inp = ModelInput()
     input_ids, positions, slots, query_lens = inp.input_ids, inp.positions, inp.slot_mapping, inp.query_lens
     for s in scheduled:
         seq, n = s.seq, s.num_tokens

@@ -1,6 +1,6 @@
 """Per-request sampling parameters: the Python mirror of the gRPC ``SamplingParams``.
 
-Field names and defaults are the API contract (DESIGN.md §3). ``validate()`` raises
+Field names and defaults are the API contract (``proto/kvserve/v1/llm.proto``). ``validate()`` raises
 ``ValueError`` naming the field and the limit; the service maps it to INVALID_ARGUMENT.
 """
 

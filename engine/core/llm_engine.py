@@ -2,8 +2,9 @@
 
 ``LLMEngine`` owns the scheduler, block manager, model runner (or tensor-parallel executor),
 sampler and detokenizers. It is not thread-safe: one thread drives it (``LLM.generate`` in
-process, the service's engine thread under gRPC). ``add_request`` validates at the door;
-``step`` runs one scheduler + model step; ``abort`` ends a request in any state.
+process; under gRPC, the engine-core process's loop, ``core/core_process.py``). ``add_request``
+validates at the door; ``step`` runs one scheduler + model step; ``abort`` ends a request in any
+state.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The sampler: turns each sequence's last-position logits into its next token.
 
-Owns the per-request sampling policy (DESIGN.md §3 SamplingParams): penalties, the
+Owns the per-request sampling policy (``SamplingParams``, proto/kvserve/v1/llm.proto): penalties, the
 min_tokens mask, greedy argmax, temperature, min_p / top_k / top_p truncation, the random
 draw and the raw-distribution logprobs.
 

@@ -1,4 +1,5 @@
-"""Which gRPC status an error becomes (DESIGN.md §3): the one place that decides it.
+"""Which gRPC status an error becomes: the one place that decides it (docs/deployment/limits.md
+lists them by cause).
 
 Messages are cut to ``STATUS_MESSAGE_CHARS``: they travel in a trailer, and one larger than
 the peer's metadata limit would reach the client as a different error (a 100 KB chat role

@@ -1,5 +1,5 @@
 """The committed Python stubs are those of the current llm.proto, and the proto agrees with
-the engine's Python types (DESIGN.md §3 names)."""
+the engine's Python types (the same field names)."""
 
 from __future__ import annotations
 

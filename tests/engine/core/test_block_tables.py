@@ -86,7 +86,8 @@ def test_a_steps_tables_are_padded_with_block_0_past_each_context_even_in_a_reus
     writer, array = BlockTableWriter(2, 8), BlockTableArray(2, 8)
     array.apply([writer.place(1, [3, 9, 4, 7])[1]])
     writer.retain([])  # sequence 1 ended; its row still holds [3, 9, 4, 7]
-    inp = ModelInput([0, 0], [4, 20], [1, 1], [5, 21], [], [0, 0], [0, 1])
+    inp = ModelInput(input_ids=[0, 0], positions=[4, 20], query_lens=[1, 1], context_lens=[5, 21],
+                     slot_mapping=[0, 0], logits_indices=[0, 1])
     for seq_id, table in ((2, [6, 2]), (3, [5, 1, 8, 11, 12, 13])):
         row, update = writer.place(seq_id, table)
         inp.seq_rows.append(row)

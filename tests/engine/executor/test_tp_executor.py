@@ -80,7 +80,7 @@ def greedy(executor, prompts: list[list[int]], joins: list[int] | None = None,
     step_logits = []
     for step in range(STEPS):
         active = [i for i in range(len(prompts)) if joins[i] <= step]
-        inp = ModelInput([], [], [], [], [], [], [])
+        inp = ModelInput()
         for i in active:
             start, end = computed[i], len(seqs[i])
             inp.input_ids += seqs[i][start:end]
@@ -170,7 +170,9 @@ def test_qwen3_at_tp2_gives_the_run_of_tp1_and_refuses_an_oversized_payload(qwen
         assert executor.is_healthy() and executor.num_kv_blocks == 32 and executor.vocab_size == 301
         assert_same_run(greedy(executor, PROMPTS, JOINS), qwen_reference)
         n = 1000
-        huge = ModelInput(list(range(n)), list(range(n)), [n], [n], [list(range(63))], [-1] * n, [n - 1])
+        huge = ModelInput(input_ids=list(range(n)), positions=list(range(n)), query_lens=[n],
+                          context_lens=[n], block_tables=[list(range(63))], slot_mapping=[-1] * n,
+                          logits_indices=[n - 1])
         with pytest.raises(PayloadTooLargeError, match=r"of \d+ bytes exceeds the channel limit of 4096"):
             executor.execute_model(huge)
         assert executor.is_healthy()  # nothing was sent: the ranks are still in step
@@ -252,7 +254,8 @@ def test_killed_worker_breaks_the_engine_loudly_and_leaves_no_orphans(tmp_path):
             greedy(executor, PROMPTS, JOINS, after_step=kill_at_step_4)
         assert not executor.is_healthy()
         with pytest.raises(TensorParallelError, match="must be restarted"):
-            executor.execute_model(ModelInput([1], [0], [1], [1], [[0]], [0], [0]))
+            executor.execute_model(ModelInput(input_ids=[1], positions=[0], query_lens=[1], context_lens=[1],
+                                               block_tables=[[0]], slot_mapping=[0], logits_indices=[0]))
     finally:
         executor.shutdown()
     assert_reaped(pids)

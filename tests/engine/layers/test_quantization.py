@@ -157,8 +157,9 @@ def test_unknown_quantization_is_refused_with_the_field_name():
 
 
 def _logits(model: str, quantization: str | None, ids: list[int]) -> tuple[torch.Tensor, ModelRunner]:
-    inp = ModelInput(ids, list(range(len(ids))), [len(ids)], [len(ids)], [[0, 1]],
-                     list(range(len(ids))), list(range(len(ids))))
+    every = list(range(len(ids)))
+    inp = ModelInput(input_ids=ids, positions=every, query_lens=[len(ids)], context_lens=[len(ids)],
+                     block_tables=[[0, 1]], slot_mapping=list(every), logits_indices=list(every))
     config = EngineConfig(model=model, dtype="float32", num_kv_blocks=4, quantization=quantization)
     runner = ModelRunner(config)
     return runner.execute_model(inp), runner

@@ -101,7 +101,7 @@ def test_runner_refuses_a_cpu_device_with_real_cuda_graphs():
 
 def model_input(query_lens, block_tables, block_size=4):
     """A step of sequences whose last block is one short of full, computing ``query_lens`` tokens."""
-    inp = ModelInput([], [], [], [], [], [], [])
+    inp = ModelInput()
     for q, table in zip(query_lens, block_tables, strict=True):
         length = len(table) * block_size - 1
         positions = range(length - q, length)

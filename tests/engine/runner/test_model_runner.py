@@ -61,7 +61,7 @@ class Seq:
 
 
 def batch(*chunks: dict, all_logits: bool = False) -> ModelInput:
-    inp = ModelInput([], [], [], [], [], [], [])
+    inp = ModelInput()
     for c in chunks:
         if all_logits:
             inp.logits_indices += range(len(inp.input_ids), len(inp.input_ids) + len(c["ids"]))

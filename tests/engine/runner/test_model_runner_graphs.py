@@ -56,7 +56,7 @@ class Seq:
 
 def step(seqs: list[Seq], new_ids: list[list[int]], logits_for: list[bool] | None = None) -> ModelInput:
     """One step in which ``seqs[i]`` computes ``new_ids[i]``; logits for the rows ``logits_for`` marks."""
-    inp = ModelInput([], [], [], [], [], [], [])
+    inp = ModelInput()
     for i, (seq, ids) in enumerate(zip(seqs, new_ids, strict=True)):
         positions = range(seq.len, seq.len + len(ids))
         seq.len += len(ids)
@@ -129,7 +129,7 @@ def test_graph_replay_takes_block_tables_from_the_runners_persistent_array(runne
 def step_copy(inp: ModelInput) -> ModelInput:
     names = ("input_ids", "positions", "query_lens", "context_lens", "block_tables", "slot_mapping",
              "logits_indices")
-    return ModelInput(*(list(getattr(inp, name)) for name in names))
+    return ModelInput(**{name: list(getattr(inp, name)) for name in names})
 
 
 def test_graph_path_returns_logits_only_for_the_rows_asked(runners):

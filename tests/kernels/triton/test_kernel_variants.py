@@ -73,7 +73,7 @@ class Pool:
         self.rng.shuffle(self.free)
 
     def step(self, query_lens: list[int], cached: list[int]) -> ModelInput:
-        inp = ModelInput([], [], [], [], [], [], [])
+        inp = ModelInput()
         for q, c in zip(query_lens, cached, strict=True):
             length = c + q
             table = [self.free.pop() for _ in range(-(-length // BLOCK_SIZE))]

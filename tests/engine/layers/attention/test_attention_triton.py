@@ -31,7 +31,7 @@ class Seq:
 def step_input(seqs: list[Seq], new_tokens: list[int], vocab: int = 128, seed: int = 0) -> ModelInput:
     """The ModelInput of one step in which sequence i computes ``new_tokens[i]`` more tokens."""
     gen = torch.Generator().manual_seed(seed)
-    inp = ModelInput([], [], [], [], [], [], [])
+    inp = ModelInput()
     for seq, n in zip(seqs, new_tokens, strict=True):
         positions = list(range(seq.cached, seq.cached + n))
         inp.input_ids += torch.randint(vocab, (n,), generator=gen).tolist()
