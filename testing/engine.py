@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvserve.engine import LLM
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
-from kvserve.engine.layers.linear import compute_rows_alike
+from kvserve.engine.layers.cpu_matmul import compute_rows_alike
 from kvserve.engine.spec_decode.policy import StepCosts
 from kvserve.engine.spec_decode.speculator import Speculator
 

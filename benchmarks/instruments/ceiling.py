@@ -6,7 +6,7 @@ Measured in the same process as the run it judges (same threads, same load on th
   q|k|v, o, gate|up and down of every layer with weights of the model's shapes (one tensor per
   layer, so nothing stays in cache that would not in the real model), plus the LM head over the
   sampled rows. No attention, no norms, no sampling, no overhead. They run as the engine runs
-  them (``engine/layers/linear.py`` ``linear``: one row through the C kernel, bfloat16 on the CPU
+  them (``engine/layers/cpu_matmul.py`` ``linear``: one row through the C kernel, bfloat16 on the CPU
   with oneDNN-blocked weights), so ``step / matmul`` is what a step adds to its multiplications;
   ``plain=True`` times plain ``F.linear`` instead (what the engine did before it blocked them).
 - ``memory_bandwidth``: bytes per second of a sum over 1 GiB (what reading the KV cache costs).
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.layers.linear import linear, pack_weight
+from kvserve.engine.layers.cpu_matmul import linear, pack_weight
 from kvserve.kernels.cpu.abi import cache_row_width
 
 GiB = 1 << 30

@@ -16,7 +16,7 @@ import torch
 
 from kvserve.benchmarks import write_json
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.layers.linear import onednn_bf16
+from kvserve.engine.layers.cpu_matmul import onednn_bf16
 from kvserve.engine.models.decode_row import projections as _projections
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
 from kvserve.kernels.cpu.bindings import load_kernels

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.distributed.parallel import ParallelContext
-from kvserve.engine.layers.linear import Packed, linear
+from kvserve.engine.layers.cpu_matmul import Packed, linear
 from kvserve.engine.layers.quantization import QuantizedWeight, quantize_int8
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
 

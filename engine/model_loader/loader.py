@@ -124,7 +124,7 @@ def cpu_gemm_bf16() -> bool:
     """Whether the CPU kernels' bfloat16 GEMM (csrc/gemm.c) is built here: on CPUs without native
     bf16 its AVX2 build widens the weights in registers and multiplies in float FMAs, reading half
     the bytes of float32 weights (on this project's AVX2 VM bfloat16 served 1.43x float32 offline)."""
-    from kvserve.engine.layers.linear import gemm_kernel
+    from kvserve.engine.layers.cpu_matmul import gemm_kernel
 
     return gemm_kernel() is not None  # (None with AMX too, where the CPU's bf16 is native)
 

@@ -13,7 +13,7 @@ AVX2 only: bfloat16 with every projection packed for csrc/gemm.c, below); one ra
 tensor parallelism); every layer is the plain Llama layer (Llama, Qwen2: optional biases;
 not Qwen3's q/k norms, not mixtures of experts) over the torch attention backend; the step is one
 token per sequence (a decode step), each with a cache slot; at most ``MAX_FUSED_ROWS`` of them,
-unless every projection has csrc/gemm.c's packed copy (bfloat16, ``layers/linear.pack_weight``):
+unless every projection has csrc/gemm.c's packed copy (bfloat16, ``layers/cpu_matmul.pack_weight``):
 then any number, the projections in gemm.c's tiles as the per-op path multiplies them. At 32 rows
 the per-op path spent ~8 ms of a ~50 ms step outside the projections and the attention (torch's
 dispatch of ~10 small ops a layer, Python between them); the fused step leaves the elementwise

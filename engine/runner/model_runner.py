@@ -32,8 +32,9 @@ from kvserve.engine.layers.attention.backend import (
     create_attention_backend,
     to_device,
 )
+from kvserve.engine.layers.cpu_matmul import compute_rows_alike, pack_model_weights
 from kvserve.engine.layers.embed_head import ParallelLMHead
-from kvserve.engine.layers.linear import LinearBase, compute_rows_alike, pack_model_weights
+from kvserve.engine.layers.linear import LinearBase
 from kvserve.engine.layers.moe import FusedExperts
 from kvserve.engine.layers.quantization import quantize_model
 from kvserve.engine.model_input import (

@@ -181,7 +181,7 @@ def test_profile_step_times_the_fused_decode_step_against_the_per_op_path(tiny_l
 
 def test_profile_step_times_gemm_c_against_onednn_or_says_why_it_cannot(tiny_llama, capsys):
     from kvserve.benchmarks import profile_step
-    from kvserve.engine.layers.linear import gemm_kernel, onednn_bf16
+    from kvserve.engine.layers.cpu_matmul import gemm_kernel, onednn_bf16
 
     argv = ["--model", tiny_llama, "--batch", "9", "--context", "12", "--steps", "2", "--rounds", "2",
             "--gemm-ab"]

@@ -225,7 +225,7 @@ def test_preemption_and_abort_of_constrained_drafting_sequences_leave_no_matcher
 
 def test_where_the_fused_decode_step_does_not_run_speculation_still_gives_plain_decodings_bits(tmp_path):
     """Qwen3's layers (q/k norms) are not the fused decode step's: a speculating runner then has its
-    projections compute a decode-only step's rows one by one alike (``linear.RowsAlike``), so the
+    projections compute a decode-only step's rows one by one alike (``cpu_matmul.RowsAlike``), so the
     verification rows are plain rows bit for bit (before, rows 2..8 went through another GEMM and the
     logprobs moved in the last bit). Two servers of a tiny random Qwen3, speculation off and on; the
     same holds under tensor parallelism (executor/test_tp_speculation.py, slow)."""

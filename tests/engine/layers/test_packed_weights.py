@@ -1,4 +1,4 @@
-"""oneDNN-blocked bfloat16 weights on the CPU (``engine/layers/linear.py`` ``pack_weight``): the
+"""Packed bfloat16 weights on the CPU (``engine/layers/cpu_matmul.py`` ``pack_weight``): the
 same products as the plain weights, made once at load, at every row count the engine runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.layers.linear import linear, pack_weight
+from kvserve.engine.layers.cpu_matmul import linear, pack_weight
 
 needs_packing = pytest.mark.skipif(pack_weight(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
                                    reason="no oneDNN bfloat16 support on this CPU")
@@ -93,21 +93,21 @@ def _bf16_layers():
 
 @needs_packing
 def test_packing_counts_its_bytes_and_stays_off_when_memory_is_short(monkeypatch, caplog):
-    from kvserve.engine.layers import linear as linear_mod
+    from kvserve.engine.layers import cpu_matmul
     model = _bf16_layers()
-    monkeypatch.setattr(linear_mod, "available_memory", lambda: 1 << 40)
-    assert linear_mod.pack_model_weights(model) == (320 * 192 + 192 * 320) * 2
+    monkeypatch.setattr(cpu_matmul, "available_memory", lambda: 1 << 40)
+    assert cpu_matmul.pack_model_weights(model) == (320 * 192 + 192 * 320) * 2
     assert all(layer.packed is not None for layer in model)
     model = _bf16_layers()
-    monkeypatch.setattr(linear_mod, "available_memory", lambda: 100_000)  # < 2 x the copies' 245,760 bytes
+    monkeypatch.setattr(cpu_matmul, "available_memory", lambda: 100_000)  # < 2 x the copies' 245,760 bytes
     with caplog.at_level("WARNING", logger="kvserve.engine.layers"):
-        assert linear_mod.pack_model_weights(model) == 0
+        assert cpu_matmul.pack_model_weights(model) == 0
     assert all(layer.packed is None for layer in model)
     # enough in all, but not once the KV cache's budget is set aside, or shared by four ranks
-    monkeypatch.setattr(linear_mod, "available_memory", lambda: 1_000_000)
-    assert linear_mod.pack_model_weights(model, reserved=600_000) == 0
-    assert linear_mod.pack_model_weights(model, sharers=4) == 0
-    assert linear_mod.pack_model_weights(model) == 245_760
+    monkeypatch.setattr(cpu_matmul, "available_memory", lambda: 1_000_000)
+    assert cpu_matmul.pack_model_weights(model, reserved=600_000) == 0
+    assert cpu_matmul.pack_model_weights(model, sharers=4) == 0
+    assert cpu_matmul.pack_model_weights(model) == 245_760
     assert "not packed" in caplog.text
     x = torch.randn(5, 192).to(torch.bfloat16)
     assert model(x).shape == (5, 192)  # plain F.linear

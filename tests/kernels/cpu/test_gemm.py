@@ -1,5 +1,5 @@
 """csrc/gemm.c, the bfloat16 GEMM over packed weights that the CPU's projections of more than a few
-rows go through (``engine/layers/linear.py``): products against a float64 reference at every tile
+rows go through (``engine/layers/cpu_matmul.py``): products against a float64 reference at every tile
 edge, each row's result independent of the rows beside it, and the shapes it leaves to oneDNN."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.layers.linear import linear, pack_weight
+from kvserve.engine.layers.cpu_matmul import linear, pack_weight
 from kvserve.kernels.cpu.abi import PackedWeight
 from kvserve.kernels.cpu.bindings import load_kernels
 from kvserve.kernels.cpu.build import header_constant
