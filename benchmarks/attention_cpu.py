@@ -1,6 +1,6 @@
 """The CPU attention kernel against torch's own CPU attention, one layer at a time.
 
-Both run through the torch backend's attention layer (``engine/layers/attention/torch_backend.py``), once
+Both run through the torch backend's attention layer (``engine/layers/attention/cpu_backend.py``), once
 with the kernel and once as torch ops (what runs without a C compiler): decode is the row gather
 plus batched matmuls, prefill ``F.scaled_dot_product_attention`` (torch's CPU flash kernel,
 causal, grouped-query). Decode: ``--batch`` sequences of ``--context`` cached tokens, one new
@@ -27,7 +27,7 @@ import torch
 from kvserve.benchmarks import write_json
 from kvserve.benchmarks.instruments.ceiling import best_time
 from kvserve.engine.config import KV_CACHE_DTYPES
-from kvserve.engine.layers.attention import torch_backend as attention_torch
+from kvserve.engine.layers.attention import cpu_backend as cpu_attention
 from kvserve.engine.layers.attention.kv_quant import quantize_rows
 from kvserve.engine.model_input import ModelInput, blocks_for, slot_of
 from kvserve.kernels.cpu.bindings import load_kernels
@@ -56,7 +56,7 @@ class _Layer:
     kernel, for the step ``inp``."""
 
     def __init__(self, args, dtype, inp: ModelInput, num_blocks: int, layers: int, seed: int):
-        backend = attention_torch.TorchAttentionBackend(args.block_size, prefill_in_kernel=True,
+        backend = cpu_attention.CpuAttentionBackend(args.block_size, prefill_in_kernel=True,
                                                         kv_cache_dtype=args.kv_cache_dtype)
         self.impl = backend.create_impl(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
         self.meta = backend.build_metadata(inp, CPU)
@@ -75,7 +75,7 @@ class _Layer:
 
     def run(self, kernel: bool) -> torch.Tensor:
         """The last layer's output; every layer's cache read."""
-        with mock.patch.object(attention_torch, "kernels_for", attention_torch.kernels_for if kernel
+        with mock.patch.object(cpu_attention, "kernels_for", cpu_attention.kernels_for if kernel
                                else lambda *tensors: None):
             for k_cache, v_cache in self.caches:
                 out = self.impl.forward(self.q, self.k, self.v, k_cache, v_cache, self.meta)
@@ -146,8 +146,8 @@ def main(argv=None) -> dict:
     for p in result["prefill"]:
         print(f"prefill, {p['prompts']} x {p['length']} tokens, one layer: kernel {p['kernel_ms']:.2f} ms, "
               f"torch SDPA {p['torch_ms']:.2f} ms: {p['speedup']:.2f}x (max |diff| {p['max_abs_diff']:.4f})")
-    limit = attention_torch.kernel_prefill_context(args.kv_cache_dtype)
-    result["engine_prefill"] = ("kernel" if limit == attention_torch.EVERY_CONTEXT else "SDPA" if limit == 0
+    limit = cpu_attention.kernel_prefill_context(args.kv_cache_dtype)
+    result["engine_prefill"] = ("kernel" if limit == cpu_attention.EVERY_CONTEXT else "SDPA" if limit == 0
                                 else f"kernel up to {limit} tokens of context, SDPA beyond")
     print(f"the engine's prefill attention on this CPU: {result['engine_prefill']}")
     write_json(args.json, result)

@@ -156,6 +156,16 @@ def test_group_never_reaches_what_it_must_not_know(group):
     assert {m: bad for m, bad in offenders.items() if bad} == {}
 
 
+def test_models_never_import_a_concrete_attention_backend():
+    """A model asks its attention layer through the backend interface (``layers/attention/backend``);
+    which backend runs is the runner's choice, one file per backend."""
+    concrete = [m for m in GRAPH if under(m, "kvserve.engine.layers.attention") and m.endswith("_backend")]
+    assert concrete
+    offenders = {m: sorted(i for i in GRAPH[m] if i in concrete)
+                 for m in GRAPH if under(m, "kvserve.engine.models")}
+    assert {m: bad for m, bad in offenders.items() if bad} == {}
+
+
 def test_the_core_imports_no_model_code_but_the_sampler():
     """The core drives the executor and asks it (rows alike, block counts); it never looks at the
     model's layers, models or kernels itself. The sampler, which turns its logits into tokens, is

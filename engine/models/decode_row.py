@@ -7,17 +7,17 @@ decoder layers to one C call instead, which keeps one OpenMP team for the step a
 kernels with the same roundings (tests/engine/models/test_decode_row.py pins its tokens and logits to the
 per-op path's).
 
-It runs when every condition holds, else the step takes the per-op path unchanged: the CPU
-kernels take the model's dtype (float32 or bfloat16) and were built for AVX-512 (on x86 CPUs with
-AVX2 only: bfloat16 with every projection packed for csrc/gemm.c, below); one rank (no
-tensor parallelism); every layer is the plain Llama layer (Llama, Qwen2: optional biases;
-not Qwen3's q/k norms, not mixtures of experts) over the torch attention backend; the step is one
-token per sequence (a decode step), each with a cache slot; at most ``MAX_FUSED_ROWS`` of them,
-unless every projection has csrc/gemm.c's packed copy (bfloat16, ``layers/cpu_matmul.pack_weight``):
-then any number, the projections in gemm.c's tiles as the per-op path multiplies them. At 32 rows
-the per-op path spent ~8 ms of a ~50 ms step outside the projections and the attention (torch's
-dispatch of ~10 small ops a layer, Python between them); the fused step leaves the elementwise
-work on one thread of the team (docs/performance/step_profile.md).
+It runs when every condition holds, else the step takes the per-op path unchanged: the CPU kernels
+take the model's dtype (float32 or bfloat16) and were built for AVX-512 (on x86 CPUs with AVX2 only:
+bfloat16 with every projection packed for csrc/gemm.c, below); one rank (no tensor parallelism);
+every layer is the plain Llama layer (Llama, Qwen2: optional biases; not Qwen3's q/k norms, not
+mixtures of experts) over attention that csrc/attention.c computes (``AttentionImpl.attends_in_c``);
+the step is one token per sequence (a decode step), each with a cache slot; at most
+``MAX_FUSED_ROWS`` of them, unless every projection has csrc/gemm.c's packed copy (bfloat16,
+``layers/cpu_matmul.pack_weight``): then any number, the projections in gemm.c's tiles as the per-op
+path multiplies them. At 32 rows the per-op path spent ~8 ms of a ~50 ms step outside the
+projections and the attention (torch's dispatch of ~10 small ops a layer, Python between them); the
+fused step leaves the elementwise work on one thread of the team (docs/performance/step_profile.md).
 Larger batches of other weights (oneDNN's blocked copies, int8, int4) take the per-op path.
 """
 
@@ -27,7 +27,7 @@ import ctypes
 
 import torch
 
-from kvserve.engine.layers.attention.torch_backend import TorchAttentionImpl, TorchAttentionMetadata
+from kvserve.engine.layers.attention.backend import AttentionMetadata
 from kvserve.engine.layers.norm import RMSNorm
 from kvserve.kernels.cpu.abi import DTYPES, MAX_FUSED_ROWS, PackedWeight, RowLayer, RowStep
 from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for, load_kernels
@@ -84,7 +84,7 @@ class DecodeRow:
             if (not computes(layer) or type(attn) is not layer.attention_class or not computes(attn)
                     or not computes(mlp)
                     or any(type(norm) is not RMSNorm for norm in norms)
-                    or not isinstance(attn.attn.impl, TorchAttentionImpl) or not attn.attn.impl._kernel_shapes
+                    or not attn.attn.impl.attends_in_c
                     or attn.qkv_proj.parallel.size != 1 or attn.qkv_proj.weight.device.type != "cpu"):
                 return False
         return True
@@ -114,7 +114,7 @@ class DecodeRow:
         ``rows`` sequences, or None where the fused step does not apply (the caller then runs the
         layers)."""
         rows = hidden.shape[0]
-        if (not isinstance(meta, TorchAttentionMetadata) or meta.max_query_len != 1
+        if (not isinstance(meta, AttentionMetadata) or meta.max_query_len != 1
                 or meta.slot_mapping.numel() != rows or meta.block_tables.shape[0] != rows):
             return None
         kernels = kernels_for(hidden)

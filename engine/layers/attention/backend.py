@@ -37,7 +37,7 @@ from torch import nn
 from kvserve.engine.model_input import ModelInput, step_block_tables
 
 BACKENDS = {
-    "torch": "kvserve.engine.layers.attention.torch_backend:TorchAttentionBackend",
+    "torch": "kvserve.engine.layers.attention.cpu_backend:CpuAttentionBackend",
     "triton": "kvserve.engine.layers.attention.triton_backend:TritonAttentionBackend",
     "flash-attn": "kvserve.engine.layers.attention.flash_backend:FlashAttentionBackend",
 }
@@ -114,6 +114,12 @@ class AttentionImpl(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+
+    @property
+    def attends_in_c(self) -> bool:
+        """Whether csrc/attention.c attends over this layer's cache (the CPU backend, at the shapes
+        its kernels take): the fused decode step (models/decode_row.py) runs over such layers only."""
+        return False
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

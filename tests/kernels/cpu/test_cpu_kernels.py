@@ -12,7 +12,7 @@ import torch
 
 from kvserve.benchmarks.attention_cpu import step_input
 from kvserve.engine.config import MAX_SPECULATIVE_TOKENS
-from kvserve.engine.layers.attention import torch_backend as attention_torch
+from kvserve.engine.layers.attention import cpu_backend as cpu_attention
 from kvserve.engine.layers.attention.kv_quant import quantize_rows
 from kvserve.engine.model_input import ModelInput
 from kvserve.kernels.cpu import bindings as cpu_kernels
@@ -156,7 +156,7 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
     store and read the same way)."""
     block_size, heads, kv_heads = 16, 6, 2
     split = prefill_in_kernel == "split"  # the fresh prompt (6 tokens) to the kernel, the chunk (29) to SDPA
-    backend = attention_torch.TorchAttentionBackend(block_size, prefill_in_kernel=split or prefill_in_kernel,
+    backend = cpu_attention.CpuAttentionBackend(block_size, prefill_in_kernel=split or prefill_in_kernel,
                                                     kv_cache_dtype=kv_cache_dtype)
     backend.kernel_prefill_context = 25 if split else backend.kernel_prefill_context
     impl = backend.create_impl(heads, kv_heads, head_dim, head_dim**-0.5)
@@ -185,7 +185,7 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
         assert meta.prefills is None  # nor the SDPA plans
     else:
         assert ctx == [37, 5] and len(meta.prefills) == 2
-    monkeypatch.setattr(attention_torch, "kernels_for", lambda *tensors: None)
+    monkeypatch.setattr(cpu_attention, "kernels_for", lambda *tensors: None)
     without, meta = run()
     assert meta.decode is not None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -194,12 +194,12 @@ def test_torch_backend_layer_gives_the_same_output_with_and_without_the_kernel(
 
 def test_prefills_go_to_the_kernel_by_the_cpu(monkeypatch):
     """None with AMX; all with the AVX-512 path or an int8 cache; short ones with the AVX2 path."""
-    backend, every = attention_torch.TorchAttentionBackend, attention_torch.EVERY_CONTEXT
+    backend, every = cpu_attention.CpuAttentionBackend, cpu_attention.EVERY_CONTEXT
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert backend(16).kernel_prefill_context == 0
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     bits = KERNEL.attention_vector_bits  # (the module skips where there are no kernels)
-    expected = {512: every, 256: attention_torch.AVX2_KERNEL_PREFILL_CONTEXT, 0: 0}[bits]
+    expected = {512: every, 256: cpu_attention.AVX2_KERNEL_PREFILL_CONTEXT, 0: 0}[bits]
     assert backend(16).kernel_prefill_context == expected
     assert backend(16, kv_cache_dtype="int8").kernel_prefill_context == every
 

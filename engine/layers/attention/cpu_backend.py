@@ -1,4 +1,5 @@
-"""The torch attention backend: the CPU path and the reference the kernels are tested against.
+"""The CPU attention backend (``--attention-backend torch``): torch ops and csrc/attention.c, and the
+reference the kernels are tested against.
 
 Its KV cache is head-major, per layer [kv_heads, num_blocks, block_size, head_dim] (the other
 backends keep the shared [num_blocks, block_size, kv_heads, head_dim]): gathering a sequence's
@@ -106,7 +107,7 @@ class _HostStep(NamedTuple):
 
 
 @dataclass
-class TorchAttentionMetadata(AttentionMetadata):
+class CpuAttentionMetadata(AttentionMetadata):
     store_tokens: torch.Tensor | None = None  # tokens whose slot is not -1; None = every token
     store_slots: torch.Tensor | None = None  # their slots (``slot_mapping`` when None above)
     plan_decode: Callable[[], DecodePlan] | None = None  # the torch-ops decode plan, made on first use
@@ -165,7 +166,7 @@ def kernel_prefill_context(kv_cache_dtype: str = "auto") -> int:
     return AVX2_KERNEL_PREFILL_CONTEXT if kernels.attention_vector_bits == 256 else 0
 
 
-class TorchAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(AttentionBackend):
     name = "torch"
     kv_cache_dtypes = ("auto", "int8")
 
@@ -180,8 +181,8 @@ class TorchAttentionBackend(AttentionBackend):
         width = cache_row_width(head_dim, self.kv_cache_dtype == "int8")
         return (num_kv_heads, num_blocks, self.block_size, width)
 
-    def build_metadata(self, inp: ModelInput, device: torch.device) -> TorchAttentionMetadata:
-        meta = TorchAttentionMetadata(**common_metadata_fields(inp, self.block_size, device))
+    def build_metadata(self, inp: ModelInput, device: torch.device) -> CpuAttentionMetadata:
+        meta = CpuAttentionMetadata(**common_metadata_fields(inp, self.block_size, device))
         slots = np.asarray(inp.slot_mapping, dtype=np.int64)
         if (slots < 0).any():
             meta.store_tokens = to_device(np.flatnonzero(slots >= 0), device)
@@ -216,7 +217,7 @@ class TorchAttentionBackend(AttentionBackend):
         return meta
 
     def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
-        return TorchAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
+        return CpuAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
 
     def _host_step(self, inp: ModelInput) -> _HostStep:
         query_lens = np.asarray(inp.query_lens, dtype=np.int64)
@@ -280,8 +281,8 @@ class TorchAttentionBackend(AttentionBackend):
         return plan
 
 
-class TorchAttentionImpl(AttentionImpl):
-    """Over caches of ``TorchAttentionBackend.kv_cache_shape``: [kv_heads, blocks, block_size, D]
+class CpuAttentionImpl(AttentionImpl):
+    """Over caches of ``CpuAttentionBackend.kv_cache_shape``: [kv_heads, blocks, block_size, D]
     (D + 4 int8 elements per row in an int8 cache)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
@@ -289,8 +290,12 @@ class TorchAttentionImpl(AttentionImpl):
         # whether the CPU decode kernel takes this layer's shapes (the dtype is known per call)
         self._kernel_shapes = CpuKernels.supports_attention(num_heads, num_kv_heads, head_dim)
 
+    @property
+    def attends_in_c(self) -> bool:
+        return self._kernel_shapes
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: CpuAttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         kernels = kernels_for(q, k, v, out)  # CPU, one supported dtype: the C kernels
         if kernels is not None and not (CpuKernels.takes_caches(q.dtype, k_cache, v_cache)
@@ -316,7 +321,7 @@ class TorchAttentionImpl(AttentionImpl):
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: TorchAttentionMetadata, kernels: CpuKernels | None) -> None:
+               meta: CpuAttentionMetadata, kernels: CpuKernels | None) -> None:
         """Writes the step's K/V into the caches. Into an int8 cache, rows quantized, and ``k`` and
         ``v`` are overwritten with the values those rows hold (the stored tokens'; slot -1, CUDA
         graph padding, may keep its own): the step's attention over its own fresh tokens then sees
