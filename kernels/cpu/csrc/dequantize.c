@@ -68,8 +68,6 @@ static inline void dequantize_superblock(const int32_t steps[8][SB_GROUPS], cons
         }
 }
 
-/* Whether dequantize_row takes L: int8, or int4 of a width that is a multiple of 64. */
-int dequantize_takes(const lin_t *L) { return L->kind == W_INT8 || (L->kind == W_INT4 && int4_layout(L)); }
 
 /* row [k_in] (dtype) = row n of L's int8 or int4 weight dequantized (scale * q; scale * q + min,
  * rounded to dtype once); L one dequantize_takes takes, an int8 weight's scales of dtype. */
@@ -134,22 +132,11 @@ void dequantize_row(const lin_t *L, int n, int dtype, void *out) {
     }
 }
 
-/* out [n_out][k_in] (dtype) = L's int8 or int4 weight dequantized, by num_threads threads: for
- * multiplying many rows in a GEMM other than gemm.c's (float32 activations). 0, or 1 for a
- * weight dequantize_takes refuses. */
-int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
-    if (!dequantize_takes(L)) return 1;
-    const int64_t row_bytes = (int64_t)L->k_in * elem_size(dtype);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int n = 0; n < L->n_out; ++n) dequantize_row(L, n, dtype, (char *)out + n * row_bytes);
-    return 0;
-}
 #else
 /* The same in plain C for every other CPU (the compiler vectorises it for its target): gemm.c's
  * AVX2 build dequantizes its panels with it. The values are the AVX-512 path's: scale * q (+ min),
  * rounded to dtype once (an int4 q times its float16 scale is exact in float, so a fused
  * multiply-add rounds as the separate product and sum do). */
-int dequantize_takes(const lin_t *L) { return L->kind == W_INT8 || (L->kind == W_INT4 && int4_layout(L)); }
 
 /* an IEEE half (the int4 groups' scales and minimums) as a float, exactly */
 static inline float half_to_float(uint16_t h) {
@@ -198,7 +185,14 @@ void dequantize_row(const lin_t *L, int n, int dtype, void *out) {
     }
 }
 
-/* as above */
+#endif
+
+/* Whether dequantize_row takes L: int8, or int4 of a width that is a multiple of 64. */
+int dequantize_takes(const lin_t *L) { return L->kind == W_INT8 || (L->kind == W_INT4 && int4_layout(L)); }
+
+/* out [n_out][k_in] (dtype) = L's int8 or int4 weight dequantized, by num_threads threads: for
+ * multiplying many rows in a GEMM other than gemm.c's (float32 activations). 0, or 1 for a
+ * weight dequantize_takes refuses. */
 int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
     if (!dequantize_takes(L)) return 1;
     const int64_t row_bytes = (int64_t)L->k_in * elem_size(dtype);
@@ -206,4 +200,3 @@ int dequantize_weight(const lin_t *L, void *out, int dtype, int num_threads) {
     for (int n = 0; n < L->n_out; ++n) dequantize_row(L, n, dtype, (char *)out + n * row_bytes);
     return 0;
 }
-#endif
