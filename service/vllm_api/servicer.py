@@ -176,15 +176,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             default_sampling_params_json=json.dumps(sampling_defaults(config.model)),
         )
 
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.GetServerInfoResponse:
+    async def _stats_or_refuse(self, context) -> dict | None:
+        """The engine's Stats, or None once the call is refused with the status its error maps to."""
         try:
-            stats = await self._engine.stats()
+            return await self._engine.stats()
         except Exception as e:  # noqa: BLE001 - mapped to a status
-            status = _status(e, "")
-        else:
-            return self._server_info(stats)
-        refuse(context, *status)
-        return None
+            refuse(context, *_status(e, ""))
+            return None
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.GetServerInfoResponse:
+        stats = await self._stats_or_refuse(context)
+        return None if stats is None else self._server_info(stats)
 
     def _server_info(self, stats: dict) -> pb.GetServerInfoResponse:
         return pb.GetServerInfoResponse(
@@ -200,14 +202,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"dp_rank: kvserve runs one data-parallel rank (0), got {request.dp_rank}")
             return None
-        try:
-            s = await self._engine.stats()
-        except Exception as e:  # noqa: BLE001 - mapped to a status
-            status = _status(e, "")
-        else:
-            return self._loads(s)
-        refuse(context, *status)
-        return None
+        stats = await self._stats_or_refuse(context)
+        return None if stats is None else self._loads(stats)
 
     def _loads(self, s: dict) -> pb.GetLoadsResponse:
         total, free, block = s["kv_blocks_total"], s["kv_blocks_free"], s["kv_block_size"]
