@@ -15,12 +15,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from kvserve.testing.process import ServerProcess, stop_child
+from kvserve.testing.process import ServerProcess, log_file, stop_child
 
 
 def smg_command() -> list[str]:
@@ -51,9 +50,7 @@ class Gateway:
         self.port = free_port()
         self.metrics_port = free_port()
         self.proc: subprocess.Popen | None = None
-        fd, path = tempfile.mkstemp(prefix="smg-", suffix=".log")
-        os.close(fd)
-        self.log_path = Path(path)
+        self.log_path = log_file("smg-")
 
     @property
     def url(self) -> str:

@@ -20,6 +20,13 @@ _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 _HEALTH_PORT = re.compile(r"health checks \(.*\) on (\S+):(\d+)")
 
 
+def log_file(prefix: str) -> Path:
+    """A new, empty file for a child process's output (kept after the run, for a failing test)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
 def stop_child(proc: subprocess.Popen | None, timeout: float) -> int | None:
     """SIGTERM and wait (SIGKILL if it hangs); returns the exit status (None: never started)."""
     if proc is None:
@@ -49,9 +56,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self.health_port: int | None = None  # --health-port's, printed before the listening line
-        fd, path = tempfile.mkstemp(prefix="kvserve-server-", suffix=".log")
-        os.close(fd)
-        self.log_path = Path(path)
+        self.log_path = log_file("kvserve-server-")
 
     @property
     def target(self) -> str:
