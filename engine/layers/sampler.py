@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.engine.layers.sampling_batch import SamplingBatch
 from kvserve.engine.outputs import TokenLogprobs
-from kvserve.engine.sequence import Sequence
 from kvserve.kernels.cpu.bindings import kernels_for
 
 _MASK64 = (1 << 64) - 1
@@ -48,86 +48,81 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self._rng = random.Random(seed)  # the uniforms of unseeded rows
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
+    def __call__(self, logits: torch.Tensor, rows: list) -> SamplerOutput:
+        """``sample`` over ``prepare(rows)``."""
+        return self.sample(logits, self.prepare(rows))
+
+    def prepare(self, rows: list) -> SamplingBatch:
+        """The step's batch of ``rows`` (``SamplingBatch.of``), built once."""
+        return SamplingBatch.of(rows, self.eos_token_ids, self.vocab_size)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(batch):
+            raise ValueError(f"logits must be [num_seqs={len(batch)}, vocab], got {tuple(logits.shape)}")
         raw = logits[:, : self.vocab_size].float()
-        token_ids = self._choose(self._edit_logits(raw, seqs), seqs)
-        logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs > 0]
-        pending = _logprob_tensors(raw, token_ids, seqs, logprob_rows) if logprob_rows else None
+        token_ids = self._choose(_edit_logits(raw, batch), batch)
+        logprob_rows = [i for i, n in enumerate(batch.num_logprobs) if n > 0]
+        pending = _logprob_tensors(raw, token_ids, batch, logprob_rows) if logprob_rows else None
         ids = token_ids.tolist()  # the one host sync
-        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(batch)
         if pending is not None:
-            entries = _read_logprobs(pending, ids, seqs, logprob_rows)
+            entries = _read_logprobs(pending, ids, batch, logprob_rows)
             for row, entry in zip(logprob_rows, entries, strict=True):
                 logprobs[row] = entry
         return SamplerOutput(ids, logprobs)
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[n] token ids: argmax for greedy rows, a random draw for the others."""
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        random_rows = [i for i, greedy in enumerate(batch.greedy) if not greedy]
         if not random_rows:
             return _argmax(logits)  # the common all-greedy batch: no sort, no noise
-        if len(random_rows) == len(seqs):
-            return self._sample_random(logits, seqs)
+        if len(random_rows) == len(batch):
+            return self._sample_random(logits, batch, random_rows)
         rows = _to_device(random_rows, torch.long, logits.device)
-        sampled = self._sample_random(logits.index_select(0, rows), [seqs[i] for i in random_rows])
+        sampled = self._sample_random(logits.index_select(0, rows), batch, random_rows)
         return _argmax(logits).index_copy(0, rows, sampled)
-
-    # -- logit edits shared by greedy and random rows -------------------------------------
-
-    def _edit_logits(self, raw: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Penalties and the min_tokens mask, on a copy; ``raw`` itself when nothing applies."""
-        penalty_rows = [i for i, s in enumerate(seqs) if _has_penalty(s)]
-        mask_rows, mask_cols = self._stop_mask_positions(seqs)
-        if not penalty_rows and not mask_rows:
-            return raw
-        logits = raw.clone(memory_format=torch.contiguous_format)  # penalties index it flat
-        if penalty_rows:
-            _apply_penalties(logits, seqs, penalty_rows)
-        if mask_rows:
-            rows = _to_device(mask_rows, torch.long, logits.device)
-            cols = _to_device(mask_cols, torch.long, logits.device)
-            logits[rows, cols] = float("-inf")  # a Python scalar: no host-to-device copy
-        return logits
-
-    def _stop_mask_positions(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """(row, token) pairs to forbid: the ids that would end a request still under min_tokens.
-
-        EOS counts only when it would end the request (not under ignore_eos), as in vLLM.
-        """
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if seq.num_completion_tokens >= p.min_tokens:
-                continue
-            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-            ids = [t for t in ids if 0 <= t < self.vocab_size]
-            rows += [i] * len(ids)
-            cols += ids
-        return rows, cols
 
     # -- random rows ----------------------------------------------------------------------
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row."""
+    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+        """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row (``logits``: the
+        batch's ``rows``, in that order)."""
         device = logits.device
-        temps = _to_device([s.params.temperature for s in seqs], torch.float32, device)
+        temps = _to_device([batch.temperatures[i] for i in rows], torch.float32, device)
         logits = logits / temps.unsqueeze(1)
-        min_ps = [s.params.min_p for s in seqs]
+        min_ps = [batch.min_ps[i] for i in rows]
         if any(m > 0 for m in min_ps):
             logits = _apply_min_p(logits, _to_device(min_ps, torch.float32, device))
-        logits = _apply_top_k_top_p_rows(logits, seqs)
-        return _inverse_cdf_draw(logits, _to_device(self._uniforms(seqs), torch.float32, device))
+        top_ks, top_ps = [batch.top_ks[i] for i in rows], [batch.top_ps[i] for i in rows]
+        logits = _apply_top_k_top_p_rows(logits, top_ks, top_ps)
+        return _inverse_cdf_draw(logits, _to_device(self._uniforms(batch, rows), torch.float32, device))
 
-    def _uniforms(self, seqs: list[Sequence]) -> list[float]:
+    def _uniforms(self, batch: SamplingBatch, rows: list[int]) -> list[float]:
         """One U[0, 1) per row: a seeded row's from (seed, position), the others' from the engine's."""
         draws = []
-        for s in seqs:
-            seed = s.params.seed
-            draws.append(self._rng.random() if seed is None else _row_uniform(seed, s.num_tokens))
+        for i in rows:
+            seed = batch.seeds[i]
+            draws.append(self._rng.random() if seed is None else _row_uniform(seed, batch.positions[i]))
         return draws
+
+
+# -- logit edits shared by greedy and random rows -----------------------------------------
+
+
+def _edit_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalties and the min_tokens mask, on a copy; ``raw`` itself when nothing applies."""
+    penalty_rows = [i for i in range(len(batch)) if batch.has_penalty(i)]
+    mask_rows = [i for i, ids in enumerate(batch.forbidden) for _ in ids]
+    if not penalty_rows and not mask_rows:
+        return raw
+    logits = raw.clone(memory_format=torch.contiguous_format)  # penalties index it flat
+    if penalty_rows:
+        _apply_penalties(logits, batch, penalty_rows)
+    if mask_rows:
+        rows = _to_device(mask_rows, torch.long, logits.device)
+        cols = _to_device([t for ids in batch.forbidden for t in ids], torch.long, logits.device)
+        logits[rows, cols] = float("-inf")  # a Python scalar: no host-to-device copy
+    return logits
 
 
 def _row_kernels(logits: torch.Tensor):
@@ -160,28 +155,23 @@ def _inverse_cdf_draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 # -- penalties ------------------------------------------------------------------------------
 
 
-def _has_penalty(seq: Sequence) -> bool:
-    p = seq.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> None:
     """In place on a contiguous ``logits``, touching only the tokens each row has seen."""
-    rep_rows = [i for i in rows if seqs[i].params.repetition_penalty != 1.0]
+    rep_rows = [i for i in rows if batch.repetition_penalties[i] != 1.0]
     if rep_rows:
-        _apply_repetition_penalty(logits, seqs, rep_rows)
-    out_rows = [i for i in rows if seqs[i].params.presence_penalty or seqs[i].params.frequency_penalty]
+        _apply_repetition_penalty(logits, batch, rep_rows)
+    out_rows = [i for i in rows if batch.presence_penalties[i] or batch.frequency_penalties[i]]
     if out_rows:
-        _apply_presence_frequency(logits, seqs, out_rows)
+        _apply_presence_frequency(logits, batch, out_rows)
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+def _apply_repetition_penalty(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> None:
     """HF/vLLM: over prompt and output tokens, positive logits are divided by the penalty,
     negative ones multiplied."""
     vocab = logits.shape[1]
-    seen = [_in_vocab(set(seqs[i].token_ids), vocab) for i in rows]
+    seen = [_in_vocab(set(batch.seen_tokens[i]), vocab) for i in rows]
     keys, lengths = _flat_keys(rows, seen, vocab)
-    penalty = _per_key([seqs[i].params.repetition_penalty for i in rows], lengths)
+    penalty = _per_key([batch.repetition_penalties[i] for i in rows], lengths)
     keys = _to_device(keys, torch.long, logits.device)
     penalty = _to_device(penalty, torch.float32, logits.device)
     flat = logits.view(-1)
@@ -189,14 +179,14 @@ def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence], rows: 
     flat[keys] = torch.where(values > 0, values / penalty, values * penalty)
 
 
-def _apply_presence_frequency(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+def _apply_presence_frequency(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> None:
     """OpenAI: over output tokens, minus presence once and frequency per occurrence."""
     vocab = logits.shape[1]
-    counts = [_count_in_vocab(seqs[i].completion_token_ids, vocab) for i in rows]
+    counts = [_count_in_vocab(batch.output_tokens[i], vocab) for i in rows]
     keys, lengths = _flat_keys(rows, [c.keys() for c in counts], vocab)
     occurrences = torch.tensor(list(itertools.chain.from_iterable(c.values() for c in counts)))
-    freq = _per_key([seqs[i].params.frequency_penalty for i in rows], lengths)
-    pres = _per_key([seqs[i].params.presence_penalty for i in rows], lengths)
+    freq = _per_key([batch.frequency_penalties[i] for i in rows], lengths)
+    pres = _per_key([batch.presence_penalties[i] for i in rows], lengths)
     keys = _to_device(keys, torch.long, logits.device)
     delta = _to_device(freq * occurrences + pres, torch.float32, logits.device)
     logits.view(-1)[keys] -= delta
@@ -239,18 +229,18 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _apply_top_k_top_p_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """top_k and top_p, on the rows that ask for either."""
+def _apply_top_k_top_p_rows(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """top_k and top_p (one of each per row of ``logits``), on the rows that ask for either."""
     vocab = logits.shape[1]
-    rows = [i for i, s in enumerate(seqs) if s.params.top_k > 0 or s.params.top_p < 1.0]
+    rows = [i for i, (k, p) in enumerate(zip(top_ks, top_ps, strict=True)) if k > 0 or p < 1.0]
     if not rows:
         return logits
-    top_ks = [min(seqs[i].params.top_k, vocab) or vocab for i in rows]  # vocab = no limit
-    top_ps = [seqs[i].params.top_p for i in rows]
-    if len(rows) == len(seqs):
-        return _apply_top_k_top_p(logits, top_ks, top_ps)
+    ks = [min(top_ks[i], vocab) or vocab for i in rows]  # vocab = no limit
+    ps = [top_ps[i] for i in rows]
+    if len(rows) == len(top_ks):
+        return _apply_top_k_top_p(logits, ks, ps)
     rows_t = _to_device(rows, torch.long, logits.device)
-    kept = _apply_top_k_top_p(logits.index_select(0, rows_t), top_ks, top_ps)
+    kept = _apply_top_k_top_p(logits.index_select(0, rows_t), ks, ps)
     return logits.index_copy(0, rows_t, kept)
 
 
@@ -315,23 +305,23 @@ class _LogprobTensors(NamedTuple):
 
 
 def _logprob_tensors(
-    raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence], rows: list[int]
+    raw: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch, rows: list[int]
 ) -> _LogprobTensors:
     """Log-softmax of the raw model logits (before penalties and temperature)."""
     rows_t = _to_device(rows, torch.long, raw.device)
     logprobs = raw.index_select(0, rows_t).log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids.index_select(0, rows_t).unsqueeze(1)).squeeze(1)
-    top = logprobs.topk(max(seqs[i].params.logprobs for i in rows), dim=-1)
+    top = logprobs.topk(max(batch.num_logprobs[i] for i in rows), dim=-1)
     return _LogprobTensors(chosen, top.values, top.indices)
 
 
 def _read_logprobs(
-    t: _LogprobTensors, ids: list[int], seqs: list[Sequence], rows: list[int]
+    t: _LogprobTensors, ids: list[int], batch: SamplingBatch, rows: list[int]
 ) -> list[TokenLogprobs]:
     chosen, values, top_ids = t.chosen.tolist(), t.top_values.tolist(), t.top_ids.tolist()
     out = []
     for j, row in enumerate(rows):
-        n = seqs[row].params.logprobs
+        n = batch.num_logprobs[row]
         top = list(zip(top_ids[j][:n], values[j][:n], strict=True))
         out.append(TokenLogprobs(token_id=ids[row], logprob=chosen[j], top=top))
     return out

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kvserve.engine.layers.sampler import Sampler
+from kvserve.engine.layers.sampler import Sampler, _edit_logits
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
 
@@ -293,10 +293,11 @@ def test_no_host_sync_before_the_ids_are_read():
     ]
     sampler = Sampler(vocab, [EOS])
     sampler(logits, seqs)  # warm-up: generators, pinned buffers
+    batch = sampler.prepare(seqs)  # host values only, built before the step's model runs
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        token_ids = sampler._choose(sampler._edit_logits(logits, seqs), seqs)
+        token_ids = sampler._choose(_edit_logits(logits, batch), batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert token_ids.shape == (6,)
