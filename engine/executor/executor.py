@@ -209,8 +209,8 @@ class TensorParallelExecutor:
         pin_device(self.config, 0)
         # join only once every rank is about to: a rank that died first would stall the join
         channels.wait_for_ranks(self._store, range(1, self.tp_size), lambda: self._closed, self._timeout_s)
-        group, control = channels.init_groups(self._store, 0, self.tp_size,
-                                         channels.collective_backend(self.config.device), self._timeout_s)
+        backend = channels.collective_backend(self.config.device)
+        group, control = channels.init_groups(self._store, 0, self.tp_size, backend, self._timeout_s)
         self._group = group
         self._runner = ModelRunner(self.config, ParallelContext(0, self.tp_size, group))
         if self._sender is None:

@@ -77,8 +77,8 @@ def _start(spec: WorkerSpec, launch: channels.Launch, store,
     world = config.tensor_parallel_size
     pin_device(config, spec.local_rank)
     channels.announce_rank(store, spec.rank)
-    group, control = channels.init_groups(store, spec.rank, world, channels.collective_backend(config.device),
-                                     launch.timeout_s)
+    backend = channels.collective_backend(config.device)
+    group, control = channels.init_groups(store, spec.rank, world, backend, launch.timeout_s)
     if spec.channel == "shm":
         receiver = channels.ShmReceiver(spec.shm_name, spec.rank - 1, doorbell, world - 1)
     else:
