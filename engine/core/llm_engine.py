@@ -232,7 +232,7 @@ class LLMEngine:
         sampling = sched.sampling_seqs
         rows, counts = sampling_rows(sched.scheduled)  # a row per sequence, and one per draft
         self.structured.mask_logits(logits, rows)
-        sampled = self.sampler.sample(logits, self.sampler.prepare(rows))
+        sampled = self.sampler(logits, rows)  # prepare the batch, then sample
         runs = sampled.token_ids if len(rows) == len(sampling) else self.speculator.runs(sched.scheduled,
                                                                                           sampled.token_ids)
         for seq in self.structured.advance(sampling, runs):
