@@ -128,9 +128,8 @@ def resolve_max_num_batched_tokens(config: EngineConfig) -> int:
 
 # A step's time bound by device when --max-step-time-ms is unset. On the CPU a step's time is the
 # gap every running stream sees between two tokens, and a chunk late in a long prompt costs
-# several times one at its start (issue 29: an 8,000-token prompt stalled the streams 2.8-14.9 s
-# per step); 500 ms is about what a full 512-token budget takes on the 2-core development machine
-# at short contexts, so the bound bites only where chunks get dearer than that. GPUs: no bound.
+# several times one at its start; 500 ms is about a full 512-token step at short contexts, so the
+# bound bites only where chunks get dearer than that (docs/performance/tuning.md). GPUs: no bound.
 DEFAULT_MAX_STEP_TIME_MS = {"cpu": 500.0}
 
 

@@ -29,9 +29,9 @@ MIN_STEPS = 8  # steps seen before the three-part fit (before it: seconds per to
 MIN_PREFILL_CHUNK = 32  # prefill tokens a step may always take: waiting prompts always progress
 # While prompts wait, the running decodes take at most DECODE_SHARE of a step that prefills: a
 # step's bound stretches to decode time / DECODE_SHARE (at most MAX_STRETCH times the configured
-# bound). Every waiting prompt pays each decode pass that runs before its chunk: in a burst of 64
-# prompts beside 60 running streams a 500 ms step spent ~18% on decodes and the last prompt of the
-# burst waited for ~34 of them. With few decodes (light load) the configured bound applies as is.
+# bound). Every waiting prompt pays each decode pass that runs before its chunk, so bursts of prompts
+# beside many streams wait far longer without it (docs/performance/tuning.md has the figures). With
+# few decodes (light load) the configured bound applies as is.
 DECODE_SHARE = 0.1
 MAX_STRETCH = 4.0
 DECAY = 0.97  # weight of a step relative to the next one (an effective window of ~33 steps)

@@ -222,8 +222,7 @@ def quantize_model(model: torch.nn.Module, method: str, device: torch.device) ->
         raise ValueError(f"quantization {method!r} runs on the CPU only, got device {device.type!r}")
     kernels = load_kernels()
     if kernels is None or not kernels.gemm_quantized:
-        # measured on a 2-core AVX2 Zen 3 before linear_avx2.c (profile_step, bfloat16 activations):
-        # one-row decode steps 17 ms in bfloat16, 39 ms int8, 305 ms int4; prefill 500, 74, 59 tokens/s
+        # several times slower than bfloat16 per step: docs/serving/quantization.md has the figures
         log.warning("%s weights: this CPU lacks the kernels that multiply quantized weights in place "
                     "(AVX-512 or AVX2 with FMA, and AVX512-VNNI or AVX2 for int4); every step "
                     "dequantizes them, several times slower than serving the model unquantized here", method)

@@ -142,11 +142,9 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 # With the kernel's AVX2 path (tiles of 8 prompt tokens in floats), prefill chunks whose context
-# reaches past this many tokens go to torch's SDPA: on an AVX2 Zen 3 (``benchmarks/attention_cpu.py``,
-# one layer) the tiles ran 1.3-1.7x SDPA's speed at 6-7 prompts of 300 tokens and at one of 640
-# (9 heads over 3 KV heads of 64; 16 over 2 of 128; 32 over 8 of 128), 1.0-1.35x at 2,048 with
-# 64 dims but 0.72x with 128, and 0.77x at 4,096 with 64: a tile widens its whole context's
-# keys to floats, which leave the core's cache at a few thousand keys.
+# reaches past this many tokens go to torch's SDPA: a tile widens its whole context's keys to
+# floats, which leave the core's cache at a few thousand keys, and SDPA is faster from there
+# (``benchmarks/attention_cpu.py``; figures in docs/performance/step_profile.md).
 AVX2_KERNEL_PREFILL_CONTEXT = 1024
 EVERY_CONTEXT = 1 << 62
 

@@ -11,10 +11,8 @@
  *
  * A panel of weights (GEMM_NR blocks x k) is read from memory once per GEMM_MC rows of x and
  * serves every tile of them from the cache; the threads share the panels (static schedule).
- * Against oneDNN's packed bfloat16 GEMM (2 threads, AVX512-BF16 without AMX; the bundled model's
- * 30 layers' four projections in turn, weights from memory, same run): 8 rows 139 -> 207 GFLOP/s,
- * 16 221 -> 260, 32 291 -> 331, 64 355 -> 365, 128 386 -> 400, 684 and 2048 rows ~420 both; a
- * decode step of 32 sequences ~8% shorter (docs/performance/step_profile.md).
+ * Faster than oneDNN's packed bfloat16 GEMM up to ~128 rows and as fast beyond (without AMX;
+ * figures by instruction set in docs/performance/step_profile.md).
  *
  * A gate|up projection can give silu(gate) * up instead of its product (glu, panels_team): a
  * thread computes a tile of the gate panel and the same features' up tile, and the activation
