@@ -97,13 +97,11 @@ def gemm_kernel():
 def pack_weight(weight: torch.Tensor) -> Packed | None:
     """A blocked copy of a bfloat16 CPU weight [out, in] for ``linear``, made once, or None where
     there is nothing to gain (``can_pack``): csrc/gemm.c's where it takes the weight (AVX-512 or
-    AVX2 without AMX; against oneDNN with AVX512-BF16 1.5x at 8 rows, 1.15x at 32, as fast from ~500
-    rows on), else oneDNN's.
+    AVX2 without AMX: faster than oneDNN's at a few rows, as fast at many), else oneDNN's.
 
     torch's CPU bfloat16 matmul takes the plain [out, in] weight and re-blocks it for its
-    AMX/AVX-512 kernels inside every call; oneDNN's blocked copy is made once. Measured on a Xeon
-    with AMX, the bundled model's projections at 48 rows: 25-47 ms -> 17-27 ms in the same runs,
-    the same products (``benchmarks/instruments/ceiling.py`` times both)."""
+    AMX/AVX-512 kernels inside every call; oneDNN's blocked copy is made once, the same products
+    (``benchmarks/instruments/ceiling.py`` times both; figures in docs/performance/step_profile.md)."""
     if not can_pack(weight):
         return None
     weight = weight.contiguous()

@@ -131,8 +131,8 @@ def cpu_gemm_bf16() -> bool:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto``: bfloat16 on CUDA (float16 where bf16 is missing), on CPUs with native bf16 and
-    where the CPU kernels' bfloat16 GEMM is built (AVX2 with FMA); float32 on other CPUs (torch's
-    own bfloat16 matmul there ran at 7-9 GFLOP/s)."""
+    where the CPU kernels' bfloat16 GEMM is built (AVX2 with FMA); float32 on other CPUs, where
+    torch's own bfloat16 matmul is several times slower than float32 (docs/performance/step_profile.md)."""
     if dtype != "auto":
         return getattr(torch, dtype)
     if device.type == "cuda":
