@@ -178,7 +178,7 @@ def run_ours(args) -> dict:
         ex, stats = llm.engine.executor, llm.stats()
         figures = dict(source=llm.engine.source, dtype=ex.dtype, device=ex.device, prompts=prompts,
                        outputs=outputs, seconds=elapsed, threads=torch.get_num_threads(),
-                       preemptions=stats["num_preemptions"], kv_blocks=stats["kv_blocks_total"])
+                       preemptions=stats.num_preemptions, kv_blocks=stats.kv_blocks_total)
     finally:
         llm.shutdown()
     del llm

@@ -92,7 +92,8 @@ def run_arm(llm: LLM, prompts: list[list[int]], batch: int,
     after = llm.stats()
     keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
     decoding = sum(max(0.0, o.times.finished - o.times.first_token) for o in outputs)
-    return [o.token_ids for o in outputs], seconds, {k: after[k] - before[k] for k in keys}, decoding
+    grown = {k: getattr(after, k) - getattr(before, k) for k in keys}
+    return [o.token_ids for o in outputs], seconds, grown, decoding
 
 
 def measure(llm: LLM, sets: list[str], batches: list[int], max_tokens: int, requests: int,

@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.core.ipc import EngineStats
 from kvserve.engine.core.llm_engine import LLMEngine
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.engine.sampling_params import SamplingParams
@@ -92,7 +93,8 @@ class LLM:
         ids = self.engine.apply_chat_template(messages)
         return self.generate([ids], sampling_params, **kw)[0]
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
+        """The engine's state and counters (the fields of the server's Stats the engine knows)."""
         return self.engine.stats()
 
     def shutdown(self) -> None:

@@ -33,6 +33,7 @@ class RequestOutput:
     # speculative decoding so far: draft tokens verified for this choice, and how many were accepted
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    stop_str: str | None = None  # the stop string that ended the choice (finish_reason STOP_STRING)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from kvserve.engine.frontend.async_engine import (
     AsyncEngine,
     EngineState,
 )
+from kvserve.engine.frontend.engine_state import served_model_name
 from kvserve.engine.frontend.kv_events import KvEventHub
 from kvserve.engine.process.malloc import return_large_blocks
 from kvserve.service.api.servicer import LLMServicer
@@ -45,7 +46,7 @@ from kvserve.service.guards.security import ApiKeyInterceptor, SecuritySettings,
 from kvserve.service.health import Health
 from kvserve.service.methods import HEALTH_SERVICE, LLM_SERVICE, VLLM_SERVICE
 from kvserve.service.reflection import enable_reflection
-from kvserve.service.telemetry.observability import Observability, served_model_name
+from kvserve.service.telemetry.observability import Observability
 from kvserve.service.vllm_api.servicer import VllmEngineServicer
 from kvserve.v1 import llm_pb2_grpc
 from kvserve.vllm import vllm_engine_pb2_grpc

@@ -176,6 +176,19 @@ def test_the_core_imports_no_model_code_but_the_sampler():
     assert {m: bad for m, bad in offenders.items() if bad} == {}
 
 
+# what the service may import of the engine: the front-end, and the vocabulary both sides speak
+SERVICE_SEES = (*engine("frontend", "config", "sampling_params", "outputs", "sequence", "process"),)
+
+
+def test_the_service_reaches_the_engine_only_through_the_front_end():
+    """Model facts (sampling defaults, the model's directory) come with the core's ``Ready`` and the
+    matched stop string with the output, so service/ needs nothing from model_loader/ or tokenizer/."""
+    offenders = {m: sorted(i for i in GRAPH[m] if under(i, "kvserve.engine") and i != "kvserve.engine"
+                           and not under(i, *SERVICE_SEES))
+                 for m in GRAPH if under(m, "kvserve.service")}
+    assert {m: bad for m, bad in offenders.items() if bad} == {}
+
+
 @pytest.mark.parametrize("group", ["kvserve.engine.distributed", "kvserve.engine.process"])
 def test_leaves_import_only_the_engine_config(group):
     imports = {i for m in GRAPH if under(m, group) for i in GRAPH[m]}

@@ -27,7 +27,9 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.ipc import (
     CALLS,
     HEARTBEAT_S,
+    CacheFlush,
     Codec,
+    EngineStats,
     Failed,
     Ready,
     Rejected,
@@ -96,7 +98,7 @@ class EngineCore:
         self._acked = batch.seq
         self._stop = self._stop or batch.shutdown
 
-    def _call(self, name: str) -> dict:
+    def _call(self, name: str) -> EngineStats | CacheFlush | None:
         if name not in CALLS:
             raise ValueError(f"unknown engine-core call {name!r}; known: {list(CALLS)}")
         return getattr(self.engine, name)()
@@ -124,7 +126,7 @@ def run_core(config: EngineConfig, inbox_addr: str, outbox_addr: str) -> int:
 
         engine = LLMEngine(config, detokenize=False)  # the front-end detokenizes
         tune_gc()
-        outbox.send(codec.encode(Ready(engine.model_name, engine.vocab_size, engine.config)))
+        outbox.send(codec.encode(Ready(engine.model_info(), engine.config)))
         EngineCore(engine, inbox, outbox).run()
         return 0
     except BaseException as e:  # noqa: BLE001 - reported to the front-end, then the process ends

@@ -7,7 +7,9 @@ loop. The core sends one ``StepDone`` per engine step: every request's delta of 
 (``RequestOutput``: new token ids, text and logprobs, and on the last one the finish reason and
 usage), the requests it refused, the calls' answers and the step's KV-cache events; when idle
 it sends an empty one every ``HEARTBEAT_S`` seconds, so a silent core is a stuck core.
-``Ready`` comes once the model is loaded, ``Failed`` when the core gives up.
+``Ready`` comes once the model is loaded, with the model's facts; ``Failed`` when the core gives
+up. Stats, model facts and call answers are typed structs, so a field renamed on one side fails
+to decode instead of going missing on the other.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class Call(msgspec.Struct, array_like=True):
     name: str  # one of CALLS
 
 
-CALLS = ("stats", "model_info", "enable_kv_events", "reset_prefix_cache")
+CALLS = ("stats", "enable_kv_events", "reset_prefix_cache")
 
 
 class ToCore(msgspec.Struct, array_like=True):
@@ -49,9 +51,64 @@ class ToCore(msgspec.Struct, array_like=True):
     shutdown: bool = False
 
 
-class Ready(msgspec.Struct, tag="ready", array_like=True):
-    model_name: str
+class ModelFacts(msgspec.Struct, kw_only=True, tag="model_info"):
+    """What the core knows of the loaded model (ModelInfo, the vLLM API's GetModelInfo); fixed
+    once loaded, so it comes with ``Ready`` and the front-end answers from it."""
+
+    model: str  # the name the engine reports (file or directory it was loaded from)
+    model_dir: str  # the local directory holding the model's files
+    architecture: str
+    max_model_len: int
     vocab_size: int
+    dtype: str
+    tp_size: int
+    eos_token_ids: list[int]
+    kv_block_size: int
+    kv_cache_dtype: str  # "int8", or the serving dtype's name
+    quantization: str  # "int8" / "int4" (--quantization), or "" for weights in dtype
+    # the model's recommended sampling for unset fields (engine/model_loader/generation_defaults.py)
+    sampling_defaults: dict[str, float | int] = {}
+
+
+class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
+    """The core's state and counters since start (Stats, /metrics, the vLLM API's GetLoad)."""
+
+    model: str
+    device: str
+    dtype: str
+    tp_size: int
+    attention_backend: str
+    num_waiting: int  # the scheduler's waiting queue (and grammars compiling)
+    num_running: int
+    kv_blocks_total: int
+    kv_blocks_free: int  # prefix-cached blocks that are free count here
+    kv_block_size: int
+    kv_cache_dtype: str
+    prefix_cache_hit_rate: float
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found
+    num_preemptions: int
+    requests_finished: int
+    requests_aborted: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_acceptance_rate: float
+    spec_decode_mean_accepted_length: float  # tokens a verification step emits per sequence
+    uptime_s: float
+
+
+class CacheFlush(msgspec.Struct, kw_only=True, tag="flush"):
+    """``reset_prefix_cache``'s answer (FlushCache): refused while requests hold blocks."""
+
+    success: bool
+    message: str = ""
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    facts: ModelFacts
     config: EngineConfig  # as resolved by the core (max_model_len filled in)
 
 
@@ -62,7 +119,7 @@ class Rejected(msgspec.Struct, array_like=True):
 
 class Reply(msgspec.Struct, array_like=True):
     call_id: int
-    result: dict
+    result: EngineStats | CacheFlush | None  # what the call named returns
 
 
 class StepDone(msgspec.Struct, tag="step", array_like=True):

@@ -21,11 +21,13 @@ from kvserve.engine.config import (
 )
 from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
+from kvserve.engine.core.ipc import CacheFlush, EngineStats, ModelFacts
 from kvserve.engine.core.requests import Choice, Request, choice_params
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
+from kvserve.engine.model_loader.generation_defaults import sampling_defaults
 from kvserve.engine.model_loader.loader import load_generation_eos, load_hf_config, resolve_device
 from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
@@ -306,61 +308,60 @@ class LLMEngine:
     def is_healthy(self) -> bool:
         return self.executor.is_healthy()
 
-    def stats(self) -> dict:
-        ex = self.executor
-        return {
-            "model": self.model_name,
-            "device": str(ex.device),
-            "dtype": str(ex.dtype).removeprefix("torch."),
-            "tp_size": self.config.tensor_parallel_size,
-            "attention_backend": ex.attention_backend_name,
-            "num_waiting": self.num_waiting(),
-            "num_running": self.num_running(),
-            "num_queued": 0,
-            "max_queue": 0,
-            "kv_blocks_total": self.block_manager.num_blocks,
-            "kv_blocks_free": self.block_manager.num_free_blocks,
-            "kv_block_size": self.config.block_size,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "prefix_cache_hit_rate": self.block_manager.hit_rate,
-            "prefix_cache_queries": self.block_manager.query_tokens,  # prompt tokens looked up
-            "prefix_cache_hits": self.block_manager.hit_tokens,  # of which found
-            "num_preemptions": self.scheduler.num_preemptions,
+    def stats(self) -> EngineStats:
+        ex, blocks = self.executor, self.block_manager
+        return EngineStats(
+            model=self.model_name,
+            device=str(ex.device),
+            dtype=str(ex.dtype).removeprefix("torch."),
+            tp_size=self.config.tensor_parallel_size,
+            attention_backend=ex.attention_backend_name,
+            num_waiting=self.num_waiting(),
+            num_running=self.num_running(),
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_free=blocks.num_free_blocks,
+            kv_block_size=self.config.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            prefix_cache_hit_rate=blocks.hit_rate,
+            prefix_cache_queries=blocks.query_tokens,
+            prefix_cache_hits=blocks.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
             **self.counters,
             **speculation_stats(self.speculator and self.speculator.counters),
-            "requests_rejected": 0,
-            "uptime_s": time.monotonic() - self.started,
-        }
+            uptime_s=time.monotonic() - self.started,
+        )
 
-    def enable_kv_events(self) -> dict:
+    def enable_kv_events(self) -> None:
         """Collect KV-cache events from now on (``take_kv_events``; the server publishes them)."""
         if self.block_manager.kv_events is None:
             self.block_manager.kv_events = []
-        return {}
 
     def take_kv_events(self) -> list[tuple]:
         return self.block_manager.take_kv_events()
 
-    def reset_prefix_cache(self) -> dict:
+    def reset_prefix_cache(self) -> CacheFlush:
         """Forget every cached prefix; refused while requests hold blocks (FlushCache)."""
-        ok = self.block_manager.reset_prefix_cache()
-        return {"success": ok, "message": "" if ok else
-                f"{self.num_running()} requests hold KV blocks; the prefix cache is flushed only when idle"}
+        if self.block_manager.reset_prefix_cache():
+            return CacheFlush(success=True)
+        return CacheFlush(success=False, message=f"{self.num_running()} requests hold KV blocks; the prefix "
+                          "cache is flushed only when idle")
 
-    def model_info(self) -> dict:
+    def model_info(self) -> ModelFacts:
         """Facts about the loaded model (the ModelInfo RPC's fields the engine knows)."""
-        return {
-            "model": self.model_name,
-            "architecture": self.architecture,
-            "max_model_len": self.config.max_model_len,
-            "vocab_size": self.vocab_size,
-            "dtype": str(self.executor.dtype).removeprefix("torch."),
-            "tp_size": self.config.tensor_parallel_size,
-            "eos_token_ids": list(self.eos_token_ids),
-            "kv_block_size": self.config.block_size,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "quantization": self.config.quantization or "",
-        }
+        return ModelFacts(
+            model=self.model_name,
+            model_dir=self.source.path,
+            architecture=self.architecture,
+            max_model_len=self.config.max_model_len,
+            vocab_size=self.vocab_size,
+            dtype=str(self.executor.dtype).removeprefix("torch."),
+            tp_size=self.config.tensor_parallel_size,
+            eos_token_ids=list(self.eos_token_ids),
+            kv_block_size=self.config.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.config.quantization or "",
+            sampling_defaults=sampling_defaults(self.config.model),
+        )
 
     @property
     def kv_cache_dtype(self) -> str:

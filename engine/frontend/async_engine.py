@@ -27,10 +27,18 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.core.ipc import NewRequest, Ready, StepDone, StopChoice
+from kvserve.engine.core.ipc import CacheFlush, NewRequest, Ready, StepDone, StopChoice
 from kvserve.engine.frontend.core_client import CoreClient
-from kvserve.engine.frontend.engine_state import EngineInfo, EngineOverloaded, EngineState, EngineUnavailable
+from kvserve.engine.frontend.engine_state import (
+    EngineInfo,
+    EngineOverloaded,
+    EngineState,
+    EngineUnavailable,
+    ServerStats,
+)
 from kvserve.engine.frontend.kv_events import KvEventHub
 from kvserve.engine.frontend.request_stream import RequestStream
 from kvserve.engine.process.gc_tuning import tune_gc
@@ -195,26 +203,26 @@ class AsyncEngine:
         self._core.add(NewRequest(key, ids, params))
         return stream
 
-    async def stats(self) -> dict:
+    async def stats(self) -> ServerStats:
         """The core's stats plus the admission fields (num_queued, max_queue, requests_rejected)."""
-        stats = await self._call_core("stats")
-        stats.update(num_queued=self._tokenizing + self._core.unacked, max_queue=self.max_queue,
-                     requests_rejected=self._rejected)
-        return stats
+        core = await self._call_core("stats")
+        return ServerStats(**msgspec.structs.asdict(core), num_queued=self._tokenizing + self._core.unacked,
+                           max_queue=self.max_queue, requests_rejected=self._rejected)
 
-    async def reset_prefix_cache(self, wait_s: float = 0.0) -> dict:
+    async def reset_prefix_cache(self, wait_s: float = 0.0) -> CacheFlush:
         """Forget the core's cached prefixes, waiting up to ``wait_s`` for the requests in flight to
-        end; ``{"success", "message"}`` (refused while requests hold blocks)."""
+        end (refused while requests hold blocks)."""
         if wait_s > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), wait_s)
         return await self._call_core("reset_prefix_cache")
 
-    async def model_info(self) -> dict:
-        """The loaded model's facts (``LLMEngine.model_info()``) and whether it has a chat template."""
-        info = await self._call_core("model_info")
-        info["has_chat_template"] = bool(getattr(self._prompts.tokenizer, "chat_template", None))
-        return info
+    async def model_info(self) -> EngineInfo:
+        """The loaded model's facts (``LLMEngine.model_info()``, sent with ``Ready``) and whether it
+        has a chat template; refused as the other calls are while the engine is not serving."""
+        if not self._serving():
+            raise EngineUnavailable(self._unavailable_reason())
+        return self.info
 
     @property
     def tokenizer(self):
@@ -235,7 +243,7 @@ class AsyncEngine:
             raise EngineUnavailable(self._unavailable_reason())
         return await self._loop.run_in_executor(self._pool, self._encode, prompt, messages, False)
 
-    async def _call_core(self, name: str) -> dict:
+    async def _call_core(self, name: str):
         if not self._serving():
             raise EngineUnavailable(self._unavailable_reason())
         return await self._core.call(name)
@@ -316,10 +324,10 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - the service cannot run without it
             self._fail(f"loading the tokenizer failed: {type(e).__name__}: {e}")
             return
-        self.info = EngineInfo(msg.model_name, msg.vocab_size, msg.config)
+        self.info = EngineInfo(msg.facts, msg.config, bool(getattr(tokenizer, "chat_template", None)))
         if self.kv_events is not None:  # the core collects them from its next batch on
             self._enabling = asyncio.ensure_future(self._core.call("enable_kv_events"))
-        self._prompts = PromptEncoder(tokenizer, msg.vocab_size, msg.config.max_model_len)
+        self._prompts = PromptEncoder(tokenizer, msg.facts.vocab_size, msg.config.max_model_len)
         tune_gc()  # everything the front-end loaded is in place
         if self._state == EngineState.LOADING:
             self._set_state(EngineState.READY)

@@ -33,7 +33,18 @@ import zmq
 import zmq.asyncio
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.core.ipc import Call, Codec, Failed, NewRequest, Ready, StepDone, StopChoice, ToCore
+from kvserve.engine.core.ipc import (
+    CacheFlush,
+    Call,
+    Codec,
+    EngineStats,
+    Failed,
+    NewRequest,
+    Ready,
+    StepDone,
+    StopChoice,
+    ToCore,
+)
 from kvserve.engine.process.child_process import Lifeline, describe_exit, kvserve_command
 
 log = logging.getLogger("kvserve.engine.async")
@@ -181,7 +192,7 @@ class CoreClient:
         self._batch.stops.append(stop)
         self._schedule_flush()
 
-    async def call(self, name: str) -> dict:
+    async def call(self, name: str) -> EngineStats | CacheFlush | None:
         """The core's answer to ``name`` (one of ``ipc.CALLS``), from its next step."""
         call_id = next(self._call_ids)
         future = self._loop.create_future()

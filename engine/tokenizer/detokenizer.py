@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded text that may be the start of a stop string
         self._released: list[str] = []
         self.stopped = False
+        self.stop_str: str | None = None  # the stop string that ended the text, once stopped
 
     @property
     def text(self) -> str:
@@ -76,6 +77,7 @@ class IncrementalDetokenizer:
         cut = first_stop(text, self._stop)
         if cut is not None:
             self.stopped = True
+            self.stop_str = next(stop for stop in self._stop if text.startswith(stop, cut))
             out, self._held = text[:cut], ""
         else:
             keep = 0 if final else stop_prefix_length(text, self._stop)
@@ -173,6 +175,7 @@ class RequestText:
         verdict = self.KEEP
         if detok.stopped:  # also when this token hit max_tokens: the stop string ended the text
             out.finished, out.finish_reason, verdict = True, FinishReason.STOP_STRING, self.STOPPED
+            out.stop_str = detok.stop_str
         elif out.finished:
             text += detok.finish()
         out.new_text = text

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import msgspec
+
+from kvserve.engine.frontend.engine_state import EngineInfo, ServerStats
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sequence import FinishReason, SequenceTimes
 from kvserve.v1 import llm_pb2
@@ -111,15 +114,18 @@ class CompletionBuilder:
         return msg
 
 
-def stats_response(stats: dict) -> llm_pb2.StatsResponse:
-    """Copy the keys the proto knows (``engine.stats()`` may carry more)."""
+def stats_response(stats: ServerStats) -> llm_pb2.StatsResponse:
+    """The Stats message; every field of it is a field of ``ServerStats`` (tests/service hold it so),
+    which may carry more (the speculative and prefix-cache counters /metrics exports)."""
     return _message_from(llm_pb2.StatsResponse, stats)
 
 
-def model_info_response(info: dict) -> llm_pb2.ModelInfoResponse:
-    return _message_from(llm_pb2.ModelInfoResponse, info)
+def model_info_response(info: EngineInfo) -> llm_pb2.ModelInfoResponse:
+    return _message_from(llm_pb2.ModelInfoResponse, info.facts, has_chat_template=info.has_chat_template)
 
 
-def _message_from(cls, values: dict):
-    names = {f.name for f in cls.DESCRIPTOR.fields}
-    return cls(**{k: v for k, v in values.items() if k in names})
+def _message_from(cls, struct: msgspec.Struct, **more):
+    """``cls`` with each of its fields taken from the attribute of that name (AttributeError when
+    the struct lacks one: a renamed field fails loudly instead of going missing)."""
+    fields = {f.name: getattr(struct, f.name) for f in cls.DESCRIPTOR.fields if f.name not in more}
+    return cls(**fields, **more)

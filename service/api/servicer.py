@@ -14,9 +14,9 @@ import logging
 import time
 
 import grpc
+import msgspec
 
 from kvserve.engine.frontend.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from kvserve.engine.model_loader.generation_defaults import sampling_defaults
 from kvserve.service.api.errors import status_for
 from kvserve.service.api.responses import (
     CompletionBuilder,
@@ -131,7 +131,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             info = self._engine.info
             if info is None:
                 raise EngineUnavailable("the model is still loading")
-            req = parse_generate_request(request, info.vocab_size, sampling_defaults(info.config.model),
+            req = parse_generate_request(request, info.vocab_size, info.sampling_defaults,
                                          call.header_request_id, info.max_model_len)
             if self._salting.source != "none":
                 own = req.params.cache_salt
@@ -157,8 +157,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         except Exception as e:  # noqa: BLE001 - mapped to a status
             status = _status(e, "")
         else:
-            stats["uptime_s"] = time.monotonic() - self._started
-            return stats_response(stats)
+            return stats_response(msgspec.structs.replace(stats, uptime_s=time.monotonic() - self._started))
         refuse(context, *status)
         return None
 

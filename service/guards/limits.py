@@ -5,8 +5,8 @@ runs: at most ``max_streams`` over the whole server, ``max_streams_per_connectio
 client connection (gRPC's peer address: one per connection), and at most
 ``max_watch_streams`` of them WatchStats. A call beyond a limit ends at once with
 RESOURCE_EXHAUSTED and a message naming the flag. WatchStats also has a minimum interval
-(``MIN_WATCH_INTERVAL_MS``): 300 watchers at 10 ms cost a running stream 2.5x its latency,
-because every snapshot is a call into the engine thread.
+(``MIN_WATCH_INTERVAL_MS``): every snapshot is a call into the engine, so hundreds of fast
+watchers slow every running stream (docs/deployment/limits.md has the measurement).
 
 The services open without the API key (health, reflection: service/guards/security.py) have
 slots of their own: at most ``max_open_streams`` calls in flight over the whole server and

@@ -36,6 +36,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvserve.engine.frontend.engine_state import ServerStats
 from kvserve.service.methods import split_method
 from kvserve.service.telemetry.metrics_http import MetricsHttpServer
 
@@ -48,7 +49,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 1
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 
-# (metric name without prefix, Stats key, help) of the engine snapshot's gauges and counters
+# (metric name without prefix, ServerStats field, help) of the engine snapshot's gauges and counters
 SNAPSHOT_GAUGES = (
     ("num_requests_running", "num_running", "Requests being generated (in the running batch)."),
     ("num_requests_waiting", "num_waiting", "Requests in the scheduler's waiting queue."),
@@ -83,10 +84,10 @@ def metric_name(name: str) -> str:
 class Metrics:
     """The server's registry: the engine snapshot's series plus what the front-end observes.
 
-    ``snapshot()`` returns the Stats dict, or None while there is none (loading, dead);
+    ``snapshot()`` returns the ``ServerStats``, or None while there is none (loading, dead);
     ``core_pid()`` the engine-core process's pid (None: no series for it)."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], dict | None],
+    def __init__(self, model_name: str, snapshot: Callable[[], ServerStats | None],
                  core_pid: Callable[[], int | None] = lambda: None):
         disable_created_metrics()  # no *_created series: vLLM's dashboards do not use them
         self.model_name = model_name
@@ -138,7 +139,7 @@ class Metrics:
 class SnapshotCollector(Collector):
     """The engine snapshot's series, read fresh at every scrape."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], dict | None]):
+    def __init__(self, model_name: str, snapshot: Callable[[], ServerStats | None]):
         self._model = model_name
         self._snapshot = snapshot
 
@@ -147,27 +148,27 @@ class SnapshotCollector(Collector):
         if stats is None:
             return
         for name, key, doc in SNAPSHOT_GAUGES:
-            yield self._family(GaugeMetricFamily, name, doc, stats[key])
-        total = stats["kv_blocks_total"]
-        usage = 1.0 - stats["kv_blocks_free"] / total if total else 0.0
+            yield self._family(GaugeMetricFamily, name, doc, getattr(stats, key))
+        total = stats.kv_blocks_total
+        usage = 1.0 - stats.kv_blocks_free / total if total else 0.0
         yield self._family(GaugeMetricFamily, "kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).",
                            usage)
         for name, key, doc in SNAPSHOT_COUNTERS:
-            yield self._family(CounterMetricFamily, name, doc, stats[key])
+            yield self._family(CounterMetricFamily, name, doc, getattr(stats, key))
         yield from self._vllm_aliases(stats, usage)
 
-    def _vllm_aliases(self, stats: dict, usage: float):
+    def _vllm_aliases(self, stats: ServerStats, usage: float):
         alias = VLLM_PREFIX
         gauge = GaugeMetricFamily
         yield self._family(gauge, "num_requests_waiting", "Requests admitted, not yet running (vLLM's name).",
-                           stats["num_waiting"] + stats["num_queued"], alias)
+                           stats.num_waiting + stats.num_queued, alias)
         yield self._family(gauge, "num_requests_running", "Requests being generated (vLLM's name).",
-                           stats["num_running"], alias)
+                           stats.num_running, alias)
         yield self._family(gauge, "kv_cache_usage_perc", "KV-cache usage, 1 = full (vLLM's name).", usage,
                            alias)
         info = GaugeMetricFamily(alias + "cache_config_info", "KV cache configuration (vLLM's name).",
                                  labels=["model_name", "block_size", "num_gpu_blocks"])
-        info.add_metric([self._model, str(stats["kv_block_size"]), str(stats["kv_blocks_total"])], 1.0)
+        info.add_metric([self._model, str(stats.kv_block_size), str(stats.kv_blocks_total)], 1.0)
         yield info
 
     def _family(self, kind, name: str, doc: str, value: float, prefix: str = PREFIX):
@@ -178,7 +179,7 @@ class SnapshotCollector(Collector):
 
 def snapshot_from_thread(
     stats: Callable[[], object], loop: asyncio.AbstractEventLoop
-) -> Callable[[], dict | None]:
+) -> Callable[[], ServerStats | None]:
     """A snapshot function for the scrape thread: runs the coroutine ``stats()`` on the server's
     event loop and waits for it; None when the engine has none to give (loading, dead)."""
 

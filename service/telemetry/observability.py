@@ -16,16 +16,6 @@ from kvserve.service.telemetry.tracing import Tracing, otlp_endpoint, otlp_provi
 log = logging.getLogger("kvserve.service")
 
 
-def served_model_name(model: str) -> str:
-    """The ``model_name`` label: the name the engine will report for ``model``."""
-    from kvserve.engine.model_loader.source import resolve_model
-
-    try:
-        return resolve_model(model).name
-    except ValueError:  # the engine reports the error when it tries to load it
-        return model
-
-
 class Observability:
     """Owns the metrics HTTP server and the tracer provider of one server."""
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sequence import FinishReason
-from kvserve.engine.tokenizer.detokenizer import first_stop
 from kvserve.vllm import vllm_engine_pb2 as pb
 
 FINISH_REASONS = {
@@ -53,8 +52,8 @@ class Choice:
         self.last = out
 
 
-def complete(choice: Choice, index: int, top: int | None, stop_token_ids: list[int],
-             matched_stop_str: str | None, whole: bool, reason: str | None = None) -> pb.GenerateResponse:
+def complete(choice: Choice, index: int, top: int | None, stop_token_ids: list[int], whole: bool,
+             reason: str | None = None) -> pb.GenerateResponse:
     """The end of choice ``index``, with its whole output when ``whole`` (stream = false; the
     chunks carried it otherwise); ``reason`` overrides the engine's (an aborted call)."""
     last = choice.last
@@ -67,17 +66,9 @@ def complete(choice: Choice, index: int, top: int | None, stop_token_ids: list[i
         output_logprobs=output_logprobs(choice.logprobs, top) if whole else None,
     )
     if reason is None and last is not None:
-        if last.finish_reason == FinishReason.STOP_STRING and matched_stop_str is not None:
-            msg.matched_stop_str = matched_stop_str
+        if last.finish_reason == FinishReason.STOP_STRING and last.stop_str is not None:
+            msg.matched_stop_str = last.stop_str  # the front-end's detokenizer found it
         elif last.finish_reason == FinishReason.STOP and last.new_token_ids and \
                 last.new_token_ids[-1] in stop_token_ids:
             msg.matched_token_id = last.new_token_ids[-1]
     return pb.GenerateResponse(complete=msg)
-
-
-def matched_stop(text: str, stops: list[str]) -> str | None:
-    """Which of ``stops`` ended ``text`` (the choice's whole decoded output): the earliest."""
-    at = first_stop(text, stops)
-    if at is None:
-        return None
-    return next((s for s in stops if text.startswith(s, at)), None)

@@ -23,8 +23,7 @@ import time
 import grpc
 
 from kvserve.engine.frontend.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from kvserve.engine.frontend.engine_state import EngineState
-from kvserve.engine.model_loader.generation_defaults import sampling_defaults
+from kvserve.engine.frontend.engine_state import EngineInfo, EngineState, ServerStats
 from kvserve.service.api.errors import status_for
 from kvserve.service.api.validation import CacheSalting
 from kvserve.service.guards.interceptors import refuse
@@ -84,12 +83,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     yield responses.chunk(out, req.logprobs)
                 if out.finished:
                     open_choices.discard(out.index)
-                    matched = self._matched(req, choice)
-                    yield responses.complete(choice, out.index, req.logprobs, stops, matched,
-                                             whole=not req.stream)
+                    yield responses.complete(choice, out.index, req.logprobs, stops, whole=not req.stream)
         except RequestAborted:
             for i in sorted(open_choices):
-                yield responses.complete(choices[i], i, req.logprobs, stops, None, whole=not req.stream,
+                yield responses.complete(choices[i], i, req.logprobs, stops, whole=not req.stream,
                                          reason="abort")
         except Exception as e:  # noqa: BLE001 - mapped to a status below
             status = _status(e, req.request_id)
@@ -110,7 +107,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if info is None:
                 raise EngineUnavailable("the model is still loading")
             req = parse_request(request, info.vocab_size, info.config.max_model_len,
-                                sampling_defaults(info.config.model))
+                                info.sampling_defaults)
             if self._salting.source != "none":
                 req.params.cache_salt = self._salting.salt(context.invocation_metadata(), None)
             prompt = req.prompt
@@ -121,16 +118,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             status = _status(e, request.request_id)
         refuse(context, *status)
         return None
-
-    def _matched(self, req: VllmRequest, choice: responses.Choice) -> str | None:
-        """The stop string that ended the choice (None unless one did)."""
-        last = choice.last
-        if not req.params.stop or last is None or last.finish_reason is None or \
-                last.finish_reason.name != "STOP_STRING":
-            return None
-        skip = req.params.skip_special_tokens
-        text = self._engine.tokenizer.decode(choice.token_ids, skip_special_tokens=skip)
-        return responses.matched_stop(text, req.params.stop)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         for request_id in request.request_ids:
@@ -154,29 +141,27 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         try:
             info = await self._engine.model_info()
-            config = self._engine.info.config
         except Exception as e:  # noqa: BLE001 - mapped to a status
             status = _status(e, "")
         else:
-            return self._model_info(info, config)
+            return self._model_info(info)
         refuse(context, *status)
         return None
 
-    def _model_info(self, info: dict, config) -> pb.GetModelInfoResponse:
-        tokenizer = self._engine.tokenizer
+    def _model_info(self, info: EngineInfo) -> pb.GetModelInfoResponse:
+        tokenizer, facts, model = self._engine.tokenizer, info.facts, info.config.model
         return pb.GetModelInfoResponse(
-            model_path=config.model, is_generation=True, max_context_length=info["max_model_len"],
-            vocab_size=info["vocab_size"], supports_vision=False, served_model_name=info["model"],
-            tokenizer_path=config.model, model_type=info["architecture"],
-            architectures=[info["architecture"]],
-            eos_token_ids=info["eos_token_ids"],
+            model_path=model, is_generation=True, max_context_length=facts.max_model_len,
+            vocab_size=facts.vocab_size, supports_vision=False, served_model_name=facts.model,
+            tokenizer_path=model, model_type=facts.architecture, architectures=[facts.architecture],
+            eos_token_ids=facts.eos_token_ids,
             pad_token_id=_token_id(tokenizer, "pad_token_id"),
             bos_token_id=_token_id(tokenizer, "bos_token_id"),
-            max_req_input_len=info["max_model_len"] - 1,
-            default_sampling_params_json=json.dumps(sampling_defaults(config.model)),
+            max_req_input_len=facts.max_model_len - 1,
+            default_sampling_params_json=json.dumps(facts.sampling_defaults),
         )
 
-    async def _stats_or_refuse(self, context) -> dict | None:
+    async def _stats_or_refuse(self, context) -> ServerStats | None:
         """The engine's Stats, or None once the call is refused with the status its error maps to."""
         try:
             return await self._engine.stats()
@@ -188,13 +173,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         stats = await self._stats_or_refuse(context)
         return None if stats is None else self._server_info(stats)
 
-    def _server_info(self, stats: dict) -> pb.GetServerInfoResponse:
+    def _server_info(self, stats: ServerStats) -> pb.GetServerInfoResponse:
         return pb.GetServerInfoResponse(
             active_requests=self._engine.num_in_flight, is_paused=False,
             last_receive_timestamp=self._last_receive, uptime_seconds=time.monotonic() - self._started,
-            server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype=stats["kv_cache_dtype"],
-            block_size=stats["kv_block_size"], attention_backend=stats.get("attention_backend", ""),
-            model_dtype=stats["dtype"],
+            server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype=stats.kv_cache_dtype,
+            block_size=stats.kv_block_size, attention_backend=stats.attention_backend,
+            model_dtype=stats.dtype,
         )
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
@@ -205,13 +190,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         stats = await self._stats_or_refuse(context)
         return None if stats is None else self._loads(stats)
 
-    def _loads(self, s: dict) -> pb.GetLoadsResponse:
-        total, free, block = s["kv_blocks_total"], s["kv_blocks_free"], s["kv_block_size"]
+    def _loads(self, s: ServerStats) -> pb.GetLoadsResponse:
+        total, free, block = s.kv_blocks_total, s.kv_blocks_free, s.kv_block_size
         load = pb.SchedulerLoad(
-            dp_rank=0, num_running_reqs=s["num_running"], num_waiting_reqs=s["num_waiting"] + s["num_queued"],
-            num_total_reqs=s["num_running"] + s["num_waiting"] + s["num_queued"],
+            dp_rank=0, num_running_reqs=s.num_running, num_waiting_reqs=s.num_waiting + s.num_queued,
+            num_total_reqs=s.num_running + s.num_waiting + s.num_queued,
             num_used_tokens=(total - free) * block, max_total_num_tokens=total * block,
-            token_usage=(total - free) / total if total else 0.0, cache_hit_rate=s["prefix_cache_hit_rate"],
+            token_usage=(total - free) / total if total else 0.0, cache_hit_rate=s.prefix_cache_hit_rate,
             max_running_requests=self._engine.config.max_num_seqs,
         )
         now = datetime.datetime.now(datetime.timezone.utc).isoformat()
@@ -225,7 +210,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             return
         if self._bundle is None:
             self._bundle = asyncio.get_running_loop().run_in_executor(
-                None, tokenizer_bundle.build_bundle, tokenizer, _model_dir(self._engine.config.model))
+                None, tokenizer_bundle.build_bundle, tokenizer, self._engine.info.facts.model_dir)
         data, sha = await self._bundle
         pieces = tokenizer_bundle.chunks(data)
         for i, piece in enumerate(pieces):
@@ -241,7 +226,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except Exception as e:  # noqa: BLE001 - mapped to a status
             status = _status(e, "")
         else:
-            return common.FlushCacheResponse(success=result["success"], message=result["message"])
+            return common.FlushCacheResponse(success=result.success, message=result.message)
         refuse(context, *status)
         return None
 
@@ -300,12 +285,3 @@ def _kv_batch(batch) -> common.KvEventBatch:
 def _token_id(tokenizer, name: str) -> int:
     value = getattr(tokenizer, name, None) if tokenizer is not None else None
     return -1 if value is None else int(value)
-
-
-def _model_dir(model: str) -> str | None:
-    from kvserve.engine.model_loader.source import resolve_model
-
-    try:
-        return resolve_model(model).path
-    except ValueError:
-        return None

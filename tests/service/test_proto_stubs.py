@@ -8,6 +8,8 @@ import dataclasses
 import pytest
 from google.protobuf import descriptor_pb2
 
+from kvserve.engine.core.ipc import ModelFacts
+from kvserve.engine.frontend.engine_state import ServerStats
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import FinishReason
 from kvserve.service import protogen
@@ -124,3 +126,13 @@ _SELF_EXPLAINING = {
     ("GenerateResponse", "timing"),
     ("StreamResponse", "request_id"),
 }
+
+
+def test_stats_and_model_info_fields_are_fields_of_the_typed_structs():
+    """Stats and ModelInfo are copied field by field from ServerStats and ModelFacts (msgspec
+    structs that cross the process boundary): a field renamed on either side fails here, instead of
+    being sent as its zero."""
+    assert {f.name for f in llm_pb2.StatsResponse.DESCRIPTOR.fields} <= set(ServerStats.__struct_fields__)
+    front_end = {"has_chat_template"}  # the front-end's tokenizer knows it, not the core
+    info = {f.name for f in llm_pb2.ModelInfoResponse.DESCRIPTOR.fields} - front_end
+    assert info <= set(ModelFacts.__struct_fields__)

@@ -13,9 +13,9 @@
  * values (scale = max|x| / 127, magnitudes rounded to nearest even, as llama.cpp does with its
  * Q8 activations), and 64 products at a time are summed in integers (vpdpbusd: x's magnitudes
  * as unsigned bytes against the weights negated where x is negative), then scaled per 32 values
- * in float. Widening each 16 weights to float took three instructions per 16 products and kept
- * the kernel compute-bound at ~28 GB/s even with the weight in cache; this takes four per 64
- * (one row of x; the model's int8 projections and LM head, 134 MB, two threads: ~1.7x faster).
+ * in float. Widening each 16 weights to float takes three instructions per 16 products and
+ * leaves the kernel compute-bound even with the weight in cache; this takes four per 64
+ * (docs/serving/quantization.md has the figures).
  * int4 weights (W_INT4, GGUF Q4_1's scheme) take the same quantized x: their 4-bit values
  * are unsigned, so x's signed bytes multiply them directly, and each 32 values' minimum times
  * the sum of x's 32 values adds the rest. Without AVX512-VNNI int4 is not computed here
@@ -124,8 +124,7 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
 #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; ++b) {
         /* the rows PREFETCH_BYTES ahead of this block: the hardware prefetcher alone leaves the
-         * core waiting on memory (the model's one-row projections, two threads: 11.6 -> 9.0 ms in
-         * bfloat16, 9.3 -> 5.5 ms in int8, 8 to 32 KiB ahead alike) */
+         * core waiting on memory on one-row projections (docs/serving/quantization.md) */
         const char *block = w + (int64_t)b * NW * row_bytes;
         for (int64_t off = 0; off < NW * row_bytes; off += 64)
             if (block + PREFETCH_BYTES + off < end) _mm_prefetch(block + PREFETCH_BYTES + off, PREFETCH_HINT);

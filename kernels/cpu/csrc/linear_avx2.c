@@ -2,8 +2,8 @@
  * Intel client cores): y[m][n] = scale[n] * (x[m] . w[n]) + bias[n] for 1 to MAX_FUSED_ROWS rows
  * of x, the work of a decode step of a few sequences, whose cost should be reading w once.
  *
- * Without these the quantized weights were dequantized at every step (measured on a 2-core AVX2
- * Zen 3: one-row steps 39 ms in int8 and 305 ms in int4 against 17 ms in bfloat16). Here x is
+ * Without these the quantized weights would be dequantized at every step, slower than bfloat16
+ * (docs/serving/quantization.md, "AVX2 CPUs without AVX-512"). Here x is
  * quantized per Q8_BLOCK values (scale = max|x| / 127, magnitudes rounded to nearest even, as
  * linear.c does on AVX512-VNNI and llama.cpp does with its Q8 activations) and the products are
  * summed in integers: vpmaddubsw multiplies unsigned bytes by signed ones and adds pairs into

@@ -113,7 +113,7 @@ def test_prefix_cache_hit_gives_same_tokens(llm, fresh, prompts):
     assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
     assert first[0].token_ids == cold[0].token_ids
     assert all(o.cached_tokens >= 192 for o in warm)
-    assert llm.stats()["prefix_cache_hit_rate"] > 0
+    assert llm.stats().prefix_cache_hit_rate > 0
 
 
 def test_fully_cached_prompt_recomputes_its_last_block(llm, fresh):
@@ -135,9 +135,9 @@ def test_preemption_does_not_change_greedy_tokens(llm, fresh, prompts):
     alone = [llm.generate([i], params, use_tqdm=False)[0].token_ids for i in ids]
     fresh(num_kv_blocks=9)  # block_size 16: 144 slots for 3 x ~60 tokens: someone must yield
     squeezed = llm.generate(ids, params, use_tqdm=False)
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().num_preemptions > 0
     assert [o.token_ids for o in squeezed] == alone
-    assert llm.stats()["kv_blocks_free"] == 9
+    assert llm.stats().kv_blocks_free == 9
 
 
 def test_chunked_prefill_does_not_change_greedy_tokens(llm, fresh, prompts):
@@ -227,8 +227,8 @@ def test_prefix_cache_hit_rate_ignores_recomputation_after_preemption(llm, fresh
     fresh(num_kv_blocks=9)  # as in the preemption test: someone must yield and be recomputed
     llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["prefix_cache_hit_rate"] == 0.0  # no two prompts share a block
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hit_rate == 0.0  # no two prompts share a block
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(llm, fresh):

@@ -137,7 +137,7 @@ def test_engine_runs_n_gt_1_requests_to_the_end_in_a_tiny_cache(tiny_model):
                 tokens[key] = tokens.get(key, 0) + len(out.new_token_ids)
         assert not eng.has_unfinished_requests(), (eng.scheduler.running, list(eng.scheduler.waiting))
         assert tokens == {(f"q{i}", j): sp.max_tokens for i, sp in enumerate(params) for j in range(sp.n)}
-        assert llm.stats()["kv_blocks_free"] == 4 and llm.stats()["num_waiting"] == 0
+        assert llm.stats().kv_blocks_free == 4 and llm.stats().num_waiting == 0
     finally:
         llm.shutdown()
 

@@ -83,8 +83,8 @@ def test_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(llm, plane,
     params = SAMPLINGS[kind]
     plain, spec, stats = _off_and_on(llm, plane, PROMPTS, params, "ngram")
     assert spec == plain
-    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     llm.engine.block_manager.check_integrity()
 
 
@@ -107,7 +107,7 @@ def test_stop_strings_ids_and_max_tokens_end_a_run_where_plain_decoding_ends(llm
     assert spec == plain
     assert [s[2] for s in spec] == [FinishReason.STOP_STRING, FinishReason.STOP, FinishReason.LENGTH]
     assert len(spec[2][0]) == 17 and len(spec[0][1]) == len(spec[0][0])
-    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert llm.stats().spec_decode_num_accepted_tokens > 0
 
 
 def test_n_choices_draft_independently_and_a_request_may_turn_speculation_off(llm, plane):
@@ -117,13 +117,13 @@ def test_n_choices_draft_independently_and_a_request_may_turn_speculation_off(ll
     plane(speculative="ngram")
     spec = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
     assert [c.token_ids for c in spec.choices] == [c.token_ids for c in plain.choices]
-    drafted = llm.stats()["spec_decode_num_draft_tokens"]
+    drafted = llm.stats().spec_decode_num_draft_tokens
     assert drafted > 0
     off = SamplingParams(temperature=0.0, max_tokens=30, speculative="off")
     llm.generate([PROMPTS[0]], off, use_tqdm=False)
     capped = SamplingParams(temperature=0.0, max_tokens=30, max_draft_tokens=0)
     llm.generate([PROMPTS[0]], capped, use_tqdm=False)
-    assert llm.stats()["spec_decode_num_draft_tokens"] == drafted
+    assert llm.stats().spec_decode_num_draft_tokens == drafted
 
 
 @pytest.mark.slow  # ~14 s; `make test` stays under 15 minutes (the other exactness tests stay in it)
@@ -132,9 +132,9 @@ def test_preemption_in_the_middle_of_speculation_recomputes_the_same_tokens(llm,
     # the prompts take 7 of 9 blocks (block size 16) and need 16 at the end: someone must yield
     plain, spec, stats = _off_and_on(llm, plane, PROMPTS, params, "ngram", together=True, num_kv_blocks=9)
     alone, squeezed = [o[0] for o in plain], [o[0] for o in spec]  # the tokens
-    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
+    assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
     assert squeezed == alone
-    assert stats["kv_blocks_free"] == 9
+    assert stats.kv_blocks_free == 9
 
 
 def test_same_seed_same_tokens_with_and_without_a_prefix_cache_hit(llm, plane):
@@ -155,7 +155,7 @@ def _chat(llm, text: str) -> list[int]:
 
 def _assert_nothing_left(llm, blocks: int | None = None) -> None:
     stats = llm.stats()
-    assert stats["kv_blocks_free"] == (blocks or stats["kv_blocks_total"])
+    assert stats.kv_blocks_free == (blocks or stats.kv_blocks_total)
     llm.engine.block_manager.check_integrity()
     assert not llm.engine.requests and not llm.engine.structured._matchers
 
@@ -167,7 +167,7 @@ def test_constrained_requests_draft_and_keep_the_tokens_and_logprobs_of_plain_de
     plain, spec, stats = _off_and_on(llm, plane, prompts, params, "all")
     assert spec == plain
     assert [s[2] for s in spec] == [FinishReason.STOP] * 2  # complete JSON, ended by the grammar's EOS
-    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
     _assert_nothing_left(llm)
 
 
@@ -207,7 +207,7 @@ def test_preemption_and_abort_of_constrained_drafting_sequences_leave_no_matcher
     # the prompts take 10 blocks of 16 tokens, and their JSON needs 2 more: someone must yield
     plain, spec, stats = _off_and_on(llm, plane, prompts, params, "all", together=True, num_kv_blocks=10)
     alone, squeezed = [o[0] for o in plain], [o[0] for o in spec]  # the tokens
-    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
     assert squeezed == alone
     _assert_nothing_left(llm, blocks=10)
     plane(speculative="all")
@@ -247,7 +247,7 @@ def test_where_the_fused_decode_step_does_not_run_speculation_still_gives_plain_
         runs[mode] = [_generate(llm, [prompt], p)[0] for p in params for prompt in prompts]
         stats = llm.stats()
         llm.shutdown()
-    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens > 0
     assert runs["ngram"] == runs["off"]
 
 
@@ -278,7 +278,7 @@ def test_where_every_projection_is_in_gemm_c_a_small_batch_drafts_past_eight_row
         text = "one two three four five six seven eight nine ten " * 3
         prompts = [f"Repeat: {text}", f"Say again: {text}", f"Copy: {text}", f"Echo: {text}"]
         spec = _generate(llm, prompts, params)
-        assert max(rows) > MAX_FUSED_ROWS and llm.stats()["spec_decode_num_accepted_tokens"] > 0
+        assert max(rows) > MAX_FUSED_ROWS and llm.stats().spec_decode_num_accepted_tokens > 0
         with_control_plane(llm, speculative="off")
         assert spec == [_generate(llm, [p], params)[0] for p in prompts]
     finally:

@@ -50,6 +50,6 @@ def test_speculation_at_tp2_gives_the_tokens_and_logprobs_of_plain_decoding(tmp_
     model = write_random_model("llama-tiny", tmp_path / "llama-tiny", dtype=torch.float32)
     plain, _ = _outputs(model, "off")
     spec, stats = _outputs(model, "ngram")
-    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     assert spec == plain

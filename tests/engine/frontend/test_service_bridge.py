@@ -16,6 +16,7 @@ import pytest
 from kvserve.benchmarks.instruments.procfs import alive
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.frontend.async_engine import AsyncEngine, EngineOverloaded, EngineState, EngineUnavailable
+from kvserve.engine.frontend.engine_state import ServerStats
 from kvserve.engine.sampling_params import SamplingParams
 
 MAX_NUM_SEQS = 2
@@ -55,10 +56,10 @@ async def _started(cfg: EngineConfig, **kw) -> AsyncEngine:
     return bridge
 
 
-async def _idle_stats(bridge: AsyncEngine) -> dict:
+async def _idle_stats(bridge: AsyncEngine) -> ServerStats:
     while True:
         s = await bridge.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_queued"] == 0:
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_queued == 0:
             return s
         await asyncio.sleep(0.01)
 
@@ -81,12 +82,12 @@ def test_admission_counts_requests_not_yet_running_and_closing_aborts_them(tiny_
         return before, mid, after
 
     before, mid, after = asyncio.run(run())
-    assert mid["num_running"] == MAX_NUM_SEQS
-    assert mid["num_waiting"] + mid["num_queued"] == 2
-    assert mid["requests_rejected"] == 1 and mid["max_queue"] == 2
-    assert mid["kv_blocks_free"] < before["kv_blocks_free"]
-    assert after["kv_blocks_free"] == before["kv_blocks_free"]
-    assert after["requests_aborted"] - before["requests_aborted"] == MAX_NUM_SEQS + 2
+    assert mid.num_running == MAX_NUM_SEQS
+    assert mid.num_waiting + mid.num_queued == 2
+    assert mid.requests_rejected == 1 and mid.max_queue == 2
+    assert mid.kv_blocks_free < before.kv_blocks_free
+    assert after.kv_blocks_free == before.kv_blocks_free
+    assert after.requests_aborted - before.requests_aborted == MAX_NUM_SEQS + 2
 
 
 def test_a_bad_request_fails_alone_and_the_engine_goes_on(tiny_model):

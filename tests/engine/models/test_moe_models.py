@@ -123,7 +123,7 @@ def test_preemption_chunking_prefix_hits_and_batching_leave_moe_tokens_unchanged
     try:
         assert greedy_tokens(squeezed, prompts) == want
         stats = squeezed.stats()
-        assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == 5
+        assert stats.num_preemptions > 0 and stats.kv_blocks_free == 5
         warm = squeezed.generate(prompts[-2:], GREEDY, use_tqdm=False)  # their prefix is cached now
         assert [list(o.token_ids) for o in warm] == want[-2:]
         assert all(o.cached_tokens >= 32 for o in warm)

@@ -178,7 +178,7 @@ def test_an_engine_speculating_through_graphs_gives_the_tokens_of_plain_decoding
         replayed = replays(runner) if fake else None
     finally:
         llm.shutdown()
-    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens > 0
     assert (True, True) in steps  # a verification step ran as a decode graph
     if fake:
         assert replayed == sum(graphed for _, graphed in steps)
