@@ -232,9 +232,9 @@ class LLMEngine:
         if self.speculator is not None and inp.is_decode_only:  # what the policy's rows cost now
             self.speculator.observe_step(sched.num_tokens, time.perf_counter() - model_started)
         sampling = sched.sampling_seqs
-        rows, counts = sampling_rows(sched.scheduled)  # a row per sequence, and one per draft
-        self.structured.mask_logits(logits, rows)
-        sampled = self.sampler(logits, rows)  # prepare the batch, then sample
+        rows = sampling_rows(sched.scheduled)  # a row per sequence, and one per draft
+        self.structured.mask_logits(logits, rows.seqs, rows.drafts)
+        sampled = self.sampler(logits, rows.seqs, rows.drafts)  # prepare the batch, then sample
         runs = sampled.token_ids if len(rows) == len(sampling) else self.speculator.runs(sched.scheduled,
                                                                                           sampled.token_ids)
         for seq in self.structured.advance(sampling, runs):
@@ -246,7 +246,7 @@ class LLMEngine:
         before = [seq.num_tokens for seq in sampling]
         self.scheduler.postprocess(sched, runs)  # the same sampling_seqs (cached)
         first_row = 0
-        for seq, count, start in zip(sampling, counts, before, strict=True):
+        for seq, count, start in zip(sampling, rows.counts, before, strict=True):
             kept = seq.num_tokens - start  # a run ends early where a token ended the sequence
             self.counters["generation_tokens_total"] += kept
             lps = [lp for lp in sampled.logprobs[first_row : first_row + kept] if lp is not None]

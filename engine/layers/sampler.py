@@ -48,13 +48,14 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self._rng = random.Random(seed)  # the uniforms of unseeded rows
 
-    def __call__(self, logits: torch.Tensor, rows: list) -> SamplerOutput:
-        """``sample`` over ``prepare(rows)``."""
-        return self.sample(logits, self.prepare(rows))
+    def __call__(self, logits: torch.Tensor, seqs: list,
+                 drafts: list[list[int]] | None = None) -> SamplerOutput:
+        """``sample`` over ``prepare(seqs, drafts)``."""
+        return self.sample(logits, self.prepare(seqs, drafts))
 
-    def prepare(self, rows: list) -> SamplingBatch:
-        """The step's batch of ``rows`` (``SamplingBatch.of``), built once."""
-        return SamplingBatch.of(rows, self.eos_token_ids, self.vocab_size)
+    def prepare(self, seqs: list, drafts: list[list[int]] | None = None) -> SamplingBatch:
+        """The step's batch: row i samples ``seqs[i]`` after ``drafts[i]`` (``SamplingBatch.of``)."""
+        return SamplingBatch.of(seqs, self.eos_token_ids, self.vocab_size, drafts)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(batch):

@@ -35,31 +35,39 @@ class SamplingBatch:
                 or self.frequency_penalties[i] != 0.0)
 
     @classmethod
-    def of(cls, rows: list, eos_token_ids: list[int], vocab_size: int) -> SamplingBatch:
-        """The batch of ``rows``: sequences, or what a verification row reads as one
-        (``spec_decode/verify.DraftView``): ``params``, ``num_tokens``, ``num_completion_tokens``,
-        ``token_ids``, ``completion_token_ids``."""
-        ps = [r.params for r in rows]
-        pairs = list(zip(rows, ps, strict=True))
+    def of(cls, seqs: list, eos_token_ids: list[int], vocab_size: int,
+           drafts: list[list[int]] | None = None) -> SamplingBatch:
+        """The batch of rows sampling ``seqs[i]`` as it would be after ``drafts[i]`` (a
+        verification row; None or an empty list: the sequence as it is). Reads each sequence's
+        ``params``, ``num_tokens``, ``num_completion_tokens``, ``token_ids`` and
+        ``completion_token_ids``; the drafts count as its tokens."""
+        ps = [r.params for r in seqs]
+        ds = drafts or [()] * len(seqs)
+        rows = list(zip(seqs, ps, ds, strict=True))
         return cls(
             greedy=[p.greedy for p in ps], temperatures=[p.temperature for p in ps],
             top_ks=[p.top_k for p in ps], top_ps=[p.top_p for p in ps], min_ps=[p.min_p for p in ps],
             repetition_penalties=[p.repetition_penalty for p in ps],
             presence_penalties=[p.presence_penalty for p in ps],
             frequency_penalties=[p.frequency_penalty for p in ps],
-            seeds=[p.seed for p in ps], positions=[r.num_tokens for r in rows],
+            seeds=[p.seed for p in ps], positions=[r.num_tokens + len(d) for r, _, d in rows],
             num_logprobs=[p.logprobs for p in ps],
-            seen_tokens=[r.token_ids if p.repetition_penalty != 1.0 else None for r, p in pairs],
-            output_tokens=[r.completion_token_ids if p.presence_penalty or p.frequency_penalty else None
-                           for r, p in pairs],
-            forbidden=[_forbidden(r, p, eos_token_ids, vocab_size) for r, p in pairs],
+            seen_tokens=[_with(r.token_ids, d) if p.repetition_penalty != 1.0 else None for r, p, d in rows],
+            output_tokens=[_with(r.completion_token_ids, d) if p.presence_penalty or p.frequency_penalty
+                           else None for r, p, d in rows],
+            forbidden=[_forbidden(r.num_completion_tokens + len(d), p, eos_token_ids, vocab_size)
+                       for r, p, d in rows],
         )
 
 
-def _forbidden(row, p, eos_token_ids: list[int], vocab_size: int) -> list[int]:
+def _with(tokens: list[int], drafts) -> list[int]:
+    return tokens + list(drafts) if drafts else tokens
+
+
+def _forbidden(completion_tokens: int, p, eos_token_ids: list[int], vocab_size: int) -> list[int]:
     """The ids that would end a request still under min_tokens (EOS only where it would end it,
     not under ignore_eos, as in vLLM)."""
-    if row.num_completion_tokens >= p.min_tokens:
+    if completion_tokens >= p.min_tokens:
         return []
     ids = list(p.stop_token_ids) + ([] if p.ignore_eos else eos_token_ids)
     return [t for t in ids if 0 <= t < vocab_size]

@@ -2,7 +2,7 @@
 
 A sequence verifying drafts d1..dk is computed as k + 1 query rows (its last token, then each
 draft); row j gives the logits of the position after d1..dj. Each row is sampled with the full
-chain, as a sequence whose tokens are the committed ones followed by d1..dj (``DraftView``): the
+chain, as its sequence would be after d1..dj (``SamplingRows``: a row's sequence and drafts): the
 penalties count the earlier drafts, min_tokens counts them, a seeded draw is keyed by the row's
 absolute position, a constrained row is masked with its grammar's state after d1..dj
 (``structured/drafts.py``). The drafts are kept while the sampled token equals them; the first
@@ -14,51 +14,41 @@ same logits, whatever the drafts were.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvserve.engine.sequence import Sequence
 
 
-class DraftView:
-    """What the sampler reads of a sequence, as it would be after the drafts ``drafts``."""
+@dataclass
+class SamplingRows:
+    """The rows of logits a step samples, in order, as the sampler and the grammar masks read them:
+    row i samples ``seqs[i]`` as it would be after ``drafts[i]`` (empty: its own next token; d1..dj:
+    a verification row)."""
 
-    # matches no sequence: the grammar's rows for drafts are filled from ``seq`` and ``drafts``
-    # (structured/drafts.py: fill_rows)
-    seq_id = -1
+    seqs: list[Sequence]
+    drafts: list[list[int]]
+    counts: list[int]  # per sampling sequence, its number of rows
 
-    def __init__(self, seq: Sequence, drafts: list[int]):
-        self.seq = seq
-        self.params = seq.params
-        self.request_id = seq.request_id
-        self.num_prompt_tokens = seq.num_prompt_tokens
-        self.drafts = drafts
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids + self.drafts
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seq.num_tokens + len(self.drafts)
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return self.seq.num_completion_tokens + len(self.drafts)
-
-    @property
-    def completion_token_ids(self) -> list[int]:
-        return self.seq.completion_token_ids + self.drafts
+    def __len__(self) -> int:
+        return len(self.seqs)
 
 
-def sampling_rows(scheduled: list) -> tuple[list, list[int]]:
-    """(the rows to sample, in logits order; per sampling sequence its number of rows)."""
-    rows: list = []
-    counts: list[int] = []
+NO_DRAFTS: list[int] = []  # shared by every plain row (never mutated)
+
+
+def sampling_rows(scheduled: list) -> SamplingRows:
+    """The rows of a step's sampling sequences: each one's own, then one per draft."""
+    rows = SamplingRows([], [], [])
     for s in scheduled:
         if not s.samples:
             continue
-        rows.append(s.seq)
-        rows.extend(DraftView(s.seq, s.drafts[:j]) for j in range(1, len(s.drafts) + 1))
-        counts.append(1 + len(s.drafts))
-    return rows, counts
+        rows.seqs.append(s.seq)
+        rows.drafts.append(NO_DRAFTS)
+        for j in range(1, len(s.drafts) + 1):
+            rows.seqs.append(s.seq)
+            rows.drafts.append(s.drafts[:j])
+        rows.counts.append(1 + len(s.drafts))
+    return rows
 
 
 def accepted_run(drafts: list[int], sampled: list[int]) -> list[int]:

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvserve.engine.spec_decode.verify import DraftView
-
 MAX_FORCED_CHARS = 256  # of a forced text, the part tokenized (far more than 16 drafts' worth)
 ENCODED_CACHE_SIZE = 1024  # forced texts recur (a schema's keys): their tokens are kept
 
@@ -113,9 +111,9 @@ def valid_prefix_after(matcher, head: list[int], tail: list[int]) -> int:
         matcher.rollback(len(head))
 
 
-def fill_rows(matchers: dict, bitmask, rows: list) -> list[int]:
-    """Fill the bitmask row of every constrained sampling row (a ``Sequence``, or a ``DraftView``
-    of one after its drafts d1..dj), each with its matcher's state at that position; returns the
+def fill_rows(matchers: dict, bitmask, seqs: list, drafts: list[list[int]] | None = None) -> list[int]:
+    """Fill the bitmask row of every constrained sampling row (row i: ``seqs[i]`` after its drafts
+    ``drafts[i]``, d1..dj, or none), each with its matcher's state at that position; returns the
     row indices filled. Rows of one sequence come in order (its own, then one per draft). Every
     matcher ends where it started. A draft its grammar refuses (none should reach here:
     ``propose`` cuts them) leaves the rows after it with the previous row's mask: sample-then-match
@@ -124,14 +122,13 @@ def fill_rows(matchers: dict, bitmask, rows: list) -> list[int]:
     taken: dict[int, int] = {}  # seq_id -> drafts its matcher took in this call
     broken: set[int] = set()  # seq_ids whose later rows copy the previous row's mask
     try:
-        for i, row in enumerate(rows):
-            seq = row.seq if isinstance(row, DraftView) else row
+        for i, seq in enumerate(seqs):
             matcher = matchers.get(seq.seq_id)
             if matcher is None:
                 continue
             filled.append(i)
-            if isinstance(row, DraftView) and seq.seq_id not in broken:
-                if not matcher.is_terminated() and matcher.accept_token(row.drafts[-1]):
+            if drafts and drafts[i] and seq.seq_id not in broken:
+                if not matcher.is_terminated() and matcher.accept_token(drafts[i][-1]):
                     taken[seq.seq_id] = taken.get(seq.seq_id, 0) + 1
                     if matcher.is_terminated():  # the draft was a stop token: nothing follows it
                         broken.add(seq.seq_id)

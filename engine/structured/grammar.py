@@ -195,13 +195,14 @@ class StructuredOutput:
     def detach(self, seq: Sequence) -> None:
         self._matchers.pop(seq.seq_id, None)
 
-    def mask_logits(self, logits: torch.Tensor, seqs: list) -> None:
-        """Set to -inf, in place, every logit a constrained row's grammar does not allow next
-        (``seqs``: the sampling rows, a verification's draft rows included)."""
+    def mask_logits(self, logits: torch.Tensor, seqs: list,
+                    row_drafts: list[list[int]] | None = None) -> None:
+        """Set to -inf, in place, every logit a constrained row's grammar does not allow next (row i:
+        ``seqs[i]`` after ``row_drafts[i]``, a verification's draft rows included)."""
         if not self._matchers:
             return
         bitmask = self._bitmask_rows(len(seqs))
-        rows = drafts.fill_rows(self._matchers, bitmask, seqs)
+        rows = drafts.fill_rows(self._matchers, bitmask, seqs, row_drafts)
         if not rows:
             return
         if logits.device.type != "cpu":
