@@ -68,8 +68,8 @@ class LLM:
         done = 0
         while done < len(results):
             outputs = self.engine.step()
-            for _, message in self.engine.take_rejected():
-                raise ValueError(message)
+            for _, error in self.engine.take_rejected():
+                raise error
             for out in outputs:
                 r = results[out.request_id]
                 r = r.choices[out.index] if r.choices else r

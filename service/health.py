@@ -1,5 +1,7 @@
 """grpc.health.v1 for kvserve: ``""`` and ``kvserve.v1.LLMService`` are SERVING only while
-the engine is ready; NOT_SERVING while the model loads, while draining and after the engine died."""
+the engine is ready and its core answers; NOT_SERVING while the model loads, while draining,
+after the engine died, and while a core that owes an answer has been silent for a few seconds
+(``CoreClient.stalled``: a stopped or stuck process) until it answers again."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import asyncio
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from kvserve.engine.frontend.engine_state import EngineState
 from kvserve.service.methods import LLM_SERVICE
 
 HEALTH_SERVICES = ("", LLM_SERVICE.full_name)
@@ -33,8 +34,9 @@ class Health:
         """NOT_SERVING for good (later ``set_serving`` calls are ignored)."""
         await self.servicer.enter_graceful_shutdown()
 
-    def on_engine_state(self, state: EngineState) -> None:
-        """``AsyncEngine``'s ``on_state`` callback (runs on the event loop)."""
-        task = asyncio.ensure_future(self.set_serving(state == EngineState.READY))
+    def on_engine_health(self, healthy: bool) -> None:
+        """``AsyncEngine``'s ``on_health`` callback (runs on the event loop): ready, and the engine
+        core answering (a stalled core, e.g. a stopped process, is NOT_SERVING until it answers)."""
+        task = asyncio.ensure_future(self.set_serving(healthy))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

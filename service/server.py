@@ -195,7 +195,7 @@ async def serve(config: EngineConfig, settings: ServeSettings,
     return_large_blocks()  # a refused 16 MB message gives its pages back (engine/process/malloc.py)
     health = Health()
     await health.set_serving(False)
-    engine = AsyncEngine(config, settings.max_queue, on_state=health.on_engine_state,
+    engine = AsyncEngine(config, settings.max_queue, on_health=health.on_engine_health,
                          step_timeout=settings.step_timeout, log_level=settings.log_level,
                          stream_interval=settings.stream_interval)
     engine.kv_events = kv_event_hub(config, settings.kv_events)

@@ -39,6 +39,7 @@ from kvserve.engine.core.ipc import (
 )
 from kvserve.engine.process.child_process import watch_lifeline
 from kvserve.engine.process.gc_tuning import tune_gc
+from kvserve.engine.structured.compile_worker import CompilerFailed
 from kvserve.logs import configure_logging, inherited_log_format
 
 log = logging.getLogger("kvserve.engine.core")
@@ -65,7 +66,8 @@ class EngineCore:
             busy = engine.has_unfinished_requests()
             self._take_inputs(timeout_ms=0 if busy else int(HEARTBEAT_S * 1000))
             outputs = engine.step() if engine.has_unfinished_requests() else []
-            self._rejected += [Rejected(key, message) for key, message in engine.take_rejected()]
+            self._rejected += [Rejected(key, str(e), isinstance(e, CompilerFailed))
+                               for key, e in engine.take_rejected()]
             if not engine.is_healthy():
                 raise RuntimeError("a tensor-parallel worker died")
             # one message per turn: a step's outputs, the answers to what came in, or (idle) a heartbeat

@@ -115,6 +115,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 class Rejected(msgspec.Struct, array_like=True):
     key: str
     message: str  # names the field and the limit (INVALID_ARGUMENT)
+    retriable: bool = False  # the server's fault (a grammar compiler that died): UNAVAILABLE
 
 
 class Reply(msgspec.Struct, array_like=True):

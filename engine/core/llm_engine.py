@@ -89,7 +89,7 @@ class LLMEngine:
         self._choices: dict[int, Choice] = {}  # by seq_id
         self._forks: dict[int, list[Sequence]] = {}  # choice 0's seq_id -> the choices to fork from it
         self._aborted: list[RequestOutput] = []
-        self._rejected: list[tuple[str, str]] = []
+        self._rejected: list[tuple[str, BaseException]] = []
         self.started = time.monotonic()
         self.counters = dict.fromkeys(
             ("requests_finished", "requests_aborted", "prompt_tokens_total", "generation_tokens_total"), 0
@@ -155,15 +155,16 @@ class LLMEngine:
         for req, grammar in self.structured.take_compiled(COMPILE_WAIT_S if idle else 0.0):
             if isinstance(grammar, BaseException):
                 self._drop(req)
-                self._rejected.append((req.request_id, str(grammar)))
+                self._rejected.append((req.request_id, grammar))
                 continue
             for c in req.choices:
                 self.structured.attach(c.seq, grammar)
             self._schedule(req)
 
-    def take_rejected(self) -> list[tuple[str, str]]:
-        """(request_id, message) of the requests refused after ``add_request`` (a constraint that
-        does not compile); they produce no output."""
+    def take_rejected(self) -> list[tuple[str, BaseException]]:
+        """(request_id, error) of the requests refused after ``add_request``: a ValueError naming the
+        constraint that does not compile, or CompilerFailed (the compiler died: the server's fault);
+        they produce no output."""
         rejected, self._rejected = self._rejected, []
         return rejected
 

@@ -106,6 +106,10 @@ class Scheduler:
     def check_fits(self, seq: Sequence) -> None:
         """Refuse a request that could never run, rather than let it wait forever."""
         new = self.max_new_tokens(seq)
+        if seq.params.min_tokens > new:  # unreachable: EOS would be masked until max_model_len ended it
+            raise ValueError(f"min_tokens ({seq.params.min_tokens}) exceeds the {new} tokens this request "
+                             f"may generate (max_tokens, or what max_model_len ({self.max_model_len}) and "
+                             f"the KV cache leave after its {seq.num_prompt_tokens}-token prompt)")
         if seq.params.max_tokens is None and new < 1:
             raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) leaves no room for a completion: "
                              f"max_model_len ({self.max_model_len}) and the KV cache allow "

@@ -59,7 +59,8 @@ INLINE_IDS = 4096  # token-id prompts up to this long are checked on the event l
 class AsyncEngine:
     """The engine core in a child process, served to asyncio code.
 
-    ``on_state`` is called on the event loop whenever the state changes."""
+    ``on_state`` is called on the event loop whenever the state changes, ``on_health`` with
+    ``healthy`` whenever that changes (the state, or a stalled core: ``CoreClient``)."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class AsyncEngine:
         max_queue: int = DEFAULT_MAX_QUEUE,
         on_state: Callable[[EngineState], None] | None = None,
         step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
+        on_health: Callable[[bool], None] | None = None,
         log_level: str = "info",
         stream_interval: int = 1,
     ):
@@ -79,13 +81,14 @@ class AsyncEngine:
         self.stream_interval = stream_interval  # see RequestStream
         self.config = config
         self.max_queue = max_queue
-        self._on_state = on_state
+        self._on_state, self._on_health = on_state, on_health
         self._state = EngineState.LOADING
         self._error: str | None = None
         self.info: EngineInfo | None = None
         self._prompts: PromptEncoder | None = None
         self._core = CoreClient(config, log_level, step_timeout, on_step=self._on_step,
-                                on_ready=self._on_ready, on_fail=self._fail, watching=self._serving)
+                                on_ready=self._on_ready, on_fail=self._fail, watching=self._serving,
+                                has_work=lambda: bool(self._live), on_stall=lambda _: self._health_changed())
         self._started = False
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize")
         self._live: dict[str, RequestStream] = {}
@@ -302,7 +305,7 @@ class AsyncEngine:
         for r in msg.rejected:
             stream = self._live.pop(r.key, None)
             if stream is not None:
-                stream.fail(ValueError(r.message))
+                stream.fail(EngineUnavailable(r.message) if r.retriable else ValueError(r.message))
         live = self._live
         for out in msg.outputs:
             stream = live.get(out.request_id)
@@ -359,6 +362,16 @@ class AsyncEngine:
         self._state = state
         if self._on_state is not None:
             self._on_state(state)
+        self._health_changed()
+
+    @property
+    def healthy(self) -> bool:
+        """Ready, and the core answers (not stalled: ``CoreClient.stalled``)."""
+        return self._state == EngineState.READY and not self._core.stalled
+
+    def _health_changed(self) -> None:
+        if self._on_health is not None:
+            self._on_health(self.healthy)
 
 
 def _load_tokenizer(model: str):

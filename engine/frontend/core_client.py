@@ -51,6 +51,9 @@ log = logging.getLogger("kvserve.engine.async")
 
 SHUTDOWN_GRACE_S = 15.0  # the core's own clean stop (it gives its workers 5 + 5 s)
 EXIT_REPORT_DELAY_S = 0.2  # lets the core's own Failed message win over "it exited"
+# a core silent this long while it owes an answer (the heartbeat is every second, a CPU step is
+# bounded to half a second by default) is stalled: health says NOT_SERVING until it speaks
+STALL_S = 5.0
 
 
 class CoreProcess:
@@ -139,7 +142,9 @@ class CoreClient:
     - Incoming: each message is handed on (``on_step``, ``on_ready``, ``on_fail``); a ``StepDone``
       acknowledges the batches the core has applied, and answers calls.
     - Silence: a core that sends nothing for ``step_timeout`` seconds while ``watching()`` is
-      stuck (the core heartbeats when idle); ``on_fail`` says so.
+      stuck (the core heartbeats when idle); ``on_fail`` says so. Before that, one silent for
+      ``STALL_S`` while it owes an answer (a batch not acknowledged, a call, a request in flight:
+      ``has_work()``) is ``stalled`` (``on_stall(True)``; health says NOT_SERVING) until it speaks.
     - Exit: the core's process ending is reported through ``on_fail`` (a moment later, so that
       the core's own ``Failed`` message, when it sent one, is the reason given); after ``kill``
       or ``close`` too: the owner, which ended it, ignores that (``AsyncEngine`` is dead or
@@ -148,9 +153,13 @@ class CoreClient:
 
     def __init__(self, config: EngineConfig, log_level: str, step_timeout: float,
                  on_step: Callable[[StepDone], None], on_ready: Callable[[Ready], Awaitable[None]],
-                 on_fail: Callable[[str], None], watching: Callable[[], bool]):
+                 on_fail: Callable[[str], None], watching: Callable[[], bool],
+                 has_work: Callable[[], bool] = lambda: False,
+                 on_stall: Callable[[bool], None] = lambda _: None):
         self._config, self._log_level, self.step_timeout = config, log_level, step_timeout
         self._on_step, self._on_ready, self._on_fail, self._watching = on_step, on_ready, on_fail, watching
+        self._has_work, self._on_stall = has_work, on_stall
+        self.stalled = False
         self._codec = Codec()
         self._process: CoreProcess | None = None
         self._batch = _fresh_batch()
@@ -236,6 +245,8 @@ class CoreClient:
             while True:
                 data = await self._process.recv()
                 self._last_heard = self._loop.time()
+                if self.stalled:
+                    self._set_stalled(False)
                 msg = self._codec.decode_from_core(data)
                 if isinstance(msg, StepDone):
                     self._step_done(msg)
@@ -263,10 +274,22 @@ class CoreClient:
         while True:
             await asyncio.sleep(min(1.0, self.step_timeout / 4))
             silent = self._loop.time() - self._last_heard
+            owed = bool(self._sent or self._calls) or self._has_work()
+            if not self.stalled and self._watching() and owed and silent > STALL_S:
+                self._set_stalled(True, silent)
             if self._watching() and silent > self.step_timeout:
                 self._on_fail(f"the engine core sent nothing for {silent:.1f} s (--step-timeout "
                               f"{self.step_timeout:g} s): a step is stuck, e.g. on a stopped or hung "
                               "tensor-parallel worker")
+
+    def _set_stalled(self, stalled: bool, silent: float = 0.0) -> None:
+        self.stalled = stalled
+        if stalled:
+            log.warning("the engine core owes an answer and has sent nothing for %.1f s: not serving "
+                        "until it does", silent)
+        else:
+            log.warning("the engine core answers again: serving")
+        self._on_stall(stalled)
 
     def _exited(self, returncode: int) -> None:
         if self._process is None:

@@ -38,6 +38,7 @@ log = logging.getLogger("kvserve.engine.kv_events")
 REPLAY_BUFFER = 10_000  # batches kept for replay (vLLM's default)
 SUBSCRIBER_QUEUE = 10_000  # batches a slow SubscribeKvEvents reader may fall behind before it is dropped
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MALFORMED_LOG_S = 60.0  # malformed replay requests are logged at most this often
 
 
 def signed64(h: int) -> int:
@@ -187,10 +188,15 @@ class KvEventHub:
             self._subscribers.discard(queue)
 
     async def _serve_replay(self) -> None:
+        malformed, warned = 0, -MALFORMED_LOG_S
         while True:
             frames = await self._replay.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("ignoring a malformed KV-event replay request (%d frames)", len(frames))
+                malformed += 1  # the socket takes anyone's frames: one line a minute, not one a frame
+                if time.monotonic() - warned >= MALFORMED_LOG_S:
+                    log.warning("ignored %d malformed KV-event replay request(s) (the last had %d frames)",
+                                malformed, len(frames))
+                    malformed, warned = 0, time.monotonic()
                 continue
             client, _, start = frames
             first = int.from_bytes(start, "big")

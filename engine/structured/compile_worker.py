@@ -39,6 +39,11 @@ class CompileCancelled(Exception):
     """The request whose constraint was compiling went away; its compile was stopped."""
 
 
+class CompilerFailed(RuntimeError):
+    """The compile process died (killed, or crashed) under a compile: the server's fault, worth a
+    retry (a fresh process has taken its place), not the constraint's."""
+
+
 class CompileWorker:
     """The engine's side of one compile process: one compile at a time (callers take turns)."""
 
@@ -63,7 +68,10 @@ class CompileWorker:
                          name="kvserve-grammar-vocabulary", daemon=True).start()
 
     def is_ready(self) -> bool:
-        """Whether the process has loaded the vocabulary (looks without waiting)."""
+        """Whether the process has loaded the vocabulary and still runs (looks without waiting); a
+        process that died while idle is replaced here, before anyone writes to it."""
+        if self._child is not None and self._child.popen.poll() is not None:
+            self.restart()
         if self._ready or self._child is None:
             return self._ready
         if select.select([self._child.popen.stdout], [], [], 0)[0]:
@@ -74,12 +82,21 @@ class CompileWorker:
 
     def compile(self, c: Constraint, timeout_s: float, cancelled: threading.Event) -> str:
         """The serialized compiled grammar of ``c``. Raises ValueError when it does not compile or
-        not within ``timeout_s`` (naming the budget), CompileCancelled when ``cancelled`` is set."""
+        not within ``timeout_s`` (naming the budget), CompileCancelled when ``cancelled`` is set,
+        CompilerFailed when the process died under it."""
+        if self._child is not None and self._child.popen.poll() is not None:
+            self.restart()  # it died while idle
         self.start()
         if not self._ready:  # the vocabulary's load is not the request's time
             self._await(STARTUP_TIMEOUT_S, cancelled, c, startup=True)
             self._ready = True
-        _send(self._child.popen.stdin, pickle.dumps(c))
+        try:
+            _send(self._child.popen.stdin, pickle.dumps(c))
+        except (BrokenPipeError, ValueError):  # it died after the look above
+            code = self._child.popen.wait()
+            self.restart()
+            raise CompilerFailed(f"{c.kind}: the grammar compiler {describe_exit(code)} before the compile "
+                                 "began; retry") from None
         status, payload = pickle.loads(self._await(timeout_s, cancelled, c))
         if status == "error":
             raise ValueError(payload)
@@ -102,11 +119,11 @@ class CompileWorker:
                                  "(--grammar-compile-timeout); simplify the constraint")
             if select.select([out], [], [], min(POLL_S, left))[0]:
                 message = _recv(out)
-                if message is None:  # the process ended: a crash in the compiler
+                if message is None:  # the process ended: killed, or a crash in the compiler
                     code = self._child.popen.wait()
                     self.restart()
-                    raise ValueError(f"{c.kind}: does not compile: the grammar compiler "
-                                     f"{describe_exit(code)}")
+                    raise CompilerFailed(f"{c.kind}: the grammar compiler {describe_exit(code)} while "
+                                         "compiling; a fresh one has taken its place, retry")
                 return message
 
     def restart(self) -> None:

@@ -138,6 +138,8 @@ def _constraint(sp: pb.SamplingParams) -> dict:
     if which == "structural_tag":
         raise ValueError("sampling_params.structural_tag: not supported; use json_schema, regex, grammar, "
                          "json_object or choice")
-    if which == "choice":
+    if which == "choice":  # set but empty would otherwise read as no constraint at all
+        if not sp.choice.choices:
+            raise ValueError("sampling_params.choice.choices: must name at least one string")
         return {"choice": list(sp.choice.choices)}
     return {which: getattr(sp, which)}

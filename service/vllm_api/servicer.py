@@ -18,6 +18,7 @@ import asyncio
 import datetime
 import json
 import logging
+import math
 import time
 
 import grpc
@@ -133,9 +134,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     # ---- state ------------------------------------------------------------------------------------
     async def HealthCheck(self, request: pb.HealthCheckRequest, context) -> pb.HealthCheckResponse:
         state = self._engine.state
-        if state == EngineState.READY:
+        if self._engine.healthy:
             return pb.HealthCheckResponse(healthy=True, message="serving")
         reason = self._engine.error if state == EngineState.DEAD else state.value
+        if state == EngineState.READY:  # ready, but the core owes an answer and is silent
+            reason = "the engine core is not answering"
         return pb.HealthCheckResponse(healthy=False, message=f"not serving: {reason}")
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
@@ -217,8 +220,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             yield common.GetTokenizerChunk(data=piece, sha256=sha if i == len(pieces) - 1 else "")
 
     async def FlushCache(self, request: common.FlushCacheRequest, context) -> common.FlushCacheResponse:
-        if request.timeout_s < 0:
-            message = f"timeout_s: must be >= 0, got {request.timeout_s}"
+        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+            message = f"timeout_s: must be a finite number >= 0, got {request.timeout_s}"
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT, message)
             return None
         try:

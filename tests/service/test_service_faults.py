@@ -7,6 +7,7 @@ NOT_SERVING), and no process of the engine is left behind."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import re
 import signal
@@ -21,6 +22,8 @@ from kvserve.clients.messages import build_request
 from kvserve.testing.plugin import TEST_SERVER_ENV
 from kvserve.testing.process import ServerProcess
 from kvserve.v1 import llm_pb2_grpc
+from kvserve.vllm import vllm_engine_pb2 as vllm_pb
+from kvserve.vllm import vllm_engine_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -115,5 +118,39 @@ def test_without_exit_on_failure_the_server_stays_up_not_serving(tiny_model):
                 client.generate(token_ids=[1, 2], max_tokens=2)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "SIGKILL" in err.value.details()
         assert server.proc.poll() is None
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_stopped_core_owing_an_answer_is_not_serving_until_it_answers(tiny_model):
+    """Issue 49: with the engine core stopped (SIGSTOP) both healths said SERVING for up to
+    --step-timeout while every call timed out. Now a core silent for a few seconds while it owes
+    an answer is NOT_SERVING (gRPC health and the vLLM API's HealthCheck), and SERVING again, with
+    the request answered, once it runs on."""
+    server = ServerProcess("--model", tiny_model, "--dtype", "float32", "--num-kv-blocks", "64",
+                           "--step-timeout", "300", env=TEST_SERVER_ENV).start()
+    try:
+        core = _core_pid(server)
+        with Client(server.target) as client, grpc.insecure_channel(server.target) as ch, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            vllm = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+            assert client.health() == "SERVING" and vllm.HealthCheck(vllm_pb.HealthCheckRequest()).healthy
+            os.kill(core, signal.SIGSTOP)
+            try:
+                pending = pool.submit(client.generate, token_ids=[1, 2, 3], max_tokens=4, timeout=120.0)
+                deadline = time.monotonic() + 60  # liveness bound, far above the few seconds it takes
+                while client.health() == "SERVING" and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert client.health() == "NOT_SERVING"
+                answer = vllm.HealthCheck(vllm_pb.HealthCheckRequest())
+                assert not answer.healthy and "not answering" in answer.message
+            finally:
+                os.kill(core, signal.SIGCONT)
+            assert pending.result().usage.completion_tokens == 4
+            deadline = time.monotonic() + 60
+            while client.health() != "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert client.health() == "SERVING" and vllm.HealthCheck(vllm_pb.HealthCheckRequest()).healthy
+        assert "not serving until it does" in server.log_text()
     finally:
         assert server.stop() == 0

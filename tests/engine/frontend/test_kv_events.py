@@ -5,6 +5,7 @@ and the subscribers' iterators."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgpack
 import zmq
@@ -92,3 +93,26 @@ async def _hub_round_trip():
         s.close(0)
     hub.close()
     ctx.term()
+
+
+def test_malformed_replay_requests_are_logged_once_and_replay_serves_on(caplog):
+    """Issue 49: the replay socket takes anyone's frames, and each malformed one logged a WARNING."""
+    caplog.set_level(logging.WARNING, logger="kvserve")
+    assert asyncio.run(_malformed_then_valid()) == -1
+    warnings = [r for r in caplog.records if "malformed KV-event replay" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+async def _malformed_then_valid() -> int:
+    ctx = zmq.asyncio.Context()
+    hub = KvEventHub(BS, None, "tcp://127.0.0.1:0")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(hub._replay.getsockopt(zmq.LAST_ENDPOINT).decode())
+    for _ in range(20):
+        await dealer.send_multipart((b"", b"not eight bytes"))
+    await dealer.send_multipart((b"", (0).to_bytes(8, "big")))  # nothing buffered: just the end
+    _, end, _ = await asyncio.wait_for(dealer.recv_multipart(), 10)
+    dealer.close(0)
+    hub.close()
+    ctx.term()
+    return int.from_bytes(end, "big", signed=True)

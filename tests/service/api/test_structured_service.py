@@ -9,13 +9,19 @@ the field.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
+import os
 import re
+import signal
+import time
 
 import grpc
 import jsonschema
 import pytest
 
+from kvserve.benchmarks.instruments.procfs import alive, process_tree
 from kvserve.clients import Client
 
 pytest_plugins = ["kvserve.testing.plugin"]
@@ -136,4 +142,54 @@ def test_abandoned_slow_compiles_do_not_hold_up_the_next_constraint(client):
     small = {"type": "object", "properties": {"abandoned_test": {"type": "integer"}}}  # not cached yet
     done = client.generate("Give a number as JSON.", max_tokens=16, json_schema=small, temperature=0.0,
                            timeout=25.0)  # a deadline for liveness, far above a small compile
+    assert done.finish_reason in ("STOP", "LENGTH")
+
+
+def _compilers(server) -> list[int]:
+    """The server's grammar-compiler processes (children of its engine core)."""
+    def cmdline(pid: int) -> bytes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    return [pid for pid in process_tree(server.proc.pid) if b"grammar-compiler" in cmdline(pid)]
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_compilers_dying_idle_are_replaced_and_one_killed_mid_compile_is_unavailable(client, kvserve_server):
+    """Issue 49: a compiler killed while idle used to be written to (Broken pipe, INVALID_ARGUMENT for
+    one structured request in three until restart); one killed under a compile was the client's
+    fault. Now every request after an idle death compiles, and a death mid-compile is UNAVAILABLE."""
+    def schema(name: str) -> dict:
+        return {"type": "object", "properties": {name: {"type": "integer"}}}  # a fresh one: not cached
+
+    client.generate("Give a number as JSON.", max_tokens=4, json_schema=schema("warm_up"), temperature=0.0)
+    idle = _compilers(kvserve_server)
+    assert idle
+    _kill_all(idle)
+    while any(alive(pid) for pid in idle):  # dead while idle: gone before the next request comes
+        time.sleep(0.05)
+    for i in range(4):  # more than there are compile processes: each one is met
+        done = client.generate("Give a number as JSON.", max_tokens=4, json_schema=schema(f"after_kill_{i}"),
+                               temperature=0.0, timeout=60.0)
+        assert done.finish_reason in ("STOP", "LENGTH")
+    assert not set(idle) & set(_compilers(kvserve_server))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(client.generate, "Hello", max_tokens=4, json_schema=slow_schema("killed"),
+                           timeout=60.0)
+        time.sleep(1.0)  # the compile is under way (a minute long)
+        _kill_all(_compilers(kvserve_server))
+        with pytest.raises(grpc.RpcError) as err:
+            slow.result()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "grammar compiler" in err.value.details() and "retry" in err.value.details()
+    done = client.generate("Give a number as JSON.", max_tokens=4, json_schema=schema("after_mid_compile"),
+                           temperature=0.0, timeout=60.0)
     assert done.finish_reason in ("STOP", "LENGTH")

@@ -122,6 +122,11 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(vllm):
      grpc.StatusCode.INVALID_ARGUMENT, "tokenized.input_ids"),
     (pb.GenerateRequest(text="x", mm_inputs=pb.MultimodalInputs()), grpc.StatusCode.UNIMPLEMENTED,
      "mm_inputs"),
+    # issue 49: accepted before, and ran to the deadline (EOS masked until max_model_len) or unconstrained
+    (pb.GenerateRequest(text="x", sampling_params=pb.SamplingParams(min_tokens=2**32 - 1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "min_tokens (4294967295) exceeds the"),
+    (pb.GenerateRequest(text="x", sampling_params=pb.SamplingParams(choice=pb.ChoiceConstraint())),
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.choice.choices: must name at least one string"),
 ])
 def test_what_kvserve_lacks_is_refused_by_name(vllm, request_, code, field):
     with pytest.raises(grpc.RpcError) as e:
@@ -144,7 +149,9 @@ def test_refusals_keep_their_status_and_message_and_the_server_serves_on(vllm):
         (lambda: vllm.Embed(pb.EmbedRequest()), grpc.StatusCode.UNIMPLEMENTED,
          "Embed: kvserve serves generative models only; it computes no embeddings"),
         (lambda: vllm.FlushCache(common.FlushCacheRequest(timeout_s=-1)), grpc.StatusCode.INVALID_ARGUMENT,
-         "timeout_s: must be >= 0, got -1.0"),
+         "timeout_s: must be a finite number >= 0, got -1.0"),
+        (lambda: vllm.FlushCache(common.FlushCacheRequest(timeout_s=float("nan"))),
+         grpc.StatusCode.INVALID_ARGUMENT, "timeout_s: must be a finite number >= 0, got nan"),
         (lambda: list(vllm.SubscribeKvEvents(common.SubscribeKvEventsRequest())),
          grpc.StatusCode.FAILED_PRECONDITION,
          "KV-cache events are off: start the server with --kv-events (or --kv-events-endpoint)"),
