@@ -156,10 +156,11 @@ def add_mesh_flags(m) -> None:
                         "--kv-events-endpoint)")
     m.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ADDRESS",
                    help="also publish them in vLLM's format on a ZeroMQ PUB socket, e.g. tcp://*:5557 "
-                        "(default: none)")
+                        "(* binds --host; the events carry prompt token ids: name 0.0.0.0 to open them to "
+                        "every interface; default: none)")
     m.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ADDRESS",
                    help="answer replay requests for the last 10000 batches on a ZeroMQ ROUTER socket, "
-                        "e.g. tcp://*:5558 (default: none)")
+                        "e.g. tcp://*:5558 (* binds --host, as above; default: none)")
     m.add_argument("--kv-events-topic", default=None,
                    help="the ZeroMQ topic (default: kv@POD@MODEL, POD from $POD_NAME, else the host name)")
 

@@ -136,15 +136,24 @@ def build_server(engine: AsyncEngine, health: Health, observability: Observabili
     return server
 
 
-def kv_event_hub(config: EngineConfig, kv: KvEventSettings) -> KvEventHub | None:
-    """The KV-event hub the settings ask for (None: events off); OSError if a socket cannot bind."""
+def kv_event_hub(config: EngineConfig, kv: KvEventSettings, host: str = "127.0.0.1") -> KvEventHub | None:
+    """The KV-event hub the settings ask for (None: events off); OSError if a socket cannot bind.
+    ``tcp://*:PORT`` binds ``host`` (``--host``), as gRPC does: the events carry prompt token ids."""
     if not kv.on:
         return None
     topic = kv.topic
     if topic is None:
         pod = os.environ.get("POD_NAME") or socket.gethostname()
         topic = f"kv@{pod}@{served_model_name(config.model)}"
-    return KvEventHub(config.block_size, kv.endpoint, kv.replay_endpoint, topic)
+    return KvEventHub(config.block_size, on_host(kv.endpoint, host), on_host(kv.replay_endpoint, host), topic)
+
+
+def on_host(endpoint: str | None, host: str) -> str | None:
+    """A ZeroMQ ``tcp://*:PORT`` address bound to ``host`` instead of every interface (an address
+    naming its interface, e.g. ``tcp://0.0.0.0:5557``, is kept as given)."""
+    if endpoint is None or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{endpoint.removeprefix('tcp://*:')}"
 
 
 def kvserve_version() -> str:
@@ -198,7 +207,7 @@ async def serve(config: EngineConfig, settings: ServeSettings,
     engine = AsyncEngine(config, settings.max_queue, on_health=health.on_engine_health,
                          step_timeout=settings.step_timeout, log_level=settings.log_level,
                          stream_interval=settings.stream_interval)
-    engine.kv_events = kv_event_hub(config, settings.kv_events)
+    engine.kv_events = kv_event_hub(config, settings.kv_events, settings.host)
     observability = Observability.start(served_model_name(config.model), engine, settings.host,
                                         settings.metrics_port, settings.otlp_endpoint)
     try:

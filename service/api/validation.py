@@ -51,14 +51,21 @@ class CacheSalting:
         """The salt a request runs with: the server's, derived from the call's metadata, then ``own``."""
         if self.source == "none":
             return own
+        derived = self.tenant(metadata)
+        return derived if own is None else f"{derived}\0{own}"
+
+    def tenant(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+        """The caller's identity under this policy (hashed; "" when the policy is none: one tenant),
+        which scopes its prefix-cache blocks and the requests it may abort."""
+        if self.source == "none":
+            return ""
         key = AUTHORIZATION if self.source == "api-key" else self.header
         value = next((v for k, v in metadata or () if k == key), "")
         if isinstance(value, bytes):
             value = value.decode("latin-1")
         if self.source == "api-key" and value[: len(BEARER)].lower() == BEARER:
             value = value[len(BEARER):]
-        derived = f"{self.source}:{hashlib.sha256(value.encode()).hexdigest() if value else ''}"
-        return derived if own is None else f"{derived}\0{own}"
+        return f"{self.source}:{hashlib.sha256(value.encode()).hexdigest() if value else ''}"
 
 
 @dataclass

@@ -52,7 +52,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._version = version
         self._started = time.monotonic()
         self._last_receive = 0.0
-        self._live: dict[str, set[RequestStream]] = {}  # request_id -> its streams (ids may repeat)
+        # (caller's tenant, request_id) -> its streams (ids may repeat): Abort reaches its caller's only
+        self._live: dict[tuple[str, str], set[RequestStream]] = {}
         self._bundle: asyncio.Future | None = None
 
     # ---- generation -----------------------------------------------------------------------------
@@ -73,7 +74,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         stops = req.params.stop_token_ids
         choices = [responses.Choice() for _ in range(req.params.n)]
         open_choices = set(range(req.params.n))
-        self._live.setdefault(req.request_id, set()).add(stream)
+        live = (self._salting.tenant(context.invocation_metadata()), req.request_id)
+        self._live.setdefault(live, set()).add(stream)
         status = None
         try:
             async for out in stream:
@@ -93,11 +95,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             status = _status(e, req.request_id)
         finally:
             stream.close()
-            streams = self._live.get(req.request_id)
+            streams = self._live.get(live)
             if streams is not None:
                 streams.discard(stream)
                 if not streams:
-                    del self._live[req.request_id]
+                    del self._live[live]
         if status is not None:
             refuse(context, *status)
 
@@ -121,8 +123,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return None
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        """Ends the named requests of the caller's own tenant (``--cache-salt-from``): another
+        tenant's request of the same id is not the caller's to end."""
+        tenant = self._salting.tenant(context.invocation_metadata())
         for request_id in request.request_ids:
-            for stream in list(self._live.get(request_id, ())):
+            for stream in list(self._live.get((tenant, request_id), ())):
                 stream.fail(RequestAborted(request_id))
         return pb.AbortResponse()
 

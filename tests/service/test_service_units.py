@@ -12,6 +12,7 @@ import pathlib
 import grpc
 import grpc._cython.cygrpc as cygrpc
 import pytest
+import zmq
 
 from kvserve.cli import build_parser
 from kvserve.clients.commands import sampling_kwargs
@@ -22,7 +23,14 @@ from kvserve.service.api.errors import status_for
 from kvserve.service.api.validation import parse_generate_request
 from kvserve.service.cli import engine_config, mesh_settings
 from kvserve.service.guards.limits import ConnectionLimits
-from kvserve.service.server import SERVER_OPTIONS, ServeSettings, server_options
+from kvserve.service.server import (
+    SERVER_OPTIONS,
+    KvEventSettings,
+    ServeSettings,
+    kv_event_hub,
+    on_host,
+    server_options,
+)
 from kvserve.v1 import llm_pb2
 
 VOCAB = 49152
@@ -242,3 +250,19 @@ def test_a_token_id_prompt_is_refused_by_its_length_before_its_ids_are_read():
     chat = llm_pb2.GenerateRequest(messages=llm_pb2.ChatMessages(messages=turns))
     with pytest.raises(ValueError, match=r"messages.messages: 257 messages cannot fit max_model_len \(256"):
         parse_generate_request(chat, VOCAB, max_model_len=256)
+
+
+def test_kv_event_sockets_given_as_star_bind_the_grpc_host():
+    """Issue 49: ``tcp://*`` (the form the help suggests) bound 0.0.0.0 while gRPC listened on
+    127.0.0.1, and the events carry every tenant's prompt token ids."""
+    async def bound(host: str, endpoint: str) -> str:
+        hub = kv_event_hub(EngineConfig(block_size=16), KvEventSettings(endpoint=endpoint), host)
+        try:
+            return hub._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        finally:
+            hub.close()
+
+    assert asyncio.run(bound("127.0.0.1", "tcp://*:0")).startswith("tcp://127.0.0.1:")
+    assert asyncio.run(bound("127.0.0.1", "tcp://0.0.0.0:0")).startswith("tcp://0.0.0.0:")  # as named
+    assert on_host("tcp://*:5557", "::1") == "tcp://[::1]:5557"
+    assert on_host("ipc:///tmp/kv", "127.0.0.1") == "ipc:///tmp/kv"

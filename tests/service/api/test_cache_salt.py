@@ -128,3 +128,22 @@ def test_cache_salting_derives_from_the_bearer_credential_or_the_header():
     for source, header in (("tenant", "x-t"), ("header", "X-Tenant"), ("header", "")):
         with pytest.raises(ValueError, match="--cache-salt"):
             CacheSalting(source, header)
+
+
+def test_abort_reaches_only_the_callers_own_tenant(vllm):
+    """Issue 49: Abort looked request ids up server-wide, so whoever knew or guessed another
+    client's id ended its request. Under --cache-salt-from the tenant scopes the ids."""
+    def stream(team: str):
+        request = vllm_pb.GenerateRequest(
+            request_id="shared-id", tokenized=vllm_pb.TokenizedInput(input_ids=[5, 6, 7]), stream=True,
+            sampling_params=vllm_pb.SamplingParams(temperature=0, ignore_eos=True, max_tokens=400))
+        return vllm.Generate(request, metadata=((HEADER, team),), timeout=120)
+
+    theirs = stream("alpha")
+    assert next(theirs).HasField("chunk")
+    vllm.Abort(vllm_pb.AbortRequest(request_ids=["shared-id"]), metadata=((HEADER, "beta"),))
+    assert [m.complete.finish_reason for m in theirs if m.HasField("complete")] == ["length"]
+    ours = stream("beta")
+    assert next(ours).HasField("chunk")
+    vllm.Abort(vllm_pb.AbortRequest(request_ids=["shared-id"]), metadata=((HEADER, "beta"),))
+    assert [m.complete.finish_reason for m in ours if m.HasField("complete")] == ["abort"]
