@@ -128,7 +128,8 @@ def build_server(engine: AsyncEngine, health: Health, observability: Observabili
     server = grpc.aio.server(options=server_options(settings),
                              interceptors=[observability.interceptor, *interceptors(settings)])
     llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(engine, settings.cache_salting), server)
-    vllm_engine = VllmEngineServicer(engine, kvserve_version(), settings.cache_salting)
+    vllm_engine = VllmEngineServicer(engine, kvserve_version(), settings.cache_salting,
+                                     kv_events_refusal=settings.security.kv_events_refusal)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_engine, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     if settings.security.reflection:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
+import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,9 @@ from kvserve.service.methods import HEALTH_SERVICE, REFLECTION_SERVICE, split_me
 
 log = logging.getLogger("kvserve.service")
 
+KV_EVENTS_KEY_ENV = "KVSERVE_KV_EVENTS_KEY"
+KV_EVENTS_KEY_HEADER = "x-kv-events-key"
+
 # callable without the key: probes, and the schema (not data)
 OPEN_SERVICES = frozenset({HEALTH_SERVICE.full_name, REFLECTION_SERVICE.full_name})
 
@@ -41,6 +45,7 @@ class SecuritySettings:
     tls_client_ca: str | None = None  # PEM CA bundle; set = clients must present a certificate
     api_key: str | None = None
     reflection: bool = True
+    kv_events_key: str | None = None  # what SubscribeKvEvents needs beside the API key
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -49,6 +54,24 @@ class SecuritySettings:
             raise ValueError("--tls-client-ca: needs --tls-cert and --tls-key (mutual TLS is TLS first)")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key: must not be empty")
+        if self.kv_events_key is not None and not self.kv_events_key.strip():
+            raise ValueError("--kv-events-key: must not be empty")
+
+    def kv_events_refusal(self, metadata) -> str | None:
+        """Why this caller may not read KV-cache events (they carry every tenant's prompt token
+        ids), or None. With --kv-events-key the call must carry it; with only --api-key nobody may
+        (a key holder is a tenant, not the operator); an open server is open."""
+        if self.kv_events_key is None:
+            if self.api_key is None:
+                return None
+            return ("KV-cache events carry every tenant's prompt token ids: with --api-key they are read "
+                    f"only with --kv-events-key, sent as '{KV_EVENTS_KEY_HEADER}: KEY'")
+        values = [v for k, v in metadata or () if k == KV_EVENTS_KEY_HEADER]
+        given = values[0] if values else b""
+        given = given.encode() if isinstance(given, str) else given
+        if not hmac.compare_digest(given, self.kv_events_key.encode()):  # constant time
+            return f"SubscribeKvEvents needs the --kv-events-key in the '{KV_EVENTS_KEY_HEADER}' metadata"
+        return None
 
     @property
     def tls(self) -> bool:
@@ -65,13 +88,20 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", metavar="KEY", default=None,
                    help=f"require 'authorization: Bearer KEY' on every call but health and reflection "
                         f"(env {API_KEY_ENV}, which keeps the key out of the process list)")
+    g.add_argument("--kv-events-key", metavar="KEY", default=None,
+                   help=f"SubscribeKvEvents needs '{KV_EVENTS_KEY_HEADER}: KEY' (the events carry every "
+                        f"tenant's prompt token ids; with --api-key and no --kv-events-key nobody may read "
+                        f"them) (env {KV_EVENTS_KEY_ENV})")
     g.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="serve gRPC server reflection (--no-reflection: grpcurl then needs the .proto)")
 
 
 def security_settings(args: argparse.Namespace) -> SecuritySettings:
     api_key = api_key_or_env(args.api_key)
-    return SecuritySettings(args.tls_cert, args.tls_key, args.tls_client_ca, api_key, args.reflection)
+    kv_key = args.kv_events_key
+    if kv_key is None:  # the environment keeps the key out of the process list
+        kv_key = os.environ.get(KV_EVENTS_KEY_ENV) or None
+    return SecuritySettings(args.tls_cert, args.tls_key, args.tls_client_ca, api_key, args.reflection, kv_key)
 
 
 def server_credentials(settings: SecuritySettings) -> grpc.ServerCredentials | None:

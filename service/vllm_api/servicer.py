@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -46,8 +47,10 @@ class RequestAborted(Exception):
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
-    def __init__(self, engine: AsyncEngine, version: str = "", cache_salting: CacheSalting | None = None):
+    def __init__(self, engine: AsyncEngine, version: str = "", cache_salting: CacheSalting | None = None,
+                 kv_events_refusal: Callable[[object], str | None] = lambda _: None):
         self._engine = engine
+        self._kv_events_refusal = kv_events_refusal  # metadata -> why the caller may not read them
         self._salting = cache_salting or CacheSalting()
         self._version = version
         self._started = time.monotonic()
@@ -243,6 +246,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if hub is None:
             refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
                    "KV-cache events are off: start the server with --kv-events (or --kv-events-endpoint)")
+            return
+        refusal = self._kv_events_refusal(context.invocation_metadata())
+        if refusal is not None:
+            refuse(context, grpc.StatusCode.PERMISSION_DENIED, refusal)
             return
         # the headers at once: a subscriber (SMG) counts a stream without them after 2 s as a dead worker
         await context.send_initial_metadata(())

@@ -16,8 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvserve.clients import Client, tls_credentials
+from kvserve.clients.messages import build_request
 from kvserve.service.guards.security import SecuritySettings, server_credentials
-from kvserve.testing.plugin import SECURE_API_KEY, SECURE_LIMITS
+from kvserve.testing.plugin import SECURE_API_KEY, SECURE_LIMITS, TEST_SERVER_ENV
+from kvserve.testing.process import ServerProcess
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 pytest_plugins = ["kvserve.testing.plugin"]
@@ -240,3 +242,32 @@ def test_client_strings_are_cut_and_escaped_for_logs():
     assert for_log("a\nb\x1b[31m\u2028") == "a\\nb\\x1b[31m\\u2028"
     assert for_log("x" * 100) == "x" * 64 + "...(100 chars)"
     assert clip("y" * 2000, 1024) == "y" * 1024 + "...(2000 chars)"
+
+
+def test_kv_events_need_their_own_key_where_calls_need_one(tmp_path):
+    """Issue 49: any API-key holder calling SubscribeKvEvents read every tenant's prompts block by
+    block. With --api-key the events need --kv-events-key; without it nobody reads them."""
+    import torch
+
+    from kvserve.testing.random_model import write_random_model
+    from kvserve.vllm import smg_common_pb2 as common
+    from kvserve.vllm import vllm_engine_pb2_grpc
+
+    model = str(write_random_model("qwen3-tiny", tmp_path / "m", dtype=torch.float32))
+    key = (("authorization", "Bearer tenant-key"),)
+    flags = ("--model", model, "--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4",
+             "--kv-events", "--api-key", "tenant-key", "--kv-events-key", "operator-key")
+    with ServerProcess(*flags, env=TEST_SERVER_ENV) as server, grpc.insecure_channel(server.target) as ch:
+        vllm = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            next(vllm.SubscribeKvEvents(common.SubscribeKvEventsRequest(), metadata=key, timeout=30))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "x-kv-events-key" in e.value.details()
+        events = vllm.SubscribeKvEvents(common.SubscribeKvEventsRequest(),
+                                        metadata=(*key, ("x-kv-events-key", "operator-key")), timeout=60)
+        llm_pb2_grpc.LLMServiceStub(ch).Generate(build_request(token_ids=[5, 6, 7, 8, 9, 10, 11, 12],
+                                                               max_tokens=1), metadata=key, timeout=60)
+        assert next(events).events  # the operator's subscriber sees the prompt's blocks
+        events.cancel()
+    only_api_key = SecuritySettings(api_key="tenant-key")
+    assert "--kv-events-key" in only_api_key.kv_events_refusal(key)
+    assert SecuritySettings().kv_events_refusal(()) is None  # an open server is open
