@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -77,21 +78,37 @@ class Tracing:
         parent = _PROPAGATOR.extract(carrier)
         if self.provider is None:
             # no spans of our own, but the caller's trace id still reaches the logs
-            with trace.use_span(trace.get_current_span(parent), end_on_exit=False) as span:
+            span = trace.get_current_span(parent)
+            with _current(trace.set_span_in_context(span, parent)):
                 yield span
             return
         service, name = split_method(method)
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
-        with self.tracer.start_as_current_span(
-            f"{service}/{name}", context=parent, kind=SpanKind.SERVER, attributes=attributes,
-            record_exception=False, set_status_on_exception=False,
-        ) as span:
-            yield span
+        span = self.tracer.start_span(f"{service}/{name}", context=parent, kind=SpanKind.SERVER,
+                                      attributes=attributes)
+        try:
+            with _current(trace.set_span_in_context(span, parent)):
+                yield span
+        finally:
+            span.end()
 
     def shutdown(self) -> None:
         """Send what is still batched, then stop."""
         if self.provider is not None:
             self.provider.shutdown()
+
+
+@contextlib.contextmanager
+def _current(ctx: otel_context.Context) -> Iterator[None]:
+    """``ctx`` as the current OpenTelemetry context for the block. A cancelled stream's handler is
+    closed by another asyncio task, where the reset has nothing to undo (the call's own context
+    ended with it): skipped quietly, where OpenTelemetry's ``detach`` logs a traceback per stream."""
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            token.var.reset(token)
 
 
 def end_span(span: trace.Span, code: grpc.StatusCode, details: str | None) -> None:

@@ -224,3 +224,16 @@ def test_kv_events_are_off_without_the_flag(vllm):
     with pytest.raises(grpc.RpcError) as e:
         next(vllm.SubscribeKvEvents(common.SubscribeKvEventsRequest()))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--kv-events" in e.value.details()
+
+
+def test_cancelled_streams_leave_no_tracebacks(vllm, kvserve_server):
+    """Issue 49: each cancelled stream logged OpenTelemetry's "Failed to detach context" with a
+    traceback (no exporter configured): its context was left from another asyncio task."""
+    for i in range(2):
+        calls = vllm.Generate(pb.GenerateRequest(request_id=f"cancelled-{i}", text=PROMPT, stream=True,
+                                                 sampling_params=pb.SamplingParams(ignore_eos=True,
+                                                                                   max_tokens=500)))
+        assert next(calls).HasField("chunk")
+        calls.cancel()
+    idle(kvserve_server)
+    assert "Failed to detach context" not in kvserve_server.log_text()
