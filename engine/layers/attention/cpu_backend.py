@@ -214,8 +214,12 @@ class CpuAttentionBackend(AttentionBackend):
             meta.query_ctx = to_device(np.asarray(inp.positions)[queried] + 1, device, torch.int32)
         return meta
 
-    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
-        return CpuAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
+    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: bool = False) -> AttentionImpl:
+        self.check_variants(sliding_window, logits_soft_cap, sinks)
+        variant = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+        return CpuAttentionImpl(num_heads, num_kv_heads, head_dim, scale, **variant)
 
     def _host_step(self, inp: ModelInput) -> _HostStep:
         query_lens = np.asarray(inp.query_lens, dtype=np.int64)
@@ -283,8 +287,8 @@ class CpuAttentionImpl(AttentionImpl):
     """Over caches of ``CpuAttentionBackend.kv_cache_shape``: [kv_heads, blocks, block_size, D]
     (D + 4 int8 elements per row in an int8 cache)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, **variant):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, **variant)
         # whether the CPU decode kernel takes this layer's shapes (the dtype is known per call)
         self._kernel_shapes = CpuKernels.supports_attention(num_heads, num_kv_heads, head_dim)
 

@@ -45,8 +45,12 @@ class FlashAttentionBackend(AttentionBackend):
             cu_seqlens_k=to_device(cu_seqlens_k, device, torch.int32),
         )
 
-    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
-        return FlashAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
+    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: bool = False) -> AttentionImpl:
+        self.check_variants(sliding_window, logits_soft_cap, sinks)
+        variant = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+        return FlashAttentionImpl(num_heads, num_kv_heads, head_dim, scale, **variant)
 
 
 class FlashAttentionImpl(AttentionImpl):

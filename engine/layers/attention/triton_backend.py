@@ -61,8 +61,12 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, inp: ModelInput, device: torch.device) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(**common_metadata_fields(inp, self.block_size, device))
 
-    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
-        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, self)
+    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: bool = False) -> AttentionImpl:
+        self.check_variants(sliding_window, logits_soft_cap, sinks)
+        variant = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, self, **variant)
 
     def decode_plan(self, q: torch.Tensor, kv_heads: int) -> tuple[int, DecodeWorkspace | None]:
         """(splits, workspace) for a decode of ``q.shape[0]`` sequences."""
@@ -81,8 +85,8 @@ class TritonAttentionBackend(AttentionBackend):
 
 class TritonAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend: TritonAttentionBackend):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+                 backend: TritonAttentionBackend, **variant):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, **variant)
         self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
