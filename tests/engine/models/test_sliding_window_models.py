@@ -115,3 +115,16 @@ def test_speculative_decoding_leaves_window_model_tokens_unchanged(model_dirs):
         assert spec.stats()["kv_blocks_free"] == spec.stats()["kv_blocks_total"]
     finally:
         spec.shutdown()
+
+
+def test_window_model_at_tp2_gives_the_tokens_of_tp1(model_dirs):
+    """Ministral's groups on two ranks (a KV head each): every rank keeps the groups' tables."""
+    path = model_dirs["ministral-tiny"]
+    want = hf_greedy(path, PROMPTS[:2])
+    llm = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, tensor_parallel_size=2,
+              num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=8, max_num_seqs=2)
+    try:
+        assert llm.engine.block_manager.windows == (8, 8, None)
+        assert greedy_tokens(llm, PROMPTS[:2]) == want
+    finally:
+        llm.shutdown()
