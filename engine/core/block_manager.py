@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvserve.engine.kv_cache.groups import NULL_BLOCK, first_live_block, peak_blocks
+from kvserve.engine.kv_cache.groups import NULL_BLOCK, Hits, first_live_block, peak_blocks
 from kvserve.engine.model_input import blocks_for
 from kvserve.engine.sequence import Sequence
 
@@ -58,7 +58,8 @@ def block_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) ->
     return h.intdigest()
 
 
-# the kinds of KV-cache event tuples: (STORED, hash, parent_hash, token_ids), (REMOVED, hash), (CLEARED,)
+# the kinds of KV-cache event tuples: (STORED, hash, parent_hash, token_ids), (REMOVED, hash), (CLEARED,);
+# with KV cache groups STORED adds (group, its window or None) and REMOVED (group,)
 STORED, REMOVED, CLEARED = 0, 1, 2
 
 
@@ -77,15 +78,6 @@ class Block:
     token_ids: tuple[int, ...] | None = None
     parent_hash: int | None = None  # the previous block's hash when this one was published
     group: int = 0  # the KV cache group whose layers hold it (the one that last took it)
-
-
-class Hits(list):
-    """``match_prefix``'s answer: the first group's hit blocks, as a list; ``groups``: every
-    group's, as long (a window group's start with ``NULL_BLOCK`` behind its window)."""
-
-    def __init__(self, groups: list[list[int]]):
-        super().__init__(groups[0])
-        self.groups = groups
 
 
 class BlockManager:
@@ -316,8 +308,9 @@ class BlockManager:
         registered = self.hash_tables[block.group].setdefault(block.hash, block.block_id)
         if registered != block.block_id:
             self.duplicate_sets[block.group].setdefault(block.hash, set()).add(block.block_id)
-        elif self.kv_events is not None:
-            self.kv_events.append((STORED, block.hash, block.parent_hash, block.token_ids))
+        elif self.kv_events is not None:  # with groups, the group and its window too
+            group = (block.group, self.windows[block.group]) if self.reserved or self.num_groups > 1 else ()
+            self.kv_events.append((STORED, block.hash, block.parent_hash, block.token_ids, *group))
 
     def _unpublish(self, block: Block) -> None:
         """``block`` is being reused: its hash leaves the table, or passes to a surviving copy."""
@@ -329,7 +322,8 @@ class BlockManager:
             else:
                 del table[h]
                 if self.kv_events is not None:
-                    self.kv_events.append((REMOVED, h))
+                    group = (block.group,) if self.reserved or self.num_groups > 1 else ()
+                    self.kv_events.append((REMOVED, h, *group))
         elif copies is not None:
             copies.discard(block.block_id)
         if copies is not None and not copies:
@@ -343,8 +337,8 @@ class BlockManager:
         start = seq.num_hashed_blocks
         if full > start and self.enable_prefix_caching:  # most steps: no block filled up
             hashes = self.hash_chain(seq, full)
-            for i in range(start, full):
-                for table in seq.block_tables:
+            for table in seq.block_tables:  # group by group: each group's stores form one chain
+                for i in range(start, full):
                     if table[i] == NULL_BLOCK and self.reserved:
                         continue
                     block = self.blocks[table[i]]

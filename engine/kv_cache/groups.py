@@ -33,6 +33,15 @@ class KVCacheGroups:
         return any(w is not None for w in self.windows)
 
 
+class Hits(list):
+    """A prefix hit: the first group's blocks, as a list; ``groups``: every group's, as long (a
+    window group's start with ``NULL_BLOCK`` behind its window)."""
+
+    def __init__(self, groups: list[list[int]]):
+        super().__init__(groups[0])
+        self.groups = groups
+
+
 def group_layers(windows: Sequence[int | None]) -> KVCacheGroups:
     """Groups the layers of ``windows`` (each layer's window, None for full attention). Layers of
     one spec are cut into groups of ``size`` layers in layer order, specs in order of first
