@@ -55,12 +55,13 @@ def test_window_models_greedy_tokens_equal_transformers_alone_and_batched(model_
 
 
 def test_a_window_model_stays_off_the_fused_decode_step(model_dirs):
+    """decode_row.c attends without a window: such a model decodes layer by layer."""
     from kvserve.engine.models.decode_row import DecodeRow
 
     llm = LLM(model_dirs["mistral-tiny"], dtype="float32", device="cpu", block_size=BLOCK)
     try:
         model = llm.engine.executor.model.model
-        assert not any(layer.self_attn.attn.impl.attends_in_c for layer in model.layers)
+        assert all(layer.self_attn.attn.impl.sliding_window == 8 for layer in model.layers)
         assert not DecodeRow.fits(model) and model.decode_row() is None
     finally:
         llm.shutdown()
