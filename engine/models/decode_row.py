@@ -85,6 +85,7 @@ class DecodeRow:
                     or not computes(mlp)
                     or any(type(norm) is not RMSNorm for norm in norms)
                     or not attn.attn.impl.attends_in_c
+                    or attn.attn.impl.sliding_window is not None  # decode_row.c attends without a window
                     or attn.qkv_proj.parallel.size != 1 or attn.qkv_proj.weight.device.type != "cpu"):
                 return False
         return True

@@ -28,7 +28,8 @@ def head_dim_of(config) -> int:
 
 class LlamaAttention(nn.Module):
     in_decode_row = True  # decode_row.c computes this class's forward (models/decode_row.py)
-    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
+    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, *,
+                 sliding_window: int | None = None):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
@@ -41,7 +42,8 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * head_dim, config.hidden_size,
             bias=self.out_bias(config), parallel=parallel,
         )
-        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
+                                   **({} if sliding_window is None else {"sliding_window": sliding_window}))
         self.attn = Attention(impl)
 
     @staticmethod
@@ -90,7 +92,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = self.attention_class(config, backend, parallel)
+        window = self.sliding_window(config, layer_idx)
+        self.self_attn = self.attention_class(config, backend, parallel,
+                                              **({} if window is None else {"sliding_window": window}))
         self.mlp = self.make_mlp(config, parallel, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -104,6 +108,12 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, cos, sin, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    @staticmethod
+    def sliding_window(config, layer_idx: int) -> int | None:
+        """The layer's attention window in tokens (None: full attention). Llama has none; a family
+        with windows says which layers have one (models/mistral.py)."""
+        return None
 
     def make_mlp(self, config, parallel: ParallelContext, layer_idx: int) -> nn.Module:
         """The layer's MLP (mixture-of-experts models choose it per layer)."""

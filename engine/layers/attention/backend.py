@@ -20,6 +20,16 @@ Position rule every backend implements: query token j of a sequence with query l
 context length L (cached + new tokens) sits at position L - q + j and attends to keys 0..L-q+j.
 This covers full prefills, prefix-cache hits, chunked-prefill continuations and decodes alike.
 
+Attention variants a layer asks for at ``create_impl`` (keywords; a backend that cannot compute
+one refuses it there with a ValueError naming the variant and the backend, never later):
+- ``sliding_window=W``: the query at position p attends keys max(0, p - W + 1) .. p only, as
+  transformers 5.24's ``masking_utils.sliding_window_overlay`` (``kv_idx > q_idx - W``) on top of
+  the causal mask. A backend must never read keys below that bound: the cache manager may have
+  freed (and reused) the blocks that held them.
+- ``logits_soft_cap=c``: scores become c * tanh(score / c) before the softmax (Gemma 2).
+- ``sinks=True``: a learned per-head logit joins each softmax's denominator (gpt-oss); the
+  ``Attention`` module owns the parameter and passes it to ``forward(..., sinks=tensor)``.
+
 Backends are looked up by name in ``BACKENDS`` ("module:Class"), imported on first use, so a
 backend in its own file needs only its entry there.
 """
@@ -59,6 +69,9 @@ class AttentionMetadata:
     num_decode_tokens: int  # tokens of sequences whose query length is 1
     query_lens_host: list[int]  # host copies, for planning without a device sync
     seq_lens_host: list[int]
+    # with several KV cache groups (engine/runner/kv_groups.py): every group's metadata, this one
+    # first; each ``Attention`` module reads its own group's
+    group_metadata: list[AttentionMetadata] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -107,18 +120,25 @@ def common_metadata_fields(inp: ModelInput, block_size: int, device: torch.devic
 
 
 class AttentionImpl(ABC):
-    """One layer's attention computation; holds shapes only, no per-step state."""
+    """One layer's attention computation; holds shapes and its variant (``sliding_window``,
+    ``logits_soft_cap``, ``has_sinks``: see the module docstring), no per-step state."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 sinks: bool = False):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.has_sinks = sinks
 
     @property
     def attends_in_c(self) -> bool:
         """Whether csrc/attention.c attends over this layer's cache (the CPU backend, at the shapes
-        its kernels take): the fused decode step (models/decode_row.py) runs over such layers only."""
+        its kernels take): the fused decode step (models/decode_row.py) runs over such layers only,
+        and only without a window."""
         return False
 
     @abstractmethod
@@ -130,6 +150,8 @@ class AttentionImpl(ABC):
 class AttentionBackend(ABC):
     name: str = ""
     kv_cache_dtypes: tuple[str, ...] = ("auto",)  # the cache element types this backend reads
+    # the attention variants this backend computes: "sliding_window", "logits_soft_cap", "sinks"
+    variants: frozenset[str] = frozenset()
 
     def __init__(self, block_size: int, kv_cache_dtype: str = "auto"):
         if kv_cache_dtype not in self.kv_cache_dtypes:
@@ -152,8 +174,25 @@ class AttentionBackend(ABC):
         """Called once per step, before the forward pass."""
 
     @abstractmethod
-    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
-        """Called once per layer when the model is built."""
+    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: bool = False) -> AttentionImpl:
+        """Called once per layer when the model is built; the keywords ask for an attention
+        variant (module docstring), refused by ``check_variants`` when this backend lacks it."""
+
+    def check_variants(self, sliding_window: int | None, logits_soft_cap: float | None, sinks: bool) -> None:
+        """Raises ValueError naming the variant and this backend when it cannot compute one asked for."""
+        whole = isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
+        if sliding_window is not None and not (whole and sliding_window >= 1):
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap!r}")
+        asked = {"sliding_window": sliding_window is not None, "logits_soft_cap": logits_soft_cap is not None,
+                 "sinks": bool(sinks)}
+        for variant, wanted in asked.items():
+            if wanted and variant not in self.variants:
+                raise ValueError(f"attention variant {variant} is not implemented by the {self.name} "
+                                 "attention backend")
 
 
 class Attention(nn.Module):
@@ -164,12 +203,15 @@ class Attention(nn.Module):
         self.impl = impl
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kv_group = 0  # the KV cache group whose block tables this layer's cache is read with
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, group: int = 0) -> None:
+        self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if meta.group_metadata is not None:  # models pass the step's; the layer reads its group's
+            meta = meta.group_metadata[self.kv_group]
         return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta)
 
 

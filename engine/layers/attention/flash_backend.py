@@ -35,6 +35,7 @@ class FlashAttentionMetadata(AttentionMetadata):
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
+    variants = frozenset({"sliding_window"})  # flash-attn's local attention: window_size=(W - 1, 0)
 
     def build_metadata(self, inp: ModelInput, device: torch.device) -> FlashAttentionMetadata:
         cu_seqlens_k = [0]
@@ -45,22 +46,31 @@ class FlashAttentionBackend(AttentionBackend):
             cu_seqlens_k=to_device(cu_seqlens_k, device, torch.int32),
         )
 
-    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
-        return FlashAttentionImpl(num_heads, num_kv_heads, head_dim, scale)
+    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: bool = False) -> AttentionImpl:
+        self.check_variants(sliding_window, logits_soft_cap, sinks)
+        variant = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+        return FlashAttentionImpl(num_heads, num_kv_heads, head_dim, scale, **variant)
 
 
 class FlashAttentionImpl(AttentionImpl):
+    @property
+    def window_size(self) -> tuple[int, int]:
+        """flash-attn's (left, right) keys beside the diagonal: (W - 1, 0) is transformers' window."""
+        return (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: FlashAttentionMetadata) -> torch.Tensor:
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.max_query_len == 1:
             out = flash_attn_with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
-                softmax_scale=self.scale, causal=True,
+                softmax_scale=self.scale, causal=True, window_size=self.window_size,
             )
             return out.squeeze(1)
         return flash_attn_varlen_func(
             q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale,
-            causal=True, block_table=meta.block_tables,
+            causal=True, block_table=meta.block_tables, window_size=self.window_size,
         )

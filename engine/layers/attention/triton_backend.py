@@ -52,6 +52,7 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    variants = frozenset({"sliding_window"})
 
     def __init__(self, block_size: int, kv_cache_dtype: str = "auto"):
         super().__init__(block_size, kv_cache_dtype)
@@ -61,8 +62,12 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, inp: ModelInput, device: torch.device) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(**common_metadata_fields(inp, self.block_size, device))
 
-    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionImpl:
-        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, self)
+    def create_impl(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: bool = False) -> AttentionImpl:
+        self.check_variants(sliding_window, logits_soft_cap, sinks)
+        variant = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, self, **variant)
 
     def decode_plan(self, q: torch.Tensor, kv_heads: int) -> tuple[int, DecodeWorkspace | None]:
         """(splits, workspace) for a decode of ``q.shape[0]`` sequences."""
@@ -81,8 +86,8 @@ class TritonAttentionBackend(AttentionBackend):
 
 class TritonAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend: TritonAttentionBackend):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+                 backend: TritonAttentionBackend, **variant):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, **variant)
         self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -91,9 +96,10 @@ class TritonAttentionImpl(AttentionImpl):
         if meta.max_query_len == 1:
             splits, workspace = self.backend.decode_plan(q, self.num_kv_heads)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                          num_splits=splits, workspace=workspace)  # fmt: skip
+                                          num_splits=splits, workspace=workspace,
+                                          window=self.sliding_window)  # fmt: skip
         tile = prefill_tile_shape(q.device, self.num_heads // self.num_kv_heads)
         return paged_prefill_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-            work=meta.work_for(tile["TOKENS_PER_TILE"]),
+            work=meta.work_for(tile["TOKENS_PER_TILE"]), window=self.sliding_window,
         )

@@ -149,8 +149,8 @@ void silu_mul_row(const void *gate, const void *up, void *out, int width, int dt
 /* Attention (attention.c), shared with the fused decode row. */
 size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ctx);
 void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
-                const int32_t *table, int ctx, int kv_head, const char *q0, int64_t q_head_bytes, float scale,
-                int group, int head_dim, int dtype, int cache_dtype, float *scratch, char *out0,
+                const int32_t *table, int ctx, int skip, int kv_head, const char *q0, int64_t q_head_bytes,
+                float scale, int group, int head_dim, int dtype, int cache_dtype, float *scratch, char *out0,
                 int64_t out_head_bytes);
 
 /* n elements of src (DTYPE_*) as floats in dst */

@@ -218,7 +218,7 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
             for (int item = 0; item < R * kvh; ++item) {
                 const int r = item / kvh, h = item % kvh;
                 attend_one(L->k_cache, L->v_cache, st->num_blocks, st->block_size, st->tables + r * st->table_stride,
-                           st->ctx[r], h, qkv + ((size_t)r * qkv_n + (size_t)h * group * D) * elem, (int64_t)D * elem,
+                           st->ctx[r], 0, h, qkv + ((size_t)r * qkv_n + (size_t)h * group * D) * elem, (int64_t)D * elem,
                            st->scale, group, D, dtype, st->cache_dtype, mine, att + ((size_t)r * heads + (size_t)h * group) * D * elem,
                            (int64_t)D * elem);
             }
