@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+# the tiny shapes' special ids: families whose config defaults point past a tiny vocabulary
+TINY_SPECIAL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # name -> (architecture, config fields); qwen3-0.6b follows Qwen/Qwen3-0.6B's config.json. The tiny
 # shapes keep a vocabulary above 10,000: the offline benchmark draws prompt ids below that.
 SHAPES: dict[str, tuple[str, dict]] = {
@@ -55,10 +57,38 @@ SHAPES: dict[str, tuple[str, dict]] = {
         num_key_value_heads=1, head_dim=64, max_position_embeddings=40960, rms_norm_eps=1e-6,
         rope_theta=1_000_000.0, tie_word_embeddings=False,
     )),
+    # the 2026 families (docs/reference/models.md): each at a tiny shape for tests and at a released
+    # model's shape (its config.json) for benchmarks
+    "smollm3-tiny": ("SmolLM3ForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, no_rope_layer_interval=4,
+        tie_word_embeddings=True, **TINY_SPECIAL_IDS,
+    )),
+    "smollm3-3b": ("SmolLM3ForCausalLM", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536, rope_theta=5_000_000.0,
+        no_rope_layer_interval=4, tie_word_embeddings=True,
+    )),
+    "phi3-tiny": ("Phi3ForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None, tie_word_embeddings=False,
+        **TINY_SPECIAL_IDS,
+    )),
+    "phi4-mini-tiny": ("Phi3ForCausalLM", dict(  # Phi-4-mini's partial rotary: 3/4 of each head turns
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None, partial_rotary_factor=0.75,
+        tie_word_embeddings=True, **TINY_SPECIAL_IDS,
+    )),
+    "phi3-mini": ("Phi3ForCausalLM", dict(  # Phi-3-mini-4k-instruct
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        sliding_window=None, tie_word_embeddings=False,
+    )),
 }  # fmt: skip
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "Qwen2MoeForCausalLM": "qwen2_moe",
-               "MixtralForCausalLM": "mixtral"}
+               "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
+               "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+               "Gemma3ForCausalLM": "gemma3_text", "GptOssForCausalLM": "gpt_oss"}
 
 
 def make_config(name: str, **overrides):

@@ -13,7 +13,16 @@ from torch import nn
 
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import AttentionBackend, create_attention_backend
-from kvserve.engine.models import llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: F401 - they register
+from kvserve.engine.models import (  # noqa: F401 - they register
+    llama,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from kvserve.engine.models.registry import model_class_for
 
 

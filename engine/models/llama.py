@@ -28,7 +28,8 @@ def head_dim_of(config) -> int:
 
 class LlamaAttention(nn.Module):
     in_decode_row = True  # decode_row.c computes this class's forward (models/decode_row.py)
-    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
+    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, **variant):
+        """``variant``: the attention variant's keywords for ``create_impl`` (``sliding_window``, ...)."""
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
@@ -41,7 +42,7 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * head_dim, config.hidden_size,
             bias=self.out_bias(config), parallel=parallel,
         )
-        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, **variant)
         self.attn = Attention(impl)
 
     @staticmethod
@@ -90,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = self.attention_class(config, backend, parallel)
+        self.self_attn = self.make_attention(config, backend, parallel, layer_idx)
         self.mlp = self.make_mlp(config, parallel, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -104,6 +105,11 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, cos, sin, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def make_attention(self, config, backend: AttentionBackend, parallel: ParallelContext,
+                       layer_idx: int) -> nn.Module:
+        """The layer's attention (families whose layers differ, by RoPE or window, choose it per layer)."""
+        return self.attention_class(config, backend, parallel)
 
     def make_mlp(self, config, parallel: ParallelContext, layer_idx: int) -> nn.Module:
         """The layer's MLP (mixture-of-experts models choose it per layer)."""
