@@ -84,6 +84,36 @@ SHAPES: dict[str, tuple[str, dict]] = {
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
         sliding_window=None, tie_word_embeddings=False,
     )),
+    # Gemma: windows of 8 tokens on alternate layers (2) or five layers of six (3), so that test
+    # prompts span several windows; soft caps as Gemma 2 ships them
+    "gemma2-tiny": ("Gemma2ForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=2048,
+        tie_word_embeddings=True, **TINY_SPECIAL_IDS,
+    )),
+    "gemma2-2b": ("Gemma2ForCausalLM", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )),
+    "gemma3-tiny": ("Gemma3ForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        max_position_embeddings=2048, tie_word_embeddings=True, **TINY_SPECIAL_IDS,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+    )),
+    "gemma3-1b": ("Gemma3ForCausalLM", dict(  # the benchmark shape
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=512,
+        max_position_embeddings=32768, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+    )),
 }  # fmt: skip
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
                "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",

@@ -14,6 +14,8 @@ from torch import nn
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import AttentionBackend, create_attention_backend
 from kvserve.engine.models import (  # noqa: F401 - they register
+    gemma2,
+    gemma3,
     llama,
     mixtral,
     phi3,

@@ -42,8 +42,14 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * head_dim, config.hidden_size,
             bias=self.out_bias(config), parallel=parallel,
         )
-        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, **variant)
+        scale = self.scale_of(config)
+        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, scale, **variant)
         self.attn = Attention(impl)
+
+    @staticmethod
+    def scale_of(config) -> float:
+        """The factor of q.k (Gemma's ``query_pre_attn_scalar`` sets its own)."""
+        return head_dim_of(config) ** -0.5
 
     @staticmethod
     def qkv_bias(config) -> bool:
