@@ -114,6 +114,23 @@ SHAPES: dict[str, tuple[str, dict]] = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
     )),
+    # gpt-oss: 8-token windows on alternate layers, sinks, 8 experts top-2, YaRN over a short original
+    # context so that its ramp lies inside the head
+    "gpt-oss-tiny": ("GptOssForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        max_position_embeddings=2048, tie_word_embeddings=False, **TINY_SPECIAL_IDS,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256},
+    )),
+    "gpt-oss-20b": ("GptOssForCausalLM", dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+        num_experts_per_tok=4,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    )),
 }  # fmt: skip
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
                "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",

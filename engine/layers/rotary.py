@@ -15,7 +15,7 @@ from torch import nn
 from kvserve.kernels.cpu.abi import MAX_HEAD_DIM
 from kvserve.kernels.cpu.bindings import kernels_for
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(hf_config) -> dict:
@@ -42,7 +42,40 @@ def inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
         return inv_freq / params["factor"]
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
+    if rope_type == "yarn":
+        return _yarn_scaled(inv_freq, head_dim, params)
     return inv_freq
+
+
+def attention_factor(params: dict) -> float:
+    """What YaRN multiplies cos and sin by (1 for the other types): ``attention_factor`` when the
+    config gives it, else 0.1 ln(factor) + 1 (the ratio of two such terms with ``mscale`` and
+    ``mscale_all_dim``)."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params["factor"]
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(params["mscale"]) / mscale(params["mscale_all_dim"])
+    return mscale(1.0)
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, head_dim: int, params: dict) -> torch.Tensor:
+    """YaRN (gpt-oss): frequencies that turn fewer than ``beta_slow`` times over the original
+    context are divided by ``factor``, those turning more than ``beta_fast`` times are kept, with a
+    linear ramp over the dimensions between (``truncate``: the ramp's ends rounded outwards)."""
+    base, factor = params["rope_theta"], params["factor"]
+    old_len = params["original_max_position_embeddings"]
+    dim_of = lambda turns: head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = dim_of(params.get("beta_fast") or 32), dim_of(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
@@ -64,7 +97,8 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.to(torch.float32))
         self.max_position = max_position
         # full width: cos repeated over both halves, sin with the rotation's sign (-sin, sin)
-        cos, sin = freqs.cos(), freqs.sin()
+        scale = attention_factor(params)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
         self.register_buffer("cos_table", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_table", torch.cat((-sin, sin), dim=-1), persistent=False)
 

@@ -16,6 +16,7 @@ from kvserve.engine.layers.attention.backend import AttentionBackend, create_att
 from kvserve.engine.models import (  # noqa: F401 - they register
     gemma2,
     gemma3,
+    gpt_oss,
     llama,
     mixtral,
     phi3,

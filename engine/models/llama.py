@@ -44,7 +44,8 @@ class LlamaAttention(nn.Module):
         )
         scale = self.scale_of(config)
         impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, scale, **variant)
-        self.attn = Attention(impl)
+        # sinks (gpt-oss): the layer owns its heads' logits, from this rank's first head on
+        self.attn = Attention(impl, sinks=parallel.rank * self.num_heads if impl.has_sinks else None)
 
     @staticmethod
     def scale_of(config) -> float:
