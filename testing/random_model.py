@@ -119,7 +119,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "gpt-oss-tiny": ("GptOssForCausalLM", dict(
         vocab_size=10240, hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-        max_position_embeddings=2048, tie_word_embeddings=False, **TINY_SPECIAL_IDS,
+        max_position_embeddings=1024, tie_word_embeddings=False, **TINY_SPECIAL_IDS,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 256},
     )),
@@ -136,6 +136,34 @@ MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3M
                "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
                "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                "Gemma3ForCausalLM": "gemma3_text", "GptOssForCausalLM": "gpt_oss"}
+
+
+# each family's chat format, written for these directories after the released models' own: (jinja
+# template, special tokens, plain words the template writes); they take the vocabulary's last ids
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PHI3 = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# Gemma has no system role: a system message opens the first user turn, as Gemma's template does
+GEMMA = ("{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
+         "{% if m.role == 'system' %}{% set ns.system = m.content + '\n\n' %}{% else %}"
+         "<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ ns.system + m.content }}"
+         "<end_of_turn>\n{% set ns.system = '' %}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# gpt-oss's harmony: a system message is the developer's instructions; replies go to the final channel
+HARMONY = ("{% for m in messages %}{% if m.role == 'system' %}<|start|>developer<|message|># Instructions"
+           "\n\n{{ m.content }}<|end|>{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final"
+           "<|message|>{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+           "{% endif %}{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+ROLES = ["system", "user", "assistant", "tool"]
+CHAT_FORMATS = {
+    "SmolLM3ForCausalLM": (CHATML, ["<|im_start|>", "<|im_end|>"], ROLES),
+    "Phi3ForCausalLM": (PHI3, ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"], []),
+    "Gemma2ForCausalLM": (GEMMA, ["<bos>", "<start_of_turn>", "<end_of_turn>"], ["user", "model", "tool"]),
+    "Gemma3ForCausalLM": (GEMMA, ["<bos>", "<start_of_turn>", "<end_of_turn>"], ["user", "model", "tool"]),
+    "GptOssForCausalLM": (HARMONY, ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>",
+                                    "<|call|>"], [*ROLES, "developer", "final", "#", "Instructions"]),
+}
 
 
 def make_config(name: str, **overrides):
@@ -166,20 +194,30 @@ def write_model_dir(config, out_dir: str | Path, seed: int = 0, dtype: torch.dty
     config.save_pretrained(out)
     weights = {n: t.to(dtype).contiguous() for n, t in random_weights(config, seed)}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _word_level_tokenizer(config.vocab_size).save_pretrained(out)
+    architecture = (config.architectures or [""])[0]
+    _word_level_tokenizer(config.vocab_size, CHAT_FORMATS.get(architecture)).save_pretrained(out)
     return out
 
 
-def _word_level_tokenizer(vocab_size: int):
-    """A tokenizer with one whitespace-separated word per id: ids round-trip through text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _word_level_tokenizer(vocab_size: int, chat: tuple[str, list[str], list[str]] | None = None):
+    """A tokenizer with one whitespace-separated word per id: ids round-trip through text. With a
+    family's ``chat`` format, its special tokens and words take the last ids (specials split out of
+    the text before the words, as in the released tokenizers) and its template renders chats."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    template, specials, words = chat or (None, [], [])
+    vocab = {f"<t{i}>": i for i in range(vocab_size - len(specials) - len(words))}
+    vocab.update({token: vocab_size - 1 - i for i, token in enumerate([*specials, *words])})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<t0>")
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    extra = {"bos_token": "<bos>"} if "<bos>" in specials else {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<t0>", **extra)
+    if template:
+        fast.chat_template = template
+    return fast
 
 
 def main(argv=None) -> None:
