@@ -33,6 +33,17 @@ SHAPES: dict[str, tuple[str, dict]] = {
         vocab_size=10240, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
     )),
+    # sliding-window attention: a window on every layer (Mistral), on layers 0 and 2 of 3 (Ministral)
+    "mistral-tiny": ("MistralForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, sliding_window=8,
+        tie_word_embeddings=False,
+    )),
+    "ministral-tiny": ("MinistralForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+    )),
     # mixtures of experts: 8 experts, top-2 (Qwen3-MoE renormalises only with norm_topk_prob)
     "qwen3-moe-tiny": ("Qwen3MoeForCausalLM", dict(
         vocab_size=10240, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
@@ -134,6 +145,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
 }  # fmt: skip
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
                "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
+               "MistralForCausalLM": "mistral", "MinistralForCausalLM": "ministral",
                "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                "Gemma3ForCausalLM": "gemma3_text", "GptOssForCausalLM": "gpt_oss"}
 

@@ -18,6 +18,7 @@ from kvserve.engine.models import (  # noqa: F401 - they register
     gemma3,
     gpt_oss,
     llama,
+    mistral,
     mixtral,
     phi3,
     qwen2,

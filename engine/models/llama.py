@@ -116,7 +116,15 @@ class LlamaDecoderLayer(nn.Module):
     def make_attention(self, config, backend: AttentionBackend, parallel: ParallelContext,
                        layer_idx: int) -> nn.Module:
         """The layer's attention (families whose layers differ, by RoPE or window, choose it per layer)."""
-        return self.attention_class(config, backend, parallel)
+        window = self.sliding_window(config, layer_idx)
+        return self.attention_class(config, backend, parallel,
+                                    **({} if window is None else {"sliding_window": window}))
+
+    @staticmethod
+    def sliding_window(config, layer_idx: int) -> int | None:
+        """The layer's attention window in tokens (None: full attention). Llama has none; a family
+        with windows says which layers have one (models/mistral.py)."""
+        return None
 
     def make_mlp(self, config, parallel: ParallelContext, layer_idx: int) -> nn.Module:
         """The layer's MLP (mixture-of-experts models choose it per layer)."""

@@ -40,6 +40,8 @@ def model_class_for(hf_config) -> type[nn.Module]:
 
 
 def _refuse_unsupported_features(hf_config, name: str) -> None:
+    if getattr(MODEL_REGISTRY[name], "supports_sliding_window", False):
+        return  # its layers pass their windows to the attention backend (``create_impl``)
     if "sliding_attention" in (getattr(hf_config, "layer_types", None) or []):
         raise ValueError(f"{name} with sliding-window attention layers is not supported")
     window = getattr(hf_config, "sliding_window", None)  # Mixtral; Qwen's count only when switched on

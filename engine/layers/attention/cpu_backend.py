@@ -36,8 +36,7 @@ the torch-ops paths quantize with the same arithmetic and dequantize what they g
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,72 +49,32 @@ from kvserve.engine.layers.attention.backend import (
     common_metadata_fields,
     to_device,
 )
+from kvserve.engine.layers.attention.cpu_plans import (
+    DecodeGroup,
+    DecodePlan,
+    PrefillPlan,
+    host_step,
+    plan_decode,
+    plan_prefill,
+)
 from kvserve.engine.layers.attention.kv_quant import dequantize_rows, quantize_rows
-from kvserve.engine.model_input import ModelInput, blocks_for, step_block_tables
+from kvserve.engine.layers.attention.variants import eager_attention, soft_cap, softmax_with_sinks
+from kvserve.engine.model_input import ModelInput
 from kvserve.kernels.cpu.abi import cache_row_width
 from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for, load_kernels
-
-# A decode group is cut where a sequence's context is shorter than this share of the group's
-# longest: below it, padding would cost more than running one more group.
-DECODE_GROUP_MIN_FILL = 0.5
-
-
-@dataclass
-class DecodeGroup:
-    tokens: torch.Tensor  # int64 [n]: where the group's queries sit in the flat batch
-    gather_blocks: torch.Tensor  # int64 [n * max_blocks]: block ids, padded with block 0
-    key_bias: torch.Tensor | None  # [1, n, 1, max_blocks * block_size]: 0 for a key, -inf for padding
-    num_seqs: int
-    padded_len: int
-    cache_rows: torch.Tensor | None = None  # gather_blocks as rows of the [kv_heads * blocks, ...] view
-
-    def rows_in(self, cache: torch.Tensor) -> torch.Tensor:
-        """int64 [kv_heads * n * max_blocks]: for each KV head in turn, this group's blocks as
-        rows of ``cache`` [kv_heads, blocks, block_size, W] seen as [kv_heads * blocks, block_size * W]
-        (W: D, or D + 4 in an int8 cache)
-        (computed by the first layer of the step, reused by the others)."""
-        if self.cache_rows is None:
-            kv_heads, num_blocks = cache.shape[:2]
-            heads = torch.arange(kv_heads, device=cache.device)[:, None] * num_blocks
-            self.cache_rows = (heads + self.gather_blocks[None, :]).view(-1)
-        return self.cache_rows
-
-
-@dataclass
-class DecodePlan:
-    groups: list[DecodeGroup]
-    tokens: torch.Tensor  # int64: every decode query, in group order
-
-
-@dataclass
-class PrefillPlan:
-    start: int  # the chunk's tokens are [start, end) of the flat batch
-    end: int
-    context_len: int
-    blocks: torch.Tensor | None  # int64 block ids holding the context, when they must be gathered
-    block_range: tuple[int, int] | None  # [first, last) block ids when they are consecutive: a view
-    mask: torch.Tensor | None  # bool [query_len, context_len]; None = plain causal over new K/V
-
-
-class _HostStep(NamedTuple):
-    """A step's shape as numpy arrays, for planning."""
-
-    query_lens: np.ndarray  # int64 [num_seqs]
-    context_lens: np.ndarray  # int64 [num_seqs]
-    starts: np.ndarray  # int64 [num_seqs + 1]: where each sequence's tokens begin in the flat batch
-    tables: np.ndarray  # int32 [num_seqs, blocks]: the step's block tables, block 0 past each context
 
 
 @dataclass
 class CpuAttentionMetadata(AttentionMetadata):
     store_tokens: torch.Tensor | None = None  # tokens whose slot is not -1; None = every token
     store_slots: torch.Tensor | None = None  # their slots (``slot_mapping`` when None above)
-    plan_decode: Callable[[], DecodePlan] | None = None  # the torch-ops decode plan, made on first use
-    decode: DecodePlan | None = None
-    # the SDPA plans, made on first use: of every prefill chunk, or (True) of those the kernel's
-    # queries leave
-    plan_prefills: Callable[[bool], list[PrefillPlan]] | None = None
-    prefills: list[PrefillPlan] | None = None
+    # the torch-ops plans, made on first use and kept per sliding window (None: full attention):
+    # the decodes' (``plan_decode(window)``), and the SDPA plans of every prefill chunk or (True)
+    # of those the kernel's queries leave (``plan_prefills(after_kernel, window)``)
+    plan_decode: Callable[[int | None], DecodePlan] | None = None
+    decodes: dict[int | None, DecodePlan] = field(default_factory=dict)
+    plan_prefills: Callable[[bool, int | None], list[PrefillPlan]] | None = None
+    prefills: dict[tuple[bool, int | None], list[PrefillPlan]] = field(default_factory=dict)
     # the CPU kernel's queries: the decodes, and every token of the prefill chunks the backend
     # sends to the kernel when each token's K/V is stored (the kernel reads keys from the cache);
     # int32 rows, their sequences, and how many keys each sees (its position + 1). None: no query
@@ -125,20 +84,22 @@ class CpuAttentionMetadata(AttentionMetadata):
     query_ctx: torch.Tensor | None = None
     every_token_queried: bool = False  # the kernel's queries cover the whole step
 
-    def decode_plan(self) -> DecodePlan:
-        """The grouped, padded plan of the torch-ops decode, made once per step by the first
-        layer that needs it (none does when the CPU kernel runs every layer)."""
-        if self.decode is None:
-            self.decode = self.plan_decode()
-        return self.decode
+    def decode_plan(self, window: int | None = None) -> DecodePlan:
+        """The grouped, padded plan of the torch-ops decode, made once per step and window by
+        the first layer that needs it (none does when the CPU kernel runs every layer)."""
+        if window not in self.decodes:
+            self.decodes[window] = self.plan_decode(window)
+        return self.decodes[window]
 
-    def prefill_plans(self, after_kernel: bool) -> list[PrefillPlan]:
+    def prefill_plans(self, after_kernel: bool, window: int | None = None) -> list[PrefillPlan]:
         """The SDPA plans of the step's prefill chunks (``after_kernel``: only of those the CPU
-        kernel's queries did not cover), made once per step by the first layer that needs them
-        (none does when the CPU kernel takes every token; every layer of a step takes one path)."""
-        if self.prefills is None:
-            self.prefills = self.plan_prefills(after_kernel) if self.plan_prefills is not None else []
-        return self.prefills
+        kernel's queries did not cover), made once per step and window by the first layer that
+        needs them (none does when the CPU kernel takes every token)."""
+        key = (after_kernel, window)
+        if key not in self.prefills:
+            planned = self.plan_prefills is not None
+            self.prefills[key] = self.plan_prefills(after_kernel, window) if planned else []
+        return self.prefills[key]
 
 
 # With the kernel's AVX2 path (tiles of 8 prompt tokens in floats), prefill chunks whose context
@@ -167,6 +128,9 @@ def kernel_prefill_context(kv_cache_dtype: str = "auto") -> int:
 class CpuAttentionBackend(AttentionBackend):
     name = "torch"
     kv_cache_dtypes = ("auto", "int8")
+    # in the torch ops only (the soft cap and sinks: layers/attention/variants.py): a layer with any
+    # of them stays off the C kernels
+    variants = frozenset({"sliding_window", "logits_soft_cap", "sinks"})
 
     def __init__(self, block_size: int, prefill_in_kernel: bool | None = None, kv_cache_dtype: str = "auto"):
         super().__init__(block_size, kv_cache_dtype)
@@ -185,18 +149,20 @@ class CpuAttentionBackend(AttentionBackend):
         if (slots < 0).any():
             meta.store_tokens = to_device(np.flatnonzero(slots >= 0), device)
             meta.store_slots = meta.slot_mapping.index_select(0, meta.store_tokens)
-        step = self._host_step(inp)  # host-side numpy: no device sync
+        step = host_step(inp, self.block_size)  # host-side numpy: no device sync
         decode_seqs = np.flatnonzero(step.query_lens == 1)
         if decode_seqs.size:
-            meta.plan_decode = lambda: self._plan_decode(step, decode_seqs, device)
+            meta.plan_decode = lambda window: plan_decode(step, decode_seqs, self.block_size, window, device)
         prefill_seqs = np.flatnonzero(step.query_lens > 1)
         in_kernel = step.context_lens[prefill_seqs] <= self.kernel_prefill_context
         if meta.store_tokens is not None:  # the kernel reads a token's keys from the cache
             in_kernel[:] = False
         if prefill_seqs.size:
             left = prefill_seqs[~in_kernel]
-            meta.plan_prefills = lambda after_kernel: [self._plan_prefill(step, i, device)
-                                                       for i in (left if after_kernel else prefill_seqs)]
+            meta.plan_prefills = lambda after_kernel, window: [
+                plan_prefill(step, i, self.block_size, window, device)
+                for i in (left if after_kernel else prefill_seqs)
+            ]
         meta.every_token_queried = meta.store_tokens is None and bool(in_kernel.all())
         if meta.every_token_queried:
             queried = np.arange(step.starts[-1])
@@ -221,67 +187,6 @@ class CpuAttentionBackend(AttentionBackend):
         variant = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
         return CpuAttentionImpl(num_heads, num_kv_heads, head_dim, scale, **variant)
 
-    def _host_step(self, inp: ModelInput) -> _HostStep:
-        query_lens = np.asarray(inp.query_lens, dtype=np.int64)
-        context_lens = np.asarray(inp.context_lens, dtype=np.int64)
-        starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=starts[1:])
-        tables = step_block_tables(inp)
-        if inp.block_tables:  # lists built by hand: they may be short, or longer than their context
-            needed = blocks_for(context_lens, self.block_size)
-            have = np.fromiter(map(len, inp.block_tables), dtype=np.int64, count=len(inp.block_tables))
-            short = np.flatnonzero(have < needed)
-            if short.size:
-                i = int(short[0])
-                raise ValueError(f"sequence {i} has context length {inp.context_lens[i]} but only {have[i]} "
-                                 f"blocks of {self.block_size} in its block table")
-            tables = np.where(np.arange(tables.shape[1]) < needed[:, None], tables, 0).astype(np.int32)
-        return _HostStep(query_lens, context_lens, starts, tables)
-
-    def _plan_decode(self, step: _HostStep, seqs: np.ndarray, device: torch.device) -> DecodePlan:
-        lens = step.context_lens[seqs]
-        order = np.argsort(-lens, kind="stable")  # longest context first
-        seqs, falling = seqs[order], -lens[order]  # ``falling``: ascending negated lengths
-        groups, first = [], 0
-        while first < len(seqs):  # a group ends before the first context below its fill threshold
-            end = int(np.searchsorted(falling, DECODE_GROUP_MIN_FILL * falling[first], side="right"))
-            groups.append(seqs[first : max(end, first + 1)])
-            first = max(end, first + 1)
-        planned = [self._plan_decode_group(step, group, device) for group in groups]
-        return DecodePlan(planned, torch.cat([group.tokens for group in planned]))
-
-    def _plan_decode_group(self, step: _HostStep, seqs: np.ndarray, device: torch.device) -> DecodeGroup:
-        lens = step.context_lens[seqs]
-        max_blocks = -(-int(lens.max()) // self.block_size)
-        padded_len = max_blocks * self.block_size
-        blocks = step.tables[seqs, :max_blocks]  # block 0 past each context (``_HostStep.tables``)
-        key_bias = None
-        if lens.min() < padded_len:
-            is_pad = np.arange(padded_len) >= lens[:, None]
-            key_bias = to_device(np.where(is_pad, np.float32(-np.inf), np.float32(0)), device, torch.float32)
-            key_bias = key_bias.view(1, len(seqs), 1, padded_len)
-        return DecodeGroup(
-            tokens=to_device(step.starts[seqs], device),
-            gather_blocks=to_device(blocks.reshape(-1), device),
-            key_bias=key_bias,
-            num_seqs=len(seqs),
-            padded_len=padded_len,
-        )
-
-    def _plan_prefill(self, step: _HostStep, seq: int, device: torch.device) -> PrefillPlan:
-        q_len, ctx, start = int(step.query_lens[seq]), int(step.context_lens[seq]), int(step.starts[seq])
-        plan = PrefillPlan(start, start + q_len, ctx, None, None, None)
-        if ctx > q_len:  # earlier tokens (prefix hit or earlier chunk) are only in the cache
-            table = step.tables[seq, : -(-ctx // self.block_size)]
-            first = int(table[0])
-            if np.array_equal(table, np.arange(first, first + len(table))):
-                plan.block_range = (first, first + len(table))
-            else:
-                plan.blocks = to_device(table, device)
-            rows = torch.arange(q_len, device=device)[:, None] + (ctx - q_len)
-            plan.mask = torch.arange(ctx, device=device)[None, :] <= rows
-        return plan
-
 
 class CpuAttentionImpl(AttentionImpl):
     """Over caches of ``CpuAttentionBackend.kv_cache_shape``: [kv_heads, blocks, block_size, D]
@@ -294,17 +199,19 @@ class CpuAttentionImpl(AttentionImpl):
 
     @property
     def attends_in_c(self) -> bool:
-        return self._kernel_shapes
+        return (self._kernel_shapes and self.sliding_window is None and self.logits_soft_cap is None
+                and not self.has_sinks)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: CpuAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: CpuAttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         kernels = kernels_for(q, k, v, out)  # CPU, one supported dtype: the C kernels
         if kernels is not None and not (CpuKernels.takes_caches(q.dtype, k_cache, v_cache)
                                         and (self._kernel_shapes or k_cache.dtype != torch.int8)):
             kernels = None  # (the int8 store quantizes rows of up to MAX_HEAD_DIM)
         self._store(k, v, k_cache, v_cache, meta, kernels)
-        if kernels is not None and self._kernel_shapes and meta.query_tokens is not None:
+        if kernels is not None and self.attends_in_c and meta.query_tokens is not None:
             # prefill and decode tokens alike: each query over the cached keys up to its position
             kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_seqs,
                                  meta.query_tokens, out, self.scale, ctx_lens=meta.query_ctx)
@@ -313,13 +220,13 @@ class CpuAttentionImpl(AttentionImpl):
             plans = meta.prefill_plans(after_kernel=True)
         else:
             if meta.plan_decode is not None:
-                decode = meta.decode_plan()
-                parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g)
+                decode = meta.decode_plan(self.sliding_window)
+                parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g, sinks)
                          for g in decode.groups]
                 out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
-            plans = meta.prefill_plans(after_kernel=False)
+            plans = meta.prefill_plans(False, self.sliding_window)
         for plan in plans:
-            out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
+            out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan, sinks)
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -345,7 +252,7 @@ class CpuAttentionImpl(AttentionImpl):
         v_cache.view(self.num_kv_heads, -1, width).index_copy_(1, slots, v.transpose(0, 1))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                group: DecodeGroup) -> torch.Tensor:
+                group: DecodeGroup, sinks: torch.Tensor | None) -> torch.Tensor:
         """Attention of n one-token queries over their padded contexts.
 
         One gather per cache gives [kv_heads * n, L, D]; the query heads that share a KV head
@@ -366,23 +273,29 @@ class CpuAttentionImpl(AttentionImpl):
         rows = (q * self.scale).view(n, kv_heads, group_size, d).transpose(0, 1)
         rows = rows.reshape(kv_heads * n, group_size, d)
         scores = torch.bmm(rows, keys.transpose(1, 2)).view(kv_heads, n, group_size, length)
+        scores = soft_cap(scores, self.logits_soft_cap)
         if group.key_bias is not None:
             scores = scores + group.key_bias  # float32 from here: the softmax runs in float32
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        head_sinks = None if sinks is None else sinks.view(kv_heads, 1, group_size, 1)
+        probs = softmax_with_sinks(scores, head_sinks).to(q.dtype)
         out = torch.bmm(probs.view(kv_heads * n, group_size, length), values)
         return out.view(kv_heads, n, group_size, d).transpose(0, 1).reshape(n, self.num_heads, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
-        if plan.mask is None:
+                 v_cache: torch.Tensor, plan: PrefillPlan, sinks: torch.Tensor | None) -> torch.Tensor:
+        if not plan.from_cache:
             # (over an int8 cache, k and v hold what the cache holds: see _store)
             keys = k[plan.start : plan.end].transpose(0, 1)
             values = v[plan.start : plan.end].transpose(0, 1)
         else:
             keys, values = (self._context(cache, plan, q.dtype) for cache in (k_cache, v_cache))
+        queries = q[plan.start : plan.end].transpose(0, 1)
+        if self.logits_soft_cap is not None or sinks is not None:  # variants SDPA lacks
+            return eager_attention(queries, keys, values, plan.mask, self.scale, self.logits_soft_cap,
+                                   sinks).transpose(0, 1)
         # 4-D inputs, or CPU SDPA falls back from its flash kernel to the slow math path
         out = F.scaled_dot_product_attention(
-            q[plan.start : plan.end].transpose(0, 1)[None], keys[None], values[None],
+            queries[None], keys[None], values[None],
             attn_mask=plan.mask, is_causal=plan.mask is None, scale=self.scale,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )

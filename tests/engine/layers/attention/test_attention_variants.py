@@ -2,8 +2,11 @@
 with the variant's and the backend's names."""
 
 import pytest
+import torch
 
+from kvserve.engine.layers.attention import cpu_backend
 from kvserve.engine.layers.attention.cpu_backend import CpuAttentionBackend
+from kvserve.engine.model_input import ModelInput, slot_of
 
 
 def test_plain_impl_has_no_variant():
@@ -13,11 +16,79 @@ def test_plain_impl_has_no_variant():
 
 @pytest.mark.parametrize("variant", [{"logits_soft_cap": 50.0}, {"sinks": True}])
 def test_unimplemented_variant_is_refused_by_name(variant):
-    with pytest.raises(ValueError, match=f"{next(iter(variant))} is not implemented by the torch"):
-        CpuAttentionBackend(block_size=4).create_impl(4, 2, 8, 0.25, **variant)
+    from kvserve.engine.layers.attention.triton_backend import TritonAttentionBackend
+
+    with pytest.raises(ValueError, match=f"{next(iter(variant))} is not implemented by the triton"):
+        TritonAttentionBackend(block_size=16).create_impl(4, 2, 8, 0.25, **variant)
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, True])
 def test_bad_window_is_refused(window):
     with pytest.raises(ValueError, match="sliding_window must be a positive"):
         CpuAttentionBackend(block_size=4).create_impl(4, 2, 8, 0.25, sliding_window=window)
+
+
+def window_reference(q, keys, values, first_position, window, scale, group):
+    """Float64 attention of queries at positions first_position.. over dense keys 0..L-1 under a
+    window: the query at p sees keys max(0, p - window + 1) .. p."""
+    positions = torch.arange(first_position, first_position + q.shape[0])[:, None]
+    key_pos = torch.arange(keys.shape[0])[None, :]
+    visible = (key_pos <= positions) & (key_pos > positions - window)
+    keys = keys.double().repeat_interleave(group, 1)
+    values = values.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double() * scale, keys).masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize("with_c_store", [True, False])
+def test_window_layer_matches_a_reference_and_reads_no_block_behind_the_window(with_c_store, monkeypatch):
+    """Decodes (context inside the window, past it, on a block edge), a chunk after cached
+    context and a fresh prompt longer than the window, in one step; every block wholly behind a
+    sequence's window holds NaN (it stands for a freed block that another sequence reuses), so
+    any read of one, even under the mask, would show in the output."""
+    if not with_c_store:
+        monkeypatch.setattr(cpu_backend, "kernels_for", lambda *tensors: None)
+    block_size, window, heads, kv_heads, head_dim, num_blocks = 4, 6, 4, 2, 8, 48
+    backend = CpuAttentionBackend(block_size)
+    impl = backend.create_impl(heads, kv_heads, head_dim, head_dim**-0.5, sliding_window=window)
+    assert impl.sliding_window == window and not impl.attends_in_c
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.zeros(backend.kv_cache_shape(num_blocks, kv_heads, head_dim))  # as the runner's
+    v_cache = k_cache.clone()
+    free = iter(torch.randperm(num_blocks - 1, generator=gen).add(1).tolist())  # block 0 pads gathers
+    inp, dense, firsts = ModelInput(), [], []
+    q_rows, k_rows, v_rows = [], [], []
+    for cached, new in [(20, 1), (3, 1), (15, 1), (13, 7), (0, 11)]:
+        total = cached + new
+        keys, values = (torch.randn(total, kv_heads, head_dim, generator=gen) for _ in range(2))
+        lowest_seen = max(cached - window + 1, 0)  # the first key any of this step's queries sees
+        table = [next(free) for _ in range(-(-total // block_size))]
+        for b, block in enumerate(table):
+            if (b + 1) * block_size <= lowest_seen:
+                k_cache[:, block] = v_cache[:, block] = float("nan")
+        for p in range(cached):  # the cached context, in the blocks the window still covers
+            if (p // block_size + 1) * block_size > lowest_seen:
+                slot = slot_of(table, p, block_size)
+                k_cache[:, slot // block_size, slot % block_size] = keys[p]
+                v_cache[:, slot // block_size, slot % block_size] = values[p]
+        positions = list(range(cached, total))
+        inp.input_ids += [1] * new
+        inp.positions += positions
+        inp.slot_mapping += [slot_of(table, p, block_size) for p in positions]
+        inp.query_lens.append(new)
+        inp.context_lens.append(total)
+        inp.block_tables.append(table)
+        q_rows.append(torch.randn(new, heads, head_dim, generator=gen))
+        k_rows.append(keys[cached:])
+        v_rows.append(values[cached:])
+        dense.append((keys, values))
+        firsts.append(cached)
+    q, k, v = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
+    meta = backend.build_metadata(inp, torch.device("cpu"))
+    out = impl.forward(q, k, v, k_cache, v_cache, meta)
+    start = 0
+    for (keys, values), first, rows in zip(dense, firsts, q_rows, strict=True):
+        expected = window_reference(rows, keys, values, first, window, impl.scale, heads // kv_heads)
+        got = out[start : start + rows.shape[0]].double()
+        assert torch.allclose(got, expected, atol=1e-5), (first, (got - expected).abs().max())
+        start += rows.shape[0]
