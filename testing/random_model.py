@@ -93,7 +93,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "phi3-mini": ("Phi3ForCausalLM", dict(  # Phi-3-mini-4k-instruct
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        sliding_window=None, tie_word_embeddings=False,
+        sliding_window=2047, tie_word_embeddings=False,
     )),
     # Gemma: windows of 8 tokens on alternate layers (2) or five layers of six (3), so that test
     # prompts span several windows; soft caps as Gemma 2 ships them

@@ -129,6 +129,7 @@ class Gemma2Model(nn.Module):
 @register_model
 class Gemma2ForCausalLM(LlamaForCausalLM):
     model_class = Gemma2Model
+    supports_sliding_window = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)

@@ -114,6 +114,7 @@ class GptOssModel(LlamaModel):
 @register_model
 class GptOssForCausalLM(LlamaForCausalLM):
     model_class = GptOssModel
+    supports_sliding_window = True
     checkpoint_renames = {".self_attn.sinks": ".self_attn.attn.sinks"}  # checkpoint name -> ours
 
     @staticmethod

@@ -72,6 +72,7 @@ class Phi3Model(LlamaModel):
 @register_model
 class Phi3ForCausalLM(LlamaForCausalLM):
     model_class = Phi3Model
+    supports_sliding_window = True
     packed_modules_mapping = {}  # the checkpoint's names are ours: see fused_checkpoint_parts
 
     def fused_checkpoint_parts(self) -> dict[str, list[tuple[object, int]]]:

@@ -47,6 +47,7 @@ class SmolLM3Model(LlamaModel):
 @register_model
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     model_class = SmolLM3Model
+    supports_sliding_window = True  # the registry lets its configs' windows through
 
     @staticmethod
     def refuse_unsupported(hf_config) -> None:
