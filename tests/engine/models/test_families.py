@@ -177,3 +177,26 @@ def test_family_at_tp2_gives_the_logits_of_tp1(model_dirs, name):
         finally:
             executor.shutdown()
     torch.testing.assert_close(runs[1], runs[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gemma2-tiny", "gpt-oss-tiny"])  # the soft cap; sinks
+def test_chunking_preemption_and_prefix_hits_leave_a_variant_models_tokens_unchanged(model_dirs, name):
+    shared = list(range(300, 324))  # six blocks shared by the last two prompts, three windows long
+    prompts = [*PROMPTS, shared + [11, 12], shared + [13]]
+    alone = LLM(model_dirs[name], dtype="float32", device="cpu", block_size=BLOCK,
+                enable_prefix_caching=False)
+    try:
+        want = [greedy_tokens(alone, [p])[0] for p in prompts]
+    finally:
+        alone.shutdown()
+    # 24 blocks of 4 slots for six sequences of up to 43 tokens; 8-token steps chunk the prompts
+    squeezed = LLM(model_dirs[name], dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=24,
+                   max_num_batched_tokens=8, max_num_seqs=4)
+    try:
+        assert greedy_tokens(squeezed, prompts) == want
+        assert squeezed.stats()["num_preemptions"] > 0
+        warm = squeezed.generate(prompts[-2:], GREEDY, use_tqdm=False)  # their prefix is cached now
+        assert [list(o.token_ids) for o in warm] == want[-2:]
+        assert all(o.cached_tokens >= 16 for o in warm)
+    finally:
+        squeezed.shutdown()
