@@ -200,3 +200,16 @@ def test_chunking_preemption_and_prefix_hits_leave_a_variant_models_tokens_uncha
         assert all(o.cached_tokens >= 16 for o in warm)
     finally:
         squeezed.shutdown()
+
+
+def test_phi3_with_whole_heads_rotated_keeps_the_fused_decode_step_and_partial_rotary_does_not(model_dirs):
+    from kvserve.kernels.cpu.bindings import load_kernels
+
+    kernels = load_kernels()
+    fused_here = kernels is not None and bool(kernels.fused_rows)  # (x86 builds)
+    for name, fits in (("phi3-tiny", fused_here), ("phi4-mini-tiny", False), ("smollm3-tiny", False)):
+        llm = LLM(model_dirs[name], dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=8)
+        try:
+            assert (llm.engine.executor.model.model.decode_row() is not None) == fits, name
+        finally:
+            llm.shutdown()
