@@ -22,6 +22,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     tied = bool(getattr(model, "tie_word_embeddings", False))
     expected = _expected_loads(model, params)
     loaded = set()
+    if hasattr(model, "transform_checkpoint"):  # tensors stored as something else (gpt-oss's MXFP4)
+        weights = model.transform_checkpoint(weights)
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue

@@ -10,8 +10,9 @@ As transformers 5.24's ``models/gpt_oss`` computes it:
   up columns interleaved, ``down_proj`` [E, I, H]; the activation is SwiGLU clamped by
   ``swiglu_limit``: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``.
 
-Checkpoints with MXFP4 experts (``quantization_config.quant_method`` mxfp4, as OpenAI ships them)
-are refused by name: the experts must be in bf16/float32 (transformers' dequantized save).
+Checkpoints with MXFP4 experts (``quantization_config.quant_method`` mxfp4, as OpenAI ships them:
+``..._blocks`` and ``..._scales``) are dequantized at load (``layers/mxfp4.py``) into the serving
+dtype; another quantization method is refused by name.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from kvserve.engine.distributed.parallel import ParallelContext, divide
 from kvserve.engine.layers.linear import LinearBase, copy_weight
 from kvserve.engine.layers.moe import grouped_experts
+from kvserve.engine.layers.mxfp4 import dequantize_checkpoint
 from kvserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from kvserve.engine.models.registry import register_model
 from kvserve.engine.models.variants import layer_window
@@ -117,12 +119,21 @@ class GptOssForCausalLM(LlamaForCausalLM):
     supports_sliding_window = True
     checkpoint_renames = {".self_attn.sinks": ".self_attn.attn.sinks"}  # checkpoint name -> ours
 
+    def transform_checkpoint(self, weights):
+        """MXFP4 experts' blocks and scales as the dequantized weights they stand for."""
+        return dequantize_checkpoint(weights) if quantization_method(self.config) == "mxfp4" else weights
+
     @staticmethod
     def refuse_unsupported(hf_config) -> None:
-        quantization = getattr(hf_config, "quantization_config", None)
-        if quantization:
-            method = (quantization.get("quant_method") if isinstance(quantization, dict)
-                      else getattr(quantization, "quant_method", None))
-            raise ValueError(f"GptOssForCausalLM with {method} expert weights (quantization_config) is not "
-                             "supported: save the experts dequantized (bf16), as transformers' "
-                             "from_pretrained(..., dequantize) writes them")
+        method = quantization_method(hf_config)
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"GptOssForCausalLM with {method} weights (quantization_config) is not "
+                             "supported; supported: bf16/float32 and mxfp4 experts")
+
+
+def quantization_method(config) -> str | None:
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return None
+    return (quantization.get("quant_method") if isinstance(quantization, dict)
+            else getattr(quantization, "quant_method", None))
