@@ -23,6 +23,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not match scales "
                          f"{tuple(scales.shape)} {scales.dtype} (uint8 [..., groups, 16] and [..., groups])")
+    if blocks.dim() > 3:  # one leading slice (an expert) at a time: the temporaries stay small
+        return torch.stack([dequantize_mxfp4(b, s) for b, s in zip(blocks, scales, strict=True)])
     table = torch.tensor(E2M1_VALUES, dtype=torch.bfloat16)
     values = torch.stack((table[(blocks & 0x0F).int()], table[(blocks >> 4).int()]), dim=-1)  # low first
     values = values.flatten(-2)  # [..., groups, 32]
