@@ -30,5 +30,21 @@ def test_scaled_inverse_frequencies_match_transformers(rope):
 
 
 def test_unknown_rope_type_is_refused_with_the_supported_list():
-    with pytest.raises(ValueError, match="llama3"):
-        inverse_frequencies(64, {"rope_type": "yarn", "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="'longrope' is not supported.*llama3.*yarn"):
+        inverse_frequencies(64, {"rope_type": "longrope", "rope_theta": 1e4})
+
+
+@pytest.mark.parametrize("overrides", [{}, {"truncate": True}, {"attention_factor": 1.2}])
+def test_yarn_frequencies_and_attention_factor_are_transformers(overrides):
+    """gpt-oss's YaRN (and the variants of its settings) against transformers' own computation."""
+    from transformers import GptOssConfig
+
+    from kvserve.engine.layers.rotary import attention_factor
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096, **overrides}
+    config = GptOssConfig(head_dim=64, num_attention_heads=8, hidden_size=512, rope_parameters=params)
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = rope_parameters(config)
+    torch.testing.assert_close(inverse_frequencies(64, ours), want, rtol=1e-6, atol=0)
+    assert attention_factor(ours) == pytest.approx(want_factor)
