@@ -45,6 +45,12 @@ class ModelInput:
     # the step's block tables, int32 [num_seqs, blocks for the longest context], padded with block 0;
     # set by the runner (cut from its persistent array), or by ``step_block_tables`` from the lists
     block_table_array: Any = field(default=None, repr=False, compare=False)
+    # KV cache groups after the first (engine/kv_cache/groups.py), each with its own blocks: per
+    # group, the tokens' slots, and the table updates (or, built by hand, the block tables) as above;
+    # empty for a model of one group
+    group_slot_mappings: list[list[int]] = field(default_factory=list)
+    group_table_updates: list[list[list[int]]] = field(default_factory=list)
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -70,12 +76,13 @@ class ModelInput:
 
 class BlockTableWriter:
     """The engine's side of the persistent block table: a row per running sequence (rows of
-    sequences that stopped running are reused) and how many of its blocks the runners hold."""
+    sequences that stopped running are reused) and how many of its blocks the runners hold, per
+    KV cache group (the row is the same in every group's array)."""
 
     def __init__(self, num_rows: int, width: int):
         self.width = width
         self._free = list(range(num_rows - 1, -1, -1))  # pop() hands out row 0 first
-        self._rows: dict[int, list[int]] = {}  # seq_id -> [row, blocks the runners hold]
+        self._rows: dict[int, list] = {}  # seq_id -> [row, blocks the runners hold, per group]
 
     def retain(self, seq_ids) -> None:
         """Free the rows of every sequence not in ``seq_ids`` (finished, aborted or preempted)."""
@@ -83,9 +90,10 @@ class BlockTableWriter:
         for seq_id in [s for s in self._rows if s not in keep]:
             self._free.append(self._rows.pop(seq_id)[0])
 
-    def place(self, seq_id: int, table: list[int]) -> tuple[int, list[int] | None]:
+    def place(self, seq_id: int, table: list[int], group: int = 0) -> tuple[int, list[int] | None]:
         """(row, update): the sequence's row, and ``[row, first column, *new block ids]`` for the
-        blocks the runners do not hold yet (None when they hold them all)."""
+        blocks the runners do not hold yet in ``group`` (None when they hold them all). Columns a
+        window group freed keep their old ids there: no kernel reads behind a window."""
         if len(table) > self.width:
             raise ValueError(f"a block table of {len(table)} blocks exceeds the width {self.width} "
                              "(max_model_len / block_size)")  # fmt: skip
@@ -94,10 +102,12 @@ class BlockTableWriter:
             if not self._free:
                 raise RuntimeError("more running sequences than block-table rows (max_num_seqs)")
             entry = self._rows[seq_id] = [self._free.pop(), 0]
-        row, held = entry
+        while len(entry) <= group + 1:
+            entry.append(0)
+        row, held = entry[0], entry[group + 1]
         if held > len(table):  # tables only grow while a sequence runs; rewrite if not
             held = 0
-        entry[1] = len(table)
+        entry[group + 1] = len(table)
         return row, ([row, held, *table[held:]] if held < len(table) else None)
 
     def hold_at_most(self, seq_id: int, num_blocks: int) -> None:
@@ -106,7 +116,7 @@ class BlockTableWriter:
         sequence may then take) and the table regrown with other blocks at those columns, so the
         next ``place`` sends them again rather than trusting a count."""
         entry = self._rows[seq_id]
-        entry[1] = min(entry[1], num_blocks)
+        entry[1:] = [min(held, num_blocks) for held in entry[1:]]
 
 
 class BlockTableArray:
@@ -123,11 +133,11 @@ class BlockTableArray:
         """The first ``num_blocks`` columns of ``rows``, as a new array (one C-level copy)."""
         return self.array[np.asarray(rows, dtype=np.intp), :num_blocks]
 
-    def take(self, inp: ModelInput, block_size: int) -> np.ndarray:
-        """Apply the step's updates; return its block tables: its rows, as many columns as the
-        longest context needs, and block 0 past each sequence's own context (a reused row may hold
-        an earlier sequence's blocks there)."""
-        self.apply(inp.table_updates)
+    def take(self, inp: ModelInput, block_size: int, updates: list[list[int]] | None = None) -> np.ndarray:
+        """Apply the step's updates (``updates``: another KV cache group's); return its block
+        tables: its rows, as many columns as the longest context needs, and block 0 past each
+        sequence's own context (a reused row may hold an earlier sequence's blocks there)."""
+        self.apply(inp.table_updates if updates is None else updates)
         needed = blocks_for(np.asarray(inp.context_lens, dtype=np.int64), block_size)
         tables = self.gather(inp.seq_rows, int(needed.max(initial=0)))
         tables[np.arange(tables.shape[1]) >= needed[:, None]] = 0
@@ -209,6 +219,8 @@ def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter
         inp.context_lens.append(end)
         if end == len(seq.token_ids):
             inp.logits_indices.append(len(input_ids) - 1)
+        if len(seq.block_tables) > 1:
+            _add_group_rows(inp, seq, range(start, end), block_size, tables)
         if tables is None:
             inp.block_tables.append(list(table))
             continue
@@ -217,6 +229,25 @@ def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter
         if update is not None:
             inp.table_updates.append(update)
     return inp
+
+
+def _add_group_rows(inp: ModelInput, seq, positions, block_size: int, tables: BlockTableWriter | None,
+                    rows: int = 1) -> None:
+    """The slots of ``positions`` and the block tables (``rows`` rows of them: a verification's
+    decode rows share one) of ``seq`` in each KV cache group after the first."""
+    if not inp.group_slot_mappings:
+        groups = len(seq.block_tables) - 1
+        inp.group_slot_mappings = [[] for _ in range(groups)]
+        inp.group_table_updates = [[] for _ in range(groups)]
+        inp.group_block_tables = [[] for _ in range(groups)]
+    for g, table in enumerate(seq.block_tables[1:]):
+        inp.group_slot_mappings[g].extend(slot_of(table, p, block_size) for p in positions)
+        if tables is None:
+            inp.group_block_tables[g].extend(list(table) for _ in range(rows))
+            continue
+        _, update = tables.place(seq.seq_id, table, group=g + 1)
+        if update is not None:
+            inp.group_table_updates[g].append(update)
 
 
 def _add_verification_rows(inp: ModelInput, s, block_size: int, tables: BlockTableWriter | None) -> None:
@@ -230,6 +261,9 @@ def _add_verification_rows(inp: ModelInput, s, block_size: int, tables: BlockTab
     start = seq.num_computed_tokens
     table = seq.block_table
     row = None
+    if len(seq.block_tables) > 1:
+        _add_group_rows(inp, seq, range(start, start + 1 + len(s.drafts)), block_size, tables,
+                        rows=1 + len(s.drafts))
     if tables is not None:
         row, update = tables.place(seq.seq_id, table)
         if update is not None:

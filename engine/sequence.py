@@ -57,8 +57,11 @@ class Sequence:
         self.num_computed_tokens = 0
         # tokens of the prompt found in the prefix cache at the first admission (for usage)
         self.num_cached_prompt_tokens: int | None = None
-        self.block_table: list[int] = []
-        self.num_hashed_blocks = 0  # leading blocks of block_table whose hash is published
+        # one block table per KV cache group (engine/kv_cache/groups.py), all as long; the block
+        # manager sizes the list; ``block_table`` is the first group's
+        self.block_tables: list[list[int]] = [[]]
+        self.num_hashed_blocks = 0  # leading columns of the tables whose hashes are published
+        self.block_hashes: list[int] = []  # the hash chain of the full blocks computed so far
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.times = SequenceTimes()
@@ -70,6 +73,14 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     def __repr__(self) -> str:
         return (

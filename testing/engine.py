@@ -28,7 +28,8 @@ def with_control_plane(llm: LLM, step_costs: StepCosts = FLAT_STEP_COSTS, **chan
         runner.rows_alike = compute_rows_alike(runner.model)
     blocks = min(cfg.num_kv_blocks or eng.executor.num_kv_blocks, eng.executor.num_kv_blocks)
     eng.config = cfg
-    eng.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
+    eng.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                     windows=eng.executor.kv_groups.windows)
     eng.scheduler = Scheduler(
         eng.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eng.eos_token_ids,
         last_prompt_token_alone=cfg.enable_prefix_caching,

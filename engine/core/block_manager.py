@@ -21,6 +21,14 @@
   at first touch, so reusing warm blocks keeps the resident KV at the working set instead of
   walking through the whole cache; only cached prefixes (which are worth their memory) make
   it grow towards the configured size.
+- KV cache groups (engine/kv_cache/groups.py; ``windows``: each group's sliding window, None
+  for full attention): one pool of blocks, one block table per group and sequence, all as long.
+  Every group takes a block per column; a window group gives back, after each step, the blocks
+  wholly behind its window (their columns then hold ``NULL_BLOCK``, reserved for that), so a
+  decoding sequence holds at most ceil(W / block_size) + 1 of them. Hashes stay one chain per
+  sequence (``Sequence.block_hashes``); each group publishes its own blocks under them, and a
+  prefix hit needs every full group's blocks up to the hit and each window group's blocks of the
+  last W - 1 tokens before it (``match_prefix``).
 - KV-cache events (``kv_events``, a list when the server publishes them, else None): a tuple is
   appended when a hash enters the table (``STORED``), leaves it (``REMOVED``: the last block
   holding it was reused) or the whole table is dropped (``CLEARED``); the engine core hands the
@@ -36,6 +44,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvserve.engine.kv_cache.groups import NULL_BLOCK, Hits, first_live_block, peak_blocks
 from kvserve.engine.model_input import blocks_for
 from kvserve.engine.sequence import Sequence
 
@@ -49,7 +58,8 @@ def block_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) ->
     return h.intdigest()
 
 
-# the kinds of KV-cache event tuples: (STORED, hash, parent_hash, token_ids), (REMOVED, hash), (CLEARED,)
+# the kinds of KV-cache event tuples: (STORED, hash, parent_hash, token_ids), (REMOVED, hash), (CLEARED,);
+# with KV cache groups STORED adds (group, its window or None) and REMOVED (group,)
 STORED, REMOVED, CLEARED = 0, 1, 2
 
 
@@ -67,24 +77,34 @@ class Block:
     hash: int | None = None
     token_ids: tuple[int, ...] | None = None
     parent_hash: int | None = None  # the previous block's hash when this one was published
+    group: int = 0  # the KV cache group whose layers hold it (the one that last took it)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 windows: tuple[int | None, ...] = (None,)):
+        self.windows = tuple(windows)  # per KV cache group: its sliding window (None: full attention)
+        self.reserved = 1 if any(w is not None for w in self.windows) else 0  # NULL_BLOCK
+        if num_blocks < 1 + self.reserved or block_size < 1:
+            raise ValueError(f"need num_blocks >= {1 + self.reserved} and block_size >= 1, "
+                             f"got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # popped from the front: hashless freed blocks (most recent first), never-used blocks,
         # then blocks holding a cached prefix, least recently freed first
-        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
-        # published blocks whose hash another block already holds in hash_to_block
-        self.duplicates: dict[int, set[int]] = {}
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.reserved, num_blocks))
+        # per group: hash -> block, and published blocks whose hash another block already holds
+        self.hash_tables: list[dict[int, int]] = [{} for _ in self.windows]
+        self.duplicate_sets: list[dict[int, set[int]]] = [{} for _ in self.windows]
+        self.hash_to_block, self.duplicates = self.hash_tables[0], self.duplicate_sets[0]
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found
         self.kv_events: list[tuple] | None = None  # see the module's docstring
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     def take_kv_events(self) -> list[tuple]:
         """The events since the last call (empty when they are not collected)."""
@@ -97,12 +117,13 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use, since running
         sequences chain their next hashes on the blocks they hold."""
-        if len(self.free_ids) != len(self.blocks):
+        if len(self.free_ids) != self.num_blocks:
             return False
         for block in self.blocks:
             block.hash, block.token_ids, block.parent_hash = None, None, None
-        self.hash_to_block.clear()
-        self.duplicates.clear()
+        for table, duplicates in zip(self.hash_tables, self.duplicate_sets, strict=True):
+            table.clear()
+            duplicates.clear()
         if self.kv_events is not None:
             self.kv_events.append((CLEARED,))
         return True
@@ -110,7 +131,8 @@ class BlockManager:
     # ---- accounting -------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        """Blocks sequences can take (the null block, reserved with window groups, is not one)."""
+        return len(self.blocks) - self.reserved
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,41 +143,91 @@ class BlockManager:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Columns of a block table holding ``num_tokens`` tokens (one block per group each)."""
         return blocks_for(num_tokens, self.block_size)
 
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """Blocks over every group a sequence of ``num_tokens`` tokens may hold at once, its steps
+        computing up to ``chunk`` tokens (window groups hold only their window's)."""
+        return peak_blocks(self.windows, num_tokens, chunk, self.block_size)
+
+    def blocks_held(self, seq: Sequence, group: int) -> int:
+        """Blocks ``seq`` holds in ``group`` (its table's columns less those freed behind a window)."""
+        return sum(1 for bid in seq.block_tables[group] if bid != NULL_BLOCK or not self.reserved)
+
     def check_integrity(self) -> None:
-        """Invariants tests can call: refcounts match the free list; the hash table is consistent."""
-        for b in self.blocks:
+        """Invariants tests can call: refcounts match the free list; the hash tables are consistent."""
+        for b in self.blocks[self.reserved :]:
             assert b.ref_count >= 0, b
             assert (b.ref_count == 0) == (b.block_id in self.free_ids), b
-        for h, bid in self.hash_to_block.items():
-            assert self.blocks[bid].hash == h, (h, self.blocks[bid])
-        for h, bids in self.duplicates.items():
-            assert bids and h in self.hash_to_block, (h, bids)
-            for bid in bids:
-                assert self.blocks[bid].hash == h and self.hash_to_block[h] != bid, (h, self.blocks[bid])
+        for g, (table, duplicates) in enumerate(zip(self.hash_tables, self.duplicate_sets, strict=True)):
+            for h, bid in table.items():
+                assert self.blocks[bid].hash == h and self.blocks[bid].group == g, (h, self.blocks[bid])
+            for h, bids in duplicates.items():
+                assert bids and h in table, (h, bids)
+                for bid in bids:
+                    assert self.blocks[bid].hash == h and table[h] != bid, (h, self.blocks[bid])
 
     # ---- prefix cache -----------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of ``seq`` (full blocks only).
+    def match_prefix(self, seq: Sequence) -> Hits:
+        """Every group's blocks holding the longest cached prefix of ``seq`` (full blocks only):
+        a full group needs each block up to the hit, a window group those its window reaches
+        from the first token after it.
 
         The block holding the last token is never matched: at least one token must be
         computed to produce logits, even when the whole prompt is cached.
         """
         if not self.enable_prefix_caching:
-            return []
+            return Hits([[] for _ in self.windows])
+        hashes = self.hash_chain(seq, (seq.num_tokens - 1) // self.block_size)
+        found, hit = [], len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:  # a full group: its longest cached prefix bounds the hit
+                blocks = []
+                while len(blocks) < hit and (bid := self._cached(g, len(blocks), hashes, seq)) is not None:
+                    blocks.append(bid)
+                hit = len(blocks)
+            else:
+                blocks = [self._cached(g, i, hashes, seq) for i in range(len(hashes))]
+            found.append(blocks)
+        while hit and not all(self._reaches(found[g], hit, w) for g, w in enumerate(self.windows)):
+            hit -= 1
+        return self._hits(found, hit)
+
+    def _hits(self, tables: list[list[int | None]], hit: int) -> Hits:
+        """The first ``hit`` columns of ``tables``, each window group's behind its window nulled."""
+        groups = []
+        for g, window in enumerate(self.windows):
+            live = first_live_block(hit * self.block_size, window, self.block_size)
+            groups.append([NULL_BLOCK] * live + tables[g][live:hit])
+        return Hits(groups)
+
+    def _reaches(self, table: list[int | None], hit: int, window: int | None) -> bool:
+        """Whether ``table`` holds every block a window group's next token after ``hit`` columns
+        reaches (None, or the null block, is a block it lacks); full groups are checked apart."""
+        if window is None:
+            return True
+        live = first_live_block(hit * self.block_size, window, self.block_size)
+        return all(bid is not None and not (self.reserved and bid == NULL_BLOCK) for bid in table[live:hit])
+
+    def _cached(self, group: int, i: int, hashes: list[int], seq: Sequence) -> int | None:
+        """The block of ``group`` published under the i-th hash of ``seq``'s chain, if it holds
+        the same tokens after the same parent (collision guard)."""
+        bid = self.hash_tables[group].get(hashes[i])
+        if bid is None:
+            return None
         bs = self.block_size
-        hits: list[int] = []
-        prev = salt_root(seq.params.cache_salt)
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(prev, tokens)
-            bid = self.hash_to_block.get(h)
-            if bid is None or not self._holds(bid, prev, tokens):
-                break
-            hits.append(bid)
-            prev = h
-        return hits
+        parent = hashes[i - 1] if i else salt_root(seq.params.cache_salt)
+        return bid if self._holds(bid, parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])) else None
+
+    def hash_chain(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The hashes of ``seq``'s first ``num_blocks`` full blocks (extends ``seq.block_hashes``)."""
+        chain, bs = seq.block_hashes, self.block_size
+        prev = chain[-1] if chain else salt_root(seq.params.cache_salt)
+        for i in range(len(chain), num_blocks):
+            prev = block_hash(prev, seq.token_ids[i * bs : (i + 1) * bs])
+            chain.append(prev)
+        return chain[:num_blocks]
 
     def _holds(self, bid: int, parent: int | None, tokens: tuple[int, ...]) -> bool:
         """Collision guard: the block really holds ``tokens`` after the block hashed ``parent``."""
@@ -164,26 +236,42 @@ class BlockManager:
 
     # ---- allocation -------------------------------------------------------------------
     def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        """Whether ``seq`` (empty block table) can take ``hits`` and cover its first chunk."""
-        reused_free = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
+        """Whether ``seq`` (empty block tables) can take ``hits`` and cover its first chunk."""
+        groups = getattr(hits, "groups", [hits])
+        reused_free = sum(1 for table in groups for bid in table
+                          if bid != NULL_BLOCK and self.blocks[bid].ref_count == 0)
         covered = len(hits) * self.block_size + num_new_tokens
-        fresh = self.blocks_needed(covered) - len(hits)
+        fresh = (self.blocks_needed(covered) - len(hits)) * self.num_groups
         return reused_free + fresh <= self.num_free_blocks
 
     def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """Give an un-admitted sequence its cached prefix blocks and count the lookup."""
+        """Give an un-admitted sequence its cached prefix blocks (``match_prefix``'s, or for a
+        single group a list) and count the lookup."""
         assert not seq.block_table, seq
-        for bid in hits:
-            block = self.blocks[bid]
-            if block.ref_count == 0:
-                del self.free_ids[bid]
-            block.ref_count += 1
-            seq.block_table.append(bid)
+        groups = getattr(hits, "groups", [hits])
+        assert len(groups) == self.num_groups, (len(groups), self.windows)
+        seq.block_tables = [[] for _ in self.windows]
+        for table, hit in zip(seq.block_tables, groups, strict=True):
+            for bid in hit:
+                if bid != NULL_BLOCK or not self.reserved:
+                    block = self.blocks[bid]
+                    if block.ref_count == 0:
+                        del self.free_ids[bid]
+                    block.ref_count += 1
+                table.append(bid)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.query_tokens += seq.num_tokens
             self.hit_tokens += seq.num_computed_tokens
+
+    def shared_prefix(self, parent: Sequence, num_blocks: int) -> Hits:
+        """The blocks of ``parent``'s first ``num_blocks`` columns that a fork may share, cut back
+        to where every window group still holds what its window reaches (it may have freed some)."""
+        hit, tables = num_blocks, parent.block_tables
+        while hit and not all(self._reaches(tables[g], hit, w) for g, w in enumerate(self.windows)):
+            hit -= 1
+        return self._hits(tables, hit)
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.missing_blocks(seq, num_new_tokens) <= len(self.free_ids)
@@ -193,90 +281,113 @@ class BlockManager:
         self.take_blocks(seq, self.missing_blocks(seq, num_new_tokens))
 
     def missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks ``seq`` lacks for its next ``num_new_tokens`` tokens."""
-        return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        """Blocks (over every group) ``seq`` lacks for its next ``num_new_tokens`` tokens."""
+        columns = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return max(0, columns) * self.num_groups
 
     def take_blocks(self, seq: Sequence, count: int) -> None:
-        """Append ``count`` free blocks to ``seq``'s table (``missing_blocks`` says how many)."""
+        """Append ``count`` free blocks (``missing_blocks`` says how many: a column in each group)."""
         if count > len(self.free_ids):
             raise RuntimeError(f"out of KV blocks: need {count}, {self.num_free_blocks} free")
-        for _ in range(count):
-            seq.block_table.append(self._take_free_block())
+        if len(seq.block_tables) != self.num_groups:  # never admitted (a hand-made sequence)
+            seq.block_tables = [[] for _ in self.windows]
+        for _ in range(count // self.num_groups):
+            for g, table in enumerate(seq.block_tables):
+                table.append(self._take_free_block(g))
 
-    def _take_free_block(self) -> int:
+    def _take_free_block(self, group: int = 0) -> int:
         bid, _ = self.free_ids.popitem(last=False)
         block = self.blocks[bid]
         if block.hash is not None:
             self._unpublish(block)
         block.hash, block.token_ids, block.parent_hash, block.ref_count = None, None, None, 1
+        block.group = group
         return bid
 
     def _publish(self, block: Block) -> None:
-        registered = self.hash_to_block.setdefault(block.hash, block.block_id)
+        registered = self.hash_tables[block.group].setdefault(block.hash, block.block_id)
         if registered != block.block_id:
-            self.duplicates.setdefault(block.hash, set()).add(block.block_id)
-        elif self.kv_events is not None:
-            self.kv_events.append((STORED, block.hash, block.parent_hash, block.token_ids))
+            self.duplicate_sets[block.group].setdefault(block.hash, set()).add(block.block_id)
+        elif self.kv_events is not None:  # with groups, the group and its window too
+            group = (block.group, self.windows[block.group]) if self.reserved or self.num_groups > 1 else ()
+            self.kv_events.append((STORED, block.hash, block.parent_hash, block.token_ids, *group))
 
     def _unpublish(self, block: Block) -> None:
         """``block`` is being reused: its hash leaves the table, or passes to a surviving copy."""
-        h = block.hash
-        copies = self.duplicates.get(h)
-        if self.hash_to_block.get(h) == block.block_id:
+        h, table, duplicates = block.hash, self.hash_tables[block.group], self.duplicate_sets[block.group]
+        copies = duplicates.get(h)
+        if table.get(h) == block.block_id:
             if copies:
-                self.hash_to_block[h] = copies.pop()
+                table[h] = copies.pop()
             else:
-                del self.hash_to_block[h]
+                del table[h]
                 if self.kv_events is not None:
-                    self.kv_events.append((REMOVED, h))
+                    group = (block.group,) if self.reserved or self.num_groups > 1 else ()
+                    self.kv_events.append((REMOVED, h, *group))
         elif copies is not None:
             copies.discard(block.block_id)
         if copies is not None and not copies:
-            del self.duplicates[h]
+            del duplicates[h]
 
     def commit(self, seq: Sequence) -> None:
-        """Publish the hashes of blocks whose KV is now fully written (call after a step)."""
+        """Publish the hashes of blocks whose KV is now fully written, then give back what window
+        groups no longer reach (call after a step, with ``num_computed_tokens`` final)."""
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         start = seq.num_hashed_blocks
-        if full <= start or not self.enable_prefix_caching:  # most steps: no block filled up
-            return
-        prev = self.blocks[seq.block_table[start - 1]].hash if start else salt_root(seq.params.cache_salt)
-        for i in range(start, full):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                block.hash, block.token_ids, block.parent_hash = block_hash(prev, tokens), tokens, prev
-                self._publish(block)
-            prev = block.hash
-        seq.num_hashed_blocks = full
+        if full > start and self.enable_prefix_caching:  # most steps: no block filled up
+            hashes = self.hash_chain(seq, full)
+            for table in seq.block_tables:  # group by group: each group's stores form one chain
+                for i in range(start, full):
+                    if table[i] == NULL_BLOCK and self.reserved:
+                        continue
+                    block = self.blocks[table[i]]
+                    if block.hash is None:
+                        block.hash, block.token_ids = hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                        block.parent_hash = hashes[i - 1] if i else salt_root(seq.params.cache_salt)
+                        self._publish(block)
+            seq.num_hashed_blocks = full
+        if self.reserved:
+            self.free_behind_windows(seq)
+
+    def free_behind_windows(self, seq: Sequence) -> None:
+        """Give back each window group's blocks wholly behind the window of ``seq``'s next token."""
+        for window, table in zip(self.windows, seq.block_tables, strict=True):
+            live = min(first_live_block(seq.num_computed_tokens, window, self.block_size), len(table))
+            for i in range(live - 1, -1, -1):  # newest first: the older the block, the later it goes
+                if table[i] == NULL_BLOCK:
+                    break  # freed at an earlier step, and everything before it
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+
+    def _release(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, block
+        if block.ref_count == 0:
+            self.free_ids[bid] = None
+            if block.hash is None:  # nothing to hit: reuse it (warm) before anything else
+                self.free_ids.move_to_end(bid, last=False)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks past those ``num_tokens`` tokens need: slots a verification step
         took for drafts it rejected (never published: only committed tokens are hashed)."""
         keep = self.blocks_needed(num_tokens)
-        while len(seq.block_table) > keep:
-            bid = seq.block_table.pop()
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_ids[bid] = None
-                if block.hash is None:
-                    self.free_ids.move_to_end(bid, last=False)
+        for table in seq.block_tables:
+            while len(table) > keep:
+                bid = table.pop()
+                if bid != NULL_BLOCK or not self.reserved:
+                    self._release(bid)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks at zero keep their hash for later hits.
 
-        Walks the table backwards so that a sequence's suffix is evicted before its prefix.
+        Walks the tables backwards so that a sequence's suffix is evicted before its prefix.
         """
-        for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, block
-            if block.ref_count == 0:
-                self.free_ids[bid] = None
-                if block.hash is None:  # nothing to hit: reuse it (warm) before anything else
-                    self.free_ids.move_to_end(bid, last=False)
-        seq.block_table = []
+        for table in seq.block_tables:
+            for bid in reversed(table):
+                if bid != NULL_BLOCK or not self.reserved:
+                    self._release(bid)
+        seq.block_tables = [[] for _ in self.windows]
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0

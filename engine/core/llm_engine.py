@@ -64,7 +64,8 @@ class LLMEngine:
         self.model_name = self.source.name
         self.architecture = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
         self.block_manager = BlockManager(
-            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            windows=self.executor.kv_groups.windows,
         )
         self.scheduler = Scheduler(
             self.block_manager,

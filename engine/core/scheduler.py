@@ -80,7 +80,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         # the most tokens a sequence may reach: max_model_len, and no more than the whole KV cache
-        self.max_seq_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
+        # holds of it at once (``BlockManager.peak_blocks``: window groups hold only their window)
+        self.max_seq_len = self._longest_fitting(max_model_len)
         self.eos_token_ids = frozenset(eos_token_ids)
         # compute a seeded request's last prompt token in a step of its own, as a decode row, so
         # that its first token's logits do not depend on how much of the prompt the prefix cache
@@ -90,6 +91,17 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is the preemption victim
         self.num_preemptions = 0
+
+    def _longest_fitting(self, limit: int) -> int:
+        """The most tokens (up to ``limit``) a sequence may reach with the whole cache to itself."""
+        low, high = 0, limit
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.bm.peak_blocks(mid, self.max_num_batched_tokens) <= self.bm.num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     # ---- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -116,7 +128,7 @@ class Scheduler:
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {total} "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
-        need = self.bm.blocks_needed(total)
+        need = self.bm.peak_blocks(total, self.max_num_batched_tokens)
         if need > self.bm.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens needs {need} KV blocks but the whole cache has {self.bm.num_blocks}"
@@ -286,7 +298,7 @@ class Scheduler:
         written: each child takes references on the prompt's full blocks and waits at the head of
         the queue to compute the rest itself, at least the last prompt token, whose logits give
         its own first token. The prompt is prefilled once whether prefix caching is on or off."""
-        shared = parent.block_table[: (parent.num_prompt_tokens - 1) // self.bm.block_size]
+        shared = self.bm.shared_prefix(parent, (parent.num_prompt_tokens - 1) // self.bm.block_size)
         for child in reversed(children):  # the parent's prompt and limits: it fits as the parent did
             self.bm.admit(child, shared)
             self.waiting.appendleft(child)

@@ -128,6 +128,7 @@ class TensorParallelExecutor:
         self.dtype: torch.dtype = runner.dtype
         self.device: torch.device = runner.device
         self.attention_backend_name: str = runner.attention_backend_name
+        self.kv_groups = runner.kv_groups  # the KV cache groups the block manager keeps blocks for
 
     def _spawn_local_workers(self, channel: str) -> WorkerProcesses:
         """Ranks 1..local-1 on this machine (with their shared-memory channel, if it is used)."""

@@ -58,11 +58,17 @@ class BlockStored(_Event):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # a model with KV cache groups (engine/kv_cache/groups.py): the block's group and its spec
+    # ("full_attention" or "sliding_window", and the window); left out otherwise
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(_Event):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(_Event):
@@ -90,24 +96,34 @@ def group_events(raw: list, block_size: int) -> list[BlockStored | BlockRemoved 
         kind = item[0]
         prev = events[-1] if events else None
         if kind == STORED:
-            _, h, parent, tokens = item
-            if isinstance(prev, BlockStored) and parent is not None and parent == last_hash:
+            _, h, parent, tokens, *group = item
+            if (isinstance(prev, BlockStored) and parent is not None and parent == last_hash
+                    and prev.group_idx == (group[0] if group else None)):
                 prev.block_hashes.append(signed64(h))
                 prev.token_ids.extend(tokens)
             else:
                 events.append(BlockStored([signed64(h)], None if parent is None else signed64(parent),
-                                          list(tokens), block_size, None, None, None))
+                                          list(tokens), block_size, None, None, None, *_spec(group)))
             last_hash = h
             continue
         last_hash = None
         if kind == REMOVED:
-            if isinstance(prev, BlockRemoved):
+            group = item[2] if len(item) > 2 else None
+            if isinstance(prev, BlockRemoved) and prev.group_idx == group:
                 prev.block_hashes.append(signed64(item[1]))
             else:
-                events.append(BlockRemoved([signed64(item[1])], None))
+                events.append(BlockRemoved([signed64(item[1])], None, group))
         elif kind == CLEARED:
             events.append(AllBlocksCleared())
     return events
+
+
+def _spec(group: list) -> tuple:
+    """(group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window) of a store's (group, window)."""
+    if not group:
+        return ()
+    index, window = group
+    return index, "full_attention" if window is None else "sliding_window", window
 
 
 def encode_vllm(batch: KvBatch) -> bytes:

@@ -59,6 +59,7 @@ from kvserve.engine.runner.cuda_graphs import (
     decode_metadata,
     record_cuda_graph,
 )
+from kvserve.engine.runner.kv_groups import GroupTables, bind_groups, build_group_metadata, model_kv_groups
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
@@ -80,15 +81,17 @@ class PreparedBatch:
     attn_metadata: AttentionMetadata
 
 
-def prepare_inputs(inp: ModelInput, backend: AttentionBackend, device: torch.device) -> PreparedBatch:
-    """One step's ``ModelInput`` as device tensors plus the backend's attention metadata."""
+def prepare_inputs(inp: ModelInput, backend: AttentionBackend, device: torch.device,
+                   group_views: list[ModelInput] | None = None) -> PreparedBatch:
+    """One step's ``ModelInput`` as device tensors plus the backend's attention metadata (of every
+    KV cache group: ``group_views`` is the step as the groups after the first see it)."""
     assert len(inp.input_ids) == len(inp.positions) == len(inp.slot_mapping) == sum(inp.query_lens)
     assert len(inp.query_lens) == len(inp.context_lens) == len(step_block_tables(inp))
     return PreparedBatch(
         input_ids=to_device(inp.input_ids, device),
         positions=to_device(inp.positions, device),
         logits_indices=to_device(inp.logits_indices, device),
-        attn_metadata=backend.build_metadata(inp, device),
+        attn_metadata=build_group_metadata(inp, group_views or [], backend, device),
     )
 
 
@@ -138,6 +141,7 @@ class ModelRunner:
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
+        self.kv_groups = model_kv_groups(self.model.attention_layers())  # by each layer's window
         load_weights(self.model, self.source, show_progress=self.parallel.rank == 0)  # one bar, not N
         if config.quantization is not None:
             quantize_model(self.model, config.quantization, self.device)
@@ -152,6 +156,7 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         width = block_table_width(self.max_model_len, self.block_size)
         self.block_tables = BlockTableArray(config.max_num_seqs, width)  # changed by each step's updates
+        self.group_tables = GroupTables(self.kv_groups, config.max_num_seqs, width)  # the other groups'
         self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks(record_graph))
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.graphs = self._new_graph_runner(record_graph)
@@ -165,13 +170,14 @@ class ModelRunner:
         flush_denormals(self.device)  # per thread: the engine may step from another thread
         if self.rows_alike is not None:
             self.rows_alike.set(inp.is_decode_only)
+        views = self.group_tables.views(inp, self.block_size)  # (first: the other groups' updates)
         if inp.seq_rows:  # the step's block tables, cut from this runner's persistent array
             inp.block_table_array = self.block_tables.take(inp, self.block_size)
         if self.graphs is not None and self.graphs.fits(inp):
             hidden = self.graphs.replay(decode_inputs(inp, pin=self.device.type == "cuda"))
             logits_indices = to_device(inp.logits_indices, self.device)
         else:
-            batch = prepare_inputs(inp, self.backend, self.device)
+            batch = prepare_inputs(inp, self.backend, self.device, views)
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
             logits_indices = batch.logits_indices
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
@@ -214,11 +220,12 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes one block takes: K and V, every layer, ``block_size`` tokens (in the backend's
-        layout and cache dtype: an int8 cache's rows carry their scales)."""
+        """Bytes one block takes: K and V, ``block_size`` tokens, in each layer of a KV cache group
+        (every layer with one group; in the backend's layout and cache dtype: an int8 cache's rows
+        carry their scales)."""
         layer_block = self.backend.kv_cache_shape(1, self.kv_heads_per_rank, head_dim_of(self.hf_config))
         one_block = math.prod(layer_block)
-        return 2 * self.hf_config.num_hidden_layers * one_block * self.cache_dtype.itemsize
+        return 2 * self.kv_groups.num_slots * one_block * self.cache_dtype.itemsize
 
     def exact_rows(self) -> int | None:
         """How many decode rows a step may hold and still compute each row as alone (what
@@ -322,20 +329,20 @@ class ModelRunner:
         return synthetic_input([(0, n) for n in lens], tables, self.block_size)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """One tensor [2, layers, *per-layer shape]; each layer gets views. The per-layer shape is
-        the backend's (``kv_cache_shape``): each backend reads the cache in its own layout.
+        """One tensor [2, slots, *per-layer shape] (slots: the layers of a KV cache group, every
+        layer with one group); each layer gets views of its slot. The per-layer shape is the
+        backend's (``kv_cache_shape``): each backend reads the cache in its own layout.
 
         Zeroed once: padded reads of unused slots are masked out, but must not be NaN.
         """
         head_dim = head_dim_of(self.hf_config)
         layer_shape = self.backend.kv_cache_shape(num_blocks, self.kv_heads_per_rank, head_dim)
-        shape = (2, self.hf_config.num_hidden_layers, *layer_shape)
+        shape = (2, self.kv_groups.num_slots, *layer_shape)
         if self.device.type == "cpu":
             kv_cache = _lazily_zeroed_cpu_tensor(shape, self.cache_dtype)
         else:
             kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.bind_kv_cache(kv_cache[0, i], kv_cache[1, i])
+        bind_groups(self.model.attention_layers(), self.kv_groups, kv_cache)
         return kv_cache
 
     def _unbind_kv_cache(self) -> None:

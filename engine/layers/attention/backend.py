@@ -69,6 +69,9 @@ class AttentionMetadata:
     num_decode_tokens: int  # tokens of sequences whose query length is 1
     query_lens_host: list[int]  # host copies, for planning without a device sync
     seq_lens_host: list[int]
+    # with several KV cache groups (engine/runner/kv_groups.py): every group's metadata, this one
+    # first; each ``Attention`` module reads its own group's
+    group_metadata: list[AttentionMetadata] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -206,6 +209,7 @@ class Attention(nn.Module):
         self.impl = impl
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kv_group = 0  # the KV cache group whose block tables this layer's cache is read with
         self.sinks = None
         if sinks is not None:
             self.sinks = nn.Parameter(torch.zeros(impl.num_heads, dtype=torch.float32), requires_grad=False)
@@ -219,11 +223,13 @@ class Attention(nn.Module):
                              f"{self._first_head}..{self._first_head + heads - 1}")
         param.data.copy_(loaded[self._first_head : self._first_head + heads])
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, group: int = 0) -> None:
+        self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if meta.group_metadata is not None:  # models pass the step's; the layer reads its group's
+            meta = meta.group_metadata[self.kv_group]
         if self.sinks is not None:
             return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta, sinks=self.sinks)
         return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta)

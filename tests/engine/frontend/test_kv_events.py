@@ -92,3 +92,33 @@ async def _hub_round_trip():
         s.close(0)
     hub.close()
     ctx.term()
+
+
+def test_a_grouped_cache_s_events_name_each_block_s_group_and_its_spec():
+    """A model with KV cache groups (window 8, then full): the block manager's tuples carry the
+    group and its window, and vLLM's events their group_idx and kv_cache_spec fields; a chain
+    stored in two groups is one event per group."""
+    from kvserve.engine.core.block_manager import BlockManager
+    from kvserve.engine.sampling_params import SamplingParams
+    from kvserve.engine.sequence import Sequence
+
+    bm = BlockManager(16, BS, windows=(8, None))
+    bm.kv_events = []
+    seq = Sequence("r", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams())
+    bm.admit(seq, bm.match_prefix(seq))
+    bm.grow(seq, 9)
+    seq.num_computed_tokens = 9
+    bm.commit(seq)
+    raw = bm.take_kv_events()
+    assert raw == [(STORED, H0, None, (1, 2, 3, 4), 0, 8), (STORED, H1, H0, (5, 6, 7, 8), 0, 8),
+                   (STORED, H0, None, (1, 2, 3, 4), 1, None), (STORED, H1, H0, (5, 6, 7, 8), 1, None)]
+    events = group_events(raw, BS)
+    assert [(e.block_hashes, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in events] == [([signed64(H0), signed64(H1)], 0, "sliding_window", 8),
+                                 ([signed64(H0), signed64(H1)], 1, "full_attention", None)]
+    payload = msgpack.unpackb(encode_vllm(KvBatch(0, 1.0, events)))["events"][0]
+    assert payload["group_idx"] == 0 and payload["kv_cache_spec_kind"] == "sliding_window"
+    assert payload["kv_cache_spec_sliding_window"] == 8
+    removed = group_events([(REMOVED, H0, 1), (REMOVED, H1, 1), (REMOVED, HX, 0)], BS)
+    assert removed == [BlockRemoved([signed64(H0), signed64(H1)], None, 1),
+                       BlockRemoved([signed64(HX)], None, 0)]

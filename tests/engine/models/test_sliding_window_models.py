@@ -72,3 +72,59 @@ def test_a_family_without_window_support_is_still_refused():
     config = make_config("mixtral-tiny", sliding_window=8)
     with pytest.raises(ValueError, match="MixtralForCausalLM with sliding_window=8"):
         model_class_for(config)
+
+
+def test_preemption_chunking_prefix_hits_and_forks_leave_window_model_tokens_unchanged(model_dirs):
+    """Ministral (window, full and window groups) under a cache of 40 blocks of 4 (preemption), a
+    6-token step budget (chunked prefill), prompts sharing 6 full blocks (prefix hits) and n = 2."""
+    path = model_dirs["ministral-tiny"]
+    shared = list(range(300, 324))
+    prompts = [*PROMPTS, shared + [11, 12, 13], shared + [14]]
+    alone = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, enable_prefix_caching=False)
+    try:
+        want = [greedy_tokens(alone, [p])[0] for p in prompts]
+    finally:
+        alone.shutdown()
+    squeezed = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=40,
+                   max_num_batched_tokens=6, max_num_seqs=4)
+    try:
+        assert greedy_tokens(squeezed, prompts) == want
+        stats = squeezed.stats()
+        assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"] == 39
+        squeezed.generate(prompts[-2:-1], GREEDY, use_tqdm=False)  # (the run above may have evicted it)
+        warm = squeezed.generate(prompts[-1:], GREEDY, use_tqdm=False)[0]  # 6 shared blocks cached
+        assert list(warm.token_ids) == want[-1] and warm.cached_tokens == 24
+        two = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, n=2)
+        forked = squeezed.generate([prompts[0]], two, use_tqdm=False)[0]
+        assert [list(c.token_ids) for c in forked.choices] == [want[0], want[0]]
+        assert squeezed.stats()["kv_blocks_free"] == 39
+    finally:
+        squeezed.shutdown()
+
+
+def test_speculative_decoding_leaves_window_model_tokens_unchanged(model_dirs):
+    path, prompts = model_dirs["mistral-tiny"], [[5, 6, 7, 8, 9] * 6, [1, 2, 3] * 9]
+    plain = LLM(path, dtype="float32", device="cpu", block_size=BLOCK)
+    try:
+        want = greedy_tokens(plain, prompts)
+    finally:
+        plain.shutdown()
+    spec = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, speculative="ngram")
+    try:
+        assert greedy_tokens(spec, prompts) == want
+        assert spec.stats()["kv_blocks_free"] == spec.stats()["kv_blocks_total"]
+    finally:
+        spec.shutdown()
+
+
+def test_window_model_at_tp2_gives_the_tokens_of_tp1(model_dirs):
+    """Ministral's groups on two ranks (a KV head each): every rank keeps the groups' tables."""
+    path = model_dirs["ministral-tiny"]
+    want = hf_greedy(path, PROMPTS[:2])
+    llm = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, tensor_parallel_size=2,
+              num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=8, max_num_seqs=2)
+    try:
+        assert llm.engine.block_manager.windows == (8, 8, None)
+        assert greedy_tokens(llm, PROMPTS[:2]) == want
+    finally:
+        llm.shutdown()
