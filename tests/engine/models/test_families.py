@@ -46,12 +46,20 @@ def hf_model(path: str):
     return model.eval()
 
 
-def step(ids: list[int], start: int, blocks: list[int], all_logits: bool) -> ModelInput:
+# one sequence's seven blocks, out of order, in each KV cache group (up to six: Gemma 3's layers
+# make six groups of one): the groups' layers share cache tensors, each at its own group's blocks
+TABLES = [[7 * group + b for b in (5, 2, 6, 0, 3, 1, 4)] for group in range(6)]
+
+
+def step(ids: list[int], start: int, all_logits: bool) -> ModelInput:
+    """One sequence's tokens at ``start``.. through the paged cache (a model of fewer groups reads
+    the first tables only)."""
     end = start + len(ids)
+    slots = [[table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)] for table in TABLES]
     return ModelInput(
         input_ids=ids, positions=list(range(start, end)), query_lens=[len(ids)], context_lens=[end],
-        block_tables=[blocks],
-        slot_mapping=[blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)],
+        block_tables=[TABLES[0]], slot_mapping=slots[0],
+        group_slot_mappings=slots[1:], group_block_tables=[[table] for table in TABLES[1:]],
         logits_indices=list(range(len(ids))) if all_logits else [len(ids) - 1],
     )
 
@@ -60,12 +68,12 @@ def step(ids: list[int], start: int, blocks: list[int], all_logits: bool) -> Mod
 def test_family_logits_match_transformers(model_dirs, name):
     """Every prompt row's logits and one decode's, the blocks out of order in the cache."""
     path = model_dirs[name]
-    runner = ModelRunner(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=16,
+    runner = ModelRunner(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=48,
                                       block_size=BLOCK))
-    blocks = [9, 2, 14, 5, 11, 0, 7]
     try:
-        prefill = runner.execute_model(step(IDS[:-1], 0, blocks, all_logits=True))
-        decode = runner.execute_model(step(IDS[-1:], len(IDS) - 1, blocks, all_logits=False))
+        assert runner.kv_groups.num_groups <= len(TABLES)
+        prefill = runner.execute_model(step(IDS[:-1], 0, all_logits=True))
+        decode = runner.execute_model(step(IDS[-1:], len(IDS) - 1, all_logits=False))
     finally:
         runner.shutdown()
     with torch.no_grad():
@@ -165,15 +173,14 @@ def test_what_a_family_lacks_is_refused_by_name(name, overrides, refusal):
 def test_family_at_tp2_gives_the_logits_of_tp1(model_dirs, name):
     from kvserve.engine.executor.executor import create_executor
 
-    config = EngineConfig(model=model_dirs[name], dtype="float32", device="cpu", num_kv_blocks=32,
+    config = EngineConfig(model=model_dirs[name], dtype="float32", device="cpu", num_kv_blocks=48,
                           block_size=BLOCK, max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8)
     runs = []
     for tp in (1, 2):
         executor = create_executor(config.replace(tensor_parallel_size=tp))
         try:
-            blocks = list(range(7))
-            runs.append(torch.cat([executor.execute_model(step(IDS[:-1], 0, blocks, True)),
-                                   executor.execute_model(step(IDS[-1:], len(IDS) - 1, blocks, False))]))
+            runs.append(torch.cat([executor.execute_model(step(IDS[:-1], 0, True)),
+                                   executor.execute_model(step(IDS[-1:], len(IDS) - 1, False))]))
         finally:
             executor.shutdown()
     torch.testing.assert_close(runs[1], runs[0], atol=1e-4, rtol=1e-4)
@@ -195,9 +202,11 @@ def test_chunking_preemption_and_prefix_hits_leave_a_variant_models_tokens_uncha
     try:
         assert greedy_tokens(squeezed, prompts) == want
         assert squeezed.stats()["num_preemptions"] > 0
-        warm = squeezed.generate(prompts[-2:], GREEDY, use_tqdm=False)  # their prefix is cached now
+        # their prefix was cached (in so small a pool the first may find it evicted; the second
+        # then hits the first's)
+        warm = squeezed.generate(prompts[-2:], GREEDY, use_tqdm=False)
         assert [list(o.token_ids) for o in warm] == want[-2:]
-        assert all(o.cached_tokens >= 16 for o in warm)
+        assert max(o.cached_tokens for o in warm) >= 16
     finally:
         squeezed.shutdown()
 
