@@ -85,10 +85,14 @@ SHAPES: dict[str, tuple[str, dict]] = {
         num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None, tie_word_embeddings=False,
         **TINY_SPECIAL_IDS,
     )),
-    "phi4-mini-tiny": ("Phi3ForCausalLM", dict(  # Phi-4-mini's partial rotary: 3/4 of each head turns
+    # Phi-4-mini's partial rotary (3/4 of each head turns) and LongRoPE, over an original context of
+    # 64 tokens that the test prompts stay inside
+    "phi4-mini-tiny": ("Phi3ForCausalLM", dict(
         vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None, partial_rotary_factor=0.75,
-        tie_word_embeddings=True, **TINY_SPECIAL_IDS,
+        original_max_position_embeddings=64, tie_word_embeddings=True, **TINY_SPECIAL_IDS,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                      "long_factor": [2.0, 2.5, 3.5, 5.0, 7.0, 9.5]},
     )),
     "phi3-mini": ("Phi3ForCausalLM", dict(  # Phi-3-mini-4k-instruct
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,

@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            head_dim_of(config), config.max_position_embeddings, rope_parameters(config)
+            self.rotary_dim(config), config.max_position_embeddings, rope_parameters(config)
         )
         self._decode_row = False  # not decided yet (``decode_row``)
 
@@ -158,6 +158,11 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    @staticmethod
+    def rotary_dim(config) -> int:
+        """How many features of each head turn (Phi-4-mini turns a part)."""
+        return head_dim_of(config)
 
     def decode_row(self):
         """The fused one-token step over these layers (``models/decode_row.py``), or None when

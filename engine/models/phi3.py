@@ -4,14 +4,15 @@ A checkpoint holds ``self_attn.qkv_proj`` (q rows, then k, then v) and ``mlp.gat
 rows, then up) as single tensors; ``fused_checkpoint_parts`` tells the loader how to cut them into
 the parts our tensor-parallel layers load. Phi-4-mini rotates only the first
 ``partial_rotary_factor`` of each head. A ``sliding_window`` in the config windows every layer, as
-transformers does. LongRoPE (``rope_type`` longrope, the 128k variants) is refused.
+transformers does. LongRoPE (the 128k variants: Phi-3.5-mini, Phi-4-mini) turns positions within
+the original context by the short factors, later ones by the long (``layers/rotary.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from kvserve.engine.layers.rotary import apply_rotary, rope_parameters
 from kvserve.engine.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -61,12 +62,7 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 
 class Phi3Model(LlamaModel):
     layer_class = Phi3DecoderLayer
-
-    def __init__(self, config, backend, parallel):
-        super().__init__(config, backend, parallel)
-        if rotary_dim_of(config) != head_dim_of(config):
-            self.rotary_emb = RotaryEmbedding(rotary_dim_of(config), config.max_position_embeddings,
-                                              rope_parameters(config))
+    rotary_dim = staticmethod(rotary_dim_of)
 
 
 @register_model
@@ -81,10 +77,3 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         return {"qkv_proj": [("q", q), ("k", kv), ("v", kv)],
                 "gate_up_proj": [(0, config.intermediate_size), (1, config.intermediate_size)]}
-
-    @staticmethod
-    def refuse_unsupported(hf_config) -> None:
-        rope_type = rope_parameters(hf_config)["rope_type"]
-        if rope_type != "default":
-            raise ValueError(f"Phi3ForCausalLM with rope_type {rope_type!r} (LongRoPE, the 128k-context "
-                             "variants) is not supported; supported: ['default']")

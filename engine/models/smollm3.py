@@ -48,10 +48,3 @@ class SmolLM3Model(LlamaModel):
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     model_class = SmolLM3Model
     supports_sliding_window = True  # the registry lets its configs' windows through
-
-    @staticmethod
-    def refuse_unsupported(hf_config) -> None:
-        layers = hf_config.num_hidden_layers
-        if len(hf_config.no_rope_layers or []) < layers:
-            raise ValueError(f"SmolLM3ForCausalLM: no_rope_layers has {len(hf_config.no_rope_layers or [])} "
-                             f"entries for {layers} layers")

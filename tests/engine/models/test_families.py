@@ -154,9 +154,6 @@ def test_harmony_ends_a_turn_at_return_not_at_each_messages_end(model_dirs):
 
 
 @pytest.mark.parametrize("name, overrides, refusal", [
-    ("phi3-tiny", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                    "long_factor": [2.0] * 8, "original_max_position_embeddings": 1024}},
-     "Phi3ForCausalLM with rope_type 'longrope'"),
     ("gpt-oss-tiny", {"quantization_config": {"quant_method": "bitsandbytes"}},
      "GptOssForCausalLM with bitsandbytes weights"),
     ("gemma3-tiny", {"attn_logit_softcapping": 50.0}, "Gemma3ForCausalLM with attn_logit_softcapping"),
