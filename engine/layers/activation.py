@@ -1,4 +1,5 @@
-"""The gated activation of Llama-style MLPs: ``silu(gate) * up`` over a fused gate|up tensor."""
+"""The gated activations of Llama-style MLPs over a fused gate|up tensor: ``silu(gate) * up``
+(SwiGLU) and ``gelu_tanh(gate) * up`` (GeGLU)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU's activation (Gemma): ``gelu_tanh(gate) * up`` over gate|up halves of the last dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)

@@ -74,9 +74,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
+                    topk_ids: torch.Tensor, act=silu_and_mul, b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' weighted SwiGLU MLPs summed per token, ``[T, H]``: the (token, expert) pairs
-    sorted by expert, one gate|up and one down matmul per expert that has tokens."""
+    sorted by expert, one gate|up and one down matmul per expert that has tokens. gpt-oss passes
+    its own ``act`` (over the gate|up product) and the experts' biases ``b13`` [E, 2I], ``b2`` [E, H]."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
@@ -87,8 +89,9 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            hidden = silu_and_mul(F.linear(rows[start : start + count], w13[expert]))
-            out_rows[start : start + count] = F.linear(hidden, w2[expert])
+            bias13, bias2 = (None if b is None else b[expert] for b in (b13, b2))
+            hidden = act(F.linear(rows[start : start + count], w13[expert], bias13))
+            out_rows[start : start + count] = F.linear(hidden, w2[expert], bias2)
             start += count
     out_rows *= topk_weights.flatten().index_select(0, order).unsqueeze(1)
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)

@@ -34,3 +34,24 @@ class RMSNorm(nn.Module):
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's ``x / rms(x) * (1 + w)``: the checkpoint stores ``w``; the parameter holds ``1 + w``
+    in float32 whatever the model's dtype (added at load, as transformers adds it in float32 at
+    every call), so the same kernels serve and the product is rounded once."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != param.shape:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                             f"{tuple(param.shape)}")
+        param.data.copy_(loaded.float() + 1.0)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)

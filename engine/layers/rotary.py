@@ -15,7 +15,7 @@ from torch import nn
 from kvserve.kernels.cpu.abi import MAX_HEAD_DIM
 from kvserve.kernels.cpu.bindings import kernels_for
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config) -> dict:
@@ -28,6 +28,10 @@ def rope_parameters(hf_config) -> dict:
     params = {**scaling, **params}
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "longrope":  # its attention factor follows the context's growth
+        old_len = params.setdefault("original_max_position_embeddings",
+                                    hf_config.original_max_position_embeddings)
+        params.setdefault("factor", hf_config.max_position_embeddings / old_len)
     return params
 
 
@@ -42,7 +46,51 @@ def inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
         return inv_freq / params["factor"]
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
+    if rope_type == "yarn":
+        return _yarn_scaled(inv_freq, head_dim, params)
+    if rope_type == "longrope":  # the short factors; positions past the original context: ``_long_rope``
+        return inv_freq / torch.tensor(params["short_factor"], dtype=torch.float32)
     return inv_freq
+
+
+def _long_rope(head_dim: int, params: dict) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    long_factor = torch.tensor(params["long_factor"], dtype=torch.float32)
+    return 1.0 / (params["rope_theta"] ** exponents) / long_factor
+
+
+def attention_factor(params: dict) -> float:
+    """What YaRN multiplies cos and sin by (1 for the other types): ``attention_factor`` when the
+    config gives it, else 0.1 ln(factor) + 1 (the ratio of two such terms with ``mscale`` and
+    ``mscale_all_dim``)."""
+    if params["rope_type"] not in ("yarn", "longrope"):
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params["factor"]
+    if params["rope_type"] == "longrope":  # sqrt(1 + ln(factor) / ln(original context))
+        old_len = params["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(params["mscale"]) / mscale(params["mscale_all_dim"])
+    return mscale(1.0)
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, head_dim: int, params: dict) -> torch.Tensor:
+    """YaRN (gpt-oss): frequencies that turn fewer than ``beta_slow`` times over the original
+    context are divided by ``factor``, those turning more than ``beta_fast`` times are kept, with a
+    linear ramp over the dimensions between (``truncate``: the ramp's ends rounded outwards)."""
+    base, factor = params["rope_theta"], params["factor"]
+    old_len = params["original_max_position_embeddings"]
+    dim_of = lambda turns: head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = dim_of(params.get("beta_fast") or 32), dim_of(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
@@ -62,9 +110,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.to(torch.float32))
+        if params["rope_type"] == "longrope":
+            # LongRoPE (Phi-3.5, Phi-4-mini): positions past the original context turn with the long
+            # factors, each position by its own (transformers switches a whole sequence to them
+            # once it outgrows that context, the K it cached before included; within it the two agree)
+            old_len = params["original_max_position_embeddings"]
+            later = torch.arange(old_len, max(old_len, max_position), dtype=torch.float32)
+            freqs[old_len:] = torch.outer(later, _long_rope(head_dim, params))
         self.max_position = max_position
         # full width: cos repeated over both halves, sin with the rotation's sign (-sin, sin)
-        cos, sin = freqs.cos(), freqs.sin()
+        scale = attention_factor(params)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
         self.register_buffer("cos_table", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_table", torch.cat((-sin, sin), dim=-1), persistent=False)
 

@@ -21,6 +21,9 @@ from kvserve.engine.models.registry import model_class_for
 
 # tokens that close a chat turn, added to the stop ids when the chat template writes them
 TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# gpt-oss's harmony format (a template with channels): <|end|> closes each message of a reply (its
+# analysis, then its final answer), whose turn ends at <|return|>, or at <|call|> for a tool call
+HARMONY_TURN_END_TOKENS = ("<|return|>", "<|call|>")
 
 
 def load_hf_config(src: ModelSource):
@@ -50,7 +53,10 @@ def load_generation_eos(src: ModelSource, hf_config, tokenizer) -> list[int]:
     candidates += _as_list(tokenizer.eos_token_id)
     template = getattr(tokenizer, "chat_template", None) or ""
     vocab = tokenizer.get_vocab()
-    candidates += [vocab[token] for token in TURN_END_TOKENS if token in template and token in vocab]
+    if "<|channel|>" in template:
+        candidates += [vocab[token] for token in HARMONY_TURN_END_TOKENS if token in vocab]
+    else:
+        candidates += [vocab[token] for token in TURN_END_TOKENS if token in template and token in vocab]
     return list(dict.fromkeys(candidates))
 
 

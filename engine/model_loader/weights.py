@@ -1,7 +1,8 @@
 """Checkpoint-named tensors into a model's parameters: ``load_named_weights`` routes each tensor
 to its parameter's ``weight_loader``, through the model's ``packed_modules_mapping`` for the
-fused projections (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and its ``expert_names`` for the
-experts of a mixture. Real checkpoints (``loader``) and seeded random weights (``models``) both
+fused projections (q/k/v -> qkv_proj, gate/up -> gate_up_proj), its ``fused_checkpoint_parts``
+where the checkpoint itself stores them fused (Phi-3), and its ``expert_names`` for the experts of
+a mixture. Real checkpoints (``loader``) and seeded random weights (``models``) both
 load through here.
 """
 
@@ -21,23 +22,47 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     tied = bool(getattr(model, "tie_word_embeddings", False))
     expected = _expected_loads(model, params)
     loaded = set()
+    if hasattr(model, "transform_checkpoint"):  # tensors stored as something else (gpt-oss's MXFP4)
+        weights = model.transform_checkpoint(weights)
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
-        target, shard_id = _route(model, name)
-        if target not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
-        param = params[target]
-        loader = getattr(param, "weight_loader", _default_weight_loader)
-        with torch.no_grad():
-            if shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
-        loaded.add((target, shard_id))
+        for target, shard_id, part in _parts(model, name, tensor):
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+            param = params[target]
+            loader = getattr(param, "weight_loader", _default_weight_loader)
+            with torch.no_grad():
+                if shard_id is None:
+                    loader(param, part)
+                else:
+                    loader(param, part, shard_id)
+            loaded.add((target, shard_id))
     missing = sorted(f"{t}[{s}]" if s is not None else t for t, s in expected - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weight(s), e.g. {missing[:5]}")
+
+
+def _parts(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, object, torch.Tensor]]:
+    """(parameter name, shard id, tensor) for each part of a checkpoint tensor: one, unless the
+    checkpoint stores a fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) that the model's
+    ``fused_checkpoint_parts`` cuts into the shards its layer loads one by one."""
+    fused = _fused_parts(model, name)
+    if fused is None:
+        return [(*_route(model, name), tensor)]
+    if tensor.shape[0] != sum(rows for _, rows in fused):
+        raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows; its parts "
+                         f"{[shard for shard, _ in fused]} need {sum(rows for _, rows in fused)}")
+    pieces = tensor.split([rows for _, rows in fused])
+    return [(name, shard, piece) for (shard, _), piece in zip(fused, pieces, strict=True)]
+
+
+def _fused_parts(model: nn.Module, name: str) -> list[tuple[object, int]] | None:
+    """The model's (shard id, full rows) list for the fused module ``name`` belongs to, or None."""
+    parts = getattr(model, "fused_checkpoint_parts", None)
+    if parts is None:
+        return None
+    return next((shards for module, shards in parts().items() if f".{module}." in name), None)
 
 
 def _route(model: nn.Module, name: str) -> tuple[str, object]:
@@ -63,6 +88,7 @@ def _expected_loads(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tu
             expected |= {(name, shard) for shard in param.checkpoint_shards}
             continue
         shards = [shard for target, shard in packed.values() if f".{target}." in name]
+        shards += [shard for shard, _ in _fused_parts(model, name) or []]
         expected |= {(name, shard) for shard in shards} if shards else {(name, None)}
     return expected
 

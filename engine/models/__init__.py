@@ -14,13 +14,18 @@ from torch import nn
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import AttentionBackend, create_attention_backend
 from kvserve.engine.models import (  # noqa: F401 - they register
+    gemma2,
+    gemma3,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
+    phi3,
     qwen2,
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    smollm3,
 )
 from kvserve.engine.models.registry import model_class_for
 

@@ -28,8 +28,8 @@ def head_dim_of(config) -> int:
 
 class LlamaAttention(nn.Module):
     in_decode_row = True  # decode_row.c computes this class's forward (models/decode_row.py)
-    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, *,
-                 sliding_window: int | None = None):
+    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, **variant):
+        """``variant``: the attention variant's keywords for ``create_impl`` (``sliding_window``, ...)."""
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
@@ -42,9 +42,15 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * head_dim, config.hidden_size,
             bias=self.out_bias(config), parallel=parallel,
         )
-        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5,
-                                   **({} if sliding_window is None else {"sliding_window": sliding_window}))
-        self.attn = Attention(impl)
+        scale = self.scale_of(config)
+        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, scale, **variant)
+        # sinks (gpt-oss): the layer owns its heads' logits, from this rank's first head on
+        self.attn = Attention(impl, sinks=parallel.rank * self.num_heads if impl.has_sinks else None)
+
+    @staticmethod
+    def scale_of(config) -> float:
+        """The factor of q.k (Gemma's ``query_pre_attn_scalar`` sets its own)."""
+        return head_dim_of(config) ** -0.5
 
     @staticmethod
     def qkv_bias(config) -> bool:
@@ -92,9 +98,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int = 0):
         super().__init__()
-        window = self.sliding_window(config, layer_idx)
-        self.self_attn = self.attention_class(config, backend, parallel,
-                                              **({} if window is None else {"sliding_window": window}))
+        self.self_attn = self.make_attention(config, backend, parallel, layer_idx)
         self.mlp = self.make_mlp(config, parallel, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -108,6 +112,13 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, cos, sin, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def make_attention(self, config, backend: AttentionBackend, parallel: ParallelContext,
+                       layer_idx: int) -> nn.Module:
+        """The layer's attention (families whose layers differ, by RoPE or window, choose it per layer)."""
+        window = self.sliding_window(config, layer_idx)
+        return self.attention_class(config, backend, parallel,
+                                    **({} if window is None else {"sliding_window": window}))
 
     @staticmethod
     def sliding_window(config, layer_idx: int) -> int | None:
@@ -131,7 +142,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            head_dim_of(config), config.max_position_embeddings, rope_parameters(config)
+            self.rotary_dim(config), config.max_position_embeddings, rope_parameters(config)
         )
         self._decode_row = False  # not decided yet (``decode_row``)
 
@@ -147,6 +158,11 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    @staticmethod
+    def rotary_dim(config) -> int:
+        """How many features of each head turn (Phi-4-mini turns a part)."""
+        return head_dim_of(config)
 
     def decode_row(self):
         """The fused one-token step over these layers (``models/decode_row.py``), or None when

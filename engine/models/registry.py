@@ -22,12 +22,17 @@ def register_model(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def model_class_for(hf_config) -> type[nn.Module]:
-    """The registered class of the config's architecture; refuses what we cannot run."""
+    """The registered class of the config's architecture; refuses what we cannot run: the window
+    check below, then the class's own ``refuse_unsupported(hf_config)`` where it has one (a
+    ValueError naming the architecture and the feature)."""
     architectures = getattr(hf_config, "architectures", None) or []
     for name in architectures:
         if name in MODEL_REGISTRY:
+            cls = MODEL_REGISTRY[name]
             _refuse_unsupported_features(hf_config, name)
-            return MODEL_REGISTRY[name]
+            if hasattr(cls, "refuse_unsupported"):
+                cls.refuse_unsupported(hf_config)
+            return cls
     raise ValueError(
         f"model architecture {architectures or 'unknown'} is not supported; "
         f"supported architectures: {list(SUPPORTED_ARCHITECTURES)}"

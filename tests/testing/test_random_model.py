@@ -34,3 +34,13 @@ def test_kvserve_and_transformers_agree_on_greedy_tokens_of_a_random_model_direc
         ids = hf.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
         assert list(out.token_ids) == ids[0, len(prompt) :].tolist()
     assert outs[0].text.split()[0].startswith("<t")
+
+
+def test_the_2026_families_realistic_shapes_have_their_released_parameter_counts():
+    from kvserve.engine.model_loader.checkpoint import checkpoint_shapes
+
+    released = {"smollm3-3b": 3.08e9, "phi3-mini": 3.82e9, "gemma2-2b": 2.61e9, "gemma3-1b": 1.00e9,
+                "gpt-oss-20b": 20.91e9}
+    for name, count in released.items():
+        params = sum(math.prod(shape) for shape in checkpoint_shapes(make_config(name)).values())
+        assert abs(params - count) < 0.01 * count, name

@@ -196,14 +196,33 @@ class AttentionBackend(ABC):
 
 
 class Attention(nn.Module):
-    """A model's attention layer: runs its impl over this layer's slice of the KV cache."""
+    """A model's attention layer: runs its impl over this layer's slice of the KV cache.
 
-    def __init__(self, impl: AttentionImpl):
+    ``sinks``: for an impl made with ``sinks=True``, the index of this rank's first head in the
+    checkpoint's per-head sinks (``rank * num_heads``); the layer then owns ``sinks``, the logits
+    of its ``impl.num_heads`` heads, which load from the checkpoint's ``...self_attn.sinks``."""
+
+    def __init__(self, impl: AttentionImpl, sinks: int | None = None):
         super().__init__()
+        if impl.has_sinks != (sinks is not None):
+            raise ValueError("an attention impl with sinks needs Attention(impl, sinks=first head), "
+                             "and only such an impl takes sinks")
         self.impl = impl
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.kv_group = 0  # the KV cache group whose block tables this layer's cache is read with
+        self.sinks = None
+        if sinks is not None:
+            self.sinks = nn.Parameter(torch.zeros(impl.num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+            self._first_head = sinks
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        heads = param.shape[0]
+        if loaded.dim() != 1 or loaded.shape[0] < self._first_head + heads:
+            raise ValueError(f"checkpoint sinks of shape {tuple(loaded.shape)} lack heads "
+                             f"{self._first_head}..{self._first_head + heads - 1}")
+        param.data.copy_(loaded[self._first_head : self._first_head + heads])
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, group: int = 0) -> None:
         self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, group
@@ -212,6 +231,8 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         if meta.group_metadata is not None:  # models pass the step's; the layer reads its group's
             meta = meta.group_metadata[self.kv_group]
+        if self.sinks is not None:
+            return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta, sinks=self.sinks)
         return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta)
 
 

@@ -58,6 +58,7 @@ from kvserve.engine.layers.attention.cpu_plans import (
     plan_prefill,
 )
 from kvserve.engine.layers.attention.kv_quant import dequantize_rows, quantize_rows
+from kvserve.engine.layers.attention.variants import eager_attention, soft_cap, softmax_with_sinks
 from kvserve.engine.model_input import ModelInput
 from kvserve.kernels.cpu.abi import cache_row_width
 from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for, load_kernels
@@ -127,7 +128,9 @@ def kernel_prefill_context(kv_cache_dtype: str = "auto") -> int:
 class CpuAttentionBackend(AttentionBackend):
     name = "torch"
     kv_cache_dtypes = ("auto", "int8")
-    variants = frozenset({"sliding_window"})  # in the torch ops and the C kernel (not the fused decode step)
+    # the window in the torch ops and the C kernel (not the fused decode step); the soft cap and
+    # sinks in the torch ops only (layers/attention/variants.py): a layer with either stays off C
+    variants = frozenset({"sliding_window", "logits_soft_cap", "sinks"})
 
     def __init__(self, block_size: int, prefill_in_kernel: bool | None = None, kv_cache_dtype: str = "auto"):
         super().__init__(block_size, kv_cache_dtype)
@@ -196,10 +199,11 @@ class CpuAttentionImpl(AttentionImpl):
 
     @property
     def attends_in_c(self) -> bool:
-        return self._kernel_shapes
+        return self._kernel_shapes and self.logits_soft_cap is None and not self.has_sinks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: CpuAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: CpuAttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         kernels = kernels_for(q, k, v, out)  # CPU, one supported dtype: the C kernels
         if kernels is not None and not (CpuKernels.takes_caches(q.dtype, k_cache, v_cache)
@@ -217,12 +221,12 @@ class CpuAttentionImpl(AttentionImpl):
         else:
             if meta.plan_decode is not None:
                 decode = meta.decode_plan(self.sliding_window)
-                parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g)
+                parts = [self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g, sinks)
                          for g in decode.groups]
                 out.index_copy_(0, decode.tokens, parts[0] if len(parts) == 1 else torch.cat(parts))
             plans = meta.prefill_plans(False, self.sliding_window)
         for plan in plans:
-            out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan)
+            out[plan.start : plan.end] = self._prefill(q, k, v, k_cache, v_cache, plan, sinks)
         return out
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -248,7 +252,7 @@ class CpuAttentionImpl(AttentionImpl):
         v_cache.view(self.num_kv_heads, -1, width).index_copy_(1, slots, v.transpose(0, 1))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                group: DecodeGroup) -> torch.Tensor:
+                group: DecodeGroup, sinks: torch.Tensor | None) -> torch.Tensor:
         """Attention of n one-token queries over their padded contexts.
 
         One gather per cache gives [kv_heads * n, L, D]; the query heads that share a KV head
@@ -269,23 +273,29 @@ class CpuAttentionImpl(AttentionImpl):
         rows = (q * self.scale).view(n, kv_heads, group_size, d).transpose(0, 1)
         rows = rows.reshape(kv_heads * n, group_size, d)
         scores = torch.bmm(rows, keys.transpose(1, 2)).view(kv_heads, n, group_size, length)
+        scores = soft_cap(scores, self.logits_soft_cap)
         if group.key_bias is not None:
             scores = scores + group.key_bias  # float32 from here: the softmax runs in float32
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        head_sinks = None if sinks is None else sinks.view(kv_heads, 1, group_size, 1)
+        probs = softmax_with_sinks(scores, head_sinks).to(q.dtype)
         out = torch.bmm(probs.view(kv_heads * n, group_size, length), values)
         return out.view(kv_heads, n, group_size, d).transpose(0, 1).reshape(n, self.num_heads, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
+                 v_cache: torch.Tensor, plan: PrefillPlan, sinks: torch.Tensor | None) -> torch.Tensor:
         if not plan.from_cache:
             # (over an int8 cache, k and v hold what the cache holds: see _store)
             keys = k[plan.start : plan.end].transpose(0, 1)
             values = v[plan.start : plan.end].transpose(0, 1)
         else:
             keys, values = (self._context(cache, plan, q.dtype) for cache in (k_cache, v_cache))
+        queries = q[plan.start : plan.end].transpose(0, 1)
+        if self.logits_soft_cap is not None or sinks is not None:  # variants SDPA lacks
+            return eager_attention(queries, keys, values, plan.mask, self.scale, self.logits_soft_cap,
+                                   sinks).transpose(0, 1)
         # 4-D inputs, or CPU SDPA falls back from its flash kernel to the slow math path
         out = F.scaled_dot_product_attention(
-            q[plan.start : plan.end].transpose(0, 1)[None], keys[None], values[None],
+            queries[None], keys[None], values[None],
             attn_mask=plan.mask, is_causal=plan.mask is None, scale=self.scale,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )

@@ -16,8 +16,10 @@ def test_plain_impl_has_no_variant():
 
 @pytest.mark.parametrize("variant", [{"logits_soft_cap": 50.0}, {"sinks": True}])
 def test_unimplemented_variant_is_refused_by_name(variant):
-    with pytest.raises(ValueError, match=f"{next(iter(variant))} is not implemented by the torch"):
-        CpuAttentionBackend(block_size=4).create_impl(4, 2, 8, 0.25, **variant)
+    from kvserve.engine.layers.attention.triton_backend import TritonAttentionBackend
+
+    with pytest.raises(ValueError, match=f"{next(iter(variant))} is not implemented by the triton"):
+        TritonAttentionBackend(block_size=16).create_impl(4, 2, 8, 0.25, **variant)
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, True])

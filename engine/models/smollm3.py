@@ -1,0 +1,50 @@
+"""SmolLM3: the Llama decoder in which some layers use no rotary embedding at all.
+
+``no_rope_layers[i]`` is 1 where layer i rotates q and k, 0 where it leaves them as projected
+(transformers' default: every fourth layer, ``no_rope_layer_interval``). A window, when
+``use_sliding_window`` turns one on, sits on the layers ``layer_types`` marks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine.distributed.parallel import ParallelContext
+from kvserve.engine.layers.attention.backend import AttentionBackend
+from kvserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from kvserve.engine.models.registry import register_model
+from kvserve.engine.models.variants import layer_window
+
+
+class SmolLM3Attention(LlamaAttention):
+    """Llama's attention; ``use_rope`` False: q and k go to attention unrotated."""
+
+    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int):
+        window = layer_window(config, layer_idx)
+        super().__init__(config, backend, parallel, **({"sliding_window": window} if window else {}))
+        self.use_rope = bool(config.no_rope_layers[layer_idx])
+
+    def project_qkv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if self.use_rope:
+            return super().project_qkv(hidden, cos, sin)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
+
+class SmolLM3DecoderLayer(LlamaDecoderLayer):
+    attention_class = SmolLM3Attention
+
+    def make_attention(self, config, backend, parallel, layer_idx):
+        return SmolLM3Attention(config, backend, parallel, layer_idx)
+
+
+class SmolLM3Model(LlamaModel):
+    layer_class = SmolLM3DecoderLayer
+
+
+@register_model
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    model_class = SmolLM3Model
+    supports_sliding_window = True  # the registry lets its configs' windows through
