@@ -1,0 +1,159 @@
+/* The GGUF block dots of kquant.c on AVX512-VNNI (kquant.h): vpdpbusd multiplies unsigned weight
+ * bytes by signed activation bytes and sums each four products into an int32 lane in one
+ * instruction; a K-quant superblock takes 4 of them (two sub-blocks a vector), the lanes weighted
+ * by their sub-block's scale in integers, then one float multiply per superblock. Intel Cascade
+ * Lake and Ice Lake Xeons have VNNI without AVX512-BF16; every AVX-512 class kvserve builds for
+ * takes this file (testing/process.py CLASSES). */
+#include "kquant.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#include <immintrin.h>
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 32 bytes at p in the low half, 32 at q in the high half */
+static inline __m512i pair(const void *p, const void *q) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load32(p)), load32(q), 1);
+}
+
+/* int32 a in the low 8 lanes, b in the high 8 */
+static inline __m512i halves(int a, int b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b), 1);
+}
+
+static float dot_q4_0(const uint8_t *w, const kq_act_t *a, int k) {
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.f;
+    for (int b = 0; b < k / 32; ++b) {
+        const uint8_t *blk = w + 18 * b;
+        const kq_act_t *A = a + b / 8;
+        const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v, load32(A->qs + (b % 8) * 32));
+        const float d = half_at(blk) * A->d;
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc);
+        off += d * (float)(8 * (A->bsums[(b % 8) * 2] + A->bsums[(b % 8) * 2 + 1]));
+    }
+    return hsum8(acc) - off;
+}
+
+static float dot_q8_0(const uint8_t *w, const kq_act_t *a, int k) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < k / 32; ++b) {
+        const uint8_t *blk = w + 34 * b;
+        const __m256i q = load32(blk + 2), x = load32(a[b / 8].qs + (b % 8) * 32);
+        /* |q| times x with q's sign: vpdpbusd wants its first operand unsigned */
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half_at(blk) * a[b / 8].d), acc);
+    }
+    return hsum8(acc);
+}
+
+/* Q4_K, and Q5_K where five. A 64-byte load holds two 32-byte chunks: its low nibbles are
+ * sub-blocks 4h and 4h + 2, its high nibbles 4h + 1 and 4h + 3; Q5_K adds 16 where bit j of
+ * qh[l] is set (j the sub-block) */
+static inline float dot_k45(const uint8_t *w, const kq_act_t *a, int k, const int five) {
+    const int bytes = five ? 176 : 144;
+    const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    __m512 acc = _mm512_setzero_ps();
+    float mins = 0.f;
+    for (int i = 0; i < k / KQ_BLOCK; ++i) {
+        const uint8_t *blk = w + (int64_t)bytes * i, *qs = blk + (five ? 48 : 16);
+        const int8_t *x = a[i].qs;
+        int sc[8], m[8], macc = 0;
+        for (int j = 0; j < 8; ++j) {
+            kq_scale_min(j, blk + 4, &sc[j], &m[j]);
+            macc += m[j] * (a[i].bsums[2 * j] + a[i].bsums[2 * j + 1]);
+        }
+        const __m512i qh = five ? _mm512_broadcast_i64x4(load32(blk + 16)) : _mm512_setzero_si512();
+        __m512i sums = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+            const int j = 4 * h;
+            const __m512i q = _mm512_loadu_si512(qs + 64 * h);
+            __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+            if (five) {
+                const __m512i bit_lo = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)),
+                                                          _mm256_set1_epi8((char)(1 << (j + 2))), 1);
+                const __m512i bit_hi = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (j + 1))),
+                                                          _mm256_set1_epi8((char)(1 << (j + 3))), 1);
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit_lo), lo, sixteen);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, bit_hi), hi, sixteen);
+            }
+            const __m512i p_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, pair(x + 32 * j, x + 32 * (j + 2)));
+            const __m512i p_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, pair(x + 32 * (j + 1), x + 32 * (j + 3)));
+            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(p_lo, halves(sc[j], sc[j + 2])));
+            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(p_hi, halves(sc[j + 1], sc[j + 3])));
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a[i].d * half_at(blk)), acc);
+        mins += a[i].d * half_at(blk + 2) * (float)macc;
+    }
+    return _mm512_reduce_add_ps(acc) - mins;
+}
+
+static float dot_q4_k(const uint8_t *w, const kq_act_t *a, int k) { return dot_k45(w, a, k, 0); }
+static float dot_q5_k(const uint8_t *w, const kq_act_t *a, int k) { return dot_k45(w, a, k, 1); }
+
+/* Q6_K: per 128 values, 64 bytes of low 4 bits (their low nibbles are values 0-63 in order, their
+ * high nibbles 64-127) and 32 bytes of high 2 bits (bits 2p of qh[l], part p = 32 values); values
+ * 0..63, the offset of 32 taken off through the block sums; int32 lane L sums values 4L..4L+3,
+ * which share scale group L / 4 */
+static float dot_q6_k(const uint8_t *w, const kq_act_t *a, int k) {
+    const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
+    const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < k / KQ_BLOCK; ++i) {
+        const uint8_t *blk = w + 210 * i;
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m512i sc = _mm512_cvtepi8_epi32(sc8);
+        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a[i].bsums), _mm256_cvtepi8_epi16(sc8));
+        __m512i sums = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
+        for (int n = 0; n < 2; ++n) {
+            const __m512i ql = _mm512_loadu_si512(blk + 64 * n);
+            const __m512i qh = _mm512_broadcast_i64x4(load32(blk + 128 + 32 * n));
+            const __m512i hb_lo = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_lo), two), 4);
+            const __m512i hb_hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_hi), two), 4);
+            const __m512i v_lo = _mm512_or_si512(_mm512_and_si512(ql, low), hb_lo);
+            const __m512i v_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low), hb_hi);
+            const __m512i p_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v_lo, _mm512_loadu_si512(a[i].qs + 128 * n));
+            const __m512i p_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v_hi, _mm512_loadu_si512(a[i].qs + 128 * n + 64));
+            const __m512i s_lo = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(8 * n)), sc);
+            const __m512i s_hi = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(8 * n + 4)), sc);
+            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(p_lo, s_lo));
+            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(p_hi, s_hi));
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a[i].d * half_at(blk + 208)), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+kq_dot_fn kq_dot_avx512(int type) {
+    switch (type) {
+        case GGML_Q4_0: return dot_q4_0;
+        case GGML_Q8_0: return dot_q8_0;
+        case GGML_Q4_K: return dot_q4_k;
+        case GGML_Q5_K: return dot_q5_k;
+        case GGML_Q6_K: return dot_q6_k;
+        default: return NULL;
+    }
+}
+#else
+kq_dot_fn kq_dot_avx512(int type) {
+    (void)type;
+    return NULL;
+}
+#endif
