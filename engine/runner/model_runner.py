@@ -138,7 +138,8 @@ class ModelRunner:
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
-        load_weights(self.model, self.source, show_progress=self.parallel.rank == 0)  # one bar, not N
+        load_weights(self.model, self.source, show_progress=self.parallel.rank == 0,  # one bar, not N
+                     gguf_blocks=self.device.type == "cpu" and config.quantization is None)
         if config.quantization is not None:
             quantize_model(self.model, config.quantization, self.device)
         # a verification row computed as a plain decode of it, bit for bit (``RowsAlike``)

@@ -20,7 +20,7 @@ MAX_GROUP = header_constant("MAX_GROUP")
 MAX_FUSED_ROWS = header_constant("MAX_FUSED_ROWS")
 W_INT8 = header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
 W_INT4 = header_constant("W_INT4")  # ... and for int4 weights (a scale and a minimum per INT4_GROUP inputs)
-W_GGUF = header_constant("W_GGUF")  # ... and for GGUF block formats (csrc/kquant.c; the row kernels refuse it)
+W_GGUF = header_constant("W_GGUF")  # ... and for GGUF block formats (csrc/kquant.c; row kernels refuse it)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p

@@ -38,7 +38,8 @@ def random_blocks(ggml_type: int, n_out: int, k: int, seed: int, scale: float = 
 
 
 def reference(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    return torch.from_numpy(dequantize(weight.numpy(), ggml_type).astype(np.float32)).reshape(weight.shape[0], k)
+    values = dequantize(weight.numpy(), ggml_type).astype(np.float32)
+    return torch.from_numpy(values).reshape(weight.shape[0], k)
 
 
 def tolerance(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +123,8 @@ def test_dequantized_rows_equal_the_gguf_package(ggml_type):
     w = reference(weight, ggml_type, k)
     torch.testing.assert_close(KQ.dequantize(weight, ggml_type, k, torch.float32), w, rtol=2e-7, atol=0)
     ids = torch.tensor([10, 0, 3, 3])
-    torch.testing.assert_close(KQ.dequantize(weight, ggml_type, k, torch.bfloat16, ids), w[ids].to(torch.bfloat16))
+    got = KQ.dequantize(weight, ggml_type, k, torch.bfloat16, ids)
+    torch.testing.assert_close(got, w[ids].to(torch.bfloat16))
 
 
 def test_types_and_widths_it_does_not_take_are_refused():
