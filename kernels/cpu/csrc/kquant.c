@@ -81,23 +81,34 @@ static float dot_k45(const uint8_t *w, const kq_act_t *a, int k, int five) {
 static float dot_q4_k(const uint8_t *w, const kq_act_t *a, int k) { return dot_k45(w, a, k, 0); }
 static float dot_q5_k(const uint8_t *w, const kq_act_t *a, int k) { return dot_k45(w, a, k, 1); }
 
-/* Q6_K value v (0..255) of a superblock, 0..63 (the stored offset of 32 not taken off) */
-static inline int q6_value(const uint8_t *ql, const uint8_t *qh, int v) {
-    const int n = v / 128, r = v % 128, l = r % 32, part = r / 32;
-    const uint8_t low = ql[64 * n + l + 32 * (part & 1)];
-    return ((part < 2 ? low & 15 : low >> 4) | (((qh[32 * n + l] >> (2 * part)) & 3) << 4));
+/* the 128 values (0..63, the stored offset of 32 not taken off) of Q6_K chunk n, in order: low 4
+ * bits from 64 bytes (values l and l + 32 in the low nibbles of bytes l and 32 + l, values 64 + l
+ * and 96 + l in their high nibbles), high 2 bits from 32 (bits 2p of byte l for part p) */
+static inline void q6_chunk(const uint8_t *blk, int n, uint8_t v[128]) {
+    const uint8_t *L = blk + 64 * n, *H = blk + 128 + 32 * n;
+    for (int l = 0; l < 32; ++l) {
+        v[l] = (uint8_t)((L[l] & 15) | ((H[l] & 3) << 4));
+        v[l + 32] = (uint8_t)((L[l + 32] & 15) | (((H[l] >> 2) & 3) << 4));
+        v[l + 64] = (uint8_t)((L[l] >> 4) | (((H[l] >> 4) & 3) << 4));
+        v[l + 96] = (uint8_t)((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4));
+    }
 }
 
 static float dot_q6_k(const uint8_t *w, const kq_act_t *a, int k) {
     float sum = 0.f;
     for (int i = 0; i < k / KQ_BLOCK; ++i) {
-        const uint8_t *blk = w + 210 * i, *ql = blk, *qh = blk + 128;
+        const uint8_t *blk = w + 210 * i;
         const int8_t *sc = (const int8_t *)(blk + 192);
         int acc = 0;
-        for (int g = 0; g < 16; ++g) {
-            int s = 0;
-            for (int l = 0; l < 16; ++l) s += q6_value(ql, qh, 16 * g + l) * a[i].qs[16 * g + l];
-            acc += sc[g] * (s - 32 * a[i].bsums[g]);
+        for (int n = 0; n < 2; ++n) {
+            uint8_t v[128];
+            q6_chunk(blk, n, v);
+            for (int g = 0; g < 8; ++g) {
+                const int8_t *x = a[i].qs + 128 * n + 16 * g;
+                int s = 0;
+                for (int l = 0; l < 16; ++l) s += v[16 * g + l] * x[l];
+                acc += sc[8 * n + g] * (s - 32 * a[i].bsums[8 * n + g]);
+            }
         }
         sum += a[i].d * kq_half(blk + 208) * (float)acc;
     }
@@ -224,8 +235,12 @@ static void dequantize_row_f32(const uint8_t *w, int type, int k, float *out) {
         if (type == GGML_Q6_K) {
             const uint8_t *blk = w + 210 * i;
             const float d = kq_half(blk + 208);
-            for (int v = 0; v < KQ_BLOCK; ++v)
-                o[v] = d * (float)((const int8_t *)(blk + 192))[v / 16] * (float)(q6_value(blk, blk + 128, v) - 32);
+            for (int n = 0; n < 2; ++n) {
+                uint8_t v[128];
+                q6_chunk(blk, n, v);
+                for (int j = 0; j < 128; ++j)
+                    o[128 * n + j] = d * (float)((const int8_t *)(blk + 192))[(128 * n + j) / 16] * (float)(v[j] - 32);
+            }
             continue;
         }
         const int five = type == GGML_Q5_K;
