@@ -360,6 +360,7 @@ class LLMEngine:
             "kv_block_size": self.config.block_size,
             "kv_cache_dtype": self.kv_cache_dtype,
             "quantization": self.config.quantization or "",
+            "weight_formats": self.executor.weight_formats,
         }
 
     @property

@@ -137,3 +137,22 @@ def gguf_weight(param: torch.Tensor, parts: list[tuple[int, GGUFTensor]]) -> GGU
 def row_offset(param: torch.Tensor, dst: torch.Tensor) -> int:
     """The first row of ``param`` that ``dst`` (a narrowed view of it) starts at."""
     return (dst.storage_offset() - param.storage_offset()) // param.stride(0)
+
+
+def weight_formats(model: torch.nn.Module) -> list[str]:
+    """What each kind of weight is multiplied in, over every layer: ``"<name>=<formats>"`` per
+    projection name (``qkv_proj``, ``down_proj``, ``lm_head``, ...), the formats a GGUF type kept as
+    stored (``Q4_K``), ``int8``/``int4`` (``--quantization``) or the float dtype, comma-separated."""
+    kinds: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        kind = name.rpartition(".")[2]
+        quantized = getattr(module, "quantized", None)
+        if isinstance(quantized, GGUFWeight):
+            kinds.setdefault(kind, set()).update(quantized.formats())
+        elif quantized is not None:
+            kinds.setdefault(kind, set()).add(quantized.method)
+        elif isinstance(getattr(module, "table", None), GGUFTensor):
+            kinds.setdefault(kind, set()).add(ggml_name(module.table.ggml_type))
+        elif hasattr(module, "quantized") or hasattr(module, "table"):  # float linears, embeddings
+            kinds.setdefault(kind, set()).add(str(module.weight.dtype).removeprefix("torch."))
+    return [f"{kind}={','.join(sorted(formats))}" for kind, formats in sorted(kinds.items())]

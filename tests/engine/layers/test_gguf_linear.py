@@ -142,6 +142,9 @@ def test_greedy_tokens_equal_the_dequantized_weights_up_to_the_first_near_tie(tm
     embed, head = runner.model.model.embed_tokens, runner.model.lm_head
     assert isinstance(embed.table, GGUFTensor)
     assert head.quantized.formats() == (["Q8_0"] if tied else ["Q6_K"])
+    assert runner.weight_formats == [  # ModelInfo's weight_formats
+        "down_proj=Q4_0", f"embed_tokens={'Q8_0' if tied else 'Q4_K'}", "gate_up_proj=Q5_K,Q8_0",
+        f"lm_head={'Q8_0' if tied else 'Q6_K'}", "o_proj=Q4_K", f"qkv_proj=Q4_K,Q6_K,{dtype}"]
     runner.shutdown()
     # a near-tie: a runner-up within 4 times that RMS change of the reference's choice
     first_tie = next((i for i, m in enumerate(margins) if m < 4 * moved), len(margins))
@@ -164,3 +167,17 @@ def test_block_tensors_are_views_of_the_mapped_file(tmp_path):
     spans = [tuple(int(a, 16) for a in m.split("-")) for m in maps]
     assert any(lo <= down.data.data_ptr() < hi for lo, hi in spans)
     runner.shutdown()
+
+
+def test_model_info_reports_the_bundled_files_q8_0_table_as_stored_and_its_q4_1_projections_as_floats():
+    """The bundled file: Q4_1 projections (a type the kernels do not take: dequantized at load) and
+    a Q8_0 embedding, tied to the LM head (kept as stored)."""
+    from kvserve.engine import LLM
+
+    llm = LLM("default", dtype="bfloat16", num_kv_blocks=16, max_model_len=64)
+    try:
+        formats = llm.engine.model_info()["weight_formats"]
+    finally:
+        llm.shutdown()
+    assert formats == ["down_proj=bfloat16", "embed_tokens=Q8_0", "gate_up_proj=bfloat16", "lm_head=Q8_0",
+                       "o_proj=bfloat16", "qkv_proj=bfloat16"]
