@@ -138,6 +138,17 @@ static kq_dot_fn dot_for(int type, int isa) {
 #endif
 }
 
+/* the several-row dots of the best instruction set built here (NULL: none for this type; isa 1:
+ * none, the portable loops one row at a time) */
+static kq_dots_fn dots_for(int type, int isa) {
+#if KQ_ISA == 512
+    return isa == 1 ? NULL : kq_dots_avx512(type);
+#else
+    (void)type, (void)isa;
+    return NULL;
+#endif
+}
+
 /* Which dots kq_matmul runs with isa 0: 512, 256 or 0 (read by kernels/cpu/bindings.py). */
 int kq_isa(void) { return KQ_ISA; }
 
@@ -193,6 +204,7 @@ int kq_quantize(const void *x, int64_t x_stride, int rows, int k, int dtype, voi
 int kq_matmul(const void *w, int64_t row_bytes, int type, int n_out, int k, const void *act, int rows,
               const void *bias, void *y, int64_t y_stride, int dtype, int isa, int num_threads) {
     const kq_dot_fn dot = dot_for(type, isa);
+    const kq_dots_fn dots = dots_for(type, isa);
     const int block = type == GGML_Q4_0 || type == GGML_Q8_0 ? 32 : KQ_BLOCK;
     if (dot == NULL || k <= 0 || k % block || rows < 0 || n_out < 0) return 1;
     const int nb = (k + KQ_BLOCK - 1) / KQ_BLOCK, elem = elem_size(dtype);
@@ -208,7 +220,16 @@ int kq_matmul(const void *w, int64_t row_bytes, int type, int n_out, int k, cons
                 const uint8_t *row = (const uint8_t *)w + (int64_t)n * row_bytes;
                 float b = 0.f;
                 if (bias != NULL) to_float((const char *)bias + (int64_t)n * elem, dtype, &b, 1);
-                for (int m = tm * tile_m; m < m_end; ++m) {
+                int m = tm * tile_m;
+                for (; dots != NULL && m + KQ_ROWS <= m_end; m += KQ_ROWS) {
+                    float v[KQ_ROWS];
+                    dots(row, (const kq_act_t *)act + (int64_t)m * nb, nb, k, v);
+                    for (int r = 0; r < KQ_ROWS; ++r) {
+                        v[r] += b;
+                        from_float(&v[r], 1.f, dtype, (char *)y + ((int64_t)(m + r) * y_stride + n) * elem, 1);
+                    }
+                }
+                for (; m < m_end; ++m) {
                     const float v = dot(row, (const kq_act_t *)act + (int64_t)m * nb, k) + b;
                     from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * y_stride + n) * elem, 1);
                 }

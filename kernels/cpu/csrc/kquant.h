@@ -32,6 +32,11 @@ typedef struct {
  * block) */
 typedef float (*kq_dot_fn)(const uint8_t *w, const kq_act_t *a, int k);
 
+/* a weight row's dots with KQ_ROWS quantized activation rows (row r's blocks at a + r * row_blocks),
+ * each weight vector unpacked once for all of them: out[r] */
+#define KQ_ROWS 4
+typedef void (*kq_dots_fn)(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out);
+
 /* float of an IEEE half at p (unaligned) */
 static inline float kq_half(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -63,5 +68,6 @@ static inline void kq_scale_min(int j, const uint8_t *s, int *sc, int *m) {
 kq_dot_fn kq_dot_portable(int type);
 kq_dot_fn kq_dot_avx2(int type);
 kq_dot_fn kq_dot_avx512(int type);
+kq_dots_fn kq_dots_avx512(int type);
 
 #endif
