@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from kvserve.engine.layers.cpu_matmul import linear as float_linear
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, W_GGUF, Linear
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
 
@@ -87,13 +87,16 @@ class GGUFWeight:
         for start, part in self.parts:
             n = part.shape[0]
             out, b = y[:, start : start + n], None if bias is None else bias[start : start + n]
+            # float products: a decode step's rows each alike whatever rows are beside it, as the float
+            # layers compute them (a speculative verification row gives a plain decode's logits)
             if isinstance(part, torch.Tensor):
-                out.copy_(F.linear(rows, part, b))
+                out.copy_(float_linear(rows, part, b, few_rows=MAX_FUSED_ROWS))
             elif panels:
                 for first in range(0, n, PANEL_ROWS):
                     panel = GGUFTensor(part.data[first : first + PANEL_ROWS], part.ggml_type, part.shape)
                     cols = slice(first, first + panel.data.shape[0])
-                    out[:, cols] = F.linear(rows, panel.dequantize(x.dtype), None if b is None else b[cols])
+                    weight, bias_cols = panel.dequantize(x.dtype), None if b is None else b[cols]
+                    out[:, cols] = float_linear(rows, weight, bias_cols, few_rows=MAX_FUSED_ROWS)
             elif rows.shape[0]:
                 act = kernels.quantize(rows) if act is None else act
                 kernels.matmul(part.data, part.ggml_type, self.k_in, act, out, b)
