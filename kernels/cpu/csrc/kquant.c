@@ -143,6 +143,8 @@ static kq_dot_fn dot_for(int type, int isa) {
 static kq_dots_fn dots_for(int type, int isa) {
 #if KQ_ISA == 512
     return isa == 1 ? NULL : kq_dots_avx512(type);
+#elif KQ_ISA == 256
+    return isa == 1 ? NULL : kq_dots_avx2(type);
 #else
     (void)type, (void)isa;
     return NULL;

@@ -69,5 +69,6 @@ kq_dot_fn kq_dot_portable(int type);
 kq_dot_fn kq_dot_avx2(int type);
 kq_dot_fn kq_dot_avx512(int type);
 kq_dots_fn kq_dots_avx512(int type);
+kq_dots_fn kq_dots_avx2(int type);
 
 #endif
