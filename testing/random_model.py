@@ -26,11 +26,13 @@ SHAPES: dict[str, tuple[str, dict]] = {
         rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True,
     )),
     "qwen3-tiny": ("Qwen3ForCausalLM", dict(
-        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
     )),
     "llama-tiny": ("LlamaForCausalLM", dict(
-        vocab_size=10240, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
+        vocab_size=10240, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=6,
         num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
     )),
     # sliding-window attention: a window on every layer (Mistral), on layers 0 and 2 of 3 (Ministral)
@@ -145,6 +147,32 @@ SHAPES: dict[str, tuple[str, dict]] = {
         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    )),
+    # the sizes CPU users serve from GGUF (``make bench-scale``), after each model's config.json; Llama
+    # 3.2's rope scaling is left out (a GGUF of it carries rope_freqs, which kvserve's reader refuses)
+    "smollm2-1.7b": ("LlamaForCausalLM", dict(
+        vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=130000.0,
+        tie_word_embeddings=True,
+    )),
+    "llama-3.2-1b": ("LlamaForCausalLM", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=True,
+    )),
+    "llama-3.2-3b": ("LlamaForCausalLM", dict(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=True,
+    )),
+    "qwen3-1.7b": ("Qwen3ForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, tie_word_embeddings=True,
     )),
 }  # fmt: skip
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",

@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers-dir", help="where the peers are set up (default $KVSERVE_PEERS_DIR or "
                                        "~/.cache/kvserve-peers)")
     p.add_argument("--llama-gguf", help="the GGUF llama-server loads (default: the bundled model's)")
+    p.add_argument("--vllm-model", help="the Hugging Face directory vLLM loads (default: the bundled model "
+                   "converted by setup)")
     p.add_argument("--server-timeout", type=float, default=900.0, help="seconds a server may take to start")
     p.add_argument("--vllm-dtype", help="vLLM's dtype (default: --dtype); on a CPU without AVX-512 vLLM's "
                                         "float32 beats its bfloat16, so each system runs in its best")
@@ -134,10 +136,12 @@ def check_peers(args: argparse.Namespace) -> setup.PeerPaths:
     """The peers' folder; exits naming what is missing and how to set it up."""
     paths = setup.peers_dir(args.peers_dir)
     peers = [s for s in args.systems if s not in ("kvserve", "engine")]
-    if peers and args.model != "default":
-        raise SystemExit("the peers serve the bundled model only: leave --model at default, or run "
+    own = {"llama.cpp": args.llama_gguf, "vllm": args.vllm_model}  # a peer given the model's files
+    if args.model != "default" and not all(own[s] for s in peers):
+        raise SystemExit("the peers serve the bundled model unless given theirs (--llama-gguf, "
+                         "--vllm-model): leave --model at default, give each peer its files, or run "
                          "--systems kvserve")
-    lacking = {s: setup.missing(s, paths) for s in peers}
+    lacking = {s: setup.missing(s, paths, own[s] is not None) for s in peers}
     lacking = {s: what for s, what in lacking.items() if what}
     if lacking:
         lines = [f"  {s}: missing {', '.join(what)}" for s, what in lacking.items()]
@@ -173,8 +177,10 @@ def started(system: str, args: argparse.Namespace, paths: setup.PeerPaths):
             engine.close()
         return
     if system == "vllm":
-        srv = servers.vllm_server(paths.vllm_python, paths.hf_model, args.vllm_dtype or args.dtype,
-                                  dialects.VLLM_MODEL_NAME, args.server_timeout)
+        model = args.vllm_model or paths.hf_model
+        dtype = args.vllm_dtype or args.dtype
+        srv = servers.vllm_server(paths.vllm_python, model, dtype, dialects.VLLM_MODEL_NAME,
+                                  args.server_timeout)
         stream = dialects.stream_vllm
     else:
         from kvserve.engine.model_loader.source import resolve_model

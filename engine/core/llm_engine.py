@@ -363,6 +363,7 @@ class LLMEngine:
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.config.quantization or "",
             sampling_defaults=sampling_defaults(self.config.model),
+            weight_formats=self.executor.weight_formats,
         )
 
     @property

@@ -4,7 +4,7 @@
 (a ``LocalExecutor``: a ``ModelRunner`` plus ``is_healthy``) and a ``TensorParallelExecutor``
 otherwise. Both offer what the engine uses: ``num_kv_blocks``,
 ``execute_model``, ``vocab_size``, ``hf_config``, ``dtype``, ``device``,
-``attention_backend_name``, ``is_healthy`` and ``shutdown``.
+``attention_backend_name``, ``weight_formats``, ``is_healthy`` and ``shutdown``.
 
 The leader (rank 0) lives in the caller's process; ranks 1..N-1 are spawned worker processes
 (engine/executor/worker.py) on this machine, plus those that ``kvserve worker`` starts on further
@@ -129,6 +129,7 @@ class TensorParallelExecutor:
         self.device: torch.device = runner.device
         self.attention_backend_name: str = runner.attention_backend_name
         self.kv_groups = runner.kv_groups  # the KV cache groups the block manager keeps blocks for
+        self.weight_formats: list[str] = runner.weight_formats
 
     def _spawn_local_workers(self, channel: str) -> WorkerProcesses:
         """Ranks 1..local-1 on this machine (with their shared-memory channel, if it is used)."""

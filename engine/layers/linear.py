@@ -8,8 +8,10 @@
 - ``RowParallelLinear``: the input features are split; partial sums are all-reduced.
 
 Every parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies the
-rank's slice of a full checkpoint tensor into it; the model loader calls it by name. How a layer's
-product is computed on the CPU (which kernel, the packed copies) is ``cpu_matmul``'s.
+rank's slice of a full checkpoint tensor into it; the model loader calls it by name. A GGUF file's
+block-format tensors (``gguf_linear.GGUFTensor``) are sliced the same way and kept as stored:
+``finish_loading`` then makes the layer's weight a ``GGUFWeight``. How a layer's product is
+computed on the CPU (which kernel, the packed copies) is ``cpu_matmul``'s.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from kvserve.engine.distributed.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.engine.layers.cpu_matmul import Packed, RowsAlike, linear
+from kvserve.engine.layers.gguf_linear import GGUFTensor, GGUFWeight, gguf_weight, row_offset
 from kvserve.engine.layers.quantization import QUANTIZERS, QuantizedWeight
 from kvserve.kernels.cpu.abi import PackedWeight
 from kvserve.kernels.cpu.bindings import load_kernels
@@ -49,7 +52,9 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _new_param(output_size)
             self.bias.weight_loader = self.weight_loader
-        self.quantized: QuantizedWeight | None = None  # once quantized (the float weight is gone then)
+        # once quantized, or loaded as GGUF blocks (the float weight is gone then)
+        self.quantized: QuantizedWeight | GGUFWeight | None = None
+        self.gguf_parts: list[tuple[int, GGUFTensor]] = []  # block-format rows loaded, until finish_loading
         self.packed: Packed | None = None  # pack_weight's blocked copy, on the CPU
         self.rows_alike: RowsAlike | None = None  # a speculating runner's switch (``compute_rows_alike``)
 
@@ -68,7 +73,24 @@ class LinearBase(nn.Module):
         self.weight = _new_param(0)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        copy_weight(param.data, loaded)
+        self._load(param, param.data, loaded)
+
+    def _load(self, param: nn.Parameter, dst: torch.Tensor, loaded: torch.Tensor | GGUFTensor) -> None:
+        """``copy_weight(dst, loaded)``; a GGUF tensor is kept as stored, as the rows ``dst`` covers."""
+        if not isinstance(loaded, GGUFTensor):
+            copy_weight(dst, loaded)
+            return
+        if param is not self.weight or tuple(dst.shape) != loaded.shape:
+            raise ValueError(f"checkpoint tensor of shape {loaded.shape} does not fit {tuple(dst.shape)}")
+        self.gguf_parts.append((row_offset(param.data, dst), loaded))
+
+    def finish_loading(self) -> None:
+        """After every tensor is loaded: a weight that got GGUF tensors is kept as a ``GGUFWeight``
+        (its other rows as floats), and the float weight goes."""
+        if self.gguf_parts:
+            self.quantized = gguf_weight(self.weight.data, self.gguf_parts)
+            self.gguf_parts = []
+            self.weight = _new_param(0)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -79,7 +101,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
-        copy_weight(param.data, loaded.narrow(0, self.parallel.rank * size, size))
+        self._load(param, param.data, loaded.narrow(0, self.parallel.rank * size, size))
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -113,7 +135,8 @@ class MergedColumnParallelLinear(LinearBase):
             raise ValueError("a merged linear layer needs the shard id of the loaded part")
         size = self.part_sizes[shard_id]
         offset = sum(self.part_sizes[:shard_id])
-        copy_weight(param.data.narrow(0, offset, size), loaded.narrow(0, self.parallel.rank * size, size))
+        part = loaded.narrow(0, self.parallel.rank * size, size)
+        self._load(param, param.data.narrow(0, offset, size), part)
 
 
 class QKVParallelLinear(LinearBase):
@@ -135,7 +158,7 @@ class QKVParallelLinear(LinearBase):
         offset, size = self.shard_offsets[shard_id]
         head_start = self.parallel.rank * self.num_heads if shard_id == "q" else self.kv_head_start
         part = loaded.narrow(0, head_start * self.head_dim, size)
-        copy_weight(param.data.narrow(0, offset, size), part)
+        self._load(param, param.data.narrow(0, offset, size), part)
 
 
 class RowParallelLinear(LinearBase):
@@ -157,4 +180,4 @@ class RowParallelLinear(LinearBase):
             copy_weight(param.data, loaded)
             return
         size = param.shape[1]
-        copy_weight(param.data, loaded.narrow(1, self.parallel.rank * size, size))
+        self._load(param, param.data, loaded.narrow(1, self.parallel.rank * size, size))

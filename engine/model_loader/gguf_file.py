@@ -1,9 +1,12 @@
 """Reading a GGUF file as a Hugging Face checkpoint: its config and its HF-named float tensors.
 
 A small reader of our own (header, metadata, tensor table, memory-mapped data) keeps start-up
-fast: the big string arrays (vocabulary, merges) are skipped, not decoded, and the common
-block formats (Q4_0, Q4_1, Q8_0) are dequantized with vectorised torch ops. Other block formats
-go through the ``gguf`` package's reference ``dequantize``.
+fast: the big string arrays (vocabulary, merges) are skipped, not decoded. With ``keep_blocks``
+(the CPU, kernels built, no ``--quantization``), the 2-D tensors in the block formats the CPU
+kernels multiply (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) come as ``GGUFTensor`` views of the mapped file,
+kept as stored (engine/layers/gguf_linear.py); every other tensor is dequantized: the common
+block formats (Q4_0, Q4_1, Q8_0) with vectorised torch ops, the others through the ``gguf``
+package's reference ``dequantize``.
 
 llama.cpp stores Llama's q and k projections with the rows of each head interleaved for its
 GPT-J style rotary; ``hf_tensors`` undoes that so the model keeps Hugging Face's rotate-half form.
@@ -18,6 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kvserve.engine.layers.gguf_linear import GGUFTensor
+from kvserve.kernels.cpu.kquant import BLOCK_TYPES
 
 # metadata value types of fixed width: struct format and size
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -55,7 +61,8 @@ class GGUFFile:
 
     def __init__(self, path: str):
         self.path = path
-        self._data = np.memmap(path, dtype=np.uint8, mode="r")
+        # copy-on-write: tensors kept as stored are views of these pages, never written
+        self._data = np.memmap(path, dtype=np.uint8, mode="c")
         self._pos = 0
         if bytes(self._data[:4]) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes)")
@@ -82,6 +89,15 @@ class GGUFFile:
             return torch.from_numpy(raw).view(dtype).reshape(info.shape)
         values = _dequantize(self._block_bytes(info, start), info.ggml_type)
         return values.reshape(info.shape)
+
+    def blocks(self, name: str) -> GGUFTensor:
+        """A 2-D tensor in a format of ``BLOCK_TYPES`` as stored: a view of the mapped file."""
+        info = self.tensors[name]
+        rows, width = info.shape
+        values, size = BLOCK_TYPES[info.ggml_type]
+        start = self._data_start + info.offset
+        data = torch.from_numpy(self._data[start : start + rows * (width // values) * size])
+        return GGUFTensor(data.view(rows, -1), info.ggml_type, (rows, width))
 
     def _block_bytes(self, info: TensorInfo, start: int) -> np.ndarray:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -220,8 +236,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
 
 
-def hf_tensors(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor the model uses, under its Hugging Face name, in Hugging Face layout."""
+def hf_tensors(gguf: GGUFFile, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """Every tensor the model uses, under its Hugging Face name, in Hugging Face layout; with
+    ``keep_blocks``, 2-D tensors of ``BLOCK_TYPES`` as stored (``GGUFFile.blocks``)."""
     meta, arch = gguf.metadata, gguf.architecture
     heads = meta[f"{arch}.attention.head_count"]
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
@@ -229,9 +246,16 @@ def hf_tensors(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_tensor_name(gguf_name)
         if name is None:
             continue
-        tensor = gguf.tensor(gguf_name)
+        info = gguf.tensors[gguf_name]
+        as_stored = keep_blocks and len(info.shape) == 2 and info.ggml_type in BLOCK_TYPES
+        tensor = gguf.blocks(gguf_name) if as_stored else gguf.tensor(gguf_name)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            tensor = _unpermute_rotary_rows(tensor, heads if "q_proj" in name else kv_heads)
+            count = heads if "q_proj" in name else kv_heads
+            if as_stored:  # whole rows move: a copy of these two tensors' blocks in the new order
+                order = _unpermute_rotary_rows(torch.arange(info.shape[0]), count)
+                tensor = GGUFTensor(tensor.data[order], tensor.ggml_type, tensor.shape)
+            else:
+                tensor = _unpermute_rotary_rows(tensor, count)
         yield name, tensor
 
 

@@ -18,6 +18,7 @@ from kvserve.engine.model_loader import gguf_file
 from kvserve.engine.model_loader.source import ModelSource
 from kvserve.engine.model_loader.weights import load_named_weights
 from kvserve.engine.models.registry import model_class_for
+from kvserve.kernels.cpu.kquant import kquant_kernels
 
 # tokens that close a chat turn, added to the stop ids when the chat template writes them
 TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -66,13 +67,16 @@ def _as_list(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
 
 
-def load_weights(model: nn.Module, src: ModelSource, show_progress: bool = True) -> None:
-    """Fill ``model`` from the source's checkpoint (GGUF dequantized to the parameters' dtype).
+def load_weights(model: nn.Module, src: ModelSource, show_progress: bool = True,
+                 gguf_blocks: bool = False) -> None:
+    """Fill ``model`` from the source's checkpoint. GGUF: with ``gguf_blocks`` (a CPU model, no
+    ``--quantization``) and the CPU kernels built, the block formats they multiply stay as stored
+    (``gguf_file.hf_tensors``); every other tensor is dequantized to the parameters' dtype.
     ``show_progress``: a progress bar on stderr, shown only when stderr is a terminal."""
     if src.gguf_file:
         gguf = gguf_file.GGUFFile(src.gguf_path)
         total = sum(1 for name in gguf.tensors if gguf_file.hf_tensor_name(name) is not None)
-        weights = gguf_file.hf_tensors(gguf)
+        weights = gguf_file.hf_tensors(gguf, keep_blocks=gguf_blocks and kquant_kernels() is not None)
     else:
         files = sorted(glob.glob(os.path.join(src.path, "*.safetensors")))
         if not files:

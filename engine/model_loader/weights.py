@@ -41,6 +41,9 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     missing = sorted(f"{t}[{s}]" if s is not None else t for t, s in expected - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weight(s), e.g. {missing[:5]}")
+    for module in model.modules():  # layers that got GGUF blocks keep them as stored (gguf_linear.py)
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
 
 
 def _parts(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, object, torch.Tensor]]:

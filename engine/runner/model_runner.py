@@ -34,6 +34,7 @@ from kvserve.engine.layers.attention.backend import (
 )
 from kvserve.engine.layers.cpu_matmul import compute_rows_alike, pack_model_weights
 from kvserve.engine.layers.embed_head import ParallelLMHead
+from kvserve.engine.layers.gguf_linear import weight_formats
 from kvserve.engine.layers.linear import LinearBase
 from kvserve.engine.layers.moe import FusedExperts
 from kvserve.engine.layers.quantization import quantize_model
@@ -142,9 +143,11 @@ class ModelRunner:
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)
         self.kv_groups = model_kv_groups(self.model.attention_layers())  # by each layer's window
-        load_weights(self.model, self.source, show_progress=self.parallel.rank == 0)  # one bar, not N
+        load_weights(self.model, self.source, show_progress=self.parallel.rank == 0,  # one bar, not N
+                     gguf_blocks=self.device.type == "cpu" and config.quantization is None)
         if config.quantization is not None:
             quantize_model(self.model, config.quantization, self.device)
+        self.weight_formats = weight_formats(self.model)  # ModelInfo's: what each weight is multiplied in
         # a verification row computed as a plain decode of it, bit for bit (``RowsAlike``)
         self.rows_alike = compute_rows_alike(self.model) if config.speculative != "off" else None
         # bf16 on the CPU: oneDNN's blocked copies, within the memory the KV cache and the other

@@ -20,6 +20,7 @@ MAX_GROUP = header_constant("MAX_GROUP")
 MAX_FUSED_ROWS = header_constant("MAX_FUSED_ROWS")
 W_INT8 = header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
 W_INT4 = header_constant("W_INT4")  # ... and for int4 weights (a scale and a minimum per INT4_GROUP inputs)
+W_GGUF = header_constant("W_GGUF")  # ... and for GGUF block formats (csrc/kquant.c; row kernels refuse it)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -47,6 +48,10 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "gemm_bf16_available": [],
     "gemm_bf16_quantized": [_P, _P, _I64, _I32, _P, _I32, _I32],
     "gemm_bf16_quantized_available": [],
+    "kq_isa": [],
+    "kq_quantize": [_P, _I64, _I32, _I32, _I32, _P, _I32],
+    "kq_matmul": [_P, _I64, _I32, _I32, _I32, _P, _I32, _P, _P, _I64, _I32, _I32, _I32],
+    "kq_dequantize": [_P, _I64, _I32, _I32, _P, _I32, _P, _I64, _I32, _I32],
 }
 
 

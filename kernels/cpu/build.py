@@ -31,9 +31,10 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-
 LINK_FLAGS = ("-shared", "-fopenmp")
 
 
-def header_constant(name: str) -> int:
-    """A ``#define`` of csrc/common.h: the kernels' shape limits are written once, there."""
-    match = re.search(rf"^#define {name} (\d+)$", (SOURCE_DIR / "common.h").read_text(), re.MULTILINE)
+def header_constant(name: str, header: str = "common.h") -> int:
+    """A ``#define`` of csrc/common.h (or another header of csrc/): the kernels' shape limits and
+    codes are written once, there."""
+    match = re.search(rf"^#define {name} (\d+)$", (SOURCE_DIR / header).read_text(), re.MULTILINE)
     return int(match.group(1))
 
 

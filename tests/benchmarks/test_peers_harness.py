@@ -176,8 +176,15 @@ def test_missing_peers_are_named_with_how_to_set_them_up(tmp_path):
     assert "llama.cpp: missing the llama-server build" in message
     assert "make bench-peers" in message and "--systems kvserve" in message
     assert setup.main(["--check", "--dir", str(tmp_path)]) == 1
-    with pytest.raises(SystemExit, match="bundled model only"):
+    with pytest.raises(SystemExit, match="bundled model unless given theirs"):
         compare.main(["--systems", "vllm", "--model", str(tmp_path), "--peers-dir", str(tmp_path)])
+    # a peer given its model's files (make bench-scale's) needs no converted bundled weights
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--systems", "vllm,llama.cpp", "--model", "m.gguf", "--llama-gguf", "m.gguf",
+                      "--vllm-model", str(tmp_path), "--peers-dir", str(tmp_path)])
+    assert "missing vLLM's virtualenv" in str(exc.value) and "HF weights" not in str(exc.value)
+    assert setup.missing("llama.cpp-tools", setup.peers_dir(str(tmp_path))) == [
+        f"llama-quantize and convert_hf_to_gguf.py ({tmp_path / 'llama.cpp'})"]
 
 
 def test_level_lists_parse():

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from kvserve.engine import LLM, SamplingParams
@@ -16,6 +17,16 @@ def test_qwen3_06b_shape_has_the_parameter_count_of_qwen3_06b():
     assert model_class_for(config).__name__ == "Qwen3ForCausalLM"
     params = sum(math.prod(shape) for shape in checkpoint_shapes(config).values())
     assert 0.59e9 < params < 0.61e9  # 0.6B with tied embeddings
+
+
+@pytest.mark.parametrize(("shape", "billions"), [("smollm2-1.7b", 1.71), ("llama-3.2-1b", 1.24),
+                                                 ("llama-3.2-3b", 3.21), ("qwen3-1.7b", 1.72)])
+def test_the_gguf_benchmark_shapes_have_their_models_parameter_counts(shape, billions):
+    """``make bench-scale``'s shapes, counted as their model cards count them (tied embeddings once)."""
+    from kvserve.engine.model_loader.checkpoint import checkpoint_shapes
+
+    params = sum(math.prod(s) for s in checkpoint_shapes(make_config(shape)).values())
+    assert abs(params / 1e9 - billions) < 0.005
 
 
 def test_kvserve_and_transformers_agree_on_greedy_tokens_of_a_random_model_directory(tmp_path):

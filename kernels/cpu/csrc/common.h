@@ -63,6 +63,8 @@ typedef union { uint32_t u; float f; } bits32;
 #define SB_GROUPS 16
 /* int4 rows' widths are multiples of this (the kernels take x 64 values at a time) */
 #define INT4_WIDTH 64
+/* a GGUF block-format weight (csrc/kquant.c multiplies it; the row kernels and gemm.c refuse it) */
+#define W_GGUF 4
 
 /* int4 weights: superblocks of 16 groups of INT4_GROUP inputs (512 inputs; a row's last one may
  * hold fewer groups, G). vpdpbusd's int32 lanes each sum 4 products; a group's 32 values are 8

@@ -197,7 +197,7 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
 
 /* whether linear_rows_team computes L: int4 weights need AVX512-VNNI and widths a multiple of 64 */
 int linear_takes(const lin_t *L) {
-    return L->kind != W_INT4 || (HAVE_Q8 && int4_layout(L));
+    return L->kind < W_INT4 || (L->kind == W_INT4 && HAVE_Q8 && int4_layout(L));
 }
 
 #elif !HAVE_AVX2_ROWS /* (linear_avx2.c has them there) */

@@ -1,0 +1,97 @@
+"""GGUF at the sizes CPU users serve, made the way they make it (``make bench-scale``,
+docs/performance/gguf_kquants.md): a random-weight checkpoint of a real model's shape
+(``testing.random_model``; the bundled SmolLM2 tokenizer replaces its word-level one, so that
+llama.cpp's converter recognises it and pads the vocabulary), converted to bf16 with llama.cpp's own
+``convert_hf_to_gguf.py`` and quantized with its ``llama-quantize`` (both from the pinned sdist,
+built once: ``benchmarks.peers.setup``'s ``llama.cpp-tools`` step), then served as loaded (no
+``--quantization``) by kvserve and by llama-server, one after the other, through the peers harness;
+``--with-vllm`` adds the bf16 checkpoint served by kvserve and vLLM's CPU build.
+
+Each file is made once under ``--work-dir`` (default ``$KVSERVE_PEERS_DIR/scale/<shape>``), written
+beside its final name and renamed when whole, so a second run only serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from kvserve.benchmarks.peers import compare, setup
+
+SHAPES = ("smollm2-1.7b", "llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b")
+
+
+def checkpoint(shape: str, work: Path) -> Path:
+    """The random Hugging Face directory (bf16 weights, the bundled tokenizer)."""
+    import torch
+
+    from kvserve.engine.model_loader.source import resolve_model
+    from kvserve.engine.tokenizer.load import load_tokenizer
+    from kvserve.testing.random_model import write_random_model
+
+    out = work / "hf"
+    if out.is_dir():
+        return out
+    scratch = work / "hf.partial"
+    shutil.rmtree(scratch, ignore_errors=True)
+    write_random_model(shape, scratch, dtype=torch.bfloat16)
+    load_tokenizer(resolve_model("default")).save_pretrained(scratch)
+    scratch.rename(out)
+    return out
+
+
+def quantized_gguf(paths: setup.PeerPaths, hf: Path, work: Path, quant: str) -> Path:
+    """``hf`` converted by llama.cpp to bf16, then quantized to ``quant`` by llama-quantize."""
+    out = work / f"model-{quant}.gguf"
+    if out.exists():
+        return out
+    bf16 = work / "model-bf16.gguf"
+    if not bf16.exists():
+        partial = bf16.with_suffix(".partial")
+        setup.run([sys.executable, paths.llama_convert, hf, "--outtype", "bf16", "--outfile", partial])
+        partial.rename(bf16)
+    partial = out.with_suffix(".partial")
+    setup.run([paths.llama_quantize, bf16, partial, quant, str(len(os.sched_getaffinity(0)))])
+    partial.rename(out)
+    return out
+
+
+def harness_args(args: argparse.Namespace, model: Path, peer: str, peer_flag: str) -> list[str]:
+    """The peers harness on kvserve and ``peer`` serving ``model`` (the issue's workload: prompts of
+    64-400 tokens, 64 new tokens, one stream and ``--concurrency``'s levels, no open-loop levels)."""
+    return ["--systems", f"kvserve,{peer}", "--model", str(model), peer_flag, str(model),
+            "--peers-dir", str(args.peers_dir), "--concurrency", args.concurrency, "--rates", "none",
+            "--num-requests", str(args.num_requests), "--prompt-len", "64:400", "--output-len", "64",
+            "--dtype", "bfloat16", *(["--json", f"{args.json}.{peer}.json"] if args.json else [])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=SHAPES, default="smollm2-1.7b")
+    ap.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type (Q4_K_M, Q5_K_M, Q6_K, Q8_0)")
+    ap.add_argument("--peers-dir", help="the peers' folder (default $KVSERVE_PEERS_DIR or "
+                    "~/.cache/kvserve-peers)")
+    ap.add_argument("--work-dir", help="where the checkpoint and GGUF files go (default "
+                    "<peers-dir>/scale/<shape>)")
+    ap.add_argument("--concurrency", default="1,16", help="closed-loop levels")
+    ap.add_argument("--num-requests", type=int, default=16, help="requests per level")
+    ap.add_argument("--with-vllm", action="store_true", help="also the bf16 checkpoint: kvserve against vLLM")
+    ap.add_argument("--json", help="results to <JSON>.llama.cpp.json (and <JSON>.vllm.json)")
+    args = ap.parse_args(argv)
+    paths = setup.peers_dir(args.peers_dir)
+    args.peers_dir = paths.root
+    work = Path(args.work_dir) if args.work_dir else paths.root / "scale" / args.shape
+    work.mkdir(parents=True, exist_ok=True)
+    setup.setup_llama_tools(paths)
+    hf = checkpoint(args.shape, work)
+    gguf = quantized_gguf(paths, hf, work, args.quant)
+    print(f"{gguf}: {gguf.stat().st_size / 1e9:.2f} GB", flush=True)
+    status = compare.main(harness_args(args, gguf, "llama.cpp", "--llama-gguf"))
+    if args.with_vllm:
+        setup.setup_vllm(paths)
+        status = status or compare.main(harness_args(args, hf, "vllm", "--vllm-model"))
+    return status

@@ -1,0 +1,161 @@
+"""GGUF block-format weights kept as the file stores them, on the CPU (docs/design/gguf_kquants.md).
+
+The GGUF loader hands a projection's tensors over as ``GGUFTensor`` (uint8 rows of the file's
+blocks, a view of the memory-mapped file: no copy) where kernels/cpu/kquant.py multiplies their
+type (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); the linear layers narrow them to their rank's shard like
+any checkpoint tensor and keep them as parts of a ``GGUFWeight`` (q, k and v, or gate and up, are
+separate tensors of possibly different types in the file: each stays a part of its own; a part
+the file stores in another type arrives as floats and stays a dense part).
+
+In bfloat16 a product quantizes the activation rows once (per 256 values, int8, as llama.cpp
+does) and multiplies every part in its own format into its columns of the output: the few rows of
+a decode and the many of a prefill alike (the kernels tile the rows). In float32, and at more rows
+than ``MAX_FUSED_ROWS`` on CPUs without AVX2 (the kernels' portable dots take fewer), it multiplies
+dequantized panels of ``PANEL_ROWS`` output rows instead: float32 asks for the stored weights'
+exact products, which the activations' int8 rounding (~0.6% of a product) would not give. Without
+the kernels (no compiler) and on GPUs the loader dequantizes every tensor to the serving dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.layers.cpu_matmul import linear as float_linear
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, W_GGUF, Linear
+from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
+
+GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
+              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+PANEL_ROWS = 256  # output rows dequantized at a time where no vector dots were built
+
+
+def ggml_name(ggml_type: int) -> str:
+    return GGML_NAMES.get(ggml_type, f"ggml type {ggml_type}")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A 2-D GGUF tensor as stored: ``data`` uint8 [rows, bytes of a row's blocks] (rows may lie
+    further apart: a shard of columns), ``shape`` (rows, values per row)."""
+
+    data: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
+        """A shard, as ``torch.Tensor.narrow``: rows, or whole blocks of each row's values."""
+        if dim == 0:
+            return GGUFTensor(self.data.narrow(0, start, length), self.ggml_type, (length, self.shape[1]))
+        values, size = BLOCK_TYPES[self.ggml_type]
+        if start % values or length % values:
+            raise ValueError(f"a {ggml_name(self.ggml_type)} tensor of {self.shape[1]} inputs splits only "
+                             f"at whole blocks of {values}: a shard of inputs {start}..{start + length} does "
+                             "not (choose a tensor parallel size that divides the blocks)")
+        data = self.data.narrow(1, start // values * size, length // values * size)
+        return GGUFTensor(data, self.ggml_type, (self.shape[0], length))
+
+    def dequantize(self, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` (all where None) as floats of ``dtype``."""
+        return kquant_kernels().dequantize(self.data, self.ggml_type, self.shape[1], dtype, ids)
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A projection's weight [n_out, k_in] as parts of output rows: (first row, ``GGUFTensor`` or a
+    dense float tensor), in order, covering every row."""
+
+    parts: tuple[tuple[int, GGUFTensor | torch.Tensor], ...]
+    n_out: int
+    k_in: int
+    method = "gguf"
+
+    def formats(self) -> list[str]:
+        """The formats its parts are multiplied in (a GGUF type's name, or a torch dtype's)."""
+        return [ggml_name(p.ggml_type) if isinstance(p, GGUFTensor) else str(p.dtype).removeprefix("torch.")
+                for _, p in self.parts]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` in x's dtype."""
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        kernels = kquant_kernels()
+        y = torch.empty(rows.shape[0], self.n_out, dtype=x.dtype)
+        panels = x.dtype == torch.float32 or (kernels.isa == 0 and rows.shape[0] > MAX_FUSED_ROWS)
+        act = None
+        for start, part in self.parts:
+            n = part.shape[0]
+            out, b = y[:, start : start + n], None if bias is None else bias[start : start + n]
+            # float products: a decode step's rows each alike whatever rows are beside it, as the float
+            # layers compute them (a speculative verification row gives a plain decode's logits)
+            if isinstance(part, torch.Tensor):
+                out.copy_(float_linear(rows, part, b, few_rows=MAX_FUSED_ROWS))
+            elif panels:
+                for first in range(0, n, PANEL_ROWS):
+                    panel = GGUFTensor(part.data[first : first + PANEL_ROWS], part.ggml_type, part.shape)
+                    cols = slice(first, first + panel.data.shape[0])
+                    weight, bias_cols = panel.dequantize(x.dtype), None if b is None else b[cols]
+                    out[:, cols] = float_linear(rows, weight, bias_cols, few_rows=MAX_FUSED_ROWS)
+            elif rows.shape[0]:
+                act = kernels.quantize(rows) if act is None else act
+                kernels.matmul(part.data, part.ggml_type, self.k_in, act, out, b)
+        return y.view(*x.shape[:-1], self.n_out)
+
+    def silu_and_mul(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """None: the caller applies ``silu_and_mul`` to ``linear``'s product (no fused form here)."""
+        return None
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight [n_out, k_in] in ``dtype``."""
+        return torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize(dtype)
+                          for _, p in self.parts])
+
+    def kernel_linear(self, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+        """The C kernels' ``Linear`` of kind ``W_GGUF``, which the row kernels and so the fused
+        decode step refuse (that step then runs per op, through ``linear``)."""
+        first = self.parts[0][1]
+        data = first if isinstance(first, torch.Tensor) else first.data
+        return Linear(data.data_ptr(), 0, W_GGUF, None, None if bias is None else bias.data_ptr(), self.n_out,
+                      self.k_in, None, None)
+
+
+def gguf_weight(param: torch.Tensor, parts: list[tuple[int, GGUFTensor]]) -> GGUFWeight:
+    """The weight of a layer whose float ``param`` [n_out, k_in] got the rows of ``parts`` as GGUF
+    tensors and every other row as floats: those rows become dense parts (copies; the float
+    parameter is dropped after)."""
+    n_out, k_in = param.shape
+    placed: list[tuple[int, GGUFTensor | torch.Tensor]] = []
+    at = 0
+    for start, part in sorted(parts, key=lambda p: p[0]):
+        if start > at:
+            placed.append((at, param[at:start].clone()))
+        placed.append((start, part))
+        at = start + part.shape[0]
+    if at < n_out:
+        placed.append((at, param[at:].clone()))
+    return GGUFWeight(tuple(placed), n_out, k_in)
+
+
+def row_offset(param: torch.Tensor, dst: torch.Tensor) -> int:
+    """The first row of ``param`` that ``dst`` (a narrowed view of it) starts at."""
+    return (dst.storage_offset() - param.storage_offset()) // param.stride(0)
+
+
+def weight_formats(model: torch.nn.Module) -> list[str]:
+    """What each kind of weight is multiplied in, over every layer: ``"<name>=<formats>"`` per
+    projection name (``qkv_proj``, ``down_proj``, ``lm_head``, ...), the formats a GGUF type kept as
+    stored (``Q4_K``), ``int8``/``int4`` (``--quantization``) or the float dtype, comma-separated."""
+    kinds: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        kind = name.rpartition(".")[2]
+        quantized = getattr(module, "quantized", None)
+        if isinstance(quantized, GGUFWeight):
+            kinds.setdefault(kind, set()).update(quantized.formats())
+        elif quantized is not None:
+            kinds.setdefault(kind, set()).add(quantized.method)
+        elif isinstance(getattr(module, "table", None), GGUFTensor):
+            kinds.setdefault(kind, set()).add(ggml_name(module.table.ggml_type))
+        elif hasattr(module, "quantized") or hasattr(module, "table"):  # float linears, embeddings
+            kinds.setdefault(kind, set()).add(str(module.weight.dtype).removeprefix("torch."))
+    return [f"{kind}={','.join(sorted(formats))}" for kind, formats in sorted(kinds.items())]

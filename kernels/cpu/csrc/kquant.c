@@ -1,0 +1,303 @@
+/* GGUF block-format weights multiplied as stored (engine/layers/gguf_linear.py calls these through
+ * kernels/cpu/bindings.py): the activations quantized once per call (kq_quantize), then every
+ * weight row's dot with every activation row (kq_matmul), in tiles of weight rows by activation
+ * rows so that a tile's weight rows stay in cache while the activation rows pass over them; rows
+ * of a weight dequantized (kq_dequantize: embedding lookups, and panels where no vector dots were
+ * built). The dots: kquant_avx512.c (AVX512-VNNI), kquant_avx2.c (AVX2), the portable loops here
+ * (every CPU; also what tests compare the vector paths with). */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kquant.h"
+
+_Static_assert(sizeof(kq_act_t) == KQ_ACT_BYTES, "kq_act_t is KQ_ACT_BYTES (kquant.py reads it)");
+
+/* which vector dots this build has: 512 (AVX512-VNNI), 256 (AVX2), 0 (the portable loops only) */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define KQ_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KQ_ISA 256
+#else
+#define KQ_ISA 0
+#endif
+
+/* ---- the portable dots: integer sums per sub-block, one float multiply per sub-block scale ---- */
+
+static float dot_q4_0(const uint8_t *w, const kq_act_t *a, int k) {
+    float sum = 0.f;
+    for (int b = 0; b < k / 32; ++b) {
+        const uint8_t *blk = w + 18 * b;
+        const kq_act_t *A = a + b / 8;
+        const int8_t *x = A->qs + (b % 8) * 32;
+        int s = 0;
+        for (int l = 0; l < 16; ++l) s += (blk[2 + l] & 15) * x[l] + (blk[2 + l] >> 4) * x[16 + l];
+        s -= 8 * (A->bsums[(b % 8) * 2] + A->bsums[(b % 8) * 2 + 1]);
+        sum += kq_half(blk) * A->d * (float)s;
+    }
+    return sum;
+}
+
+static float dot_q8_0(const uint8_t *w, const kq_act_t *a, int k) {
+    float sum = 0.f;
+    for (int b = 0; b < k / 32; ++b) {
+        const uint8_t *blk = w + 34 * b;
+        const int8_t *q = (const int8_t *)(blk + 2), *x = a[b / 8].qs + (b % 8) * 32;
+        int s = 0;
+        for (int l = 0; l < 32; ++l) s += q[l] * x[l];
+        sum += kq_half(blk) * a[b / 8].d * (float)s;
+    }
+    return sum;
+}
+
+/* Q4_K (fifth bits NULL) and Q5_K: sub-block j's values are the low (j even) or high nibbles of
+ * qs[32 (j / 2) ..], plus 16 for bit j of qh[l] */
+static float dot_k45(const uint8_t *w, const kq_act_t *a, int k, int five) {
+    const int bytes = five ? 176 : 144;
+    float sum = 0.f;
+    for (int i = 0; i < k / KQ_BLOCK; ++i) {
+        const uint8_t *blk = w + (int64_t)bytes * i, *qh = five ? blk + 16 : NULL, *qs = blk + (five ? 48 : 16);
+        int acc = 0, macc = 0;
+        for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            kq_scale_min(j, blk + 4, &sc, &m);
+            const uint8_t *q = qs + 32 * (j / 2);
+            const int8_t *x = a[i].qs + 32 * j;
+            const int shift = 4 * (j & 1);
+            int s = 0;
+            for (int l = 0; l < 32; ++l) {
+                const int v = ((q[l] >> shift) & 15) | (qh ? ((qh[l] >> j) & 1) << 4 : 0);
+                s += v * x[l];
+            }
+            acc += sc * s;
+            macc += m * (a[i].bsums[2 * j] + a[i].bsums[2 * j + 1]);
+        }
+        sum += a[i].d * (kq_half(blk) * (float)acc - kq_half(blk + 2) * (float)macc);
+    }
+    return sum;
+}
+
+static float dot_q4_k(const uint8_t *w, const kq_act_t *a, int k) { return dot_k45(w, a, k, 0); }
+static float dot_q5_k(const uint8_t *w, const kq_act_t *a, int k) { return dot_k45(w, a, k, 1); }
+
+/* the 128 values (0..63, the stored offset of 32 not taken off) of Q6_K chunk n, in order: low 4
+ * bits from 64 bytes (values l and l + 32 in the low nibbles of bytes l and 32 + l, values 64 + l
+ * and 96 + l in their high nibbles), high 2 bits from 32 (bits 2p of byte l for part p) */
+static inline void q6_chunk(const uint8_t *blk, int n, uint8_t v[128]) {
+    const uint8_t *L = blk + 64 * n, *H = blk + 128 + 32 * n;
+    for (int l = 0; l < 32; ++l) {
+        v[l] = (uint8_t)((L[l] & 15) | ((H[l] & 3) << 4));
+        v[l + 32] = (uint8_t)((L[l + 32] & 15) | (((H[l] >> 2) & 3) << 4));
+        v[l + 64] = (uint8_t)((L[l] >> 4) | (((H[l] >> 4) & 3) << 4));
+        v[l + 96] = (uint8_t)((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4));
+    }
+}
+
+static float dot_q6_k(const uint8_t *w, const kq_act_t *a, int k) {
+    float sum = 0.f;
+    for (int i = 0; i < k / KQ_BLOCK; ++i) {
+        const uint8_t *blk = w + 210 * i;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        int acc = 0;
+        for (int n = 0; n < 2; ++n) {
+            uint8_t v[128];
+            q6_chunk(blk, n, v);
+            for (int g = 0; g < 8; ++g) {
+                const int8_t *x = a[i].qs + 128 * n + 16 * g;
+                int s = 0;
+                for (int l = 0; l < 16; ++l) s += v[16 * g + l] * x[l];
+                acc += sc[8 * n + g] * (s - 32 * a[i].bsums[8 * n + g]);
+            }
+        }
+        sum += a[i].d * kq_half(blk + 208) * (float)acc;
+    }
+    return sum;
+}
+
+kq_dot_fn kq_dot_portable(int type) {
+    switch (type) {
+        case GGML_Q4_0: return dot_q4_0;
+        case GGML_Q8_0: return dot_q8_0;
+        case GGML_Q4_K: return dot_q4_k;
+        case GGML_Q5_K: return dot_q5_k;
+        case GGML_Q6_K: return dot_q6_k;
+        default: return NULL;
+    }
+}
+
+/* the dots of the best instruction set built here (isa 0), or the portable ones (isa 1) */
+static kq_dot_fn dot_for(int type, int isa) {
+    if (isa == 1) return kq_dot_portable(type);
+#if KQ_ISA == 512
+    return kq_dot_avx512(type);
+#elif KQ_ISA == 256
+    return kq_dot_avx2(type);
+#else
+    return kq_dot_portable(type);
+#endif
+}
+
+/* the several-row dots of the best instruction set built here (NULL: none for this type; isa 1:
+ * none, the portable loops one row at a time) */
+static kq_dots_fn dots_for(int type, int isa) {
+#if KQ_ISA == 512
+    return isa == 1 ? NULL : kq_dots_avx512(type);
+#elif KQ_ISA == 256
+    return isa == 1 ? NULL : kq_dots_avx2(type);
+#else
+    (void)type, (void)isa;
+    return NULL;
+#endif
+}
+
+/* Which dots kq_matmul runs with isa 0: 512, 256 or 0 (read by kernels/cpu/bindings.py). */
+int kq_isa(void) { return KQ_ISA; }
+
+/* ---- activations ---- */
+
+static void quantize_block(const float *x, int n, kq_act_t *out) {
+    float amax = 0.f;
+    for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    out->d = amax / 127.f;
+    for (int i = 0; i < KQ_BLOCK; ++i) {
+        const float v = i < n ? x[i] * inv : 0.f;
+        out->qs[i] = (int8_t)(v >= 0.f ? (int)(v + 0.5f) : -(int)(0.5f - v));
+    }
+    for (int g = 0; g < KQ_BLOCK / 16; ++g) {
+        int s = 0;
+        for (int l = 0; l < 16; ++l) s += out->qs[16 * g + l];
+        out->bsums[g] = (int16_t)s;
+    }
+}
+
+/* rows of x (dtype, rows x_stride elements apart, k values each) quantized per KQ_BLOCK values
+ * into act: ceil(k / KQ_BLOCK) kq_act_t a row, a short last block zero-padded. 0 on success, 1
+ * for a width that is not a multiple of 32. */
+int kq_quantize(const void *x, int64_t x_stride, int rows, int k, int dtype, void *act, int num_threads) {
+    if (k <= 0 || k % 32) return 1;
+    const int nb = (k + KQ_BLOCK - 1) / KQ_BLOCK;
+    const int elem = elem_size(dtype);
+    const int threads = (int64_t)rows * k >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < rows; ++r) {
+        float buf[KQ_BLOCK];
+        for (int b = 0; b < nb; ++b) {
+            const int n = k - b * KQ_BLOCK < KQ_BLOCK ? k - b * KQ_BLOCK : KQ_BLOCK;
+            to_float((const char *)x + ((int64_t)r * x_stride + (int64_t)b * KQ_BLOCK) * elem, dtype, buf, n);
+            quantize_block(buf, n, (kq_act_t *)act + (int64_t)r * nb + b);
+        }
+    }
+    return 0;
+}
+
+/* ---- products ---- */
+
+/* weight rows per tile, and activation rows per tile beyond the few-row case (a tile of 32 rows'
+ * activations is ~75 KB at k = 2048: it stays in L2 while each weight row of the tile is read) */
+#define KQ_TILE_N 16
+#define KQ_TILE_M 32
+
+/* y[m][n] = dot(weight row n, activation row m) (+ bias[n]) for the rows of act (kq_quantize's,
+ * of width k) and n_out weight rows of ggml type `type`, row_bytes apart (a shard of a wider
+ * tensor may leave gaps); y and bias of dtype, y's rows y_stride elements apart. isa 1: the
+ * portable dots whatever was built (tests). 0 on success, 1 for a type or width it does not take. */
+int kq_matmul(const void *w, int64_t row_bytes, int type, int n_out, int k, const void *act, int rows,
+              const void *bias, void *y, int64_t y_stride, int dtype, int isa, int num_threads) {
+    const kq_dot_fn dot = dot_for(type, isa);
+    const kq_dots_fn dots = dots_for(type, isa);
+    const int block = type == GGML_Q4_0 || type == GGML_Q8_0 ? 32 : KQ_BLOCK;
+    if (dot == NULL || k <= 0 || k % block || rows < 0 || n_out < 0) return 1;
+    const int nb = (k + KQ_BLOCK - 1) / KQ_BLOCK, elem = elem_size(dtype);
+    const int tile_m = rows <= MAX_FUSED_ROWS ? (rows > 0 ? rows : 1) : KQ_TILE_M;
+    const int tiles_n = (n_out + KQ_TILE_N - 1) / KQ_TILE_N, tiles_m = (rows + tile_m - 1) / tile_m;
+    const int threads = (int64_t)n_out * k * (rows > 0 ? rows : 1) >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int tn = 0; tn < tiles_n; ++tn)
+        for (int tm = 0; tm < tiles_m; ++tm) {
+            const int n_end = (tn + 1) * KQ_TILE_N < n_out ? (tn + 1) * KQ_TILE_N : n_out;
+            const int m_end = (tm + 1) * tile_m < rows ? (tm + 1) * tile_m : rows;
+            for (int n = tn * KQ_TILE_N; n < n_end; ++n) {
+                const uint8_t *row = (const uint8_t *)w + (int64_t)n * row_bytes;
+                float b = 0.f;
+                if (bias != NULL) to_float((const char *)bias + (int64_t)n * elem, dtype, &b, 1);
+                int m = tm * tile_m;
+                for (; dots != NULL && m + KQ_ROWS <= m_end; m += KQ_ROWS) {
+                    float v[KQ_ROWS];
+                    dots(row, (const kq_act_t *)act + (int64_t)m * nb, nb, k, v);
+                    for (int r = 0; r < KQ_ROWS; ++r) {
+                        v[r] += b;
+                        from_float(&v[r], 1.f, dtype, (char *)y + ((int64_t)(m + r) * y_stride + n) * elem, 1);
+                    }
+                }
+                for (; m < m_end; ++m) {
+                    const float v = dot(row, (const kq_act_t *)act + (int64_t)m * nb, k) + b;
+                    from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * y_stride + n) * elem, 1);
+                }
+            }
+        }
+    return 0;
+}
+
+/* ---- dequantization ---- */
+
+static void dequantize_row_f32(const uint8_t *w, int type, int k, float *out) {
+    if (type == GGML_Q4_0 || type == GGML_Q8_0) {
+        for (int b = 0; b < k / 32; ++b) {
+            const uint8_t *blk = w + (type == GGML_Q4_0 ? 18 : 34) * b;
+            const float d = kq_half(blk);
+            for (int l = 0; l < 32; ++l)
+                out[32 * b + l] = type == GGML_Q8_0 ? d * (float)(int8_t)blk[2 + l]
+                                                    : d * (float)(((blk[2 + l % 16] >> (4 * (l / 16))) & 15) - 8);
+        }
+        return;
+    }
+    for (int i = 0; i < k / KQ_BLOCK; ++i) {
+        float *o = out + KQ_BLOCK * i;
+        if (type == GGML_Q6_K) {
+            const uint8_t *blk = w + 210 * i;
+            const float d = kq_half(blk + 208);
+            for (int n = 0; n < 2; ++n) {
+                uint8_t v[128];
+                q6_chunk(blk, n, v);
+                for (int j = 0; j < 128; ++j)
+                    o[128 * n + j] = d * (float)((const int8_t *)(blk + 192))[(128 * n + j) / 16] * (float)(v[j] - 32);
+            }
+            continue;
+        }
+        const int five = type == GGML_Q5_K;
+        const uint8_t *blk = w + (five ? 176 : 144) * i, *qs = blk + (five ? 48 : 16);
+        const float d = kq_half(blk), dmin = kq_half(blk + 2);
+        for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            kq_scale_min(j, blk + 4, &sc, &m);
+            for (int l = 0; l < 32; ++l) {
+                const int q = ((qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15) | (five ? ((blk[16 + l] >> j) & 1) << 4 : 0);
+                o[32 * j + l] = d * (float)sc * (float)q - dmin * (float)m;
+            }
+        }
+    }
+}
+
+/* out[i] = row ids[i] of the weight (rows 0 .. n - 1 where ids is NULL) in dtype, out's rows
+ * out_stride elements apart. 0 on success, 1 for a type or width it does not take, 2 when memory
+ * could not be had. */
+int kq_dequantize(const void *w, int64_t row_bytes, int type, int k, const int64_t *ids, int n, void *out,
+                  int64_t out_stride, int dtype, int num_threads) {
+    const int block = type == GGML_Q4_0 || type == GGML_Q8_0 ? 32 : KQ_BLOCK;
+    if (kq_dot_portable(type) == NULL || k <= 0 || k % block) return 1;
+    const int elem = elem_size(dtype);
+    const int threads = (int64_t)n * k >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+    float *bufs = malloc(sizeof(float) * (size_t)k * (size_t)threads);
+    if (bufs == NULL) return 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int i = 0; i < n; ++i) {
+        float *buf = bufs + (size_t)omp_get_thread_num() * (size_t)k;
+        const int64_t r = ids != NULL ? ids[i] : i;
+        dequantize_row_f32((const uint8_t *)w + r * row_bytes, type, k, buf);
+        from_float(buf, 1.f, dtype, (char *)out + (int64_t)i * out_stride * elem, k);
+    }
+    free(bufs);
+    return 0;
+}

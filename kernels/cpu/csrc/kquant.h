@@ -1,0 +1,74 @@
+/* GGUF block formats multiplied as stored (kquant.c drives them; the dots live in kquant.c for
+ * the portable loops, kquant_avx2.c for AVX2 and kquant_avx512.c for AVX512-VNNI). The block
+ * layouts are ggml's (docs/design/gguf_kquants.md); the activations are quantized per KQ_BLOCK
+ * values to int8 with one float scale and the sums of each 16 (what the minimums and offsets of
+ * the weights multiply). */
+#ifndef KVSERVE_KQUANT_H
+#define KVSERVE_KQUANT_H
+#include <stdint.h>
+
+#include "common.h"
+
+/* ggml's type codes (also read by engine/layers/gguf_linear.py) */
+#define GGML_Q4_0 2
+#define GGML_Q8_0 8
+#define GGML_Q4_K 12
+#define GGML_Q5_K 13
+#define GGML_Q6_K 14
+
+/* values per superblock (K-quants) and per activation block */
+#define KQ_BLOCK 256
+
+/* one activation block: int8 values (zeros past a row's end), their scale (value = d q) and the
+ * sums of each 16 values; sizeof(kq_act_t) is KQ_ACT_BYTES (read by kernels/cpu/bindings.py) */
+typedef struct {
+    float d;
+    int8_t qs[KQ_BLOCK];
+    int16_t bsums[KQ_BLOCK / 16];
+} kq_act_t;
+#define KQ_ACT_BYTES 292
+
+/* a weight row's dot with a quantized activation row of k values (k a multiple of the type's
+ * block) */
+typedef float (*kq_dot_fn)(const uint8_t *w, const kq_act_t *a, int k);
+
+/* a weight row's dots with KQ_ROWS quantized activation rows (row r's blocks at a + r * row_blocks),
+ * each weight vector unpacked once for all of them: out[r] */
+#define KQ_ROWS 4
+typedef void (*kq_dots_fn)(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out);
+
+/* float of an IEEE half at p (unaligned) */
+static inline float kq_half(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+    bits32 r;
+    if (exp == 0x1f) {
+        r.u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        r.u = sign | ((exp + 112) << 23) | (man << 13);
+    } else { /* zero or subnormal: man * 2^-24 */
+        r.f = (float)man * 5.9604644775390625e-08f;
+        r.u |= sign;
+    }
+    return r.f;
+}
+
+/* scale and minimum of sub-block j of a Q4_K/Q5_K superblock's 12 scale bytes */
+static inline void kq_scale_min(int j, const uint8_t *s, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* the dots of each instruction set, by type (NULL where a type has none there) */
+kq_dot_fn kq_dot_portable(int type);
+kq_dot_fn kq_dot_avx2(int type);
+kq_dot_fn kq_dot_avx512(int type);
+kq_dots_fn kq_dots_avx512(int type);
+kq_dots_fn kq_dots_avx2(int type);
+
+#endif

@@ -1,0 +1,90 @@
+"""GGUF block-format weights multiplied as stored (csrc/kquant.c, kquant_avx2.c, kquant_avx512.c),
+through the library ``bindings.load_kernels`` built.
+
+A product is two calls: ``quantize`` turns activation rows into int8 blocks of ``KQ_BLOCK`` values
+(a float scale and the sums of each 16 values a block), once per layer input, and ``matmul``
+multiplies a weight (uint8 rows of the file's blocks, e.g. a view of the memory-mapped file) by
+them, writing into a column range of the output, so that q, k and v (or gate and up), each a
+tensor of its own type in the file, share one quantization of their input. ``dequantize`` gives
+rows of a weight as floats (embedding lookups; the panels of CPUs without vector dots).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvserve.kernels.cpu.abi import DTYPES
+from kvserve.kernels.cpu.bindings import load_kernels
+from kvserve.kernels.cpu.build import header_constant
+
+KQ_BLOCK = header_constant("KQ_BLOCK", "kquant.h")
+KQ_ACT_BYTES = header_constant("KQ_ACT_BYTES", "kquant.h")
+
+
+def _code(name: str) -> int:
+    return header_constant(name, "kquant.h")
+
+
+# ggml type -> (values, bytes) per block, for the types csrc/kquant.c multiplies as stored
+BLOCK_TYPES = {_code("GGML_Q4_0"): (32, 18), _code("GGML_Q8_0"): (32, 34),
+               _code("GGML_Q4_K"): (256, 144), _code("GGML_Q5_K"): (256, 176),
+               _code("GGML_Q6_K"): (256, 210)}
+PORTABLE = 1  # ``matmul``'s isa: the portable dots whatever the build has (tests)
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"CPU kernel {name} failed with status {status} "
+                           "(1: a type or width it does not take, 2: out of memory)")
+
+
+class KQuantKernels:
+    """csrc/kquant.c's entry points. ``isa``: which dots ``matmul`` runs: 512 (AVX512-VNNI), 256
+    (AVX2) or 0 (the portable loops: no vector dots were built for this CPU)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self.isa = lib.kq_isa()
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 [rows, blocks * KQ_ACT_BYTES]: the rows of 2-D ``x`` (float32 or bfloat16, last
+        dimension contiguous, width a multiple of 32) quantized per ``KQ_BLOCK`` values."""
+        rows, k = x.shape
+        blocks = -(-k // KQ_BLOCK)
+        act = torch.empty(rows, blocks * KQ_ACT_BYTES, dtype=torch.uint8)
+        _check(self._lib.kq_quantize(x.data_ptr(), x.stride(0), rows, k, DTYPES[x.dtype], act.data_ptr(),
+                                     torch.get_num_threads()), "kq_quantize")
+        return act
+
+    def matmul(self, weight: torch.Tensor, ggml_type: int, k: int, act: torch.Tensor, out: torch.Tensor,
+               bias: torch.Tensor | None = None, isa: int = 0) -> None:
+        """``out[m, n] = <weight row n, activation row m> (+ bias[n])``: ``weight`` uint8 [n_out,
+        row bytes] (rows may be further apart: a shard), ``act`` from ``quantize`` of width ``k``,
+        ``out`` [rows, n_out] of float32 or bfloat16 with a contiguous last dimension (a column
+        slice of a wider output is fine), ``bias`` of out's dtype, contiguous."""
+        n_out, rows = weight.shape[0], act.shape[0]
+        _check(self._lib.kq_matmul(
+            weight.data_ptr(), weight.stride(0), ggml_type, n_out, k, act.data_ptr(), rows,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), DTYPES[out.dtype], isa,
+            torch.get_num_threads()), "kq_matmul")
+
+    def dequantize(self, weight: torch.Tensor, ggml_type: int, k: int, dtype: torch.dtype,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` (int64; every row where None) of ``weight`` as [len(ids), k] of ``dtype``."""
+        n = weight.shape[0] if ids is None else ids.numel()
+        out = torch.empty(n, k, dtype=dtype)
+        ids = None if ids is None else ids.to(torch.int64).contiguous()
+        _check(self._lib.kq_dequantize(weight.data_ptr(), weight.stride(0), ggml_type, k,
+                                       None if ids is None else ids.data_ptr(), n, out.data_ptr(), k,
+                                       DTYPES[dtype], torch.get_num_threads()), "kq_dequantize")
+        return out
+
+
+@functools.cache
+def kquant_kernels() -> KQuantKernels | None:
+    """The kernels (None where ``load_kernels`` has none: no compiler, a failed build, or
+    ``KVSERVE_CPU_KERNELS=0``)."""
+    kernels = load_kernels()
+    return None if kernels is None else KQuantKernels(kernels._lib)

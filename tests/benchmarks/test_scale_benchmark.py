@@ -1,0 +1,32 @@
+"""``make bench-scale`` (benchmarks/scale): the harness flags it passes are the peers harness's, the
+shapes are random_model's, and the llama.cpp tools are a setup step of their own, asked for by name
+(the build itself is the lead's to run: 10+ minutes of both cores)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvserve.benchmarks import scale
+from kvserve.benchmarks.peers import compare, setup
+from kvserve.testing.random_model import SHAPES
+
+
+def test_its_shapes_are_random_model_shapes():
+    assert set(scale.SHAPES) <= set(SHAPES)
+
+
+def test_the_harness_takes_its_flags_for_llama_server_and_vllm(tmp_path):
+    args = argparse.Namespace(peers_dir=tmp_path, concurrency="1,16", num_requests=16, json=None)
+    model = Path("/models/model-Q4_K_M.gguf")
+    parsed = compare.build_parser().parse_args(scale.harness_args(args, model, "llama.cpp", "--llama-gguf"))
+    assert parsed.systems == ["kvserve", "llama.cpp"] and parsed.concurrency == [1, 16] and parsed.rates == []
+    assert parsed.model == parsed.llama_gguf == str(model) and parsed.output_len == (64, 64)
+    parsed = compare.build_parser().parse_args(scale.harness_args(args, tmp_path, "vllm", "--vllm-model"))
+    assert parsed.systems == ["kvserve", "vllm"] and parsed.vllm_model == str(tmp_path)
+
+
+def test_the_tools_step_is_not_part_of_bench_peers(tmp_path):
+    assert "llama.cpp-tools" in setup.STEPS and "llama.cpp-tools" not in setup.DEFAULT_STEPS
+    paths = setup.peers_dir(str(tmp_path))
+    assert paths.llama_quantize == paths.llama_server.with_name("llama-quantize")
