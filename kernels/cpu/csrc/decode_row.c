@@ -44,6 +44,7 @@ typedef struct {
     const void *input_norm, *post_norm; /* [hidden] of norm_dtype */
     lin_t qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* this layer's [kv_heads][num_blocks][block_size] rows (kv_row_bytes) */
+    int rope;                /* 0: q and k go to attention unrotated (SmolLM3's NoPE layers) */
 } row_layer_t;
 
 typedef struct {
@@ -208,7 +209,8 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
             team_barrier(&sync);
 #pragma omp single nowait
             {
-                rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1); /* q and k, side by side */
+                if (L->rope) /* q and k, side by side */
+                    rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1);
                 char *k = qkv + (size_t)heads * D * elem, *v = k + (size_t)kvh * D * elem;
                 store_kv(k, qkv_n, D, v, qkv_n, D, st->slots, R, kvh, D, L->k_cache, L->v_cache, cache_slots, dtype,
                          st->cache_dtype);
