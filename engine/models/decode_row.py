@@ -85,7 +85,7 @@ class DecodeRow:
                     or not computes(mlp)
                     or any(type(norm) is not RMSNorm for norm in norms)
                     or not attn.attn.impl.attends_in_c
-                    or attn.attn.impl.sliding_window is not None  # decode_row.c attends without a window
+                    or attn.attn.kv_group != model.layers[0].self_attn.attn.kv_group  # one block table a row
                     or attn.qkv_proj.parallel.size != 1 or attn.qkv_proj.weight.device.type != "cpu"):
                 return False
         return True
@@ -101,7 +101,8 @@ class DecodeRow:
                 attn = layer.self_attn
                 rows.append(RowLayer(
                     layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                    *linears[4 * i:4 * i + 4], attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr()))
+                    *linears[4 * i:4 * i + 4], attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr(),
+                    attn.attn.impl.sliding_window or 0))
             self._layers = (RowLayer * len(rows))(*rows)
             self._bound_to = bound
             self._any_rows = all(linear.packed for linear in linears)

@@ -127,7 +127,7 @@ def kernel_prefill_context(kv_cache_dtype: str = "auto") -> int:
 class CpuAttentionBackend(AttentionBackend):
     name = "torch"
     kv_cache_dtypes = ("auto", "int8")
-    variants = frozenset({"sliding_window"})  # in the torch ops and the C kernel (not the fused decode step)
+    variants = frozenset({"sliding_window"})  # in the torch ops, the C kernel and the fused decode step
 
     def __init__(self, block_size: int, prefill_in_kernel: bool | None = None, kv_cache_dtype: str = "auto"):
         super().__init__(block_size, kv_cache_dtype)
