@@ -104,6 +104,13 @@ def attention_cases(
              parts + batch * heads * head_dim * e, 0.0, ptrs),
         Case("_paged_prefill_kernel", label, dtype, prefill_launch(head_dim, group, block_size, True, e),
              kv_bytes + context * qo_bytes, context * attn_flops / 2, ptrs),
+        # the sliding-window variants (their bound on key positions costs registers of its own)
+        Case("_paged_decode_kernel", label + " window", dtype,
+             decode_launch(head_dim, group, block_size, False, True, windowed=True),
+             batch * (kv_bytes + qo_bytes), batch * attn_flops, ptrs),
+        Case("_paged_prefill_kernel", label + " window", dtype,
+             prefill_launch(head_dim, group, block_size, True, e, windowed=True),
+             kv_bytes + context * qo_bytes, context * attn_flops / 2, ptrs),
     ]  # fmt: skip
     cases.append(Case("_store_kv_kernel", f"d{head_dim} kv{kv_heads} blk{block_size}", dtype,
                           kv_store_launch(kv_heads, head_dim, block_size), 2 * kv_bytes, 0.0,

@@ -86,6 +86,7 @@ class DecodeRow:
                     or not computes(mlp)
                     or any(type(norm) is not RMSNorm for norm in norms)
                     or not attn.attn.impl.attends_in_c
+                    or attn.attn.kv_group != model.layers[0].self_attn.attn.kv_group  # one block table a row
                     or attn.qkv_proj.parallel.size != 1 or attn.qkv_proj.weight.device.type != "cpu"):
                 return False
         return True
@@ -102,6 +103,7 @@ class DecodeRow:
                 rows.append(RowLayer(
                     layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                     *linears[4 * i:4 * i + 4], attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr(),
+                    attn.attn.impl.sliding_window or 0,
                     int(getattr(attn, "use_rope", True))))
             self._layers = (RowLayer * len(rows))(*rows)
             self._bound_to = bound

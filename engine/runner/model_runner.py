@@ -202,6 +202,9 @@ class ModelRunner:
         if not decode_graphs_enabled(self.config.enforce_eager, self.backend.name, self.device,
                                      test_recorder=record_graph is not None):
             return None
+        if self.kv_groups.num_groups > 1:  # the graphs' static metadata is one group's: decode eagerly
+            log.info("KV cache groups %s: decode steps run eagerly", self.kv_groups.windows)
+            return None
         return CudaGraphRunner(
             self.model, lambda inputs: decode_metadata(inputs, self.block_size), self.config.max_num_seqs,
             self.max_model_len, self.block_size, self.device, record=record_graph or record_cuda_graph,

@@ -105,11 +105,12 @@ class CpuKernels:
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
                      tokens: torch.Tensor, out: torch.Tensor, scale: float,
-                     ctx_lens: torch.Tensor | None = None) -> None:
+                     ctx_lens: torch.Tensor | None = None, window: int | None = None) -> None:
         """For each i: ``out[tokens[i]]`` = attention of ``q[tokens[i]]`` [heads, D] over the first
         ``n`` keys/values of the blocks in ``block_tables[seq_ids[i]]``, where ``n`` is
         ``ctx_lens[i]`` when given (prefill tokens, each up to its own position), else
-        ``seq_lens[seq_ids[i]]`` (decodes).
+        ``seq_lens[seq_ids[i]]`` (decodes); with a sliding ``window``, over the last ``window``
+        of them only, read from the block of the first on (no tiles: one query per item).
 
         q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous, of q's dtype, or
         int8 [kv_heads, blocks, block_size, D + 4] (``KV_INT8`` rows: D int8 values, then their
@@ -127,13 +128,13 @@ class CpuKernels:
             block_size, block_tables.data_ptr(), block_tables.stride(0), seq_ids.data_ptr(),
             tokens.data_ptr(), ctx_lens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, q.shape[2], scale,
             out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], self.cache_code(q.dtype, k_cache),
-            torch.get_num_threads(),
+            window or 0, torch.get_num_threads(),
         ), "paged_decode")
 
     def paged_decode_checked(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
                              tokens: torch.Tensor, out: torch.Tensor, scale: float,
-                             ctx_lens: torch.Tensor | None = None) -> None:
+                             ctx_lens: torch.Tensor | None = None, window: int | None = None) -> None:
         """``paged_decode`` for callers that do not guarantee its layouts: ValueError for caches
         that are not contiguous or mixed dtypes; index tensors are made contiguous."""
         if not self.takes(q, out):
@@ -145,7 +146,7 @@ class CpuKernels:
             ctx_lens = ctx_lens.contiguous()
         block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
         self.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, seq_ids.contiguous(),
-                          tokens.contiguous(), out, scale, ctx_lens)
+                          tokens.contiguous(), out, scale, ctx_lens, window)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -75,13 +75,15 @@ def prefill_tile(on_gpu: bool, group: int) -> dict[str, int]:
     return {"GROUP_PAD": group_pad, "TOKENS_PER_TILE": block_m // group_pad, "BLOCK_M": block_m}
 
 
-def decode_launch(head_dim: int, group: int, block_size: int, split: bool, on_gpu: bool) -> Launch:
-    """``_paged_decode_kernel``: rows are the group's query heads (padded to >= 16)."""
+def decode_launch(head_dim: int, group: int, block_size: int, split: bool, on_gpu: bool,
+                  windowed: bool = False) -> Launch:
+    """``_paged_decode_kernel``: rows are the group's query heads (padded to >= 16); ``windowed``:
+    the sliding-window variant."""
     return Launch(
         constexprs={
             "GROUP": group, "BLOCK_M": max(16, next_power_of_2(group)),
             "BLOCK_N": attention_block_n(head_dim, on_gpu), "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim,
-            "D_PAD": d_pad(head_dim), "SPLIT": split, "UPCAST_DOT": not on_gpu,
+            "D_PAD": d_pad(head_dim), "SPLIT": split, "UPCAST_DOT": not on_gpu, "WINDOWED": windowed,
         },
         num_warps=attention_warps(head_dim, on_gpu),
         num_stages=attention_stages(head_dim, prefill=False),
@@ -98,17 +100,19 @@ def reduce_launch(head_dim: int) -> Launch:
 
 
 def prefill_launch(head_dim: int, group: int, block_size: int, on_gpu: bool,
-                   element_bytes: int = 2) -> Launch:
+                   element_bytes: int = 2, windowed: bool = False) -> Launch:
     """``_paged_prefill_kernel``: a tile of (query token, group head) rows per program. In float32
     (``element_bytes`` 4) tl.dot runs on FMA units, not tensor cores, and 4 warps over 64-key tiles
     spilled kilobytes: 8 warps over 32-key tiles."""
     fp32 = on_gpu and element_bytes >= 4
+    # the window's bound on key positions: 64-key tiles of head_dim 128 spilled 8 B on sm_89
+    narrow = fp32 or (on_gpu and windowed and d_pad(head_dim) >= 128)
     return Launch(
         constexprs={
             "GROUP": group, **prefill_tile(on_gpu, group),
-            "BLOCK_N": 32 if fp32 else attention_block_n(head_dim, on_gpu),
+            "BLOCK_N": 32 if narrow else attention_block_n(head_dim, on_gpu),
             "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "D_PAD": d_pad(head_dim),
-            "UPCAST_DOT": not on_gpu,
+            "UPCAST_DOT": not on_gpu, "WINDOWED": windowed,
         },
         num_warps=8 if fp32 else attention_warps(head_dim, on_gpu),
         num_stages=attention_stages(head_dim, prefill=True),

@@ -5,7 +5,9 @@ Both read every key and value from the paged cache ``[num_blocks, block_size, kv
 head_dim]`` through ``block_tables``, so the new tokens' K/V must be stored first
 (``store_kv_cache``). That makes prefix-cache hits and chunk continuations the ordinary case:
 query token ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q_len_i + j`` and attends
-to keys ``0..position``.
+to keys ``0..position``; with a sliding window of W tokens (``window``), to keys
+``max(0, position - W + 1)..position`` only, and no program reads a key below the first one its
+rows see (the blocks behind a window may have been freed and reused).
 
 A program owns one KV head and a tile of query rows: (query token, query head of that KV head's
 group) pairs, so grouped-query heads share each K/V load. Keys are gathered ``BLOCK_N`` tokens at
@@ -44,6 +46,9 @@ from kvserve.kernels.triton.launch import (
     reduce_launch,
 )
 
+NO_WINDOW = 1 << 30  # the window argument of full attention: every key is inside it
+NO_KEY_MAX = tl.constexpr(-1.0e30)  # the running max before any key (see _query_tile)
+
 
 @triton.jit
 def _query_tile(q_ptr, row_offs, d, io_mask,
@@ -53,7 +58,9 @@ def _query_tile(q_ptr, row_offs, d, io_mask,
     q = tl.load(q_ptr + row_offs[:, None] + d[None, :], mask=io_mask, other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    # a finite floor: a row that has seen no key yet (a window starting past a tile's first keys)
+    # keeps exp(m - m_new) = 1 and adds exp(-inf - m) = 0, where -inf would make NaN
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_KEY_MAX
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     return q, m_i, l_i, acc
@@ -61,10 +68,13 @@ def _query_tile(q_ptr, row_offs, d, io_mask,
 
 @triton.jit
 def _attend_keys(q, m_i, l_i, acc, q_pos, key_lo, key_hi, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, scale,
-                 c_stride_block, c_stride_slot, c_stride_head, d, d_ok,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                 window, c_stride_block, c_stride_slot, c_stride_head, d, d_ok,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 WINDOWED: tl.constexpr):
     """Fold keys [key_lo, key_hi) of one sequence (block table row at ``table_ptr``) into the
-    running (max, sum, output) of each query row; row r sees keys <= q_pos[r]."""
+    running (max, sum, output) of each query row; row r sees keys <= q_pos[r], and with
+    ``WINDOWED`` (a variant of its own: the bound costs registers) only those > q_pos[r] - window
+    (a row may see none of a tile's keys: its max stays at NO_KEY_MAX and it adds nothing)."""
     for start in range(key_lo, key_hi, BLOCK_N):
         key = start + tl.arange(0, BLOCK_N)
         key_ok = key < key_hi
@@ -76,7 +86,10 @@ def _attend_keys(q, m_i, l_i, acc, q_pos, key_lo, key_hi, k_cache_ptr, v_cache_p
         if UPCAST_DOT:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        s = tl.where(key_ok[None, :] & (key[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = key_ok[None, :] & (key[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            seen = seen & (key[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -89,14 +102,14 @@ def _attend_keys(q, m_i, l_i, acc, q_pos, key_lo, key_hi, k_cache_ptr, v_cache_p
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["bt_stride"])
+@triton.jit(do_not_specialize=["bt_stride", "window"])
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, work_ptr,
-    scale, q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
+    scale, window, q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
     c_stride_block, c_stride_slot, c_stride_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,30 +132,37 @@ def _paged_prefill_kernel(
     q, m_i, l_i, acc = _query_tile(q_ptr, q_row * q_stride_t + head * q_stride_h, d, io_mask,
                                    BLOCK_M, D_PAD, UPCAST_DOT)
     kv_end = tl.minimum(seq_len, q_offset + first + TOKENS_PER_TILE)
-    m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, q_offset + tok, 0, kv_end, k_cache_ptr, v_cache_ptr,
-                                 block_tables_ptr + seq.to(tl.int64) * bt_stride, kv_head, scale,
+    kv_start = 0
+    if WINDOWED:
+        kv_start = tl.maximum(q_offset + first - window + 1, 0)  # the tile's first row's first key
+    m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, q_offset + tok, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
+                                 block_tables_ptr + seq.to(tl.int64) * bt_stride, kv_head, scale, window,
                                  c_stride_block, c_stride_slot, c_stride_head, d, d_ok,
-                                 BLOCK_N, BLOCK_SIZE, UPCAST_DOT)  # fmt: skip
+                                 BLOCK_N, BLOCK_SIZE, UPCAST_DOT, WINDOWED)  # fmt: skip
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_offs = q_row[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit(do_not_specialize=["bt_stride", "num_splits"])
+@triton.jit(do_not_specialize=["bt_stride", "num_splits", "window"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    block_tables_ptr, seq_lens_ptr, scale, num_splits, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    block_tables_ptr, seq_lens_ptr, scale, window, num_splits, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     bt_stride, c_stride_block, c_stride_slot, c_stride_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # each split takes an equal, BLOCK_N-aligned share of the context; trailing splits may be empty
-    share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    key_lo = split * share
+    first_key = 0
+    if WINDOWED:
+        first_key = tl.maximum(seq_len - window, 0)  # the window's first key
+    # each split takes an equal, BLOCK_N-aligned share of the keys seen; trailing splits may be empty
+    share = tl.cdiv(tl.cdiv(seq_len - first_key, num_splits), BLOCK_N) * BLOCK_N
+    key_lo = first_key + split * share
     key_hi = tl.minimum(seq_len, key_lo + share)
 
     g = tl.arange(0, BLOCK_M)  # rows are the group's query heads; rows >= GROUP are padding
@@ -155,9 +175,9 @@ def _paged_decode_kernel(
                                    BLOCK_M, D_PAD, UPCAST_DOT)
     m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1,
                                  key_lo, key_hi, k_cache_ptr, v_cache_ptr,
-                                 block_tables_ptr + seq.to(tl.int64) * bt_stride, kv_head, scale,
+                                 block_tables_ptr + seq.to(tl.int64) * bt_stride, kv_head, scale, window,
                                  c_stride_block, c_stride_slot, c_stride_head, d, d_ok,
-                                 BLOCK_N, BLOCK_SIZE, UPCAST_DOT)  # fmt: skip
+                                 BLOCK_N, BLOCK_SIZE, UPCAST_DOT, WINDOWED)  # fmt: skip
     if SPLIT:
         part = (seq.to(tl.int64) * num_splits + split) * (GROUP * tl.num_programs(1)) + head
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
@@ -256,8 +276,10 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int = 1,
     workspace: DecodeWorkspace | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its cached keys.
+    """Attention of one query token per sequence over its cached keys (its last ``window`` keys
+    with a sliding window).
 
     q ``[B, num_heads, head_dim]``; block_tables int32 ``[B, max_blocks]``; seq_lens int32
     ``[B]`` (keys per sequence, including the current token). With ``num_splits`` > 1 each
@@ -279,9 +301,10 @@ def paged_decode_attention(
         raise ValueError(f"the decode workspace holds {workspace.rows()} rows, "
                          f"{num_seqs} sequences x {num_splits} splits need {num_seqs * num_splits}")
     parts = (workspace.out, workspace.max, workspace.sum) if split else (out, out, out)
-    launch = decode_launch(head_dim, num_heads // kv_heads, k_cache.shape[1], split, q.device.type == "cuda")
+    launch = decode_launch(head_dim, num_heads // kv_heads, k_cache.shape[1], split, q.device.type == "cuda",
+                           windowed=window is not None)
     _paged_decode_kernel[(num_splits, kv_heads, num_seqs)](
-        q, k_cache, v_cache, out, *parts, block_tables, seq_lens, scale, num_splits,
+        q, k_cache, v_cache, out, *parts, block_tables, seq_lens, scale, window or NO_WINDOW, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **launch.kwargs(),
     )  # fmt: skip
@@ -302,8 +325,10 @@ def paged_prefill_attention(
     scale: float,
     work: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed query chunks over the paged cache.
+    """Causal attention of packed query chunks over the paged cache (each token over its last
+    ``window`` keys with a sliding window).
 
     q ``[T, num_heads, head_dim]`` holds sequence ``i``'s new tokens at rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` (int32 ``[B+1]``); seq_lens int32 ``[B]`` is each
@@ -317,14 +342,15 @@ def paged_prefill_attention(
     q, out = _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, out)
     head_dim = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
-    launch = prefill_launch(head_dim, group, k_cache.shape[1], q.device.type == "cuda", q.element_size())
+    launch = prefill_launch(head_dim, group, k_cache.shape[1], q.device.type == "cuda", q.element_size(),
+                            windowed=window is not None)
     if work is None:
         q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
         work = prefill_work(q_lens, seq_lens.tolist(), launch.constexprs["TOKENS_PER_TILE"], q.device)
     if work.shape[0] == 0:
         return out
     _paged_prefill_kernel[(work.shape[0], k_cache.shape[2])](
-        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, work, scale,
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, work, scale, window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **launch.kwargs(),
     )  # fmt: skip

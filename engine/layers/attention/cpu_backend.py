@@ -128,8 +128,8 @@ def kernel_prefill_context(kv_cache_dtype: str = "auto") -> int:
 class CpuAttentionBackend(AttentionBackend):
     name = "torch"
     kv_cache_dtypes = ("auto", "int8")
-    # in the torch ops only (the soft cap and sinks: layers/attention/variants.py): a layer with any
-    # of them stays off the C kernels
+    # the window in the torch ops, the C kernel and the fused decode step; the soft cap and sinks in
+    # the torch ops only (layers/attention/variants.py): a layer with either stays off the C kernels
     variants = frozenset({"sliding_window", "logits_soft_cap", "sinks"})
 
     def __init__(self, block_size: int, prefill_in_kernel: bool | None = None, kv_cache_dtype: str = "auto"):
@@ -199,8 +199,7 @@ class CpuAttentionImpl(AttentionImpl):
 
     @property
     def attends_in_c(self) -> bool:
-        return (self._kernel_shapes and self.sliding_window is None and self.logits_soft_cap is None
-                and not self.has_sinks)
+        return self._kernel_shapes and self.logits_soft_cap is None and not self.has_sinks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CpuAttentionMetadata,
@@ -214,10 +213,11 @@ class CpuAttentionImpl(AttentionImpl):
         if kernels is not None and self.attends_in_c and meta.query_tokens is not None:
             # prefill and decode tokens alike: each query over the cached keys up to its position
             kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_seqs,
-                                 meta.query_tokens, out, self.scale, ctx_lens=meta.query_ctx)
+                                 meta.query_tokens, out, self.scale, ctx_lens=meta.query_ctx,
+                                 window=self.sliding_window)
             if meta.every_token_queried:
                 return out
-            plans = meta.prefill_plans(after_kernel=True)
+            plans = meta.prefill_plans(True, self.sliding_window)
         else:
             if meta.plan_decode is not None:
                 decode = meta.decode_plan(self.sliding_window)

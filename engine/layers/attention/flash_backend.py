@@ -35,6 +35,7 @@ class FlashAttentionMetadata(AttentionMetadata):
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
+    variants = frozenset({"sliding_window"})  # flash-attn's local attention: window_size=(W - 1, 0)
 
     def build_metadata(self, inp: ModelInput, device: torch.device) -> FlashAttentionMetadata:
         cu_seqlens_k = [0]
@@ -54,17 +55,22 @@ class FlashAttentionBackend(AttentionBackend):
 
 
 class FlashAttentionImpl(AttentionImpl):
+    @property
+    def window_size(self) -> tuple[int, int]:
+        """flash-attn's (left, right) keys beside the diagonal: (W - 1, 0) is transformers' window."""
+        return (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: FlashAttentionMetadata) -> torch.Tensor:
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.max_query_len == 1:
             out = flash_attn_with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
-                softmax_scale=self.scale, causal=True,
+                softmax_scale=self.scale, causal=True, window_size=self.window_size,
             )
             return out.squeeze(1)
         return flash_attn_varlen_func(
             q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale,
-            causal=True, block_table=meta.block_tables,
+            causal=True, block_table=meta.block_tables, window_size=self.window_size,
         )

@@ -52,6 +52,7 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    variants = frozenset({"sliding_window"})
 
     def __init__(self, block_size: int, kv_cache_dtype: str = "auto"):
         super().__init__(block_size, kv_cache_dtype)
@@ -95,9 +96,10 @@ class TritonAttentionImpl(AttentionImpl):
         if meta.max_query_len == 1:
             splits, workspace = self.backend.decode_plan(q, self.num_kv_heads)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                          num_splits=splits, workspace=workspace)  # fmt: skip
+                                          num_splits=splits, workspace=workspace,
+                                          window=self.sliding_window)  # fmt: skip
         tile = prefill_tile_shape(q.device, self.num_heads // self.num_kv_heads)
         return paged_prefill_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-            work=meta.work_for(tile["TOKENS_PER_TILE"]),
+            work=meta.work_for(tile["TOKENS_PER_TILE"]), window=self.sliding_window,
         )

@@ -28,6 +28,7 @@
  * element. All arithmetic is in float32.
  * Built and loaded by kernels/cpu_kernels.py.
  */
+#include <math.h> /* INFINITY */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -122,9 +123,11 @@ typedef struct {
     float *q, *acc, *block, *scores;
 } scratch_t;
 
-/* One (sequence, KV head): D is a compile-time constant in the common instantiations below. */
+/* One (sequence, KV head): D is a compile-time constant in the common instantiations below. The
+ * first skip keys (fewer than a block: those of a sliding window's first block that lie before
+ * the window) are read but weigh nothing. */
 static inline __attribute__((always_inline)) void attend(
-        const cache_t *c, const int32_t *table, int ctx, int kv_head, int group, const int D,
+        const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head, int group, const int D,
         const scratch_t *w) {
     float *restrict qf = w->q, *restrict acc = w->acc, *restrict blk = w->block, *restrict scores = w->scores;
     const int bs = c->block_size;
@@ -148,6 +151,8 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
+    for (int j = 0; j < group; ++j)
+        for (int p = 0; p < skip; ++p) scores[j * ctx + p] = -INFINITY;
     /* softmax per query head, in place; 1 / sum kept in acc's tail */
     for (int j = 0; j < group; ++j) {
         float *restrict s = scores + j * ctx;
@@ -190,18 +195,18 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 /* The portable path for any head dim: the query rows as scaled floats, then attend(). */
-static void attend_any(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
+static void attend_any(const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head, const char *q,
                        int64_t q_head_bytes, float scale, int group, int head_dim, const scratch_t *w) {
     for (int j = 0; j < group; ++j) {
         to_float(q + j * q_head_bytes, c->dtype, w->q + j * head_dim, head_dim);
         for (int d = 0; d < head_dim; ++d) w->q[j * head_dim + d] *= scale;
     }
     if (head_dim == 64)
-        attend(c, table, ctx, kv_head, group, 64, w);
+        attend(c, table, ctx, skip, kv_head, group, 64, w);
     else if (head_dim == 128)
-        attend(c, table, ctx, kv_head, group, 128, w);
+        attend(c, table, ctx, skip, kv_head, group, 128, w);
     else
-        attend(c, table, ctx, kv_head, group, head_dim, w);
+        attend(c, table, ctx, skip, kv_head, group, head_dim, w);
 }
 
 /* row key of a paged cache (rows row_bytes apart, blocks of bs of them) */
@@ -244,13 +249,13 @@ static int tiles_take(int dtype, int cache_dtype, int group, int head_dim) {
 
 #ifdef HAVE_FAST_PATH
 #define FAST_CASE(G, D) \
-    case (G) * 1000 + (D): attend_fast(c, table, ctx, kv_head, q, q_head_bytes, scale, G, D, w); return 1;
+    case (G) * 1000 + (D): attend_fast(c, table, ctx, skip, kv_head, q, q_head_bytes, scale, G, D, w); return 1;
 
 /* 1 when the fast path took this item (accumulators and 1 / sums in w->acc), else 0. It stays in
  * this file, static: moved into a translation unit of its own (with a shared header) the decode
  * kernel ran 20-30% slower (batch 48 x 300, 30 layers: 26-28 vs 21-22 ms, alternating runs). */
-static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
-                                int64_t q_head_bytes, float scale, int group, int head_dim,
+static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head,
+                                const char *q, int64_t q_head_bytes, float scale, int group, int head_dim,
                                 const scratch_t *w) {
     switch (group * 1000 + head_dim) {
         FAST_CASE(1, 64) FAST_CASE(2, 64) FAST_CASE(3, 64) FAST_CASE(4, 64)
@@ -261,10 +266,10 @@ static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx,
     }
 }
 #else
-static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q,
-                                int64_t q_head_bytes, float scale, int group, int head_dim,
+static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head,
+                                const char *q, int64_t q_head_bytes, float scale, int group, int head_dim,
                                 const scratch_t *w) {
-    (void)c, (void)table, (void)ctx, (void)kv_head, (void)q, (void)q_head_bytes, (void)scale;
+    (void)c, (void)table, (void)ctx, (void)skip, (void)kv_head, (void)q, (void)q_head_bytes, (void)scale;
     (void)group, (void)head_dim, (void)w;
     return 0;
 }
@@ -277,33 +282,35 @@ size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ct
 }
 
 /* The group query heads at q0 (q_head_bytes apart) that share KV head kv_head, over the first
- * ctx keys and values in table's blocks; head j's output goes to out0 + j * out_head_bytes.
+ * ctx keys and values in table's blocks but the first skip (< block_size) of them; head j's output
+ * goes to out0 + j * out_head_bytes.
  * scratch: attend_scratch_floats(group, head_dim, block_size, >= ctx) floats of this thread's. */
 void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
-                const int32_t *table, int ctx, int kv_head, const char *q0, int64_t q_head_bytes, float scale,
-                int group, int head_dim, int dtype, int cache_dtype, float *scratch, char *out0,
+                const int32_t *table, int ctx, int skip, int kv_head, const char *q0, int64_t q_head_bytes,
+                float scale, int group, int head_dim, int dtype, int cache_dtype, float *scratch, char *out0,
                 int64_t out_head_bytes) {
     const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype,
                            elem_size(dtype), cache_dtype, kv_row_bytes(cache_dtype, head_dim)};
     const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
     const scratch_t w = {scratch, scratch + q_len, scratch + q_len + acc_len,
                          scratch + q_len + acc_len + (size_t)block_size * head_dim};
-    if (!attend_fast_dispatch(&cache, table, ctx, kv_head, q0, q_head_bytes, scale, group, head_dim, &w))
-        attend_any(&cache, table, ctx, kv_head, q0, q_head_bytes, scale, group, head_dim, &w);
+    if (!attend_fast_dispatch(&cache, table, ctx, skip, kv_head, q0, q_head_bytes, scale, group, head_dim, &w))
+        attend_any(&cache, table, ctx, skip, kv_head, q0, q_head_bytes, scale, group, head_dim, &w);
     for (int j = 0; j < group; ++j)
         from_float(w.acc + j * head_dim, w.acc[group * head_dim + j], dtype, out0 + j * out_head_bytes, head_dim);
 }
 
 /* For each i: out[tokens[i]] = attention of q[tokens[i]] over the first ctx_lens[i] keys and
  * values in the blocks of block_tables[seq_ids[i]] (a decode sees its whole context, a prefill
- * token the keys up to its own position). Strides are in elements. Returns 0, 1 for shapes it does
- * not take, 2 when scratch memory could not be had. */
+ * token the keys up to its own position); with window > 0 over the last window of them only, read
+ * from the block of the first on (the blocks before it may be freed). Strides are in elements.
+ * Returns 0, 1 for shapes it does not take, 2 when scratch memory could not be had. */
 int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
                  const void *v_cache, int64_t num_blocks, int block_size, const int32_t *block_tables,
                  int64_t table_stride, const int32_t *seq_ids,
                  const int32_t *tokens, const int32_t *ctx_lens, int num_queries, int num_heads, int num_kv_heads, int head_dim,
                  float scale, void *out, int64_t out_token_stride, int64_t out_head_stride, int dtype,
-                 int cache_dtype, int num_threads) {
+                 int cache_dtype, int window, int num_threads) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (head_dim > MAX_HEAD_DIM || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_heads ||
         (dtype != DTYPE_F32 && dtype != DTYPE_BF16) || !kv_cache_takes(dtype, cache_dtype))
@@ -324,7 +331,7 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     int num_runs = 0;
     size_t tile_floats = 0;
 #ifdef HAVE_TILES
-    const int tiled = tiles_take(dtype, cache_dtype, group, head_dim);
+    const int tiled = window <= 0 && tiles_take(dtype, cache_dtype, group, head_dim); /* tiles: no window */
 #else
     const int tiled = 0;
 #endif
@@ -363,13 +370,15 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
         for (int item = 0; item < items; ++item) {
             const int run = item / num_kv_heads, kv_head = item % num_kv_heads;
             const int i = runs[2 * run], count = runs[2 * run + 1];
-            const int seq = seq_ids[i], ctx = ctx_lens[i];
+            const int seq = seq_ids[i];
+            int ctx = ctx_lens[i], skip = 0;
             if (ctx <= 0) continue;
             const int64_t token = tokens[i];
             const int h0 = kv_head * group;
             const char *q0 = (const char *)q + (token * q_token_stride + h0 * q_head_stride) * elem;
             char *out0 = (char *)out + (token * out_token_stride + h0 * out_head_stride) * elem;
-            const int32_t *table = block_tables + (int64_t)seq * table_stride;
+            const int32_t *table = window_view(block_tables + (int64_t)seq * table_stride, window, block_size,
+                                               &ctx, &skip);
 #ifdef HAVE_TILES
             if (count > 1) {
                 const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size,
@@ -381,7 +390,7 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
             }
 #endif
             (void)count;
-            attend_one(k_cache, v_cache, num_blocks, block_size, table, ctx, kv_head, q0, q_head_stride * elem,
+            attend_one(k_cache, v_cache, num_blocks, block_size, table, ctx, skip, kv_head, q0, q_head_stride * elem,
                        scale, group, head_dim, dtype, cache_dtype, mine, out0, out_head_stride * elem);
         }
     }

@@ -91,8 +91,8 @@ static inline float exp_in_place8(float *restrict s, int ctx, float max) {
 
 /* One (sequence, KV head), as the AVX-512 attend_fast above: G query heads of D dims at q. */
 static inline __attribute__((always_inline)) void attend_fast(
-        const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q, int64_t q_head_bytes,
-        float scale, const int G, const int D, const scratch_t *w) {
+        const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head, const char *q,
+        int64_t q_head_bytes, float scale, const int G, const int D, const scratch_t *w) {
     enum { MAXV = 16 };
     const int V = D / 8;                        /* float vectors per row */
     const int VC = G == 1 ? 8 : (G == 2 ? 4 : 2); /* of them per pass over a value block */
@@ -131,6 +131,9 @@ static inline __attribute__((always_inline)) void attend_fast(
                 kscale = _mm256_mul_ps(vscale, _mm256_loadu_ps(ks));
             }
             const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), iota);
+            /* keys before a sliding window's first (the first skip) score -inf */
+            const __m256 seen = _mm256_castsi256_ps(
+                _mm256_and_si256(valid, _mm256_cmpgt_epi32(iota, _mm256_set1_epi32(skip - pos0 - t0 - 1))));
             for (int j = 0; j < G; ++j) {
                 __m256 part[FAST_KEYS];
                 for (int t = 0; t < FAST_KEYS; ++t) {
@@ -141,8 +144,9 @@ static inline __attribute__((always_inline)) void attend_fast(
                     for (int v = 0; v < V; ++v) part[t] = _mm256_fmadd_ps(row[v], qf[j][v], part[t]);
                 }
                 const __m256 sums = _mm256_mul_ps(sum_lanes8(part), kscale);
-                _mm256_maskstore_ps(scores + j * ctx + pos0 + t0, valid, sums);
-                vmax[j] = _mm256_max_ps(vmax[j], _mm256_blendv_ps(ninf, sums, _mm256_castsi256_ps(valid)));
+                const __m256 kept = _mm256_blendv_ps(ninf, sums, seen);
+                _mm256_maskstore_ps(scores + j * ctx + pos0 + t0, valid, kept);
+                vmax[j] = _mm256_max_ps(vmax[j], kept);
             }
         }
     }

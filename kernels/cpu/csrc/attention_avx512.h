@@ -66,10 +66,11 @@ static inline __attribute__((always_inline)) __m512 dot_key(const char *k, const
 
 /* One (sequence, KV head) with G query heads of D dims; q points at the first query head's row
  * (heads q_head_stride elements apart), unscaled. The scores are scaled as they come out (by the
- * keys' scales too in a KV_INT8 cache; the values' scales go into the probabilities). */
+ * keys' scales too in a KV_INT8 cache; the values' scales go into the probabilities). The first
+ * skip keys (a sliding window's, in its first block) score -inf. */
 static inline __attribute__((always_inline)) void attend_fast(
-        const cache_t *c, const int32_t *table, int ctx, int kv_head, const char *q, int64_t q_head_bytes,
-        float scale, const int G, const int D, const scratch_t *w) {
+        const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head, const char *q,
+        int64_t q_head_bytes, float scale, const int G, const int D, const scratch_t *w) {
     enum { MAXV = 8 };
     const int V = D / 16; /* float vectors per row */
     float *restrict scores = w->scores, *restrict acc = w->acc;
@@ -119,8 +120,12 @@ static inline __attribute__((always_inline)) void attend_fast(
                 }
                 const __m512 sums = _mm512_mul_ps(sum_lanes16(part), kscale);
                 const __mmask16 valid = (__mmask16)((1u << m) - 1u);
-                _mm512_mask_storeu_ps(scores + j * ctx + pos0 + t0, valid, sums);
-                vmax[j] = _mm512_mask_max_ps(vmax[j], valid, vmax[j], sums);
+                const int before = skip - pos0 - t0; /* of these 16 keys, those before the window */
+                const __mmask16 seen = before <= 0 ? valid
+                                       : before >= FAST_KEYS ? 0 : (__mmask16)(valid & (0xFFFFu << before));
+                _mm512_mask_storeu_ps(scores + j * ctx + pos0 + t0, valid,
+                                      _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, sums));
+                vmax[j] = _mm512_mask_max_ps(vmax[j], seen, vmax[j], sums);
             }
         }
     }

@@ -38,7 +38,9 @@ def test_quick_table_compiles_for_every_target_without_spills(tmp_path):
     assert kernels == {"_paged_decode_kernel", "_reduce_splits_kernel", "_paged_prefill_kernel",
                        "_store_kv_kernel", "_grouped_gemm_kernel"}  # fmt: skip
     head_dim_128 = [r for r in rows if r[1].startswith("d128 g4") and "_paged_" in r[0]]
-    assert len(head_dim_128) == 9 and all(r[7] == "0" and r[-1].startswith("ok") for r in head_dim_128)
+    # decode, split decode, prefill and their sliding-window variants (decode, prefill), 3 targets each
+    assert len(head_dim_128) == 15 and all(r[7] == "0" and r[-1].startswith("ok") for r in head_dim_128)
+    assert sum(r[1].endswith("window") for r in head_dim_128) == 6
 
 
 def test_the_tables_compile_the_launchers_configurations():
@@ -47,6 +49,9 @@ def test_the_tables_compile_the_launchers_configurations():
         128, 8, 16, True, True
     )
     assert full[("_paged_prefill_kernel", "d64 g3 kv8 blk32", "fp16")] == prefill_launch(64, 3, 32, True)
+    assert full[("_paged_prefill_kernel", "d256 g4 kv8 blk16 window", "bf16")] == prefill_launch(
+        256, 4, 16, True, windowed=True
+    )
     assert {c.kernel for c in quick_table()} == {c.kernel for c in full_table()}
     assert {d for (_, _, d) in full} == {"bf16", "fp16", "fp32"}
 

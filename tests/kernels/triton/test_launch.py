@@ -36,8 +36,8 @@ def test_head_dims_from_128_launch_eight_warps_and_256_smaller_key_tiles():
 def _on_gpu_tiles(make):
     """``make``'s GPU configuration, with tl.dot in float32 (the interpreter's bf16 dot is wrong)."""
 
-    def gpu(*args):
-        bound = inspect.signature(make).bind(*args)
+    def gpu(*args, **kwargs):
+        bound = inspect.signature(make).bind(*args, **kwargs)
         bound.arguments["on_gpu"] = True
         cfg = make(*bound.args, **bound.kwargs)
         return dataclasses.replace(cfg, constexprs={**cfg.constexprs, "UPCAST_DOT": True})

@@ -94,6 +94,29 @@ def test_triton_layer_matches_torch_layer_over_mixed_steps(dtype, num_sms):
             assert torch.equal(triton_cache, torch_cache.permute(1, 2, 0, 3))  # torch's is head-major
 
 
+@pytest.mark.parametrize("num_sms", [None, 64])
+def test_triton_window_layer_matches_torch_and_reads_no_block_behind_the_window(num_sms):
+    """A window of 3 keys over the mixed steps; before the decode step the blocks wholly behind
+    every sequence's window (3, shared by two sequences, and 5) hold NaN, as freed blocks reused
+    by others may hold anything: neither backend reads them, unsplit or split (16 splits)."""
+    backends = {name: create_attention_backend(name, DEVICE, BLOCK_SIZE) for name in ("torch", "triton")}
+    backends["triton"].num_sms = num_sms
+    impls = {name: b.create_impl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, sliding_window=3)
+             for name, b in backends.items()}
+    caches = {name: paged_caches(backend=b) for name, b in backends.items()}
+    gen = torch.Generator().manual_seed(0)
+    for i, inp in enumerate(three_steps()):
+        if i == 2:
+            for name, (k_cache, v_cache) in caches.items():
+                blocks = (slice(None), [3, 5]) if name == "torch" else ([3, 5],)
+                k_cache[blocks] = v_cache[blocks] = float("nan")
+        q, k, v = random_qkv(inp.num_tokens, gen)
+        outs = {name: impls[name].forward(q, k, v, *caches[name], backend.build_metadata(inp, DEVICE))
+                for name, backend in backends.items()}
+        assert not outs["triton"].isnan().any()
+        assert (outs["triton"] - outs["torch"]).abs().max().item() <= 1e-5
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host-device synchronisation exists only on a GPU")
 @pytest.mark.parametrize("name", ["torch", "triton"])
 def test_a_steps_metadata_and_attention_never_wait_for_the_gpu(name):

@@ -40,20 +40,24 @@ def window_reference(q, keys, values, first_position, window, scale, group):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
-@pytest.mark.parametrize("with_c_store", [True, False])
-def test_window_layer_matches_a_reference_and_reads_no_block_behind_the_window(with_c_store, monkeypatch):
+@pytest.mark.parametrize("head_dim", [8, 64])  # the kernel's portable loop, and its vector path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_c", [True, False])
+def test_window_layer_matches_a_reference_and_reads_no_block_behind_the_window(in_c, dtype, head_dim,
+                                                                               monkeypatch):
     """Decodes (context inside the window, past it, on a block edge), a chunk after cached
-    context and a fresh prompt longer than the window, in one step; every block wholly behind a
-    sequence's window holds NaN (it stands for a freed block that another sequence reuses), so
-    any read of one, even under the mask, would show in the output."""
-    if not with_c_store:
+    context and a fresh prompt longer than the window, in one step, through the C kernel (every
+    token a query of its own, the prefill too) and through the torch ops; every block wholly
+    behind a sequence's window holds NaN (it stands for a freed block that another sequence
+    reuses), so any read of one, even under the mask, would show in the output."""
+    if not in_c:
         monkeypatch.setattr(cpu_backend, "kernels_for", lambda *tensors: None)
-    block_size, window, heads, kv_heads, head_dim, num_blocks = 4, 6, 4, 2, 8, 48
-    backend = CpuAttentionBackend(block_size)
+    block_size, window, heads, kv_heads, num_blocks = 4, 6, 4, 2, 48
+    backend = CpuAttentionBackend(block_size, prefill_in_kernel=True)
     impl = backend.create_impl(heads, kv_heads, head_dim, head_dim**-0.5, sliding_window=window)
-    assert impl.sliding_window == window and not impl.attends_in_c
+    assert impl.sliding_window == window
     gen = torch.Generator().manual_seed(5)
-    k_cache = torch.zeros(backend.kv_cache_shape(num_blocks, kv_heads, head_dim))  # as the runner's
+    k_cache = torch.zeros(backend.kv_cache_shape(num_blocks, kv_heads, head_dim), dtype=dtype)
     v_cache = k_cache.clone()
     free = iter(torch.randperm(num_blocks - 1, generator=gen).add(1).tolist())  # block 0 pads gathers
     inp, dense, firsts = ModelInput(), [], []
@@ -83,12 +87,16 @@ def test_window_layer_matches_a_reference_and_reads_no_block_behind_the_window(w
         v_rows.append(values[cached:])
         dense.append((keys, values))
         firsts.append(cached)
-    q, k, v = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
+    q, k, v = (torch.cat(rows).to(dtype) for rows in (q_rows, k_rows, v_rows))
     meta = backend.build_metadata(inp, torch.device("cpu"))
     out = impl.forward(q, k, v, k_cache, v_cache, meta)
+    kernel = in_c and cpu_backend.load_kernels() is not None
+    assert (meta.query_tokens is not None and not meta.decodes) == kernel  # the C kernel took every token
     start = 0
     for (keys, values), first, rows in zip(dense, firsts, q_rows, strict=True):
-        expected = window_reference(rows, keys, values, first, window, impl.scale, heads // kv_heads)
+        expected = window_reference(*(x.to(dtype) for x in (rows, keys, values)), first, window, impl.scale,
+                                    heads // kv_heads)
         got = out[start : start + rows.shape[0]].double()
-        assert torch.allclose(got, expected, atol=1e-5), (first, (got - expected).abs().max())
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert torch.allclose(got, expected, atol=tol), (first, (got - expected).abs().max())
         start += rows.shape[0]
