@@ -10,8 +10,9 @@ per-op path's).
 It runs when every condition holds, else the step takes the per-op path unchanged: the CPU kernels
 take the model's dtype (float32 or bfloat16) and were built for AVX-512 (on x86 CPUs with AVX2 only:
 bfloat16 with every projection packed for csrc/gemm.c, below); one rank (no tensor parallelism);
-every layer is the plain Llama layer (Llama, Qwen2: optional biases; not Qwen3's q/k norms, not
-mixtures of experts) over attention that csrc/attention.c computes (``AttentionImpl.attends_in_c``);
+every layer is the plain Llama layer (Llama, Qwen2: optional biases; Phi-3; SmolLM3, whose layers
+say with ``use_rope`` whether q and k turn; not Qwen3's q/k norms, not mixtures of experts) over
+attention that csrc/attention.c computes (``AttentionImpl.attends_in_c``);
 the step is one token per sequence (a decode step), each with a cache slot; at most
 ``MAX_FUSED_ROWS`` of them, unless every projection has csrc/gemm.c's packed copy (bfloat16,
 ``layers/cpu_matmul.pack_weight``): then any number, the projections in gemm.c's tiles as the per-op
@@ -85,7 +86,7 @@ class DecodeRow:
                     or not computes(mlp)
                     or any(type(norm) is not RMSNorm for norm in norms)
                     or not attn.attn.impl.attends_in_c
-                    or attn.attn.impl.sliding_window is not None  # decode_row.c attends without a window
+                    or attn.attn.kv_group != model.layers[0].self_attn.attn.kv_group  # one block table a row
                     or attn.qkv_proj.parallel.size != 1 or attn.qkv_proj.weight.device.type != "cpu"):
                 return False
         return True
@@ -101,7 +102,9 @@ class DecodeRow:
                 attn = layer.self_attn
                 rows.append(RowLayer(
                     layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                    *linears[4 * i:4 * i + 4], attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr()))
+                    *linears[4 * i:4 * i + 4], attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr(),
+                    attn.attn.impl.sliding_window or 0,
+                    int(getattr(attn, "use_rope", True))))
             self._layers = (RowLayer * len(rows))(*rows)
             self._bound_to = bound
             self._any_rows = all(linear.packed for linear in linears)

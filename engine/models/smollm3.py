@@ -19,6 +19,8 @@ from kvserve.engine.models.variants import layer_window
 class SmolLM3Attention(LlamaAttention):
     """Llama's attention; ``use_rope`` False: q and k go to attention unrotated."""
 
+    in_decode_row = True  # decode_row.c reads ``use_rope`` per layer (models/decode_row.py)
+
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int):
         window = layer_window(config, layer_idx)
         super().__init__(config, backend, parallel, **({"sliding_window": window} if window else {}))
@@ -27,14 +29,16 @@ class SmolLM3Attention(LlamaAttention):
     def project_qkv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         if self.use_rope:
             return super().project_qkv(hidden, cos, sin)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
-                v.view(-1, self.num_kv_heads, self.head_dim))
+        qkv = self.qkv_proj(hidden)
+        qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :qk_size].view(qkv.shape[0], -1, self.head_dim)  # as Llama's, unturned
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
 
 class SmolLM3DecoderLayer(LlamaDecoderLayer):
     attention_class = SmolLM3Attention
+    in_decode_row = True
 
     def make_attention(self, config, backend, parallel, layer_idx):
         return SmolLM3Attention(config, backend, parallel, layer_idx)

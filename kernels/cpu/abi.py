@@ -77,7 +77,8 @@ class RowLayer(ctypes.Structure):
     """csrc/decode_row.c ``row_layer_t``: one decoder layer's weights and KV cache."""
 
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("k_cache", _P), ("v_cache", _P)]
+                ("down", Linear), ("k_cache", _P), ("v_cache", _P), ("window", _I32),
+                ("rope", _I32)]
 
 
 class RowStep(ctypes.Structure):

@@ -137,8 +137,8 @@ class AttentionImpl(ABC):
     @property
     def attends_in_c(self) -> bool:
         """Whether csrc/attention.c attends over this layer's cache (the CPU backend, at the shapes
-        its kernels take): the fused decode step (models/decode_row.py) runs over such layers only,
-        and only without a window."""
+        its kernels take): the fused decode step (models/decode_row.py) runs over such layers only
+        (of one KV cache group: it reads one block table a row)."""
         return False
 
     @abstractmethod

@@ -128,8 +128,8 @@ def kernel_prefill_context(kv_cache_dtype: str = "auto") -> int:
 class CpuAttentionBackend(AttentionBackend):
     name = "torch"
     kv_cache_dtypes = ("auto", "int8")
-    # the window in the torch ops and the C kernel (not the fused decode step); the soft cap and
-    # sinks in the torch ops only (layers/attention/variants.py): a layer with either stays off C
+    # the window in the torch ops, the C kernel and the fused decode step; the soft cap and sinks in
+    # the torch ops only (layers/attention/variants.py): a layer with either stays off the C kernels
     variants = frozenset({"sliding_window", "logits_soft_cap", "sinks"})
 
     def __init__(self, block_size: int, prefill_in_kernel: bool | None = None, kv_cache_dtype: str = "auto"):

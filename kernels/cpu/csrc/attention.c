@@ -377,13 +377,8 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
             const int h0 = kv_head * group;
             const char *q0 = (const char *)q + (token * q_token_stride + h0 * q_head_stride) * elem;
             char *out0 = (char *)out + (token * out_token_stride + h0 * out_head_stride) * elem;
-            const int32_t *table = block_tables + (int64_t)seq * table_stride;
-            if (window > 0 && ctx > window) { /* from the block of the window's first key */
-                const int first = (ctx - window) / block_size;
-                table += first;
-                ctx -= first * block_size;
-                skip = ctx - window;
-            }
+            const int32_t *table = window_view(block_tables + (int64_t)seq * table_stride, window, block_size,
+                                               &ctx, &skip);
 #ifdef HAVE_TILES
             if (count > 1) {
                 const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size,

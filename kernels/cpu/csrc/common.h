@@ -149,6 +149,19 @@ int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride,
 void silu_mul_row(const void *gate, const void *up, void *out, int width, int dtype);
 
 /* Attention (attention.c), shared with the fused decode row. */
+
+/* A sliding window of window keys (0: none) over a query that sees ctx keys: its block table from
+ * the block of the window's first key on (blocks before it may be freed), the keys left in *ctx,
+ * and in *skip those of that block before the window (fewer than a block: attend_one skips them). */
+static inline const int32_t *window_view(const int32_t *table, int window, int block_size, int *ctx,
+                                         int *skip) {
+    *skip = 0;
+    if (window <= 0 || *ctx <= window) return table;
+    const int first = (*ctx - window) / block_size;
+    *ctx -= first * block_size;
+    *skip = *ctx - window;
+    return table + first;
+}
 size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ctx);
 void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
                 const int32_t *table, int ctx, int skip, int kv_head, const char *q0, int64_t q_head_bytes,

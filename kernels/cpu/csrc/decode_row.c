@@ -44,6 +44,8 @@ typedef struct {
     const void *input_norm, *post_norm; /* [hidden] of norm_dtype */
     lin_t qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* this layer's [kv_heads][num_blocks][block_size] rows (kv_row_bytes) */
+    int window;              /* its sliding window in keys, 0 for none */
+    int rope;                /* 0: q and k go to attention unrotated (SmolLM3's NoPE layers) */
 } row_layer_t;
 
 typedef struct {
@@ -208,7 +210,8 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
             team_barrier(&sync);
 #pragma omp single nowait
             {
-                rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1); /* q and k, side by side */
+                if (L->rope) /* q and k, side by side */
+                    rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1);
                 char *k = qkv + (size_t)heads * D * elem, *v = k + (size_t)kvh * D * elem;
                 store_kv(k, qkv_n, D, v, qkv_n, D, st->slots, R, kvh, D, L->k_cache, L->v_cache, cache_slots, dtype,
                          st->cache_dtype);
@@ -217,8 +220,10 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
 #pragma omp for schedule(dynamic, 1) nowait
             for (int item = 0; item < R * kvh; ++item) {
                 const int r = item / kvh, h = item % kvh;
-                attend_one(L->k_cache, L->v_cache, st->num_blocks, st->block_size, st->tables + r * st->table_stride,
-                           st->ctx[r], 0, h, qkv + ((size_t)r * qkv_n + (size_t)h * group * D) * elem, (int64_t)D * elem,
+                int ctx = st->ctx[r], skip;
+                const int32_t *table = window_view(st->tables + r * st->table_stride, L->window, st->block_size,
+                                                   &ctx, &skip);
+                attend_one(L->k_cache, L->v_cache, st->num_blocks, st->block_size, table, ctx, skip, h, qkv + ((size_t)r * qkv_n + (size_t)h * group * D) * elem, (int64_t)D * elem,
                            st->scale, group, D, dtype, st->cache_dtype, mine, att + ((size_t)r * heads + (size_t)h * group) * D * elem,
                            (int64_t)D * elem);
             }

@@ -104,8 +104,8 @@ def test_family_greedy_tokens_equal_transformers_alone_and_batched(model_dirs, n
 
 
 def test_each_layer_asks_for_its_own_variant(model_dirs):
-    """Windows where layer_types put them, Gemma 2's soft cap, gpt-oss's sinks; such layers stay
-    off the C attention kernel (and so off the fused decode step)."""
+    """Windows where layer_types put them, Gemma 2's soft cap, gpt-oss's sinks; a layer with a soft
+    cap or sinks stays off the C attention kernel (and so off the fused decode step)."""
     want = {"gemma2-tiny": ([8, None, 8, None], 50.0, False), "gemma3-tiny": ([8] * 5 + [None], None, False),
             "gpt-oss-tiny": ([8, None], None, True), "smollm3-tiny": ([None] * 4, None, False)}
     for name, (windows, cap, sinks) in want.items():
@@ -116,8 +116,7 @@ def test_each_layer_asks_for_its_own_variant(model_dirs):
             assert [impl.sliding_window for impl in impls] == windows
             assert {impl.logits_soft_cap for impl in impls} == {cap}
             assert {impl.has_sinks for impl in impls} == {sinks}
-            if name != "smollm3-tiny":
-                assert not any(impl.attends_in_c for impl in impls if impl.sliding_window or cap or sinks)
+            assert not any(impl.attends_in_c for impl in impls if cap or sinks)
         finally:
             llm.shutdown()
 
@@ -208,14 +207,42 @@ def test_chunking_preemption_and_prefix_hits_leave_a_variant_models_tokens_uncha
         squeezed.shutdown()
 
 
-def test_phi3_with_whole_heads_rotated_keeps_the_fused_decode_step_and_partial_rotary_does_not(model_dirs):
+def test_phi3_and_smollm3_keep_the_fused_decode_step_and_partial_rotary_does_not(model_dirs):
     from kvserve.kernels.cpu.bindings import load_kernels
 
     kernels = load_kernels()
     fused_here = kernels is not None and bool(kernels.fused_rows)  # (x86 builds)
-    for name, fits in (("phi3-tiny", fused_here), ("phi4-mini-tiny", False), ("smollm3-tiny", False)):
+    for name, fits in (("phi3-tiny", fused_here), ("phi4-mini-tiny", False), ("smollm3-tiny", fused_here)):
         llm = LLM(model_dirs[name], dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=8)
         try:
             assert (llm.engine.executor.model.model.decode_row() is not None) == fits, name
         finally:
             llm.shutdown()
+
+
+def test_smollm3_in_the_fused_decode_step_keeps_the_per_op_paths_tokens_and_logprobs(model_dirs):
+    """decode_row.c leaves a NoPE layer's q and k unturned (``row_layer_t.rope``), as the per-op
+    path does: its greedy tokens equal with the fused step off, and its log-probabilities agree to
+    float32's last digits (at this 16-wide head the two paths' attention sums differ in order, as
+    they do for a Llama of that shape)."""
+    from kvserve.engine.models.decode_row import DecodeRow
+    from kvserve.kernels.cpu.bindings import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None or not kernels.fused_rows:
+        pytest.skip("the fused decode step is built for x86 CPUs")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    llm = LLM(model_dirs["smollm3-tiny"], dtype="float32", device="cpu", block_size=BLOCK)
+    try:
+        model = llm.engine.executor.model.model
+        assert [layer.self_attn.use_rope for layer in model.layers] == [True, True, True, False]
+        runs = []
+        for fused in (True, False):
+            model._decode_row = DecodeRow(model) if fused else None
+            outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+            runs.append([(list(o.token_ids), [lp.logprob for lp in o.logprobs]) for o in outs])
+    finally:
+        llm.shutdown()
+    assert [tokens for tokens, _ in runs[0]] == [tokens for tokens, _ in runs[1]]
+    fused, per_op = (torch.tensor([lps for _, lps in run]) for run in runs)
+    torch.testing.assert_close(fused, per_op, rtol=0, atol=1e-5)

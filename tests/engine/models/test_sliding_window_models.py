@@ -54,17 +54,22 @@ def test_window_models_greedy_tokens_equal_transformers_alone_and_batched(model_
     assert alone == want[:2]
 
 
-def test_a_window_model_stays_off_the_fused_decode_step(model_dirs):
-    """decode_row.c attends without a window: such a model decodes layer by layer."""
-    from kvserve.engine.models.decode_row import DecodeRow
+def test_the_fused_decode_step_takes_a_window_model_of_one_group(model_dirs):
+    """Mistral (one group, a window on every layer) decodes through decode_row.c, which reads one
+    block table a row: its tokens are transformers'; Ministral (three groups) decodes layer by layer."""
+    from kvserve.kernels.cpu.bindings import load_kernels
 
-    llm = LLM(model_dirs["mistral-tiny"], dtype="float32", device="cpu", block_size=BLOCK)
-    try:
-        model = llm.engine.executor.model.model
-        assert all(layer.self_attn.attn.impl.sliding_window == 8 for layer in model.layers)
-        assert not DecodeRow.fits(model) and model.decode_row() is None
-    finally:
-        llm.shutdown()
+    kernels = load_kernels()
+    built = kernels is not None and kernels.fused_rows  # (x86 builds only)
+    for name, fused in (("mistral-tiny", built), ("ministral-tiny", False)):
+        llm = LLM(model_dirs[name], dtype="float32", device="cpu", block_size=BLOCK)
+        try:
+            model = llm.engine.executor.model.model
+            assert (model.decode_row() is not None) == fused, name
+            if fused:
+                assert greedy_tokens(llm, PROMPTS) == hf_greedy(model_dirs[name], PROMPTS)
+        finally:
+            llm.shutdown()
 
 
 def test_a_family_without_window_support_is_still_refused():
