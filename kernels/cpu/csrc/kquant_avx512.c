@@ -82,14 +82,6 @@ static void dots_q8_0(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, i
     q8_0_rows(w, a, row_blocks, k, KQ_ROWS, out);
 }
 
-/* each of the 8 minimums twice, as int16: madd with a superblock's 16 block sums gives sub-block
- * j's minimum times its sum in lane j */
-static inline __m256i mins16(const int m[8]) {
-    return _mm256_setr_epi16((short)m[0], (short)m[0], (short)m[1], (short)m[1], (short)m[2], (short)m[2],
-                             (short)m[3], (short)m[3], (short)m[4], (short)m[4], (short)m[5], (short)m[5],
-                             (short)m[6], (short)m[6], (short)m[7], (short)m[7]);
-}
-
 /* Q4_K, and Q5_K where five, times R rows (R a constant where inlined: 1, or KQ_ROWS sharing the
  * unpacking): a 32-byte chunk's low then high nibbles make one vector of 64 values in order
  * (sub-blocks 2c and 2c + 1) against 64 contiguous activation bytes; Q5_K adds 16 where bit j of
@@ -107,7 +99,7 @@ static inline __attribute__((always_inline)) void k45_rows(const uint8_t *w, con
         const uint8_t *blk = w + (int64_t)bytes * i, *qs = blk + (five ? 48 : 16);
         int sc[8], m[8];
         for (int j = 0; j < 8; ++j) kq_scale_min(j, blk + 4, &sc[j], &m[j]);
-        const __m256i m16 = mins16(m);
+        const __m256i m16 = kq_mins16(m);
         const __m512i qh = five ? _mm512_broadcast_i64x4(load32(blk + 16)) : _mm512_setzero_si512();
         __m512i v[4], s[4];
         for (int c = 0; c < 4; ++c) {
