@@ -30,3 +30,11 @@ def test_the_tools_step_is_not_part_of_bench_peers(tmp_path):
     assert "llama.cpp-tools" in setup.STEPS and "llama.cpp-tools" not in setup.DEFAULT_STEPS
     paths = setup.peers_dir(str(tmp_path))
     assert paths.llama_quantize == paths.llama_server.with_name("llama-quantize")
+
+
+def test_the_kernel_comparison_runs_on_a_small_shape(capsys):
+    from kvserve.benchmarks.scale import kernels
+
+    assert kernels.main(["--shape", "32x256", "--rows", "1,5", "--repeat", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 3 * 2 and all("x" in line for line in lines[1:])

@@ -64,6 +64,18 @@ static inline void kq_scale_min(int j, const uint8_t *s, int *sc, int *m) {
     }
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* each of a Q4_K/Q5_K superblock's 8 minimums twice, as int16: madd with its 16 block sums gives
+ * sub-block j's minimum times its sum in lane j (kept in vector lanes: a scalar sum over the
+ * superblocks may be reassociated by the compiler differently for 1 and 4 rows) */
+static inline __m256i kq_mins16(const int m[8]) {
+    return _mm256_setr_epi16((short)m[0], (short)m[0], (short)m[1], (short)m[1], (short)m[2], (short)m[2],
+                             (short)m[3], (short)m[3], (short)m[4], (short)m[4], (short)m[5], (short)m[5],
+                             (short)m[6], (short)m[6], (short)m[7], (short)m[7]);
+}
+#endif
+
 /* the dots of each instruction set, by type (NULL where a type has none there) */
 kq_dot_fn kq_dot_portable(int type);
 kq_dot_fn kq_dot_avx2(int type);

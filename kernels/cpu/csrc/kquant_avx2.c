@@ -72,9 +72,8 @@ ROWS_FN k45_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k,
                  float *out) {
     const int bytes = five ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(15);
-    __m256 acc[KQ_ROWS];
-    float mins[KQ_ROWS];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
+    __m256 acc[KQ_ROWS], mins[KQ_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = _mm256_setzero_ps();
     for (int i = 0; i < k / KQ_BLOCK; ++i) {
         const uint8_t *blk = w + (int64_t)bytes * i, *qs = blk + (five ? 48 : 16);
         const __m256i qh = five ? load32(blk + 16) : _mm256_setzero_si256();
@@ -98,15 +97,15 @@ ROWS_FN k45_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k,
             }
         }
         const float d = half_at(blk), dmin = half_at(blk + 2);
+        const __m256i m16 = kq_mins16(m);
         for (int r = 0; r < R; ++r) {
             const kq_act_t *A = a + r * row_blocks + i;
-            int macc = 0;
-            for (int j = 0; j < 8; ++j) macc += m[j] * (A->bsums[2 * j] + A->bsums[2 * j + 1]);
+            const __m256i mm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)A->bsums), m16);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(A->d * d), acc[r]);
-            mins[r] += A->d * dmin * (float)macc;
+            mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(A->d * dmin), mins[r]);
         }
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) - mins[r];
+    for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) - hsum8(mins[r]);
 }
 
 /* Q6_K: per 128 values, 64 bytes of low 4 bits (values l and l + 32 in the low nibbles of bytes l

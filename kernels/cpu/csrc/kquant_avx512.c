@@ -82,107 +82,39 @@ static void dots_q8_0(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, i
     q8_0_rows(w, a, row_blocks, k, KQ_ROWS, out);
 }
 
-/* each of the 8 minimums twice, as int16: madd with a superblock's 16 block sums gives sub-block
- * j's minimum times its sum in lane j */
-static inline __m256i mins16(const int m[8]) {
-    return _mm256_setr_epi16((short)m[0], (short)m[0], (short)m[1], (short)m[1], (short)m[2], (short)m[2],
-                             (short)m[3], (short)m[3], (short)m[4], (short)m[4], (short)m[5], (short)m[5],
-                             (short)m[6], (short)m[6], (short)m[7], (short)m[7]);
-}
-
-/* Q4_K, and Q5_K where five: a 32-byte chunk's low then high nibbles make one vector of 64 values
- * in order (sub-blocks 2c and 2c + 1) against 64 contiguous activation bytes; Q5_K adds 16 where
- * bit j of qh[l] is set (j the sub-block) */
-static inline float dot_k45(const uint8_t *w, const kq_act_t *a, int k, const int five) {
+/* Q4_K, and Q5_K where five, times R rows (R a constant where inlined: 1, or KQ_ROWS sharing the
+ * unpacking): a 32-byte chunk's low then high nibbles make one vector of 64 values in order
+ * (sub-blocks 2c and 2c + 1) against 64 contiguous activation bytes; Q5_K adds 16 where bit j of
+ * qh[l] is set (j the sub-block); the unpacked chunks, sub-block scales and minimums are made once
+ * per superblock, and every row's arithmetic is the same at any R */
+static inline __attribute__((always_inline)) void k45_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks,
+                                                          int k, const int R, const int five, float *out) {
     const int bytes = five ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(15);
     const __m512i sixteen = _mm512_set1_epi8(16);
-    __m512 acc = _mm512_setzero_ps();
-    __m256 mins = _mm256_setzero_ps();
+    __m512 acc[KQ_ROWS];
+    __m256 mins[KQ_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
     for (int i = 0; i < k / KQ_BLOCK; ++i) {
         const uint8_t *blk = w + (int64_t)bytes * i, *qs = blk + (five ? 48 : 16);
         int sc[8], m[8];
         for (int j = 0; j < 8; ++j) kq_scale_min(j, blk + 4, &sc[j], &m[j]);
+        const __m256i m16 = kq_mins16(m);
         const __m512i qh = five ? _mm512_broadcast_i64x4(load32(blk + 16)) : _mm512_setzero_si512();
-        __m512i sums = _mm512_setzero_si512();
-        for (int c = 0; c < 4; ++c) {
-            const __m256i q = load32(qs + 32 * c);
-            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low)),
-                                           _mm256_and_si256(_mm256_srli_epi16(q, 4), low), 1);
-            if (five) {
-                const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
-                                                        _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
-                v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(qh, bits), v, sixteen);
-            }
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(a[i].qs + 64 * c));
-            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(p, halves(sc[2 * c], sc[2 * c + 1])));
-        }
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a[i].d * half_at(blk)), acc);
-        const __m256i mm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a[i].bsums), mins16(m));
-        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(a[i].d * half_at(blk + 2)), mins);
-    }
-    return _mm512_reduce_add_ps(acc) - hsum8(mins);
-}
-
-static float dot_q4_k(const uint8_t *w, const kq_act_t *a, int k) { return dot_k45(w, a, k, 0); }
-static float dot_q5_k(const uint8_t *w, const kq_act_t *a, int k) { return dot_k45(w, a, k, 1); }
-
-/* Q6_K: per 128 values, 64 bytes of low 4 bits (their low nibbles are values 0-63 in order, their
- * high nibbles 64-127) and 32 bytes of high 2 bits (bits 2p of qh[l], part p = 32 values); values
- * 0..63, the offset of 32 taken off through the block sums; int32 lane L sums values 4L..4L+3,
- * which share scale group L / 4 */
-static float dot_q6_k(const uint8_t *w, const kq_act_t *a, int k) {
-    const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
-    const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-    const __m512i group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < k / KQ_BLOCK; ++i) {
-        const uint8_t *blk = w + 210 * i;
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-        const __m512i sc = _mm512_cvtepi8_epi32(sc8);
-        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a[i].bsums), _mm256_cvtepi8_epi16(sc8));
-        __m512i sums = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
-        for (int n = 0; n < 2; ++n) {
-            const __m512i ql = _mm512_loadu_si512(blk + 64 * n);
-            const __m512i qh = _mm512_broadcast_i64x4(load32(blk + 128 + 32 * n));
-            const __m512i hb_lo = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_lo), two), 4);
-            const __m512i hb_hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_hi), two), 4);
-            const __m512i v_lo = _mm512_or_si512(_mm512_and_si512(ql, low), hb_lo);
-            const __m512i v_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low), hb_hi);
-            const __m512i p_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v_lo, _mm512_loadu_si512(a[i].qs + 128 * n));
-            const __m512i p_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v_hi, _mm512_loadu_si512(a[i].qs + 128 * n + 64));
-            const __m512i s_lo = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(8 * n)), sc);
-            const __m512i s_hi = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(8 * n + 4)), sc);
-            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(p_lo, s_lo));
-            sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(p_hi, s_hi));
-        }
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a[i].d * half_at(blk + 208)), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
-/* Q4_K times KQ_ROWS rows: dot_k45's unpacked chunks, sub-block scales and minimums made once per
- * superblock */
-static void dots_q4_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) {
-    const __m256i low = _mm256_set1_epi8(15);
-    __m512 acc[KQ_ROWS];
-    __m256 mins[KQ_ROWS];
-    for (int r = 0; r < KQ_ROWS; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
-    for (int i = 0; i < k / KQ_BLOCK; ++i) {
-        const uint8_t *blk = w + 144 * i, *qs = blk + 16;
-        int sc[8], m[8];
-        for (int j = 0; j < 8; ++j) kq_scale_min(j, blk + 4, &sc[j], &m[j]);
-        const __m256i m16 = mins16(m);
         __m512i v[4], s[4];
         for (int c = 0; c < 4; ++c) {
             const __m256i q = load32(qs + 32 * c);
             v[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low)),
                                       _mm256_and_si256(_mm256_srli_epi16(q, 4), low), 1);
+            if (five) {
+                const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))),
+                                                        _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+                v[c] = _mm512_mask_add_epi8(v[c], _mm512_test_epi8_mask(qh, bits), v[c], sixteen);
+            }
             s[c] = halves(sc[2 * c], sc[2 * c + 1]);
         }
         const float d = half_at(blk), dmin = half_at(blk + 2);
-        for (int r = 0; r < KQ_ROWS; ++r) {
+        for (int r = 0; r < R; ++r) {
             const kq_act_t *A = a + r * row_blocks + i;
             __m512i sums = _mm512_setzero_si512();
             for (int c = 0; c < 4; ++c) {
@@ -194,17 +126,42 @@ static void dots_q4_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, i
             mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(A->d * dmin), mins[r]);
         }
     }
-    for (int r = 0; r < KQ_ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - hsum8(mins[r]);
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - hsum8(mins[r]);
 }
 
-/* Q6_K times KQ_ROWS rows: dot_q6_k's unpacking and scale vectors, made once per superblock */
-static void dots_q6_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) {
+static float dot_q4_k(const uint8_t *w, const kq_act_t *a, int k) {
+    float out;
+    k45_rows(w, a, 0, k, 1, 0, &out);
+    return out;
+}
+
+static float dot_q5_k(const uint8_t *w, const kq_act_t *a, int k) {
+    float out;
+    k45_rows(w, a, 0, k, 1, 1, &out);
+    return out;
+}
+
+static void dots_q4_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) {
+    k45_rows(w, a, row_blocks, k, KQ_ROWS, 0, out);
+}
+
+static void dots_q5_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) {
+    k45_rows(w, a, row_blocks, k, KQ_ROWS, 1, out);
+}
+
+
+/* Q6_K times R rows (as k45_rows): per 128 values, 64 bytes of low 4 bits (their low nibbles are
+ * values 0-63 in order, their high nibbles 64-127) and 32 bytes of high 2 bits (bits 2p of qh[l],
+ * part p = 32 values); values 0..63, the offset of 32 taken off through the block sums; int32 lane
+ * L sums values 4L..4L+3, which share scale group L / 4 */
+static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks,
+                                                           int k, const int R, float *out) {
     const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
     const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     const __m512i group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512 acc[KQ_ROWS];
-    for (int r = 0; r < KQ_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int i = 0; i < k / KQ_BLOCK; ++i) {
         const uint8_t *blk = w + 210 * i;
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
@@ -222,7 +179,7 @@ static void dots_q6_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, i
             s[2 * n + 1] = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(8 * n + 4)), sc);
         }
         const float d = half_at(blk + 208);
-        for (int r = 0; r < KQ_ROWS; ++r) {
+        for (int r = 0; r < R; ++r) {
             const kq_act_t *A = a + r * row_blocks + i;
             const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)A->bsums), sc16);
             __m512i sums = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
@@ -233,12 +190,23 @@ static void dots_q6_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, i
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(A->d * d), acc[r]);
         }
     }
-    for (int r = 0; r < KQ_ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static float dot_q6_k(const uint8_t *w, const kq_act_t *a, int k) {
+    float out;
+    q6_k_rows(w, a, 0, k, 1, &out);
+    return out;
+}
+
+static void dots_q6_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) {
+    q6_k_rows(w, a, row_blocks, k, KQ_ROWS, out);
 }
 
 kq_dots_fn kq_dots_avx512(int type) {
     switch (type) {
         case GGML_Q4_K: return dots_q4_k;
+        case GGML_Q5_K: return dots_q5_k;
         case GGML_Q6_K: return dots_q6_k;
         case GGML_Q8_0: return dots_q8_0;
         default: return NULL;

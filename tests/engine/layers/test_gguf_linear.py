@@ -181,3 +181,10 @@ def test_model_info_reports_the_bundled_files_q8_0_table_as_stored_and_its_q4_1_
         llm.shutdown()
     assert formats == ["down_proj=bfloat16", "embed_tokens=Q8_0", "gate_up_proj=bfloat16", "lm_head=Q8_0",
                        "o_proj=bfloat16", "qkv_proj=bfloat16"]
+
+
+def test_a_shard_that_splits_a_block_is_refused_with_the_block_size():
+    weight = GGUFTensor(torch.zeros(4, 2 * 144, dtype=torch.uint8), 12, (4, 512))
+    assert weight.narrow(1, 256, 256).data.shape == (4, 144)
+    with pytest.raises(ValueError, match="Q4_K tensor of 512 inputs splits only at whole blocks of 256"):
+        weight.narrow(1, 128, 256)

@@ -137,3 +137,16 @@ def test_types_and_widths_it_does_not_take_are_refused():
         KQ.matmul(torch.zeros(4, 144, dtype=torch.uint8), 12, 224, KQ.quantize(x[:, :224]), out)
     with pytest.raises(RuntimeError, match="status 1"):
         KQ.quantize(torch.randn(2, 40))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES.get)
+@pytest.mark.parametrize("path", PATHS, ids=["built", "portable"])
+def test_each_row_is_computed_alike_whatever_rows_are_beside_it(ggml_type, path):
+    """A row alone, or among 9 (4-row groups and a remainder), gets the same bits: a speculative
+    verification row's logits are those of a plain decode."""
+    k = 1024
+    weight = random_blocks(ggml_type, 24, k, seed=11)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    together = product(weight, ggml_type, k, x, path)
+    alone = torch.cat([product(weight, ggml_type, k, x[i : i + 1], path) for i in range(9)])
+    assert torch.equal(together, alone)

@@ -1,0 +1,73 @@
+"""The GGUF kernels alone at a 1.7B model's projection shapes, against the bfloat16 product of the
+same weights dequantized, in one run (``python -m kvserve.benchmarks.scale.kernels``): per format
+(Q4_K, Q6_K, Q8_0) and row count, milliseconds per product (activation quantization included),
+weight bytes per second and the ratio to ``cpu_matmul.linear`` on the dequantized bfloat16 weight
+(csrc/gemm.c's packed copy where it is built). Random valid blocks; run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
+
+NAMES = {"Q4_K": 12, "Q6_K": 14, "Q8_0": 8}
+SCALE_AT = {12: (0, 2), 14: (208,), 8: (0,)}  # each format's float16 scales in its block
+
+
+def random_weight(ggml_type: int, n_out: int, k: int, seed: int = 0) -> torch.Tensor:
+    values, size = BLOCK_TYPES[ggml_type]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n_out * k // values, size), dtype=np.uint8)
+    for at in SCALE_AT[ggml_type]:
+        halves = (rng.standard_normal(len(blocks)) * 1e-3).astype(np.float16)
+        blocks[:, at : at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(blocks.reshape(n_out, -1))
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def compare(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: int, repeat: int) -> str:
+    """One line: the GGUF product of ``rows`` rows against the bfloat16 one of the same weight."""
+    from kvserve.engine.layers.cpu_matmul import linear, pack_weight
+
+    weight = random_weight(ggml_type, n_out, k)
+    dense = kernels.dequantize(weight, ggml_type, k, torch.bfloat16)
+    packed = pack_weight(dense)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    out = torch.empty(rows, n_out, dtype=torch.bfloat16)
+    ours = timed(lambda: kernels.matmul(weight, ggml_type, k, kernels.quantize(x), out), repeat)
+    theirs = timed(lambda: linear(x, dense, packed=packed, few_rows=8), repeat)
+    rate = weight.numel() / ours / 1e9
+    return (f"{name} rows {rows:4d}: {ours * 1e3:8.2f} ms ({rate:5.1f} GB/s of blocks), "
+            f"bf16 {theirs * 1e3:8.2f} ms: {theirs / ours:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.kernels",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8192x2048", help="output rows x inputs (gate/up of a 1.7B model)")
+    ap.add_argument("--rows", default="1,8,512", help="activation rows per product")
+    ap.add_argument("--repeat", type=int, default=10)
+    args = ap.parse_args(argv)
+    n_out, k = (int(v) for v in args.shape.split("x"))
+    kernels = kquant_kernels()
+    print(f"{n_out} x {k}, {torch.get_num_threads()} threads, dots: {kernels.isa or 'portable'}")
+    for name, ggml_type in NAMES.items():
+        for rows in (int(r) for r in args.rows.split(",")):
+            print(compare(kernels, name, ggml_type, n_out, k, rows, args.repeat), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
