@@ -102,6 +102,13 @@ class GGUFWeight:
                 kernels.matmul(part.data, part.ggml_type, self.k_in, act, out, b)
         return y.view(*x.shape[:-1], self.n_out)
 
+    def rows_alike(self, dtype: torch.dtype) -> bool:
+        """Whether a product in ``dtype`` computes each row alike at any number of rows: every part in
+        the block kernels (bfloat16 with vector dots built: the activations are quantized per row and
+        the tiles sum each row in one order, tests/kernels/cpu/test_kquant.py), not in float panels."""
+        return (dtype != torch.float32 and kquant_kernels().isa != 0
+                and all(isinstance(p, GGUFTensor) for _, p in self.parts))
+
     def silu_and_mul(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """None: the caller applies ``silu_and_mul`` to ``linear``'s product (no fused form here)."""
         return None

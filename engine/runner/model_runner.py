@@ -34,7 +34,7 @@ from kvserve.engine.layers.attention.backend import (
 )
 from kvserve.engine.layers.cpu_matmul import compute_rows_alike, pack_model_weights
 from kvserve.engine.layers.embed_head import ParallelLMHead
-from kvserve.engine.layers.gguf_linear import weight_formats
+from kvserve.engine.layers.gguf_linear import GGUFWeight, weight_formats
 from kvserve.engine.layers.linear import LinearBase
 from kvserve.engine.layers.moe import FusedExperts
 from kvserve.engine.layers.quantization import quantize_model
@@ -237,13 +237,20 @@ class ModelRunner:
         """How many decode rows a step may hold and still compute each row as alone (what
         speculation's verification relies on): any (None) on a GPU, where speculation agrees up to
         near ties, and on the CPU where every projection and the LM head multiply in csrc/gemm.c
-        (packed bfloat16: a row's sums run in one order at any count; no mixture of experts);
-        else MAX_FUSED_ROWS, the rows the fused decode step and the row kernel (``RowsAlike``) take."""
+        (packed bfloat16: a row's sums run in one order at any count; no mixture of experts) or in
+        the GGUF block kernels (``GGUFWeight.rows_alike``); else MAX_FUSED_ROWS, the rows the fused
+        decode step and the row kernel (``RowsAlike``) take."""
         if self.device.type != "cpu":
             return None
         modules = list(self.model.modules())
         linears = [m for m in modules if isinstance(m, LinearBase | ParallelLMHead)]
-        if (linears and all(isinstance(m.packed, PackedWeight) for m in linears)
+
+        def alike(m) -> bool:
+            if isinstance(m.quantized, GGUFWeight):
+                return m.quantized.rows_alike(self.dtype)
+            return m.quantized is None and isinstance(m.packed, PackedWeight)
+
+        if (linears and all(alike(m) for m in linears)
                 and not any(isinstance(m, FusedExperts) for m in modules)):
             return None
         return MAX_FUSED_ROWS

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from kvserve.cli import build_parser
+from kvserve.engine.frontend.engine_state import ServerStats
 from kvserve.engine.spec_decode.speculator import speculation_stats
 from kvserve.service.telemetry.metrics import SnapshotCollector
 
@@ -88,11 +89,13 @@ def test_the_endpoint_picker_reads_metric_names_kvserve_exports():
     (engine,) = plugins["core-metrics-extractor"]["engineConfigs"]
     assert kvserve_pod_labels()["llm-d.ai/engine-type"] == engine["name"]
     assert plugins["metrics-data-source"]["port"] == kvserve_args().metrics_port
-    stats = {"num_running": 0, "num_waiting": 0, "num_queued": 0, "prefix_cache_hit_rate": 0.0,
-             "kv_blocks_total": 8, "kv_blocks_free": 8, "kv_block_size": 16, "num_preemptions": 0,
-             "prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
-             "prefix_cache_hits": 0, "requests_aborted": 0, "requests_rejected": 0,
-             **speculation_stats(None)}  # speculative decoding's keys, zeros when it is off
+    stats = ServerStats(model="m", device="cpu", dtype="float32", tp_size=1, attention_backend="torch",
+                        num_running=0, num_waiting=0, num_queued=0, max_queue=8, requests_rejected=0,
+                        kv_blocks_total=8, kv_blocks_free=8, kv_block_size=16, kv_cache_dtype="float32",
+                        prefix_cache_hit_rate=0.0, prefix_cache_queries=0, prefix_cache_hits=0,
+                        num_preemptions=0, requests_finished=0, requests_aborted=0, prompt_tokens_total=0,
+                        generation_tokens_total=0, uptime_s=0.0,
+                        **speculation_stats(None))  # speculative decoding's fields, zeros when it is off
     exported = {f.name for f in SnapshotCollector("m", lambda: stats).collect()}
     for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheInfoSpec"):
         assert engine[key].split("{")[0] in exported, key

@@ -176,7 +176,7 @@ def test_model_info_reports_the_bundled_files_q8_0_table_as_stored_and_its_q4_1_
 
     llm = LLM("default", dtype="bfloat16", num_kv_blocks=16, max_model_len=64)
     try:
-        formats = llm.engine.model_info()["weight_formats"]
+        formats = llm.engine.model_info().weight_formats
     finally:
         llm.shutdown()
     assert formats == ["down_proj=bfloat16", "embed_tokens=Q8_0", "gate_up_proj=bfloat16", "lm_head=Q8_0",

@@ -96,14 +96,14 @@ def test_preemption_chunking_prefix_hits_and_forks_leave_window_model_tokens_unc
     try:
         assert greedy_tokens(squeezed, prompts) == want
         stats = squeezed.stats()
-        assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"] == 39
+        assert stats.num_preemptions > 0 and stats.kv_blocks_free == stats.kv_blocks_total == 39
         squeezed.generate(prompts[-2:-1], GREEDY, use_tqdm=False)  # (the run above may have evicted it)
         warm = squeezed.generate(prompts[-1:], GREEDY, use_tqdm=False)[0]  # 6 shared blocks cached
         assert list(warm.token_ids) == want[-1] and warm.cached_tokens == 24
         two = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, n=2)
         forked = squeezed.generate([prompts[0]], two, use_tqdm=False)[0]
         assert [list(c.token_ids) for c in forked.choices] == [want[0], want[0]]
-        assert squeezed.stats()["kv_blocks_free"] == 39
+        assert squeezed.stats().kv_blocks_free == 39
     finally:
         squeezed.shutdown()
 
@@ -118,7 +118,7 @@ def test_speculative_decoding_leaves_window_model_tokens_unchanged(model_dirs):
     spec = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, speculative="ngram")
     try:
         assert greedy_tokens(spec, prompts) == want
-        assert spec.stats()["kv_blocks_free"] == spec.stats()["kv_blocks_total"]
+        assert spec.stats().kv_blocks_free == spec.stats().kv_blocks_total
     finally:
         spec.shutdown()
 
