@@ -28,7 +28,11 @@ from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
 
 GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
-PANEL_ROWS = 256  # output rows dequantized at a time where no vector dots were built
+PANEL_ROWS = 256  # output rows dequantized at a time where the float GEMM multiplies
+# from this many activation rows (a prefill chunk) a bfloat16 product dequantizes panels into the
+# float GEMM: the block dots cost about 0.2-0.3 ms a row at a 1.7B projection where dequantizing
+# the whole weight costs 11-19 ms and the bfloat16 GEMM 0.08 ms a row (docs/design/gguf_kquants.md)
+PANEL_FROM_ROWS = 96
 
 
 def ggml_name(ggml_type: int) -> str:
@@ -82,7 +86,8 @@ class GGUFWeight:
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         kernels = kquant_kernels()
         y = torch.empty(rows.shape[0], self.n_out, dtype=x.dtype)
-        panels = x.dtype == torch.float32 or (kernels.isa == 0 and rows.shape[0] > MAX_FUSED_ROWS)
+        panels = (x.dtype == torch.float32 or rows.shape[0] >= PANEL_FROM_ROWS
+                  or (kernels.isa == 0 and rows.shape[0] > MAX_FUSED_ROWS))
         act = None
         for start, part in self.parts:
             n = part.shape[0]
@@ -102,12 +107,15 @@ class GGUFWeight:
                 kernels.matmul(part.data, part.ggml_type, self.k_in, act, out, b)
         return y.view(*x.shape[:-1], self.n_out)
 
-    def rows_alike(self, dtype: torch.dtype) -> bool:
-        """Whether a product in ``dtype`` computes each row alike at any number of rows: every part in
-        the block kernels (bfloat16 with vector dots built: the activations are quantized per row and
-        the tiles sum each row in one order, tests/kernels/cpu/test_kquant.py), not in float panels."""
-        return (dtype != torch.float32 and kquant_kernels().isa != 0
-                and all(isinstance(p, GGUFTensor) for _, p in self.parts))
+    def alike_rows(self, dtype: torch.dtype) -> int:
+        """Up to how many rows a product in ``dtype`` computes each row alike whatever rows are
+        beside it: below ``PANEL_FROM_ROWS`` where every part is in the block kernels (bfloat16 with
+        vector dots built: the activations are quantized per row and the tiles sum each row in one
+        order, tests/kernels/cpu/test_kquant.py), else ``MAX_FUSED_ROWS`` (the row kernel's)."""
+        if (dtype != torch.float32 and kquant_kernels().isa != 0
+                and all(isinstance(p, GGUFTensor) for _, p in self.parts)):
+            return PANEL_FROM_ROWS - 1
+        return MAX_FUSED_ROWS
 
     def silu_and_mul(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """None: the caller applies ``silu_and_mul`` to ``linear``'s product (no fused form here)."""

@@ -237,23 +237,22 @@ class ModelRunner:
         """How many decode rows a step may hold and still compute each row as alone (what
         speculation's verification relies on): any (None) on a GPU, where speculation agrees up to
         near ties, and on the CPU where every projection and the LM head multiply in csrc/gemm.c
-        (packed bfloat16: a row's sums run in one order at any count; no mixture of experts) or in
-        the GGUF block kernels (``GGUFWeight.rows_alike``); else MAX_FUSED_ROWS, the rows the fused
-        decode step and the row kernel (``RowsAlike``) take."""
+        (packed bfloat16: a row's sums run in one order at any count; no mixture of experts), as far
+        as the GGUF block kernels keep them alike (``GGUFWeight.alike_rows``); else MAX_FUSED_ROWS,
+        the rows the fused decode step and the row kernel (``RowsAlike``) take."""
         if self.device.type != "cpu":
             return None
         modules = list(self.model.modules())
         linears = [m for m in modules if isinstance(m, LinearBase | ParallelLMHead)]
-
-        def alike(m) -> bool:
+        if not linears or any(isinstance(m, FusedExperts) for m in modules):
+            return MAX_FUSED_ROWS
+        limits = []
+        for m in linears:
             if isinstance(m.quantized, GGUFWeight):
-                return m.quantized.rows_alike(self.dtype)
-            return m.quantized is None and isinstance(m.packed, PackedWeight)
-
-        if (linears and all(alike(m) for m in linears)
-                and not any(isinstance(m, FusedExperts) for m in modules)):
-            return None
-        return MAX_FUSED_ROWS
+                limits.append(m.quantized.alike_rows(self.dtype))
+            elif m.quantized is not None or not isinstance(m.packed, PackedWeight):
+                return MAX_FUSED_ROWS
+        return min(limits, default=None)
 
     def _count_kv_blocks(self, record_graph: Recorder | None) -> int:
         if self.config.num_kv_blocks is not None:

@@ -255,6 +255,7 @@ def test_where_every_projection_is_in_gemm_c_a_small_batch_drafts_past_eight_row
     """bfloat16 weights all packed for csrc/gemm.c compute a row alike at any number of rows, so a
     batch of up to MAX_FUSED_ROWS sequences may verify drafts past that many rows and still give
     each sequence the tokens and logprobs it gets alone without speculation."""
+    from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS
     from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS
     from kvserve.kernels.cpu.bindings import load_kernels
 
@@ -262,7 +263,9 @@ def test_where_every_projection_is_in_gemm_c_a_small_batch_drafts_past_eight_row
         pytest.skip("csrc/gemm.c is built only where the compiler targets AVX-512 or AVX2")
     llm = LLM("default", dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=512, speculative="ngram")
     try:
-        assert llm.engine.speculator.exact_rows is None
+        # every projection packed for gemm.c, the tied Q8_0 table in the GGUF block kernels: rows
+        # alike up to the count where a product turns to dequantized panels
+        assert llm.engine.speculator.exact_rows == PANEL_FROM_ROWS - 1
         # a cost table under which drafts always pay, so that steps of 4 sequences verify 5 each
         with_control_plane(llm, step_costs=StepCosts({1: 1.0, 64: 1.01}), speculative="ngram")
         rows = []

@@ -13,7 +13,7 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.layers.gguf_linear import GGUFTensor, GGUFWeight
+from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, GGUFTensor, GGUFWeight
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.runner.model_runner import ModelRunner
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
@@ -188,3 +188,26 @@ def test_a_shard_that_splits_a_block_is_refused_with_the_block_size():
     assert weight.narrow(1, 256, 256).data.shape == (4, 144)
     with pytest.raises(ValueError, match="Q4_K tensor of 512 inputs splits only at whole blocks of 256"):
         weight.narrow(1, 128, 256)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0])
+def test_prefill_rows_take_dequantized_panels_and_decode_rows_the_block_dots(qtype):
+    """bfloat16 products of PANEL_FROM_ROWS rows or more dequantize panels into the float GEMM (2-3x
+    faster there, docs/design/gguf_kquants.md); fewer rows take the int8 dots. Both against
+    gguf's dequantize then a float64 matmul: the panels within bfloat16's rounding of the products,
+    the dots within the activations' int8 rounding too."""
+    rng = np.random.default_rng(int(qtype))
+    n_out, k = 300, 512  # more output rows than one panel
+    blocks = random_blocks(qtype, n_out, k, rng)
+    weight = GGUFWeight(((0, GGUFTensor(torch.from_numpy(blocks), int(qtype), (n_out, k))),), n_out, k)
+    dense = torch.from_numpy(dequantize(blocks, qtype).reshape(n_out, k)).double()
+    for rows in (PANEL_FROM_ROWS - 1, PANEL_FROM_ROWS):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = x.double() @ dense.T
+        got = weight.linear(x).double()
+        scale = (x.double().abs() @ dense.abs().T)  # the sum of |products| per output
+        worst = ((got - want).abs() / scale.clamp_min(1e-12)).max().item()
+        # the output's bfloat16 rounding (2^-9 of it) bounds the panels (measured up to 1.3e-3); the
+        # dots' int8 activations add more (measured 2.4e-3 to 3.2e-3), which this bound would refuse
+        assert worst < (2 ** -9 if rows >= PANEL_FROM_ROWS else 2 ** -5), (rows, worst)
+    assert weight.alike_rows(torch.bfloat16) == PANEL_FROM_ROWS - 1
