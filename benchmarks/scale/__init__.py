@@ -21,7 +21,8 @@ from pathlib import Path
 
 from kvserve.benchmarks.peers import compare, setup
 
-SHAPES = ("smollm2-1.7b", "llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b")
+SHAPES = ("smollm2-1.7b", "llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b", "gemma3-1b")
+CUT_VOCABULARY = ("gemma3-1b",)
 
 
 def checkpoint(shape: str, work: Path) -> Path:
@@ -30,41 +31,48 @@ def checkpoint(shape: str, work: Path) -> Path:
 
     from kvserve.engine.model_loader.source import resolve_model
     from kvserve.engine.tokenizer.load import load_tokenizer
-    from kvserve.testing.random_model import write_random_model
+    from kvserve.testing.random_model import make_config, write_model_dir
 
     out = work / "hf"
     if out.is_dir():
         return out
     scratch = work / "hf.partial"
     shutil.rmtree(scratch, ignore_errors=True)
-    write_random_model(shape, scratch, dtype=torch.bfloat16)
-    load_tokenizer(resolve_model("default")).save_pretrained(scratch)
+    tokenizer = load_tokenizer(resolve_model("default"))
+    # llama.cpp's Gemma 3 converter cuts the embedding down to the tokenizer's vocabulary (its Llama
+    # converter pads the tokenizer instead): written at that size, both servers compute the same head
+    overrides = {"vocab_size": len(tokenizer)} if shape in CUT_VOCABULARY else {}
+    write_model_dir(make_config(shape, **overrides), scratch, dtype=torch.bfloat16)
+    tokenizer.save_pretrained(scratch)
     scratch.rename(out)
     return out
 
 
 def quantized_gguf(paths: setup.PeerPaths, hf: Path, work: Path, quant: str) -> Path:
-    """``hf`` converted by llama.cpp to bf16, then quantized to ``quant`` by llama-quantize."""
-    out = work / f"model-{quant}.gguf"
-    if out.exists():
-        return out
+    """``hf`` converted by llama.cpp to bf16, then quantized to ``quant`` by llama-quantize (``bf16``:
+    the converted file as it is)."""
     bf16 = work / "model-bf16.gguf"
     if not bf16.exists():
         partial = bf16.with_suffix(".partial")
         setup.run([sys.executable, paths.llama_convert, hf, "--outtype", "bf16", "--outfile", partial])
         partial.rename(bf16)
+    out = work / f"model-{quant}.gguf"
+    if out.exists():
+        return out
     partial = out.with_suffix(".partial")
     setup.run([paths.llama_quantize, bf16, partial, quant, str(len(os.sched_getaffinity(0)))])
     partial.rename(out)
     return out
 
 
-def harness_args(args: argparse.Namespace, model: Path, peer: str, peer_flag: str) -> list[str]:
-    """The peers harness on kvserve and ``peer`` serving ``model`` (the issue's workload: prompts of
-    64-400 tokens, 64 new tokens, one stream and ``--concurrency``'s levels, no open-loop levels)."""
-    return ["--systems", f"kvserve,{peer}", "--model", str(model), peer_flag, str(model),
+def harness_args(args: argparse.Namespace, ours: Path, model: Path, peer: str, peer_flag: str) -> list[str]:
+    """The peers harness on kvserve serving ``ours`` and ``peer`` serving ``model`` (by default the
+    issue's workload: prompts of 64-400 tokens, 64 new tokens, one stream and ``--concurrency``'s
+    levels, no open-loop levels)."""
+    return ["--systems", f"kvserve,{peer}", "--model", str(ours), peer_flag, str(model),
             "--peers-dir", str(args.peers_dir), "--concurrency", args.concurrency, "--rates", "none",
-            "--num-requests", str(args.num_requests), "--prompt-len", "64:400", "--output-len", "64",
+            "--num-requests", str(args.num_requests), "--prompt-len", args.prompt_len,
+            "--output-len", args.output_len,
             "--dtype", "bfloat16", *(["--json", f"{args.json}.{peer}.json"] if args.json else [])]
 
 
@@ -72,7 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=SHAPES, default="smollm2-1.7b")
-    ap.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type (Q4_K_M, Q5_K_M, Q6_K, Q8_0)")
+    ap.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type (Q4_K_M, Q5_K_M, Q6_K, Q8_0), "
+                    "or bf16 for the converted file unquantized")
+    ap.add_argument("--kvserve-loads", choices=("gguf", "hf"), default="gguf",
+                    help="what kvserve serves: the GGUF file llama-server serves, or the HF checkpoint "
+                    "it was converted from")
+    ap.add_argument("--prompt-len", default="64:400", metavar="LO:HI", help="prompt tokens per request")
+    ap.add_argument("--output-len", default="64", metavar="N[:M]", help="new tokens per request")
     ap.add_argument("--peers-dir", help="the peers' folder (default $KVSERVE_PEERS_DIR or "
                     "~/.cache/kvserve-peers)")
     ap.add_argument("--work-dir", help="where the checkpoint and GGUF files go (default "
@@ -90,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     hf = checkpoint(args.shape, work)
     gguf = quantized_gguf(paths, hf, work, args.quant)
     print(f"{gguf}: {gguf.stat().st_size / 1e9:.2f} GB", flush=True)
-    status = compare.main(harness_args(args, gguf, "llama.cpp", "--llama-gguf"))
+    ours = hf if args.kvserve_loads == "hf" else gguf
+    status = compare.main(harness_args(args, ours, gguf, "llama.cpp", "--llama-gguf"))
     if args.with_vllm:
         setup.setup_vllm(paths)
-        status = status or compare.main(harness_args(args, hf, "vllm", "--vllm-model"))
+        status = status or compare.main(harness_args(args, hf, hf, "vllm", "--vllm-model"))
     return status
