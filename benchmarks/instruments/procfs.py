@@ -37,6 +37,19 @@ def children(pid: int) -> list[int]:
     return [p for p, s in _stats().items() if s.ppid == pid]
 
 
+def named(pids: list[int], word: bytes) -> list[int]:
+    """Those of ``pids`` whose command line holds ``word`` (a process's title, such as
+    ``kvserve-grammar-compiler``)."""
+    def cmdline(pid: int) -> bytes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    return [pid for pid in pids if word in cmdline(pid)]
+
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants, parents before children."""
     return _tree(pid, _stats())

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvserve.benchmarks.instruments.procfs import alive, children
+from kvserve.benchmarks.instruments.procfs import alive, children, named
 from kvserve.engine.constraints import MAX_SCHEMA_DEPTH, Constraint, json_depth
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.structured.grammar import StructuredOutput
@@ -44,14 +44,7 @@ def wait_compiled(so: StructuredOutput, bound_s: float = 120.0) -> list:
 
 
 def compile_processes() -> list[int]:
-    def cmdline(pid: int) -> bytes:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return f.read()
-        except OSError:
-            return b""
-
-    return [pid for pid in children(os.getpid()) if b"grammar-compiler" in cmdline(pid)]
+    return named(children(os.getpid()), b"grammar-compiler")
 
 
 @pytest.fixture(scope="module")

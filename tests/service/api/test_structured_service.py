@@ -21,7 +21,7 @@ import grpc
 import jsonschema
 import pytest
 
-from kvserve.benchmarks.instruments.procfs import alive, process_tree
+from kvserve.benchmarks.instruments.procfs import alive, named, process_tree
 from kvserve.clients import Client
 
 pytest_plugins = ["kvserve.testing.plugin"]
@@ -147,14 +147,7 @@ def test_abandoned_slow_compiles_do_not_hold_up_the_next_constraint(client):
 
 def _compilers(server) -> list[int]:
     """The server's grammar-compiler processes (children of its engine core)."""
-    def cmdline(pid: int) -> bytes:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return f.read()
-        except OSError:
-            return b""
-
-    return [pid for pid in process_tree(server.proc.pid) if b"grammar-compiler" in cmdline(pid)]
+    return named(process_tree(server.proc.pid), b"grammar-compiler")
 
 
 def _kill_all(pids: list[int]) -> None:
