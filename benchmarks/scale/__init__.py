@@ -54,7 +54,8 @@ def quantized_gguf(paths: setup.PeerPaths, hf: Path, work: Path, quant: str) -> 
     bf16 = work / "model-bf16.gguf"
     if not bf16.exists():
         partial = bf16.with_suffix(".partial")
-        setup.run([sys.executable, paths.llama_convert, hf, "--outtype", "bf16", "--outfile", partial])
+        setup.run([sys.executable, paths.llama_convert, hf, "--outtype", "bf16", "--outfile", partial],
+                  env=paths.converter_env())
         partial.rename(bf16)
     out = work / f"model-{quant}.gguf"
     if out.exists():
