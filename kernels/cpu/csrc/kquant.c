@@ -14,15 +14,6 @@
 
 _Static_assert(sizeof(kq_act_t) == KQ_ACT_BYTES, "kq_act_t is KQ_ACT_BYTES (kquant.py reads it)");
 
-/* which vector dots this build has: 512 (AVX512-VNNI), 256 (AVX2), 0 (the portable loops only) */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define KQ_ISA 512
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KQ_ISA 256
-#else
-#define KQ_ISA 0
-#endif
-
 /* ---- the portable dots: integer sums per sub-block, one float multiply per sub-block scale ---- */
 
 static float dot_q4_0(const uint8_t *w, const kq_act_t *a, int k) {
@@ -126,30 +117,22 @@ kq_dot_fn kq_dot_portable(int type) {
     }
 }
 
-/* the dots of the best instruction set built here (isa 0), or the portable ones (isa 1) */
-static kq_dot_fn dot_for(int type, int isa) {
-    if (isa == 1) return kq_dot_portable(type);
+/* the one-row and several-row dots of the best instruction set built here (isa 0), or the
+ * portable ones (isa 1: one row at a time, no several-row dots) */
 #if KQ_ISA == 512
-    return kq_dot_avx512(type);
+#define KQ_BEST(kind) kq_##kind##_avx512
 #elif KQ_ISA == 256
-    return kq_dot_avx2(type);
+#define KQ_BEST(kind) kq_##kind##_avx2
 #else
-    return kq_dot_portable(type);
-#endif
-}
-
-/* the several-row dots of the best instruction set built here (NULL: none for this type; isa 1:
- * none, the portable loops one row at a time) */
-static kq_dots_fn dots_for(int type, int isa) {
-#if KQ_ISA == 512
-    return isa == 1 ? NULL : kq_dots_avx512(type);
-#elif KQ_ISA == 256
-    return isa == 1 ? NULL : kq_dots_avx2(type);
-#else
-    (void)type, (void)isa;
+#define KQ_BEST(kind) kq_##kind##_portable
+static kq_dots_fn kq_dots_portable(int type) {
+    (void)type;
     return NULL;
-#endif
 }
+#endif
+
+static kq_dot_fn dot_for(int type, int isa) { return isa == 1 ? kq_dot_portable(type) : KQ_BEST(dot)(type); }
+static kq_dots_fn dots_for(int type, int isa) { return isa == 1 ? NULL : KQ_BEST(dots)(type); }
 
 /* Which dots kq_matmul runs with isa 0: 512, 256 or 0 (read by kernels/cpu/bindings.py). */
 int kq_isa(void) { return KQ_ISA; }
@@ -222,18 +205,19 @@ int kq_matmul(const void *w, int64_t row_bytes, int type, int n_out, int k, cons
                 const uint8_t *row = (const uint8_t *)w + (int64_t)n * row_bytes;
                 float b = 0.f;
                 if (bias != NULL) to_float((const char *)bias + (int64_t)n * elem, dtype, &b, 1);
-                int m = tm * tile_m;
-                for (; dots != NULL && m + KQ_ROWS <= m_end; m += KQ_ROWS) {
+                for (int m = tm * tile_m; m < m_end;) {
                     float v[KQ_ROWS];
-                    dots(row, (const kq_act_t *)act + (int64_t)m * nb, nb, k, v);
-                    for (int r = 0; r < KQ_ROWS; ++r) {
+                    const kq_act_t *A = (const kq_act_t *)act + (int64_t)m * nb;
+                    int n_rows = dots != NULL && m_end - m >= 2 ? dots(row, A, nb, k, m_end - m, v) : 0;
+                    if (n_rows == 0) {
+                        v[0] = dot(row, A, k);
+                        n_rows = 1;
+                    }
+                    for (int r = 0; r < n_rows; ++r) {
                         v[r] += b;
                         from_float(&v[r], 1.f, dtype, (char *)y + ((int64_t)(m + r) * y_stride + n) * elem, 1);
                     }
-                }
-                for (; m < m_end; ++m) {
-                    const float v = dot(row, (const kq_act_t *)act + (int64_t)m * nb, k) + b;
-                    from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * y_stride + n) * elem, 1);
+                    m += n_rows;
                 }
             }
         }
