@@ -118,15 +118,17 @@ KQ_ROWS_FN k45_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int
             }
             s[c] = lane_scales(table, STEP16, 16, c);
         }
-        const float d = half_at(blk), dmin = half_at(blk + 2);
+        const __m512 d = _mm512_set1_ps(half_at(blk)), dmin = _mm512_set1_ps(half_at(blk + 2));
         for (int r = 0; r < R; ++r) {
             const kq_act_t *A = a + r * row_blocks + i;
             __m512i sums = _mm512_setzero_si512();
             for (int c = 0; c < 4; ++c)
                 sums = _mm512_dpwssd_epi32(sums, _mm512_maddubs_epi16(v[c], _mm512_loadu_si512(A->qs + 64 * c)), s[c]);
             const __m256i mm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)A->bsums), m16);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(A->d * d), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(mm)), _mm512_set1_ps(A->d * dmin), acc[r]);
+            /* the weight's scales first (shared by the rows), then the row's: one broadcast a row */
+            const __m512 t = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(mm)), dmin,
+                                              _mm512_mul_ps(_mm512_cvtepi32_ps(sums), d));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(A->d), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
