@@ -28,6 +28,13 @@ typedef struct {
 } kq_act_t;
 #define KQ_ACT_BYTES 292
 
+/* one part of a W_GGUF lin_t (common.h): `rows` output rows of ggml type `type`, row_bytes apart */
+typedef struct {
+    const void *w;
+    int64_t row_bytes;
+    int32_t type, rows;
+} kq_part_t;
+
 /* a weight row's dot with a quantized activation row of k values (k a multiple of the type's
  * block) */
 typedef float (*kq_dot_fn)(const uint8_t *w, const kq_act_t *a, int k);

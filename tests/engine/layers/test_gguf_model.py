@@ -1,10 +1,11 @@
-"""What a GGUF model holds after loading, counted in bytes (issue 48: resident memory at most ~1.3x
+"""A GGUF model as loaded and run. What it holds after loading, counted in bytes (issue 48: resident memory at most ~1.3x
 the file): a random Q4_K_M-shaped file (Q4_K projections, Q6_K v/down and tied embedding table,
 float32 norms, as llama-quantize writes them) loaded by the runner; every tensor its modules
 reach (parameters, buffers, GGUF parts, packed copies, the embedding table), overlapping views
 counted once, against the bytes of the file's tensors. Where they lie is also checked: the block
-tensors in the file's mapping, not in copies. And a prefill product's extra memory: one
-dequantized panel at a time, never the whole weight."""
+tensors in the file's mapping, not in copies. A prefill product's extra memory: one dequantized
+panel at a time, never the whole weight. And the fused decode step multiplying the blocks as the
+per-op path does."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from kvserve.benchmarks.scale.kernels import random_weight
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.layers import gguf_linear
 from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, PANEL_ROWS, GGUFTensor, GGUFWeight
+from kvserve.engine.model_input import ModelInput
+from kvserve.engine.models.decode_row import DecodeRow
 from kvserve.engine.runner.model_runner import ModelRunner
+from kvserve.kernels.cpu.bindings import CpuKernels, load_kernels
 from kvserve.kernels.cpu.kquant import kquant_kernels
 
 pytestmark = pytest.mark.skipif(kquant_kernels() is None, reason="the CPU kernels are not built here")
@@ -142,3 +146,47 @@ def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
     monkeypatch.undo()
     want = x.double() @ part.dequantize(torch.float32).double().T
     assert (y.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+TABLE = [list(range(8))]  # one sequence in KV blocks 0-7
+
+
+def decode_logits(runner: ModelRunner, prompt: list[int], steps: int) -> torch.Tensor:
+    """The prompt's prefill, then ``steps`` greedy decode steps of one row: each step's logits."""
+    n = len(prompt)
+    logits = runner.execute_model(ModelInput(input_ids=prompt, positions=list(range(n)), query_lens=[n],
+                                             context_lens=[n], block_tables=TABLE, slot_mapping=list(range(n)),
+                                             logits_indices=[n - 1]))
+    out = []
+    for pos in range(n, n + steps):
+        token = int(logits[-1].argmax())
+        logits = runner.execute_model(ModelInput(input_ids=[token], positions=[pos], query_lens=[1],
+                                                 context_lens=[pos + 1], block_tables=TABLE, slot_mapping=[pos],
+                                                 logits_indices=[0]))
+        out.append(logits[-1].float())
+    return torch.stack(out)
+
+
+@pytest.mark.skipif(kquant_kernels() is None or kquant_kernels().isa == 0 or not load_kernels().fused_rows,
+                    reason="the fused decode step and the vector dots are built for x86 CPUs")
+def test_the_fused_decode_step_multiplies_gguf_weights_as_the_per_op_path(tmp_path, monkeypatch):
+    """bfloat16: a Q4_K_M model's decode steps run in the fused step (csrc/decode_row.c, the block
+    dots on the same quantized rows) and give the per-op path's logits."""
+    path = tmp_path / "model-Q4_K_M.gguf"
+    write_q4_k_m(path)
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=8, enforce_eager=True))
+    model = runner.model.model
+    assert DecodeRow.fits(model)
+    calls: list[bool] = []
+    real = CpuKernels.decode_row
+    monkeypatch.setattr(CpuKernels, "decode_row", lambda self, *a: calls.append(real(self, *a)) or calls[-1])
+    prompt = [5, 17, 250, 3, 99, 42, 7]
+    model._decode_row = DecodeRow(model)
+    fused = decode_logits(runner, prompt, 6)
+    assert calls == [True] * 6
+    model._decode_row = None
+    per_op = decode_logits(runner, prompt, 6)
+    runner.shutdown()
+    assert len(calls) == 6
+    assert torch.equal(fused.argmax(-1), per_op.argmax(-1))
+    assert (fused - per_op).abs().max() <= 1e-5 * per_op.abs().max(), (fused - per_op).abs().max()
