@@ -1,11 +1,11 @@
-"""A GGUF model as loaded and run. What it holds after loading, counted in bytes (issue 48: resident memory at most ~1.3x
-the file): a random Q4_K_M-shaped file (Q4_K projections, Q6_K v/down and tied embedding table,
-float32 norms, as llama-quantize writes them) loaded by the runner; every tensor its modules
-reach (parameters, buffers, GGUF parts, packed copies, the embedding table), overlapping views
-counted once, against the bytes of the file's tensors. Where they lie is also checked: the block
-tensors in the file's mapping, not in copies. A prefill product's extra memory: one dequantized
-panel at a time, never the whole weight. And the fused decode step multiplying the blocks as the
-per-op path does."""
+"""A GGUF model as loaded and run. What it holds after loading, counted in bytes (issue 48:
+resident memory at most ~1.3x the file): a random Q4_K_M-shaped file (Q4_K projections, Q6_K
+v/down and tied embedding table, float32 norms, as llama-quantize writes them) loaded by the
+runner; every tensor its modules reach (parameters, buffers, GGUF parts, packed copies, the
+embedding table), overlapping views counted once, against the bytes of the file's tensors. Where
+they lie is also checked: the block tensors in the file's mapping, not in copies. A prefill
+product's extra memory: one dequantized panel at a time, never the whole weight. And the fused
+decode step multiplying the blocks as the per-op path does."""
 
 from __future__ import annotations
 
@@ -154,15 +154,16 @@ TABLE = [list(range(8))]  # one sequence in KV blocks 0-7
 def decode_logits(runner: ModelRunner, prompt: list[int], steps: int) -> torch.Tensor:
     """The prompt's prefill, then ``steps`` greedy decode steps of one row: each step's logits."""
     n = len(prompt)
-    logits = runner.execute_model(ModelInput(input_ids=prompt, positions=list(range(n)), query_lens=[n],
-                                             context_lens=[n], block_tables=TABLE, slot_mapping=list(range(n)),
+    every = list(range(n))
+    logits = runner.execute_model(ModelInput(input_ids=prompt, positions=every, query_lens=[n],
+                                             context_lens=[n], block_tables=TABLE, slot_mapping=every,
                                              logits_indices=[n - 1]))
     out = []
     for pos in range(n, n + steps):
         token = int(logits[-1].argmax())
-        logits = runner.execute_model(ModelInput(input_ids=[token], positions=[pos], query_lens=[1],
-                                                 context_lens=[pos + 1], block_tables=TABLE, slot_mapping=[pos],
-                                                 logits_indices=[0]))
+        logits = runner.execute_model(ModelInput(
+            input_ids=[token], positions=[pos], query_lens=[1], context_lens=[pos + 1], block_tables=TABLE,
+            slot_mapping=[pos], logits_indices=[0]))
         out.append(logits[-1].float())
     return torch.stack(out)
 
