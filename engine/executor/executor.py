@@ -130,6 +130,7 @@ class TensorParallelExecutor:
         self.attention_backend_name: str = runner.attention_backend_name
         self.kv_groups = runner.kv_groups  # the KV cache groups the block manager keeps blocks for
         self.weight_formats: list[str] = runner.weight_formats
+        self._rank_exact_rows = runner.exact_rows()  # every rank's shards have rank 0's formats
 
     def _spawn_local_workers(self, channel: str) -> WorkerProcesses:
         """Ranks 1..local-1 on this machine (with their shared-memory channel, if it is used)."""
@@ -157,11 +158,14 @@ class TensorParallelExecutor:
         return self._wait(self._leader.submit(lambda: self._step(cmd, inp)))
 
     def exact_rows(self) -> int | None:
-        """``ModelRunner.exact_rows`` for the group: any count on a GPU; on the CPU the rows the row
-        kernel takes (``RowsAlike``) even where every projection is packed for gemm.c, since a step's
-        all-reduces over more rows were never shown to sum each row alike (up to MAX_FUSED_ROWS:
-        tests/engine/executor/test_tp_speculation.py)."""
-        return None if self.device.type != "cpu" else MAX_FUSED_ROWS
+        """``ModelRunner.exact_rows`` for the group: any count on a GPU; on the CPU the fewer of the
+        rows the row kernel takes (``RowsAlike``: even where every projection is packed for gemm.c, a
+        step's all-reduces over more rows were never shown to sum each row alike, up to
+        MAX_FUSED_ROWS: tests/engine/executor/test_tp_speculation.py) and what rank 0's runner
+        answers (GGUF block kernels, float layers: the same kinds of weight on every rank)."""
+        if self.device.type != "cpu":
+            return None
+        return min(MAX_FUSED_ROWS, MAX_FUSED_ROWS if self._rank_exact_rows is None else self._rank_exact_rows)
 
     def add_failure_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(reason)`` once, from any thread, when the group breaks (a worker

@@ -18,21 +18,21 @@ the kernels (no compiler) and on GPUs the loader dequantizes every tensor to the
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.engine.layers.cpu_matmul import linear as float_linear
-from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, W_GGUF, Linear
+from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, W_GGUF, KqPart, Linear
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
 
 GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 PANEL_ROWS = 256  # output rows dequantized at a time where the float GEMM multiplies
 # from this many activation rows (a prefill chunk) a bfloat16 product dequantizes panels into the
-# float GEMM: the block dots cost about 0.2-0.3 ms a row at a 1.7B projection where dequantizing
-# the whole weight costs 11-19 ms and the bfloat16 GEMM 0.08 ms a row (docs/design/gguf_kquants.md)
-PANEL_FROM_ROWS = 96
+# float GEMM: the crossover of the two, measured at a 1.7B projection (docs/design/gguf_kquants.md)
+PANEL_FROM_ROWS = 128
 
 
 def ggml_name(ggml_type: int) -> str:
@@ -127,12 +127,24 @@ class GGUFWeight:
                           for _, p in self.parts])
 
     def kernel_linear(self, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
-        """The C kernels' ``Linear`` of kind ``W_GGUF``, which the row kernels and so the fused
-        decode step refuse (that step then runs per op, through ``linear``)."""
-        first = self.parts[0][1]
-        data = first if isinstance(first, torch.Tensor) else first.data
-        return Linear(data.data_ptr(), 0, W_GGUF, None, None if bias is None else bias.data_ptr(), self.n_out,
-                      self.k_in, None, None)
+        """The C kernels' ``Linear`` of kind ``W_GGUF``: in bfloat16 with vector dots built and every
+        part kept as stored, its parts (``KqPart``, kept alive by the returned object's ``parts``)
+        for the fused decode step, whose row kernel multiplies them as ``linear`` does (the same
+        quantized rows, the same dots); else one that the row kernels refuse (the step then runs per
+        op, through ``linear``: float32 asks for the exact products of dequantized panels)."""
+        kernels = kquant_kernels()
+        blocks = [p for _, p in self.parts if isinstance(p, GGUFTensor)]
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if dtype != torch.bfloat16 or kernels is None or kernels.isa == 0 or len(blocks) != len(self.parts):
+            first = self.parts[0][1]
+            data = first if isinstance(first, torch.Tensor) else first.data
+            return Linear(data.data_ptr(), 0, W_GGUF, None, bias_ptr, self.n_out, self.k_in, None, None)
+        parts = (KqPart * len(blocks))(*[KqPart(p.data.data_ptr(), p.data.stride(0), p.ggml_type, p.shape[0])
+                                         for p in blocks])
+        linear = Linear(ctypes.addressof(parts), len(blocks), W_GGUF, None, bias_ptr, self.n_out, self.k_in,
+                        None, None)
+        linear.parts = parts
+        return linear
 
 
 def gguf_weight(param: torch.Tensor, parts: list[tuple[int, GGUFTensor]]) -> GGUFWeight:

@@ -63,6 +63,7 @@ class DecodeRow:
     def __init__(self, model):
         self.model = model
         self._layers: ctypes.Array | None = None
+        self._linears: list = []  # the Linears behind _layers (kept: see _layer_array)
         self._bound_to: list | None = None  # the first and last layers' K caches when ``_layers`` was made
         self._any_rows = False  # every projection packed for gemm.c: more than MAX_FUSED_ROWS rows taken
         self._row_kernel = False  # the row kernel takes every projection (up to MAX_FUSED_ROWS rows)
@@ -106,6 +107,7 @@ class DecodeRow:
                     attn.attn.impl.sliding_window or 0,
                     int(getattr(attn, "use_rope", True))))
             self._layers = (RowLayer * len(rows))(*rows)
+            self._linears = linears  # (a GGUF weight's Linear holds the parts array its copy points to)
             self._bound_to = bound
             self._any_rows = all(linear.packed for linear in linears)
             kernels = load_kernels()  # (AVX-512: any weights; AVX2: int8 and int4, linear_avx2.c)

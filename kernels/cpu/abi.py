@@ -20,7 +20,7 @@ MAX_GROUP = header_constant("MAX_GROUP")
 MAX_FUSED_ROWS = header_constant("MAX_FUSED_ROWS")
 W_INT8 = header_constant("W_INT8")  # a Linear's kind for int8 weights (else the DTYPES code)
 W_INT4 = header_constant("W_INT4")  # ... and for int4 weights (a scale and a minimum per INT4_GROUP inputs)
-W_GGUF = header_constant("W_GGUF")  # ... and for GGUF block formats (csrc/kquant.c; row kernels refuse it)
+W_GGUF = header_constant("W_GGUF")  # ... and for GGUF block formats (csrc/kquant.c; ``KqPart``)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -71,6 +71,13 @@ class Linear(ctypes.Structure):
 
     _fields_ = [("w", _P), ("row_bytes", _I64), ("kind", _I32), ("scales", _P), ("bias", _P),
                 ("n_out", _I32), ("k_in", _I32), ("groups", _P), ("packed", _P)]
+
+
+class KqPart(ctypes.Structure):
+    """csrc/kquant.h ``kq_part_t``: one part of a ``W_GGUF`` Linear (whose ``w`` points to an array
+    of them and ``row_bytes`` counts them): ``rows`` output rows of ggml type ``type``."""
+
+    _fields_ = [("w", _P), ("row_bytes", _I64), ("type", _I32), ("rows", _I32)]
 
 
 class RowLayer(ctypes.Structure):

@@ -63,7 +63,8 @@ typedef union { uint32_t u; float f; } bits32;
 #define SB_GROUPS 16
 /* int4 rows' widths are multiples of this (the kernels take x 64 values at a time) */
 #define INT4_WIDTH 64
-/* a GGUF block-format weight (csrc/kquant.c multiplies it; the row kernels and gemm.c refuse it) */
+/* a GGUF block-format weight (csrc/kquant.c multiplies it; gemm.c refuses it): lin_t.w points to
+ * row_bytes kq_part_t (kquant.h), its output rows in order */
 #define W_GGUF 4
 
 /* int4 weights: superblocks of 16 groups of INT4_GROUP inputs (512 inputs; a row's last one may
@@ -117,6 +118,10 @@ static inline int int4_layout(const lin_t *L) { return L->k_in % INT4_WIDTH == 0
 #define MAX_FUSED_ROWS 8
 /* linear.c's few-row projection as a team's part (no barrier at the end) */
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype);
+/* the same for a W_GGUF weight (kquant.c: the block dots; linear.c and linear_avx2.c hand it over),
+ * and whether it takes L (its parts' types have vector dots in this build) */
+void kq_linear_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype);
+int kq_linear_takes(const lin_t *L);
 int linear_takes(const lin_t *L);
 int linear_rows(const lin_t *L, int rows, const void *x, void *y, int dtype, int num_threads);
 

@@ -8,20 +8,12 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "kquant.h"
 
 _Static_assert(sizeof(kq_act_t) == KQ_ACT_BYTES, "kq_act_t is KQ_ACT_BYTES (kquant.py reads it)");
-
-/* which vector dots this build has: 512 (AVX512-VNNI), 256 (AVX2), 0 (the portable loops only) */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define KQ_ISA 512
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KQ_ISA 256
-#else
-#define KQ_ISA 0
-#endif
 
 /* ---- the portable dots: integer sums per sub-block, one float multiply per sub-block scale ---- */
 
@@ -126,30 +118,22 @@ kq_dot_fn kq_dot_portable(int type) {
     }
 }
 
-/* the dots of the best instruction set built here (isa 0), or the portable ones (isa 1) */
-static kq_dot_fn dot_for(int type, int isa) {
-    if (isa == 1) return kq_dot_portable(type);
+/* the one-row and several-row dots of the best instruction set built here (isa 0), or the
+ * portable ones (isa 1: one row at a time, no several-row dots) */
 #if KQ_ISA == 512
-    return kq_dot_avx512(type);
+#define KQ_BEST(kind) kq_##kind##_avx512
 #elif KQ_ISA == 256
-    return kq_dot_avx2(type);
+#define KQ_BEST(kind) kq_##kind##_avx2
 #else
-    return kq_dot_portable(type);
-#endif
-}
-
-/* the several-row dots of the best instruction set built here (NULL: none for this type; isa 1:
- * none, the portable loops one row at a time) */
-static kq_dots_fn dots_for(int type, int isa) {
-#if KQ_ISA == 512
-    return isa == 1 ? NULL : kq_dots_avx512(type);
-#elif KQ_ISA == 256
-    return isa == 1 ? NULL : kq_dots_avx2(type);
-#else
-    (void)type, (void)isa;
+#define KQ_BEST(kind) kq_##kind##_portable
+static kq_dots_fn kq_dots_portable(int type) {
+    (void)type;
     return NULL;
-#endif
 }
+#endif
+
+static kq_dot_fn dot_for(int type, int isa) { return isa == 1 ? kq_dot_portable(type) : KQ_BEST(dot)(type); }
+static kq_dots_fn dots_for(int type, int isa) { return isa == 1 ? NULL : KQ_BEST(dots)(type); }
 
 /* Which dots kq_matmul runs with isa 0: 512, 256 or 0 (read by kernels/cpu/bindings.py). */
 int kq_isa(void) { return KQ_ISA; }
@@ -172,23 +156,26 @@ static void quantize_block(const float *x, int n, kq_act_t *out) {
     }
 }
 
+/* one row of k values of dtype into its ceil(k / KQ_BLOCK) blocks */
+static void quantize_row(const char *x, int k, int dtype, kq_act_t *act) {
+    const int elem = elem_size(dtype);
+    float buf[KQ_BLOCK];
+    for (int b = 0; b * KQ_BLOCK < k; ++b) {
+        const int n = k - b * KQ_BLOCK < KQ_BLOCK ? k - b * KQ_BLOCK : KQ_BLOCK;
+        to_float(x + (int64_t)b * KQ_BLOCK * elem, dtype, buf, n);
+        quantize_block(buf, n, act + b);
+    }
+}
+
 /* rows of x (dtype, rows x_stride elements apart, k values each) quantized per KQ_BLOCK values
  * into act: ceil(k / KQ_BLOCK) kq_act_t a row, a short last block zero-padded. 0 on success, 1
  * for a width that is not a multiple of 32. */
 int kq_quantize(const void *x, int64_t x_stride, int rows, int k, int dtype, void *act, int num_threads) {
     if (k <= 0 || k % 32) return 1;
-    const int nb = (k + KQ_BLOCK - 1) / KQ_BLOCK;
-    const int elem = elem_size(dtype);
+    const int nb = (k + KQ_BLOCK - 1) / KQ_BLOCK, elem = elem_size(dtype);
     const int threads = (int64_t)rows * k >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < rows; ++r) {
-        float buf[KQ_BLOCK];
-        for (int b = 0; b < nb; ++b) {
-            const int n = k - b * KQ_BLOCK < KQ_BLOCK ? k - b * KQ_BLOCK : KQ_BLOCK;
-            to_float((const char *)x + ((int64_t)r * x_stride + (int64_t)b * KQ_BLOCK) * elem, dtype, buf, n);
-            quantize_block(buf, n, (kq_act_t *)act + (int64_t)r * nb + b);
-        }
-    }
+    for (int r = 0; r < rows; ++r) quantize_row((const char *)x + (int64_t)r * x_stride * elem, k, dtype, (kq_act_t *)act + (int64_t)r * nb);
     return 0;
 }
 
@@ -198,6 +185,31 @@ int kq_quantize(const void *x, int64_t x_stride, int rows, int k, int dtype, voi
  * activations is ~75 KB at k = 2048: it stays in L2 while each weight row of the tile is read) */
 #define KQ_TILE_N 16
 #define KQ_TILE_M 32
+/* widths whose quantized rows kq_linear_team keeps on the stack (wider: the heap), MAX_FUSED_ROWS
+ * of them: ~110 KiB at 12288 */
+#define KQ_MAX_WIDTH 12288
+
+/* y[m][n] = dot(row, activation row m) + b for m in m0 .. m1 - 1 (act: row 0's blocks, nb a row;
+ * y's rows y_stride elements of dtype apart): the several-row dots where they take the rows, one
+ * row at a time for the rest */
+static void row_products(const uint8_t *row, kq_dot_fn dot, kq_dots_fn dots, const kq_act_t *act, int nb, int k,
+                         int m0, int m1, float b, void *y, int64_t y_stride, int n, int dtype) {
+    const int elem = elem_size(dtype);
+    for (int m = m0; m < m1;) {
+        float v[KQ_ROWS];
+        const kq_act_t *A = act + (int64_t)m * nb;
+        int n_rows = dots != NULL && m1 - m >= 2 ? dots(row, A, nb, k, m1 - m, v) : 0;
+        if (n_rows == 0) {
+            v[0] = dot(row, A, k);
+            n_rows = 1;
+        }
+        for (int r = 0; r < n_rows; ++r) {
+            v[r] += b;
+            from_float(&v[r], 1.f, dtype, (char *)y + ((int64_t)(m + r) * y_stride + n) * elem, 1);
+        }
+        m += n_rows;
+    }
+}
 
 /* y[m][n] = dot(weight row n, activation row m) (+ bias[n]) for the rows of act (kq_quantize's,
  * of width k) and n_out weight rows of ggml type `type`, row_bytes apart (a shard of a wider
@@ -222,22 +234,64 @@ int kq_matmul(const void *w, int64_t row_bytes, int type, int n_out, int k, cons
                 const uint8_t *row = (const uint8_t *)w + (int64_t)n * row_bytes;
                 float b = 0.f;
                 if (bias != NULL) to_float((const char *)bias + (int64_t)n * elem, dtype, &b, 1);
-                int m = tm * tile_m;
-                for (; dots != NULL && m + KQ_ROWS <= m_end; m += KQ_ROWS) {
-                    float v[KQ_ROWS];
-                    dots(row, (const kq_act_t *)act + (int64_t)m * nb, nb, k, v);
-                    for (int r = 0; r < KQ_ROWS; ++r) {
-                        v[r] += b;
-                        from_float(&v[r], 1.f, dtype, (char *)y + ((int64_t)(m + r) * y_stride + n) * elem, 1);
-                    }
-                }
-                for (; m < m_end; ++m) {
-                    const float v = dot(row, (const kq_act_t *)act + (int64_t)m * nb, k) + b;
-                    from_float(&v, 1.f, dtype, (char *)y + ((int64_t)m * y_stride + n) * elem, 1);
-                }
+                row_products(row, dot, dots, (const kq_act_t *)act, nb, k, tm * tile_m, m_end, b, y, y_stride, n,
+                             dtype);
             }
         }
     return 0;
+}
+
+/* ---- a GGUF weight in the fused decode step (csrc/decode_row.c, through linear_rows_team) ---- */
+
+/* whether kq_linear_team takes L: vector dots built, each part's type among them, its parts' rows
+ * adding up to n_out, its width whole blocks of every part's type */
+int kq_linear_takes(const lin_t *L) {
+    if (L->kind != W_GGUF || KQ_ISA == 0 || L->w == NULL || L->row_bytes < 1 || L->k_in <= 0) return 0;
+    const kq_part_t *parts = (const kq_part_t *)L->w;
+    int rows = 0;
+    for (int64_t p = 0; p < L->row_bytes; ++p) {
+        const int block = parts[p].type == GGML_Q4_0 || parts[p].type == GGML_Q8_0 ? 32 : KQ_BLOCK;
+        if (dot_for(parts[p].type, 0) == NULL || L->k_in % block || parts[p].rows < 1) return 0;
+        rows += parts[p].rows;
+    }
+    return rows == L->n_out;
+}
+
+/* y = x L^T (+ bias) for rows (1..MAX_FUSED_ROWS) rows of x, by every thread of the enclosing team,
+ * no barrier at the end (as linear_rows_team): each thread quantizes the rows for itself (xh, the
+ * bfloat16 input, where given, as the per-op path quantizes its bfloat16 rows; else xf) and takes
+ * its share of the output rows in KQ_TILE_N runs; a row's products are those of kq_matmul. */
+void kq_linear_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
+    if (!kq_linear_takes(L) || rows < 1 || rows > MAX_FUSED_ROWS) { /* a caller's bug */
+        fprintf(stderr, "kvserve kernels: kq_linear_team called with a weight or row count it refuses\n");
+        abort();
+    }
+    const int k = L->k_in, nb = (k + KQ_BLOCK - 1) / KQ_BLOCK;
+    kq_act_t act[MAX_FUSED_ROWS * ((KQ_MAX_WIDTH + KQ_BLOCK - 1) / KQ_BLOCK)];
+    kq_act_t *a = k <= KQ_MAX_WIDTH ? act : malloc(sizeof(kq_act_t) * (size_t)rows * (size_t)nb);
+    if (a == NULL) {
+        fprintf(stderr, "kvserve kernels: out of memory quantizing activations for a GGUF weight\n");
+        abort();
+    }
+    for (int r = 0; r < rows; ++r) {
+        if (xh != NULL)
+            quantize_row((const char *)xh + (int64_t)r * k * elem_size(DTYPE_BF16), k, DTYPE_BF16, a + (int64_t)r * nb);
+        else
+            quantize_row((const char *)(xf + (int64_t)r * k), k, DTYPE_F32, a + (int64_t)r * nb);
+    }
+    const kq_part_t *parts = (const kq_part_t *)L->w;
+    const int elem = elem_size(dtype);
+#pragma omp for schedule(static, KQ_TILE_N) nowait
+    for (int n = 0; n < L->n_out; ++n) {
+        int p = 0, first = 0;
+        while (n >= first + parts[p].rows) first += parts[p++].rows;
+        const uint8_t *row = (const uint8_t *)parts[p].w + (int64_t)(n - first) * parts[p].row_bytes;
+        float b = 0.f;
+        if (L->bias != NULL) to_float((const char *)L->bias + (int64_t)n * elem, dtype, &b, 1);
+        row_products(row, dot_for(parts[p].type, 0), dots_for(parts[p].type, 0), a, nb, k, 0, rows, b, y, L->n_out,
+                     n, dtype);
+    }
+    if (a != act) free(a);
 }
 
 /* ---- dequantization ---- */

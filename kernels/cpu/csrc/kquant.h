@@ -28,14 +28,82 @@ typedef struct {
 } kq_act_t;
 #define KQ_ACT_BYTES 292
 
+/* one part of a W_GGUF lin_t (common.h): `rows` output rows of ggml type `type`, row_bytes apart */
+typedef struct {
+    const void *w;
+    int64_t row_bytes;
+    int32_t type, rows;
+} kq_part_t;
+
 /* a weight row's dot with a quantized activation row of k values (k a multiple of the type's
  * block) */
 typedef float (*kq_dot_fn)(const uint8_t *w, const kq_act_t *a, int k);
 
-/* a weight row's dots with KQ_ROWS quantized activation rows (row r's blocks at a + r * row_blocks),
- * each weight vector unpacked once for all of them: out[r] */
-#define KQ_ROWS 4
-typedef void (*kq_dots_fn)(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out);
+/* a weight row's dots with the first n of `rows` (>= 2) quantized activation rows (row r's blocks
+ * at a + r * row_blocks), each weight vector unpacked once for all of them: out[0 .. n - 1], n
+ * returned (the most its instances take, at most rows; 0: none, dot one row at a time) */
+#define KQ_ROWS 8
+typedef int (*kq_dots_fn)(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, int rows, float *out);
+
+/* The dots of a vector file are written once per type as an always-inlined function of R rows
+ * (R a constant at each instance, so that every row's arithmetic is the same at any R):
+ * KQ_ONE_AND_MANY(name, rows_fn, most) makes dot_<name> (R = 1) and dots_<name> (R = 8, 4 or 2,
+ * none above `most`) of it; KQ_TABLES(isa) the file's kq_dot_<isa> and kq_dots_<isa> from them
+ * (dot_q4_0 and the dots of Q8_0, Q4_K, Q5_K, Q6_K), KQ_NO_TABLES(isa) the two where a build
+ * lacks the instructions: one dispatch for every instruction set. */
+#define KQ_ROWS_FN static inline __attribute__((always_inline)) void
+#define KQ_Q4_K_ROWS(w, a, rb, k, R, out) k45_rows(w, a, rb, k, R, 0, out)
+#define KQ_Q5_K_ROWS(w, a, rb, k, R, out) k45_rows(w, a, rb, k, R, 1, out)
+#define KQ_ONE_AND_MANY(name, call, most)                                                              \
+    static float dot_##name(const uint8_t *w, const kq_act_t *a, int k) {                             \
+        float out;                                                                                    \
+        call(w, a, 0, k, 1, &out);                                                                    \
+        return out;                                                                                   \
+    }                                                                                                 \
+    static int dots_##name(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, int rows, float *out) { \
+        if ((most) >= 8 && rows >= 8) {                                                               \
+            call(w, a, row_blocks, k, ((most) >= 8 ? 8 : 1), out);                                    \
+            return 8;                                                                                 \
+        }                                                                                             \
+        if (rows >= 4) {                                                                              \
+            call(w, a, row_blocks, k, 4, out);                                                        \
+            return 4;                                                                                 \
+        }                                                                                             \
+        if (rows >= 2) {                                                                              \
+            call(w, a, row_blocks, k, 2, out);                                                        \
+            return 2;                                                                                 \
+        }                                                                                             \
+        return 0;                                                                                     \
+    }
+#define KQ_TABLES(isa)                                                                                 \
+    kq_dot_fn kq_dot_##isa(int type) {                                                                \
+        switch (type) {                                                                               \
+            case GGML_Q4_0: return dot_q4_0;                                                          \
+            case GGML_Q8_0: return dot_q8_0;                                                          \
+            case GGML_Q4_K: return dot_q4_k;                                                          \
+            case GGML_Q5_K: return dot_q5_k;                                                          \
+            case GGML_Q6_K: return dot_q6_k;                                                          \
+            default: return NULL;                                                                     \
+        }                                                                                             \
+    }                                                                                                 \
+    kq_dots_fn kq_dots_##isa(int type) {                                                              \
+        switch (type) {                                                                               \
+            case GGML_Q8_0: return dots_q8_0;                                                         \
+            case GGML_Q4_K: return dots_q4_k;                                                         \
+            case GGML_Q5_K: return dots_q5_k;                                                         \
+            case GGML_Q6_K: return dots_q6_k;                                                         \
+            default: return NULL;                                                                     \
+        }                                                                                             \
+    }
+#define KQ_NO_TABLES(isa)                                                                              \
+    kq_dot_fn kq_dot_##isa(int type) {                                                                \
+        (void)type;                                                                                   \
+        return NULL;                                                                                  \
+    }                                                                                                 \
+    kq_dots_fn kq_dots_##isa(int type) {                                                              \
+        (void)type;                                                                                   \
+        return NULL;                                                                                  \
+    }
 
 /* float of an IEEE half at p (unaligned) */
 static inline float kq_half(const uint8_t *p) {
@@ -82,5 +150,14 @@ kq_dot_fn kq_dot_avx2(int type);
 kq_dot_fn kq_dot_avx512(int type);
 kq_dots_fn kq_dots_avx512(int type);
 kq_dots_fn kq_dots_avx2(int type);
+
+/* which vector dots this build has: 512 (AVX512-VNNI), 256 (AVX2), 0 (the portable loops only) */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define KQ_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KQ_ISA 256
+#else
+#define KQ_ISA 0
+#endif
 
 #endif

@@ -45,12 +45,13 @@ static float dot_q4_0(const uint8_t *w, const kq_act_t *a, int k) {
 }
 
 /* The dots below take R activation rows (row r's blocks at a + r * row_blocks; R a constant where
- * inlined: 1, or KQ_ROWS sharing each unpacked weight vector) and write out[r]. */
-#define ROWS_FN static inline __attribute__((always_inline)) void
+ * inlined: 1, or up to AVX2_ROWS sharing each unpacked weight vector: sixteen vector registers
+ * hold no more) and write out[r]. */
+#define AVX2_ROWS 4
 
-ROWS_FN q8_0_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, const int R, float *out) {
+KQ_ROWS_FN q8_0_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, const int R, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[KQ_ROWS];
+    __m256 acc[AVX2_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < k / 32; ++b) {
         const uint8_t *blk = w + 34 * b;
@@ -68,18 +69,18 @@ ROWS_FN q8_0_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k
 
 /* Q4_K, and Q5_K where five: sub-block j is the low (j even) or high nibbles of 32 bytes, plus 16
  * where bit j of qh[l] is set */
-ROWS_FN k45_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, const int R, const int five,
+KQ_ROWS_FN k45_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, const int R, const int five,
                  float *out) {
     const int bytes = five ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(15);
-    __m256 acc[KQ_ROWS], mins[KQ_ROWS];
+    __m256 acc[AVX2_ROWS], mins[AVX2_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = _mm256_setzero_ps();
     for (int i = 0; i < k / KQ_BLOCK; ++i) {
         const uint8_t *blk = w + (int64_t)bytes * i, *qs = blk + (five ? 48 : 16);
         const __m256i qh = five ? load32(blk + 16) : _mm256_setzero_si256();
         int sc[8], m[8];
         for (int j = 0; j < 8; ++j) kq_scale_min(j, blk + 4, &sc[j], &m[j]);
-        __m256i sums[KQ_ROWS];
+        __m256i sums[AVX2_ROWS];
         for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
             const __m256i q = load32(qs + 32 * c);
@@ -111,14 +112,14 @@ ROWS_FN k45_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k,
 /* Q6_K: per 128 values, 64 bytes of low 4 bits (values l and l + 32 in the low nibbles of bytes l
  * and 32 + l, values 64 + l and 96 + l in their high nibbles) and 32 of high 2 bits (bits 2p of
  * qh[l] for part p); values are 0..63, the offset of 32 taken off through the block sums */
-ROWS_FN q6_k_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, const int R, float *out) {
+KQ_ROWS_FN q6_k_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, const int R, float *out) {
     const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
-    __m256 acc[KQ_ROWS];
+    __m256 acc[AVX2_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int i = 0; i < k / KQ_BLOCK; ++i) {
         const uint8_t *blk = w + 210 * i;
         const int8_t *sc = (const int8_t *)(blk + 192);
-        __m256i sums[KQ_ROWS];
+        __m256i sums[AVX2_ROWS];
         for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
         for (int n = 0; n < 2; ++n) {
             const __m256i l0 = load32(blk + 64 * n), l1 = load32(blk + 64 * n + 32), qh = load32(blk + 128 + 32 * n);
@@ -144,50 +145,11 @@ ROWS_FN q6_k_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k
     for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 
-#define ONE_AND_MANY(name, call)                                                                        \
-    static float dot_##name(const uint8_t *w, const kq_act_t *a, int k) {                              \
-        float out;                                                                                     \
-        call(w, a, 0, k, 1, &out);                                                                     \
-        return out;                                                                                    \
-    }                                                                                                  \
-    static void dots_##name(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) { \
-        call(w, a, row_blocks, k, KQ_ROWS, out);                                                       \
-    }
-#define Q4_K_ROWS(w, a, rb, k, R, out) k45_rows(w, a, rb, k, R, 0, out)
-#define Q5_K_ROWS(w, a, rb, k, R, out) k45_rows(w, a, rb, k, R, 1, out)
-ONE_AND_MANY(q8_0, q8_0_rows)
-ONE_AND_MANY(q4_k, Q4_K_ROWS)
-ONE_AND_MANY(q5_k, Q5_K_ROWS)
-ONE_AND_MANY(q6_k, q6_k_rows)
-
-kq_dots_fn kq_dots_avx2(int type) {
-    switch (type) {
-        case GGML_Q8_0: return dots_q8_0;
-        case GGML_Q4_K: return dots_q4_k;
-        case GGML_Q5_K: return dots_q5_k;
-        case GGML_Q6_K: return dots_q6_k;
-        default: return NULL;
-    }
-}
-
-kq_dot_fn kq_dot_avx2(int type) {
-    switch (type) {
-        case GGML_Q4_0: return dot_q4_0;
-        case GGML_Q8_0: return dot_q8_0;
-        case GGML_Q4_K: return dot_q4_k;
-        case GGML_Q5_K: return dot_q5_k;
-        case GGML_Q6_K: return dot_q6_k;
-        default: return NULL;
-    }
-}
+KQ_ONE_AND_MANY(q8_0, q8_0_rows, AVX2_ROWS)
+KQ_ONE_AND_MANY(q4_k, KQ_Q4_K_ROWS, AVX2_ROWS)
+KQ_ONE_AND_MANY(q5_k, KQ_Q5_K_ROWS, AVX2_ROWS)
+KQ_ONE_AND_MANY(q6_k, q6_k_rows, AVX2_ROWS)
+KQ_TABLES(avx2)
 #else
-kq_dot_fn kq_dot_avx2(int type) {
-    (void)type;
-    return NULL;
-}
-
-kq_dots_fn kq_dots_avx2(int type) {
-    (void)type;
-    return NULL;
-}
+KQ_NO_TABLES(avx2)
 #endif

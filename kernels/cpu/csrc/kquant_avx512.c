@@ -23,11 +23,6 @@ static inline float hsum8(__m256 v) {
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* int32 a in the low 8 lanes, b in the high 8 */
-static inline __m512i halves(int a, int b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b), 1);
-}
-
 static float dot_q4_0(const uint8_t *w, const kq_act_t *a, int k) {
     const __m256i low = _mm256_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
@@ -48,8 +43,7 @@ static float dot_q4_0(const uint8_t *w, const kq_act_t *a, int k) {
 /* Q8_0 times R rows (R a constant where inlined): signed weights against the activations offset
  * to unsigned (x + 128, an xor), the offset taken off per lane as 128 times the lane's weight sum
  * (one vpdpbusd by ones, shared by the rows); two blocks a vector, a last odd block on its own */
-static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks,
-                                                          int k, const int R, float *out) {
+KQ_ROWS_FN q8_0_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, const int R, float *out) {
     const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
     __m512 acc[KQ_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -72,34 +66,45 @@ static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t *w, co
     for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-static float dot_q8_0(const uint8_t *w, const kq_act_t *a, int k) {
-    float out;
-    q8_0_rows(w, a, 0, k, 1, &out);
-    return out;
+/* int16 lane t of vector c holds entry t / per + c * (32 / per) of a 16-entry int16 table: the
+ * sub-block (per 16: Q4_K/Q5_K's 32 values) or scale group (per 8: Q6_K's 16) of the two values
+ * that maddubs summed into that lane; step holds t / per */
+static const short __attribute__((aligned(64))) STEP16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                              1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+static const short __attribute__((aligned(64))) STEP8[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+
+static inline __m512i lane_scales(__m256i table, const short step[32], int per, int c) {
+    const __m512i idx = _mm512_add_epi16(_mm512_load_si512(step), _mm512_set1_epi16((short)(c * (32 / per))));
+    return _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(table));
 }
 
-static void dots_q8_0(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) {
-    q8_0_rows(w, a, row_blocks, k, KQ_ROWS, out);
-}
-
-/* Q4_K, and Q5_K where five, times R rows (R a constant where inlined: 1, or KQ_ROWS sharing the
- * unpacking): a 32-byte chunk's low then high nibbles make one vector of 64 values in order
- * (sub-blocks 2c and 2c + 1) against 64 contiguous activation bytes; Q5_K adds 16 where bit j of
- * qh[l] is set (j the sub-block); the unpacked chunks, sub-block scales and minimums are made once
- * per superblock, and every row's arithmetic is the same at any R */
-static inline __attribute__((always_inline)) void k45_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks,
-                                                          int k, const int R, const int five, float *out) {
+/* Q4_K, and Q5_K where five, times R rows (R a constant where inlined: every row's arithmetic is
+ * the same at any R): a 32-byte chunk's low then high nibbles make one vector of 64 values in
+ * order (sub-blocks 2c and 2c + 1) against 64 contiguous activation bytes; Q5_K adds 16 where bit
+ * j of qh[l] is set (j the sub-block). Per superblock the 12 scale bytes become 8 scales and 8
+ * minimums in four word operations (as llama.cpp's utmp), each vector's int16 lane scales one
+ * permute; per row, maddubs (unsigned weights times signed activations, pairs summed into int16:
+ * at most 2 x 31 x 128) then vpdpwssd by the lane scales sums the superblock in int32 lanes. */
+KQ_ROWS_FN k45_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, const int R, const int five,
+                    float *out) {
     const int bytes = five ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(15);
     const __m512i sixteen = _mm512_set1_epi8(16);
+    const __m256i min_idx = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     __m512 acc[KQ_ROWS];
-    __m256 mins[KQ_ROWS];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int i = 0; i < k / KQ_BLOCK; ++i) {
         const uint8_t *blk = w + (int64_t)bytes * i, *qs = blk + (five ? 48 : 16);
-        int sc[8], m[8];
-        for (int j = 0; j < 8; ++j) kq_scale_min(j, blk + 4, &sc[j], &m[j]);
-        const __m256i m16 = kq_mins16(m);
+        uint32_t u[4];
+        memcpy(u, blk + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        const uint32_t m03 = u[1] & 0x3f3f3f3fu;
+        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        u[2] = m03;
+        u[0] &= 0x3f3f3f3fu;
+        const __m256i table = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)u)); /* 8 scales, 8 mins */
+        const __m256i m16 = _mm256_permutexvar_epi16(min_idx, table);
         const __m512i qh = five ? _mm512_broadcast_i64x4(load32(blk + 16)) : _mm512_setzero_si512();
         __m512i v[4], s[4];
         for (int c = 0; c < 4; ++c) {
@@ -111,62 +116,38 @@ static inline __attribute__((always_inline)) void k45_rows(const uint8_t *w, con
                                                         _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
                 v[c] = _mm512_mask_add_epi8(v[c], _mm512_test_epi8_mask(qh, bits), v[c], sixteen);
             }
-            s[c] = halves(sc[2 * c], sc[2 * c + 1]);
+            s[c] = lane_scales(table, STEP16, 16, c);
         }
-        const float d = half_at(blk), dmin = half_at(blk + 2);
+        const __m512 d = _mm512_set1_ps(half_at(blk)), dmin = _mm512_set1_ps(half_at(blk + 2));
         for (int r = 0; r < R; ++r) {
             const kq_act_t *A = a + r * row_blocks + i;
             __m512i sums = _mm512_setzero_si512();
-            for (int c = 0; c < 4; ++c) {
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[c], _mm512_loadu_si512(A->qs + 64 * c));
-                sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(p, s[c]));
-            }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(A->d * d), acc[r]);
+            for (int c = 0; c < 4; ++c)
+                sums = _mm512_dpwssd_epi32(sums, _mm512_maddubs_epi16(v[c], _mm512_loadu_si512(A->qs + 64 * c)), s[c]);
             const __m256i mm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)A->bsums), m16);
-            mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(A->d * dmin), mins[r]);
+            /* the weight's scales first (shared by the rows), then the row's: one broadcast a row */
+            const __m512 t = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(mm)), dmin,
+                                              _mm512_mul_ps(_mm512_cvtepi32_ps(sums), d));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(A->d), acc[r]);
         }
     }
-    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - hsum8(mins[r]);
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
-
-static float dot_q4_k(const uint8_t *w, const kq_act_t *a, int k) {
-    float out;
-    k45_rows(w, a, 0, k, 1, 0, &out);
-    return out;
-}
-
-static float dot_q5_k(const uint8_t *w, const kq_act_t *a, int k) {
-    float out;
-    k45_rows(w, a, 0, k, 1, 1, &out);
-    return out;
-}
-
-static void dots_q4_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) {
-    k45_rows(w, a, row_blocks, k, KQ_ROWS, 0, out);
-}
-
-static void dots_q5_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) {
-    k45_rows(w, a, row_blocks, k, KQ_ROWS, 1, out);
-}
-
 
 /* Q6_K times R rows (as k45_rows): per 128 values, 64 bytes of low 4 bits (their low nibbles are
  * values 0-63 in order, their high nibbles 64-127) and 32 bytes of high 2 bits (bits 2p of qh[l],
- * part p = 32 values); values 0..63, the offset of 32 taken off through the block sums; int32 lane
- * L sums values 4L..4L+3, which share scale group L / 4 */
-static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks,
-                                                           int k, const int R, float *out) {
+ * part p = 32 values); values 0..63 (maddubs pairs at most 2 x 63 x 128), the offset of 32 taken
+ * off through the block sums; int16 lane t of vector c sums values 64 c + 2t, + 1 (scale group
+ * 4 c + t / 8) */
+KQ_ROWS_FN q6_k_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, const int R, float *out) {
     const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
     const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-    const __m512i group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512 acc[KQ_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int i = 0; i < k / KQ_BLOCK; ++i) {
         const uint8_t *blk = w + 210 * i;
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-        const __m512i sc = _mm512_cvtepi8_epi32(sc8);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
         __m512i v[4], s[4]; /* values 64 c .. 64 c + 63 of the superblock, and their lanes' scales */
         for (int n = 0; n < 2; ++n) {
             const __m512i ql = _mm512_loadu_si512(blk + 64 * n);
@@ -175,62 +156,26 @@ static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, co
                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_lo), two), 4));
             v[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
                                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_hi), two), 4));
-            s[2 * n] = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(8 * n)), sc);
-            s[2 * n + 1] = _mm512_permutexvar_epi32(_mm512_add_epi32(group, _mm512_set1_epi32(8 * n + 4)), sc);
         }
+        for (int c = 0; c < 4; ++c) s[c] = lane_scales(sc16, STEP8, 8, c);
         const float d = half_at(blk + 208);
         for (int r = 0; r < R; ++r) {
             const kq_act_t *A = a + r * row_blocks + i;
             const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)A->bsums), sc16);
             __m512i sums = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
-            for (int c = 0; c < 4; ++c) {
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[c], _mm512_loadu_si512(A->qs + 64 * c));
-                sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(p, s[c]));
-            }
+            for (int c = 0; c < 4; ++c)
+                sums = _mm512_dpwssd_epi32(sums, _mm512_maddubs_epi16(v[c], _mm512_loadu_si512(A->qs + 64 * c)), s[c]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(A->d * d), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-static float dot_q6_k(const uint8_t *w, const kq_act_t *a, int k) {
-    float out;
-    q6_k_rows(w, a, 0, k, 1, &out);
-    return out;
-}
-
-static void dots_q6_k(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k, float *out) {
-    q6_k_rows(w, a, row_blocks, k, KQ_ROWS, out);
-}
-
-kq_dots_fn kq_dots_avx512(int type) {
-    switch (type) {
-        case GGML_Q4_K: return dots_q4_k;
-        case GGML_Q5_K: return dots_q5_k;
-        case GGML_Q6_K: return dots_q6_k;
-        case GGML_Q8_0: return dots_q8_0;
-        default: return NULL;
-    }
-}
-
-kq_dot_fn kq_dot_avx512(int type) {
-    switch (type) {
-        case GGML_Q4_0: return dot_q4_0;
-        case GGML_Q8_0: return dot_q8_0;
-        case GGML_Q4_K: return dot_q4_k;
-        case GGML_Q5_K: return dot_q5_k;
-        case GGML_Q6_K: return dot_q6_k;
-        default: return NULL;
-    }
-}
+KQ_ONE_AND_MANY(q8_0, q8_0_rows, KQ_ROWS)
+KQ_ONE_AND_MANY(q4_k, KQ_Q4_K_ROWS, KQ_ROWS)
+KQ_ONE_AND_MANY(q5_k, KQ_Q5_K_ROWS, KQ_ROWS)
+KQ_ONE_AND_MANY(q6_k, q6_k_rows, KQ_ROWS)
+KQ_TABLES(avx512)
 #else
-kq_dot_fn kq_dot_avx512(int type) {
-    (void)type;
-    return NULL;
-}
-
-kq_dots_fn kq_dots_avx512(int type) {
-    (void)type;
-    return NULL;
-}
+KQ_NO_TABLES(avx512)
 #endif

@@ -168,6 +168,10 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
         fprintf(stderr, "kvserve kernels: linear_rows_team called with a weight linear_takes refuses\n");
         abort();
     }
+    if (L->kind == W_GGUF) {
+        kq_linear_team(L, rows, xf, xh, y, dtype);
+        return;
+    }
     if (L->kind == W_BF16) {
         ROWS_SWITCH(W_BF16)
     }
@@ -195,9 +199,11 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
     ROWS_SWITCH(W_F32)
 }
 
-/* whether linear_rows_team computes L: int4 weights need AVX512-VNNI and widths a multiple of 64 */
+/* whether linear_rows_team computes L: int4 weights need AVX512-VNNI and widths a multiple of 64;
+ * GGUF weights the block dots (kquant.c) */
 int linear_takes(const lin_t *L) {
-    return L->kind < W_INT4 || (L->kind == W_INT4 && HAVE_Q8 && int4_layout(L));
+    return L->kind < W_INT4 || (L->kind == W_INT4 && HAVE_Q8 && int4_layout(L)) ||
+           (L->kind == W_GGUF && kq_linear_takes(L));
 }
 
 #elif !HAVE_AVX2_ROWS /* (linear_avx2.c has them there) */

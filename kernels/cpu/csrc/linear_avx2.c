@@ -269,11 +269,14 @@ static inline __attribute__((always_inline)) void rows_team(const lin_t *L, cons
     }
 
 /* y = x w^T for rows (1..MAX_FUSED_ROWS) rows of x (xf: floats, k_in apart), by every thread of
- * the enclosing team, no barrier at the end (as linear.c's; xh is not read). L must be one
- * linear_takes takes. */
+ * the enclosing team, no barrier at the end (as linear.c's; xh is read for GGUF weights only). L
+ * must be one linear_takes takes. */
 void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
-    (void)xh;
     qx_t q;
+    if (L->kind == W_GGUF && kq_linear_takes(L)) {
+        kq_linear_team(L, rows, xf, xh, y, dtype);
+        return;
+    }
     if (!linear_takes(L) || !quantize_x(xf, rows, L->k_in, L->kind == W_INT4, &q)) {
         fprintf(stderr, "kvserve kernels: linear_rows_team: a weight linear_takes refuses, or no memory "
                         "for the quantized activations\n");
@@ -286,8 +289,9 @@ void linear_rows_team(const lin_t *L, int rows, const float *xf, const void *xh,
 }
 
 /* whether linear_rows_team computes L: int8 (with its scales) or int4 weights, widths a multiple
- * of Q8_CHUNK */
+ * of Q8_CHUNK; GGUF weights the block dots (kquant.c) */
 int linear_takes(const lin_t *L) {
+    if (L->kind == W_GGUF) return kq_linear_takes(L);
     if (L->k_in % Q8_CHUNK) return 0;
     return (L->kind == W_INT8 && L->scales != NULL) || (L->kind == W_INT4 && int4_layout(L));
 }

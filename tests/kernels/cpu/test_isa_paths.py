@@ -1,9 +1,9 @@
 """The exactness promises on every x86 CPU class kvserve builds a path for, run on the machine at
 hand (``kvserve.testing.process``): speculation on and off, packed and plain weights, the fused
-decode step and the per-op path, gemm.c's rows alike, GGUF block formats (csrc/kquant*.c's dots and
-a K-quant model's greedy tokens), each under a build for the class (skipped
-where this CPU cannot run it). Slow (a few minutes a class, each its own build): ``make test-isa``.
-Also: gemm.c's 512-bit tiles without BF16 give the AVX2 tiles' bits."""
+decode step and the per-op path, gemm.c's rows alike, GGUF block formats (csrc/kquant*.c's dots,
+a K-quant model's greedy tokens, its memory and its fused decode step), each under a build for
+the class (skipped where this CPU cannot run it). Slow (a few minutes a class, each its own
+build): ``make test-isa``. Also: gemm.c's 512-bit tiles without BF16 give the AVX2 tiles' bits."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from kvserve.testing.process import CLASSES, class_env, run_pytest, runs_here
 
 EXACTNESS_TESTS = ["tests/engine/core/test_speculation.py", "tests/engine/layers/test_packed_weights.py",
                    "tests/engine/models/test_decode_row.py", "tests/kernels/cpu/test_gemm.py",
-                   "tests/kernels/cpu/test_kquant.py", "tests/engine/layers/test_gguf_linear.py"]
+                   "tests/kernels/cpu/test_kquant.py", "tests/engine/layers/test_gguf_linear.py",
+                   "tests/engine/layers/test_gguf_model.py"]
 CLASS = {c.name: c for c in CLASSES}
 
 

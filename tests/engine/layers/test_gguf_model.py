@@ -1,0 +1,193 @@
+"""A GGUF model as loaded and run. What it holds after loading, counted in bytes (issue 48:
+resident memory at most ~1.3x the file): a random Q4_K_M-shaped file (Q4_K projections, Q6_K
+v/down and tied embedding table, float32 norms, as llama-quantize writes them) loaded by the
+runner; every tensor its modules reach (parameters, buffers, GGUF parts, packed copies, the
+embedding table), overlapping views counted once, against the bytes of the file's tensors. Where
+they lie is also checked: the block tensors in the file's mapping, not in copies. A prefill
+product's extra memory: one dequantized panel at a time, never the whole weight. And the fused
+decode step multiplying the blocks as the per-op path does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFWriter
+
+from kvserve.benchmarks.scale.kernels import random_weight
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.layers import gguf_linear
+from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, PANEL_ROWS, GGUFTensor, GGUFWeight
+from kvserve.engine.model_input import ModelInput
+from kvserve.engine.models.decode_row import DecodeRow
+from kvserve.engine.runner.model_runner import ModelRunner
+from kvserve.kernels.cpu.bindings import CpuKernels, load_kernels
+from kvserve.kernels.cpu.kquant import kquant_kernels
+
+pytestmark = pytest.mark.skipif(kquant_kernels() is None, reason="the CPU kernels are not built here")
+
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 512, 1536, 8, 4, 3, 4096
+# llama-quantize's Q4_K_M: Q6_K for v and down (in these layers) and the tied table, Q4_K elsewhere
+TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
+         "ffn_up": T.Q4_K, "ffn_down": T.Q6_K}
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
+    return random_weight(int(qtype), rows, cols, seed).numpy()
+
+
+def write_q4_k_m(path) -> None:
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    writer = GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, LAYERS), (writer.add_context_length, 256),
+                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, INTER),
+                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 10000.0),
+                       (writer.add_vocab_size, VOCAB)):
+        add(value)
+    writer.add_tensor("token_embd.weight", random_blocks(T.Q6_K, VOCAB, HIDDEN, 0), raw_dtype=T.Q6_K)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for i in range(LAYERS):
+        for j, (part, qtype) in enumerate(TYPES.items()):
+            data = random_blocks(qtype, *shapes[part], seed=1 + 10 * i + j)
+            writer.add_tensor(f"blk.{i}.{part}.weight", data, raw_dtype=qtype)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(HIDDEN, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def reached_tensors(value, seen: set[int], out: list[torch.Tensor]) -> None:
+    """Every tensor in ``value``: a tensor, a dataclass, named tuple, list, tuple or dict of them."""
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            reached_tensors(getattr(value, f.name), seen, out)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            reached_tensors(v, seen, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            reached_tensors(v, seen, out)
+
+
+def held_spans(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """The address ranges of every tensor the model's modules hold, merged where they overlap."""
+    seen: set[int] = set()
+    tensors: list[torch.Tensor] = []
+    for module in model.modules():
+        for value in vars(module).values():
+            reached_tensors(value, seen, tensors)
+    spans = []
+    for t in tensors:
+        if t.numel() == 0 or t.device.type != "cpu":
+            continue
+        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+        spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def file_mapping(path) -> list[tuple[int, int]]:
+    with open("/proc/self/maps") as f:
+        lines = [line.split()[0] for line in f if line.rstrip().endswith(str(path))]
+    return [tuple(int(a, 16) for a in m.split("-")) for m in lines]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_q4_k_m_model_holds_at_most_1_3x_its_files_tensor_bytes(tmp_path, dtype):
+    path = tmp_path / "model-Q4_K_M.gguf"
+    write_q4_k_m(path)
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    runner = ModelRunner(EngineConfig(model=str(path), dtype=dtype, num_kv_blocks=8, enforce_eager=True))
+    spans = held_spans(runner.model)
+    held = sum(hi - lo for lo, hi in spans)
+    mapped = file_mapping(path)
+    in_file = sum(hi - lo for lo, hi in spans if any(a <= lo < b for a, b in mapped))
+    runner.shutdown()
+    # the layers' block tensors are views of the mapping; the copies are llama's q and k rows
+    # (reordered for rotate-half rotary) and the float norms
+    assert held <= 1.3 * file_bytes, (held, file_bytes, in_file)
+    assert in_file >= 0.6 * file_bytes, (held, file_bytes, in_file)
+
+
+def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
+    n_out, k = 5 * PANEL_ROWS + 16, 512
+    part = GGUFTensor(random_weight(int(T.Q4_K), n_out, k, 7), int(T.Q4_K), (n_out, k))
+    weight = GGUFWeight(((0, part),), n_out, k)
+    dequantized: list[int] = []
+    original = GGUFTensor.dequantize
+
+    def counted(self, dtype, ids=None):
+        dequantized.append(self.data.shape[0])
+        return original(self, dtype, ids)
+
+    monkeypatch.setattr(gguf_linear.GGUFTensor, "dequantize", counted)
+    x = torch.randn(PANEL_FROM_ROWS, k).to(torch.bfloat16)
+    y = weight.linear(x)
+    assert dequantized == [PANEL_ROWS] * 5 + [16]
+    monkeypatch.undo()
+    want = x.double() @ part.dequantize(torch.float32).double().T
+    assert (y.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+TABLE = [list(range(8))]  # one sequence in KV blocks 0-7
+
+
+def decode_logits(runner: ModelRunner, prompt: list[int], steps: int) -> torch.Tensor:
+    """The prompt's prefill, then ``steps`` greedy decode steps of one row: each step's logits."""
+    n = len(prompt)
+    every = list(range(n))
+    logits = runner.execute_model(ModelInput(input_ids=prompt, positions=every, query_lens=[n],
+                                             context_lens=[n], block_tables=TABLE, slot_mapping=every,
+                                             logits_indices=[n - 1]))
+    out = []
+    for pos in range(n, n + steps):
+        token = int(logits[-1].argmax())
+        logits = runner.execute_model(ModelInput(
+            input_ids=[token], positions=[pos], query_lens=[1], context_lens=[pos + 1], block_tables=TABLE,
+            slot_mapping=[pos], logits_indices=[0]))
+        out.append(logits[-1].float())
+    return torch.stack(out)
+
+
+@pytest.mark.skipif(kquant_kernels() is None or kquant_kernels().isa == 0 or not load_kernels().fused_rows,
+                    reason="the fused decode step and the vector dots are built for x86 CPUs")
+def test_the_fused_decode_step_multiplies_gguf_weights_as_the_per_op_path(tmp_path, monkeypatch):
+    """bfloat16: a Q4_K_M model's decode steps run in the fused step (csrc/decode_row.c, the block
+    dots on the same quantized rows) and give the per-op path's logits."""
+    path = tmp_path / "model-Q4_K_M.gguf"
+    write_q4_k_m(path)
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=8, enforce_eager=True))
+    model = runner.model.model
+    assert DecodeRow.fits(model)
+    calls: list[bool] = []
+    real = CpuKernels.decode_row
+    monkeypatch.setattr(CpuKernels, "decode_row", lambda self, *a: calls.append(real(self, *a)) or calls[-1])
+    prompt = [5, 17, 250, 3, 99, 42, 7]
+    model._decode_row = DecodeRow(model)
+    fused = decode_logits(runner, prompt, 6)
+    assert calls == [True] * 6
+    model._decode_row = None
+    per_op = decode_logits(runner, prompt, 6)
+    runner.shutdown()
+    assert len(calls) == 6
+    assert torch.equal(fused.argmax(-1), per_op.argmax(-1))
+    assert (fused - per_op).abs().max() <= 1e-5 * per_op.abs().max(), (fused - per_op).abs().max()
