@@ -15,7 +15,7 @@ SPECULATIVE_MODES = ("off", "ngram", "grammar", "all")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 32
 QUANTIZATIONS = ("int8", "int4")  # quantized weights, CPU (engine/layers/quantization.py)
-SCHEDULING_POLICIES = ("fair", "fcfs")  # engine/core/tenants.py
+SCHEDULING_POLICIES = ("fair", "fcfs")  # engine/tenancy/shares.py
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: CPU (engine/layers/attention/kv_quant.py)
 
 
@@ -55,7 +55,7 @@ class EngineConfig:
     num_speculative_tokens: int = 5  # the most draft tokens a sequence verifies in one step
     prompt_lookup_min: int = 2  # shortest suffix n-gram the drafter matches
     prompt_lookup_max: int = 5  # longest, tried first
-    # sharing the engine between tenants (engine/core/tenants.py): "fair" (tokens served per tenant,
+    # sharing the engine between tenants (engine/tenancy/shares.py): "fair" (tokens served per tenant,
     # priority, deadlines) or "fcfs" (arrival order); caps per tenant (None: none); weights as
     # "TENANT=W,..." with tenants as the engine sees them (the server hashes the names it is given)
     scheduling_policy: str = "fair"

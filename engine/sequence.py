@@ -36,7 +36,7 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Tenancy:
-    """Whose request this is and how urgent (engine/core/tenants.py): the caller's tenant (an opaque,
+    """Whose request this is and how urgent (engine/tenancy/shares.py): the caller's tenant (an opaque,
     hashed id; "" = the one tenant of a server without tenants), its ``priority`` (lower = earlier,
     as vLLM's) and its ``deadline`` (``time.monotonic()`` seconds; None = none)."""
 

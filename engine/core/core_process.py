@@ -39,11 +39,11 @@ from kvserve.engine.core.ipc import (
     StepDone,
     ToCore,
 )
-from kvserve.engine.core.tenants import DeadlineUnreachable, TenantLimit
 from kvserve.engine.process.child_process import watch_lifeline
 from kvserve.engine.process.gc_tuning import tune_gc
 from kvserve.engine.sequence import Tenancy
 from kvserve.engine.structured.compile_worker import CompilerFailed
+from kvserve.engine.tenancy.shares import DeadlineUnreachable, TenantLimit
 from kvserve.logs import configure_logging, inherited_log_format
 
 log = logging.getLogger("kvserve.engine.core")

@@ -24,7 +24,6 @@ from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.ipc import CacheFlush, EngineStats, ModelFacts
 from kvserve.engine.core.requests import Choice, Request, choice_params
 from kvserve.engine.core.scheduler import Scheduler
-from kvserve.engine.core.tenants import TenantShares
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
@@ -37,6 +36,7 @@ from kvserve.engine.sequence import PLAIN, FinishReason, Sequence, Tenancy
 from kvserve.engine.spec_decode.speculator import spec_usage, speculation_stats, speculator_for
 from kvserve.engine.spec_decode.verify import sampling_rows
 from kvserve.engine.structured.grammar import StructuredOutput
+from kvserve.engine.tenancy.shares import TenantShares
 from kvserve.engine.tokenizer.detokenizer import RequestText
 from kvserve.engine.tokenizer.load import load_tokenizer
 from kvserve.engine.tokenizer.prompts import PromptEncoder
@@ -124,7 +124,7 @@ class LLMEngine:
         """``add_request`` for a prompt that a ``PromptEncoder`` already produced and checked (the
         service's front-end does that off the engine core's loop): the ids are not checked again.
         ``tenancy``: the caller's tenant, priority and deadline (``TenantLimit`` or
-        ``DeadlineUnreachable`` when it may not queue: engine/core/tenants.py)."""
+        ``DeadlineUnreachable`` when it may not queue: engine/tenancy/shares.py)."""
         constraint = self._check_request(request_id, params)
         self._queue(request_id, prompt_token_ids, params, constraint, tenancy)
 
@@ -233,7 +233,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        pairs = sched.attended_pairs if self.scheduler.step_time else 0
+        pairs = sched.attended_pairs if self.scheduler.step_clock else 0
         self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
         inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
         model_started = time.perf_counter()
@@ -261,8 +261,8 @@ class LLMEngine:
             lps = [lp for lp in sampled.logprobs[first_row : first_row + kept] if lp is not None]
             outputs.append(self._emit(self._choices[seq.seq_id], seq.token_ids[start:], lps))
             first_row += count
-        if self.scheduler.step_time:
-            self.scheduler.step_time.observe(sched.num_tokens, pairs, time.perf_counter() - started)
+        if self.scheduler.step_clock:
+            self.scheduler.step_clock.observe(sched.num_tokens, pairs, time.perf_counter() - started)
         return outputs
 
     def _fork_prefilled(self, sampling: list[Sequence]) -> None:

@@ -15,23 +15,24 @@ and when nothing runs and the head of the queue cannot be admitted; so the oldes
 sequence always gets its blocks (``check_fits`` made sure the whole cache holds it) and an
 empty engine always admits its head: every request finishes.
 
-Between tenants (engine/core/tenants.py): which waiting sequence is next, which running one is
+Between tenants (engine/tenancy/shares.py): which waiting sequence is next, which running one is
 preempted, and which running one gives way to waiting work, by tokens served per tenant, priority
 and deadline; a request that cannot start before its deadline is refused at once.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from kvserve.engine.core.admission import AdmissionChecks
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.step_time import StepTimeModel, attended_pairs
-from kvserve.engine.core.tenants import TenantShares
 from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kvserve.engine.tenancy.admission import AdmissionChecks
+from kvserve.engine.tenancy.shares import TenantShares
 
 
 @dataclass(slots=True)
@@ -82,6 +83,8 @@ class Scheduler(AdmissionChecks):
         self.shares = shares or TenantShares()
         # seconds a step may take (prefill chunks shrink to fit; engine/core/step_time.py); None: no bound
         self.step_time = StepTimeModel(max_step_time) if max_step_time else None
+        # learns step times for deadline-aware admission (fair policy) even where steps have no bound
+        self.step_clock = self.step_time or (StepTimeModel(math.inf) if self.shares.fair else None)
         self._spent = 0.0  # predicted seconds of the step being scheduled
         self._limit = 0.0  # its time bound, set at its first prefill chunk (StepTimeModel.step_limit)
         self.max_num_seqs = max_num_seqs

@@ -189,7 +189,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Admit, tokenize (off the loop) and submit a request; returns the stream of its outputs.
         ``tenant`` (hashed), ``priority`` (lower = earlier) and ``deadline`` (``time.monotonic()``
-        seconds, None = none) order it in the core (engine/core/tenants.py).
+        seconds, None = none) order it in the core (engine/tenancy/shares.py).
 
         Raises ``EngineOverloaded`` when the admission queue is full, ``EngineUnavailable`` when
         not ready, ``ValueError`` for a prompt the tokenizer or chat template refuses; errors

@@ -1,12 +1,12 @@
 """The scheduler's checks of a request before it is queued: that it could ever run (``check_fits``:
 max_model_len, the whole KV cache, min_tokens), that its tenant may queue more and that it can start
-before its deadline (``check_admission``: engine/core/tenants.py), and how many tokens it may make.
+before its deadline (``check_admission``: engine/tenancy/shares.py), and how many tokens it may make.
 A base of ``Scheduler`` (engine/core/scheduler.py), which holds the state these read."""
 
 from __future__ import annotations
 
-from kvserve.engine.core.tenants import check_deadline, start_delay
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.tenancy.shares import check_deadline, start_delay
 
 
 class AdmissionChecks:
@@ -28,7 +28,7 @@ class AdmissionChecks:
         self.shares.check_queue(seq)
         if not self.shares.fair or seq.tenancy.deadline is None:
             return
-        coef = self.step_time.coef if self.step_time else None
+        coef = self.step_clock.coef if self.step_clock else None
         delay = 0.0 if coef is None else start_delay(
             self.waiting, self.running, seq, self.max_num_seqs, self.max_num_batched_tokens, coef,
             lambda r: self.max_new_tokens(r) - r.num_completion_tokens,

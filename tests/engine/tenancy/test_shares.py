@@ -9,10 +9,10 @@ import pytest
 
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
-from kvserve.engine.core.tenants import DeadlineUnreachable, TenantLimit, TenantShares
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import FinishReason, SequenceStatus, Tenancy
 from kvserve.engine.sequence import Sequence as Seq
+from kvserve.engine.tenancy.shares import DeadlineUnreachable, TenantLimit, TenantShares
 
 BS = 4
 _ids = itertools.count()
