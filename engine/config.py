@@ -61,7 +61,7 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     max_running_per_tenant: int | None = None
     max_queued_per_tenant: int | None = None
-    tenant_weights: str = ""
+    tenant_weights: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -120,7 +120,7 @@ class EngineConfig:
 
     def weights(self) -> dict[str, float]:
         """``tenant_weights`` as a dict; ValueError naming the entry when one is malformed."""
-        return parse_weights(self.tenant_weights, "tenant_weights")
+        return parse_weights(self.tenant_weights or "", "tenant_weights")
 
 
 def parse_weights(text: str, field: str) -> dict[str, float]:

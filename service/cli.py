@@ -105,8 +105,8 @@ HELP = {
                               "--max-num-seqs); more wait (default: no cap)",
     "max_queued_per_tenant": "most requests of one tenant waiting to run; beyond it RESOURCE_EXHAUSTED "
                              "(default: no cap)",
-    "tenant_weights": "NAME=W,... shares by weight under the fair policy (default 1); NAME is the API key "
-                      "or --cache-salt-header value, as --cache-salt-from says",
+    "tenant_weights": "NAME=W,...: tenants' shares by weight under the fair policy (default: every weight "
+                      "1); NAME is the API key or --cache-salt-header value, as --cache-salt-from says",
 }
 
 

@@ -73,13 +73,13 @@ class CacheSalting:
         """The tenant of a caller whose credential or header is ``value`` ("" = none given)."""
         return f"{self.source}:{hashlib.sha256(value.encode()).hexdigest() if value else ''}"
 
-    def tenant_weights(self, weights: str) -> str:
+    def tenant_weights(self, weights: str | None) -> str | None:
         """``--tenant-weights`` ("NAME=W,..." by credential or header value) as the engine's
         ``tenant_weights``, by tenant identity: the engine never holds a key or a tenant name."""
-        parsed = parse_weights(weights, "--tenant-weights")
+        parsed = parse_weights(weights or "", "--tenant-weights")
         if parsed and self.source == "none":
             raise ValueError("--tenant-weights names tenants, which need --cache-salt-from api-key or header")
-        return ",".join(f"{self.identity(name)}={w!r}" for name, w in parsed.items())
+        return ",".join(f"{self.identity(name)}={w!r}" for name, w in parsed.items()) or None
 
 
 def call_deadline(context) -> float | None:
