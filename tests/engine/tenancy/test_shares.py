@@ -191,3 +191,16 @@ def test_fcfs_keeps_arrival_order_and_neither_counts_nor_refuses():
     s.add(short)
     out = step(s)
     assert short not in [x.seq for x in out.scheduled] and s.num_preemptions == 0
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a=3,b", "TENANT=WEIGHT"), ("a=0", "TENANT=WEIGHT"), ("a=nan", "TENANT=WEIGHT"), ("=2", "TENANT=WEIGHT"),
+    ("a=1,a=2", "given twice"),
+])
+def test_malformed_tenant_weights_are_refused_naming_the_entry(text, message):
+    from kvserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"tenant_weights: .*{message}"):
+        EngineConfig(tenant_weights=text)
+    assert EngineConfig(tenant_weights="a=3, b=0.5").weights() == {"a": 3.0, "b": 0.5}
+

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from kvserve.clients.messages import build_request
+from kvserve.service.api.validation import CacheSalting
 from kvserve.testing.plugin import TEST_SERVER_ENV
 from kvserve.testing.process import ServerProcess
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
@@ -132,3 +133,12 @@ def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(stub
     # the server's refusal (its message), not the client's own expiry ("Deadline Exceeded")
     assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "cannot start before its deadline" in refused.value.details()
+
+
+def test_the_server_names_weighted_tenants_by_the_identity_that_salts_their_cache():
+    salting = CacheSalting("header", "x-team")
+    (entry,) = salting.tenant_weights("red=3").split(",")
+    assert entry == f"{salting.tenant([('x-team', 'red')])}=3.0"
+    with pytest.raises(ValueError, match="--tenant-weights .*--cache-salt-from"):
+        CacheSalting().tenant_weights("red=3")
+    assert CacheSalting().tenant_weights(None) is None
