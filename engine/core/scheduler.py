@@ -191,7 +191,9 @@ class Scheduler(AdmissionChecks):
         """Whether the step computes a prefill chunk (a running sequence's, or an admission's): drafts
         then stay out, since the step's rows run through GEMMs whose rounding depends on how many
         there are, and plain decoding's tokens would not be kept bit for bit."""
-        admitting = self.waiting and len(self.running) < self.max_num_seqs
+        # with tenants (or priorities, deadlines) a waiting sequence may be admitted into a full
+        # running set, in place of one that gives way to it
+        admitting = self.waiting and (len(self.running) < self.max_num_seqs or not self.shares.plain)
         return bool(admitting) or any(s.num_tokens > 1 for s in out.scheduled)
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
