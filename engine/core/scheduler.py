@@ -245,6 +245,7 @@ class Scheduler(AdmissionChecks):
         (``TenantShares.yielding``) is preempted for it when slots or blocks are short."""
         shares = self.shares
         by_tenant = None if shares.plain else Counter(s.tenancy.tenant for s in self.running)
+        evicted = 0
         while self.waiting and budget > 0:
             seq = shares.pick(self.waiting, by_tenant)
             if seq is None:
@@ -256,8 +257,9 @@ class Scheduler(AdmissionChecks):
                     n = self._admit_head(seq, budget)  # nothing runs: only the pins stood in the way
             if n is None:
                 victim = None if by_tenant is None else shares.yielding(seq, self.running, by_tenant)
-                if victim is None:
+                if victim is None or evicted >= self.max_num_seqs:  # a guard against a cycle of preemptions
                     break
+                evicted += 1
                 by_tenant[victim.tenancy.tenant] -= 1
                 budget += self._evict(victim, out)
                 continue
