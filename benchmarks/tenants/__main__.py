@@ -2,9 +2,9 @@
 
 - **flood**: tenant "flood" holds ``--flood-calls`` Stream calls of n=``--flood-n`` choices with
   ``--flood-prompt``-token prompts that it never reads; tenant "interactive" sends ``--requests``
-  short requests one after another. Reported: the interactive TTFT p50/p99 alone and under the
-  flood, with ``--scheduling-policy fair`` and ``fcfs``, and the server's total generated tokens per
-  second while the interactive requests ran (Stats).
+  short requests one after another (and more until ``--window`` seconds passed). Reported: the
+  interactive TTFT p50/p99 alone and under the flood, with ``--scheduling-policy fair`` and
+  ``fcfs``, and the server's total generated tokens per second over that window (Stats).
 - **weights**: tenants "a" and "b" (``--tenant-weights a=3,b=1``) each keep ``--flood-calls``
   Stream calls of n=``--flood-n`` busy (read, and sent again as they end) for ``--window`` seconds;
   reported: each tenant's share of the generated tokens (target 0.75 / 0.25).
@@ -90,9 +90,13 @@ def p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def interactive(stub, args) -> dict:
+def interactive(stub, args, seconds: float = 0.0) -> dict:
+    """TTFTs of ``--requests`` short requests one after another, and more until ``seconds`` passed
+    (the window over which the server's generated tokens per second are counted)."""
     before, start = stats(stub), time.perf_counter()
-    times = [ttft(stub, "interactive", args) for _ in range(args.requests)]
+    times = []
+    while len(times) < args.requests or time.perf_counter() - start < seconds:
+        times.append(ttft(stub, "interactive", args))
     after, elapsed = stats(stub), time.perf_counter() - start
     tokens = after.generation_tokens_total - before.generation_tokens_total
     return {"p50": p(times, 0.5), "p99": p(times, 0.99), "tok_s": tokens / elapsed}
@@ -115,7 +119,7 @@ def flood_run(args, policy: str) -> dict:
                  for i in range(args.flood_calls)]
         try:
             wait_running(stub, min(args.max_num_seqs, args.flood_calls * args.flood_n))
-            loaded = interactive(stub, args)
+            loaded = interactive(stub, args, args.window)
         finally:
             for c in calls:
                 c.cancel()
