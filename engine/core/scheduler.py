@@ -86,6 +86,7 @@ class Scheduler(AdmissionChecks):
         # learns step times for deadline-aware admission (fair policy) even where steps have no bound
         self.step_clock = self.step_time or (StepTimeModel(math.inf) if self.shares.fair else None)
         self._spent = 0.0  # predicted seconds of the step being scheduled
+        self._out_of_time = False  # the last admission failed for the step's time bound
         self._limit = 0.0  # its time bound, set at its first prefill chunk (StepTimeModel.step_limit)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -250,14 +251,18 @@ class Scheduler(AdmissionChecks):
             seq = shares.pick(self.waiting, by_tenant)
             if seq is None:
                 break
-            n = None
+            n, self._out_of_time = None, False
             if len(self.running) < self.max_num_seqs:
                 n = self._admit_head(seq, budget)
                 if n is None and not self.running and self._release_pinned(keep=seq):
                     n = self._admit_head(seq, budget)  # nothing runs: only the pins stood in the way
             if n is None:
-                victim = None if by_tenant is None else shares.yielding(seq, self.running, by_tenant)
-                if victim is None or evicted >= self.max_num_seqs:  # a guard against a cycle of preemptions
+                # a slot or blocks are short, not the step's time (no preemption gives that back);
+                # at most max_num_seqs preemptions a step: a guard against a cycle of them
+                if by_tenant is None or self._out_of_time or evicted >= self.max_num_seqs:
+                    break
+                victim = shares.yielding(seq, self.running, by_tenant)
+                if victim is None:
                     break
                 evicted += 1
                 by_tenant[victim.tenancy.tenant] -= 1
@@ -291,12 +296,14 @@ class Scheduler(AdmissionChecks):
         bound leaves it no tokens."""
         if seq.block_table:  # a forked choice: it holds its share of the prompt's blocks already
             n = self._chunk(seq, seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens, budget)
+            self._out_of_time = n == 0
             if n == 0 or not self.bm.can_grow(seq, n):
                 return None
         else:
             hits = self.bm.match_prefix(seq)
             start = len(hits) * self.bm.block_size
             n = self._chunk(seq, start, seq.num_tokens - start, budget)
+            self._out_of_time = n == 0
             if n == 0 or not self.bm.can_admit(seq, hits, n):
                 return None
             self.bm.admit(seq, hits)
