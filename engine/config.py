@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
@@ -14,6 +15,7 @@ SPECULATIVE_MODES = ("off", "ngram", "grammar", "all")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 32
 QUANTIZATIONS = ("int8", "int4")  # quantized weights, CPU (engine/layers/quantization.py)
+SCHEDULING_POLICIES = ("fair", "fcfs")  # engine/tenancy/shares.py
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: CPU (engine/layers/attention/kv_quant.py)
 
 
@@ -53,6 +55,13 @@ class EngineConfig:
     num_speculative_tokens: int = 5  # the most draft tokens a sequence verifies in one step
     prompt_lookup_min: int = 2  # shortest suffix n-gram the drafter matches
     prompt_lookup_max: int = 5  # longest, tried first
+    # sharing the engine between tenants (engine/tenancy/shares.py): "fair" (tokens served per tenant,
+    # priority, deadlines) or "fcfs" (arrival order); caps per tenant (None: none); weights as
+    # "TENANT=W,..." with tenants as the engine sees them (the server hashes the names it is given)
+    scheduling_policy: str = "fair"
+    max_running_per_tenant: int | None = None
+    max_queued_per_tenant: int | None = None
+    tenant_weights: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -61,6 +70,8 @@ class EngineConfig:
         _one_of("tp_channel", self.tp_channel, ("auto", "shm", "dist"))
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("speculative", self.speculative, SPECULATIVE_MODES)
+        _one_of("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        self.weights()  # raises on a malformed list
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")
@@ -70,7 +81,7 @@ class EngineConfig:
         if self.quantization is not None:
             _one_of("quantization", self.quantization, QUANTIZATIONS)
         positive = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "nnodes",
-                    "grammar_compile_workers")
+                    "grammar_compile_workers", "max_running_per_tenant", "max_queued_per_tenant")
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -106,6 +117,27 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+    def weights(self) -> dict[str, float]:
+        """``tenant_weights`` as a dict; ValueError naming the entry when one is malformed."""
+        return parse_weights(self.tenant_weights or "", "tenant_weights")
+
+
+def parse_weights(text: str, field: str) -> dict[str, float]:
+    """"a=3,b=1" -> {"a": 3.0, "b": 1.0}: each weight a finite number > 0, each name once."""
+    weights: dict[str, float] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        name, sep, value = entry.rpartition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not sep or not name or not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"{field}: each entry is TENANT=WEIGHT with a weight > 0, got {entry!r}")
+        if name in weights:
+            raise ValueError(f"{field}: tenant {name!r} is given twice")
+        weights[name] = weight
+    return weights
 
 
 # A step's token budget when none is given, on every device: vLLM's 2,048. On the 2-core CPU

@@ -34,6 +34,20 @@ class FinishReason(str, enum.Enum):
         return earlier is None or (self is FinishReason.STOP_STRING and earlier is FinishReason.LENGTH)
 
 
+@dataclass(frozen=True, slots=True)
+class Tenancy:
+    """Whose request this is and how urgent (engine/tenancy/shares.py): the caller's tenant (an opaque,
+    hashed id; "" = the one tenant of a server without tenants), its ``priority`` (lower = earlier,
+    as vLLM's) and its ``deadline`` (``time.monotonic()`` seconds; None = none)."""
+
+    tenant: str = ""
+    priority: int = 0
+    deadline: float | None = None
+
+
+PLAIN = Tenancy()
+
+
 @dataclass
 class SequenceTimes:
     arrival: float = field(default_factory=time.monotonic)
@@ -45,12 +59,14 @@ class SequenceTimes:
 class Sequence:
     _ids = itertools.count()
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 tenancy: Tenancy = PLAIN):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.params = params
+        self.tenancy = tenancy
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         # tokens whose KV is in the cache (prefix-cache hits included)

@@ -21,6 +21,7 @@ from kvserve.engine.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     SPECULATIVE_MODES,
     EngineConfig,
 )
@@ -40,6 +41,7 @@ CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "quantization": QUANTIZATIONS,
     "speculative": SPECULATIVE_MODES,
+    "scheduling_policy": SCHEDULING_POLICIES,
 }
 HELP = {
     "model": "'default' (the bundled SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file",
@@ -95,6 +97,16 @@ HELP = {
     "num_speculative_tokens": "most draft tokens a request verifies in one step (--speculative not off)",
     "prompt_lookup_min": "shortest suffix n-gram the prompt-lookup drafter matches",
     "prompt_lookup_max": "longest suffix n-gram the prompt-lookup drafter matches (tried first)",
+    "scheduling_policy": "fair = tenants (--cache-salt-from) share the engine by tokens served, priority "
+                         "orders a tenant's work, a request that cannot start before its deadline is "
+                         "refused (DEADLINE_EXCEEDED); fcfs = arrival order, no deadline refusal "
+                         "(docs/serving/tenants.md)",
+    "max_running_per_tenant": "most sequences of one tenant running at once (choices count, as in "
+                              "--max-num-seqs); more wait (default: no cap)",
+    "max_queued_per_tenant": "most requests of one tenant waiting to run; beyond it RESOURCE_EXHAUSTED "
+                             "(default: no cap)",
+    "tenant_weights": "NAME=W,...: tenants' shares by weight under the fair policy (default: every weight "
+                      "1); NAME is the API key or --cache-salt-header value, as --cache-salt-from says",
 }
 
 
@@ -240,7 +252,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.stream_interval < 1:
         raise SystemExit(f"kvserve serve: --stream-interval must be >= 1, got {args.stream_interval}")
     try:
+        salting = CacheSalting(args.cache_salt_from, args.cache_salt_header)
         config = engine_config(args)
+        config = config.replace(tenant_weights=salting.tenant_weights(config.tenant_weights))
         settings = ServeSettings(args.host, args.port, args.max_queue, args.drain_timeout,
                                  step_timeout=args.step_timeout, stream_interval=args.stream_interval,
                                  exit_on_engine_failure=args.exit_on_engine_failure,
@@ -249,7 +263,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  otlp_endpoint=args.otlp_endpoint,
                                  security=security_settings(args), limits=stream_limits(args),
                                  connections=connection_limits(args),
-                                 cache_salting=CacheSalting(args.cache_salt_from, args.cache_salt_header),
+                                 cache_salting=salting,
                                  **mesh_settings(args))
         credentials = server_credentials(settings.security)  # unreadable or non-PEM: refused before loading
     except ValueError as e:

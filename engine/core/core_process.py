@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import time
 
 import zmq
 
@@ -31,6 +32,7 @@ from kvserve.engine.core.ipc import (
     Codec,
     EngineStats,
     Failed,
+    NewRequest,
     Ready,
     Rejected,
     Reply,
@@ -39,7 +41,9 @@ from kvserve.engine.core.ipc import (
 )
 from kvserve.engine.process.child_process import watch_lifeline
 from kvserve.engine.process.gc_tuning import tune_gc
+from kvserve.engine.sequence import Tenancy
 from kvserve.engine.structured.compile_worker import CompilerFailed
+from kvserve.engine.tenancy.shares import DeadlineUnreachable, TenantLimit
 from kvserve.logs import configure_logging, inherited_log_format
 
 log = logging.getLogger("kvserve.engine.core")
@@ -66,8 +70,7 @@ class EngineCore:
             busy = engine.has_unfinished_requests()
             self._take_inputs(timeout_ms=0 if busy else int(HEARTBEAT_S * 1000))
             outputs = engine.step() if engine.has_unfinished_requests() else []
-            self._rejected += [Rejected(key, str(e), isinstance(e, CompilerFailed))
-                               for key, e in engine.take_rejected()]
+            self._rejected += [Rejected(key, str(e), rejection(e)) for key, e in engine.take_rejected()]
             if not engine.is_healthy():
                 raise RuntimeError("a tensor-parallel worker died")
             # one message per turn: a step's outputs, the answers to what came in, or (idle) a heartbeat
@@ -88,9 +91,9 @@ class EngineCore:
         for req in batch.new:
             try:
                 # the front-end's PromptEncoder checked the ids: they are not walked again here
-                self.engine.add_tokenized(req.key, req.prompt_token_ids, req.params)
+                self.engine.add_tokenized(req.key, req.prompt_token_ids, req.params, tenancy(req))
             except Exception as e:  # noqa: BLE001 - this request's fault alone; the engine goes on
-                self._rejected.append(Rejected(req.key, str(e) or type(e).__name__))
+                self._rejected.append(Rejected(req.key, str(e) or type(e).__name__, rejection(e)))
         for key in batch.aborts:
             self.engine.abort(key)
         for stop in batch.stops:
@@ -110,6 +113,23 @@ class EngineCore:
                        self.engine.take_kv_events())
         self._rejected, self._replies = [], []
         self._outbox.send(self._codec.encode(msg), copy=False)
+
+
+def tenancy(req: NewRequest) -> Tenancy:
+    """The request's tenant, priority and deadline (on this process's monotonic clock)."""
+    deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
+    return Tenancy(req.tenant, req.priority, deadline)
+
+
+def rejection(error: BaseException) -> str:
+    """``Rejected.kind`` of an error met while queueing a request."""
+    if isinstance(error, CompilerFailed):
+        return "unavailable"
+    if isinstance(error, TenantLimit):
+        return "overloaded"
+    if isinstance(error, DeadlineUnreachable):
+        return "deadline"
+    return "invalid"
 
 
 def run_core(config: EngineConfig, inbox_addr: str, outbox_addr: str) -> int:

@@ -27,6 +27,9 @@ class NewRequest(msgspec.Struct, array_like=True):
     key: str  # unique per request in this front-end (the client's request_id may repeat)
     prompt_token_ids: list[int]
     params: SamplingParams
+    tenant: str = ""  # the caller's tenant, hashed ("" = the server has no tenants)
+    priority: int = 0  # lower = earlier
+    timeout_s: float | None = None  # seconds left to the call's deadline when sent; None: no deadline
 
 
 class StopChoice(msgspec.Struct, array_like=True):
@@ -114,10 +117,16 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     config: EngineConfig  # as resolved by the core (max_model_len filled in)
 
 
+REJECTIONS = ("invalid", "unavailable", "overloaded", "deadline")
+
+
 class Rejected(msgspec.Struct, array_like=True):
     key: str
-    message: str  # names the field and the limit (INVALID_ARGUMENT)
-    retriable: bool = False  # the server's fault (a grammar compiler that died): UNAVAILABLE
+    message: str  # names the field and the limit
+    # invalid: the request's fault (INVALID_ARGUMENT); unavailable: the server's (a grammar compiler
+    # that died: UNAVAILABLE); overloaded: a tenant's cap (RESOURCE_EXHAUSTED); deadline: it cannot
+    # start before its deadline (DEADLINE_EXCEEDED)
+    kind: str = "invalid"
 
 
 class Reply(msgspec.Struct, array_like=True):

@@ -32,10 +32,11 @@ from kvserve.engine.model_loader.loader import load_generation_eos, load_hf_conf
 from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.sequence import FinishReason, Sequence
+from kvserve.engine.sequence import PLAIN, FinishReason, Sequence, Tenancy
 from kvserve.engine.spec_decode.speculator import spec_usage, speculation_stats, speculator_for
 from kvserve.engine.spec_decode.verify import sampling_rows
 from kvserve.engine.structured.grammar import StructuredOutput
+from kvserve.engine.tenancy.shares import TenantShares
 from kvserve.engine.tokenizer.detokenizer import RequestText
 from kvserve.engine.tokenizer.load import load_tokenizer
 from kvserve.engine.tokenizer.prompts import PromptEncoder
@@ -77,6 +78,8 @@ class LLMEngine:
             self.eos_token_ids,
             max_step_time=resolve_max_step_time(config, device_type),
             last_prompt_token_alone=config.enable_prefix_caching,
+            shares=TenantShares(config.scheduling_policy, config.weights(), config.max_running_per_tenant,
+                                config.max_queued_per_tenant),
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self.speculator = speculator_for(config, self.executor)
@@ -116,11 +119,14 @@ class LLMEngine:
         constraint = self._check_request(request_id, params)
         self._queue(request_id, self.encode_prompt(prompt), params, constraint)
 
-    def add_tokenized(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_tokenized(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      tenancy: Tenancy = PLAIN) -> None:
         """``add_request`` for a prompt that a ``PromptEncoder`` already produced and checked (the
-        service's front-end does that off the engine core's loop): the ids are not checked again."""
+        service's front-end does that off the engine core's loop): the ids are not checked again.
+        ``tenancy``: the caller's tenant, priority and deadline (``TenantLimit`` or
+        ``DeadlineUnreachable`` when it may not queue: engine/tenancy/shares.py)."""
         constraint = self._check_request(request_id, params)
-        self._queue(request_id, prompt_token_ids, params, constraint)
+        self._queue(request_id, prompt_token_ids, params, constraint, tenancy)
 
     def _check_request(self, request_id: str, params: SamplingParams) -> Constraint | None:
         """Refuse a taken id or bad parameters; returns the request's structured-output constraint."""
@@ -130,9 +136,10 @@ class LLMEngine:
         return constraint_of(params)
 
     def _queue(self, request_id: str, ids: list[int], params: SamplingParams,
-               constraint: Constraint | None) -> None:
-        seqs = [Sequence(request_id, ids, choice_params(params, i)) for i in range(params.n)]
+               constraint: Constraint | None, tenancy: Tenancy = PLAIN) -> None:
+        seqs = [Sequence(request_id, ids, choice_params(params, i), tenancy) for i in range(params.n)]
         self.scheduler.check_fits(seqs[0])  # raises when it could never fit
+        self.scheduler.check_admission(seqs[0])
         choices = [Choice(seq, i) for i, seq in enumerate(seqs)]
         text = RequestText(self.tokenizer, ids, params) if self.detokenize else None
         req = Request(request_id, choices, unfinished=len(choices), text=text)
@@ -226,7 +233,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        pairs = sched.attended_pairs if self.scheduler.step_time else 0
+        pairs = sched.attended_pairs if self.scheduler.step_clock else 0
         self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
         inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
         model_started = time.perf_counter()
@@ -254,8 +261,8 @@ class LLMEngine:
             lps = [lp for lp in sampled.logprobs[first_row : first_row + kept] if lp is not None]
             outputs.append(self._emit(self._choices[seq.seq_id], seq.token_ids[start:], lps))
             first_row += count
-        if self.scheduler.step_time:
-            self.scheduler.step_time.observe(sched.num_tokens, pairs, time.perf_counter() - started)
+        if self.scheduler.step_clock:
+            self.scheduler.step_clock.observe(sched.num_tokens, pairs, time.perf_counter() - started)
         return outputs
 
     def _fork_prefilled(self, sampling: list[Sequence]) -> None:

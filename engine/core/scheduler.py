@@ -14,18 +14,25 @@ prompt's blocks (``fork``). Those pins are released before a sequence would pree
 and when nothing runs and the head of the queue cannot be admitted; so the oldest running
 sequence always gets its blocks (``check_fits`` made sure the whole cache holds it) and an
 empty engine always admits its head: every request finishes.
+
+Between tenants (engine/tenancy/shares.py): which waiting sequence is next, which running one is
+preempted, and which running one gives way to waiting work, by tokens served per tenant, priority
+and deadline; a request that cannot start before its deadline is refused at once.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.step_time import StepTimeModel, attended_pairs
 from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kvserve.engine.tenancy.admission import AdmissionChecks
+from kvserve.engine.tenancy.shares import TenantShares
 
 
 @dataclass(slots=True)
@@ -60,7 +67,7 @@ class SchedulerOutput:
         return [s.seq for s in self.scheduled if s.samples]
 
 
-class Scheduler:
+class Scheduler(AdmissionChecks):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -70,11 +77,16 @@ class Scheduler:
         eos_token_ids: list[int] | tuple[int, ...] = (),
         max_step_time: float | None = None,
         last_prompt_token_alone: bool = False,
+        shares: TenantShares | None = None,
     ):
         self.bm = block_manager
+        self.shares = shares or TenantShares()
         # seconds a step may take (prefill chunks shrink to fit; engine/core/step_time.py); None: no bound
         self.step_time = StepTimeModel(max_step_time) if max_step_time else None
+        # learns step times for deadline-aware admission (fair policy) even where steps have no bound
+        self.step_clock = self.step_time or (StepTimeModel(math.inf) if self.shares.fair else None)
         self._spent = 0.0  # predicted seconds of the step being scheduled
+        self._out_of_time = False  # the last admission failed for the step's time bound
         self._limit = 0.0  # its time bound, set at its first prefill chunk (StepTimeModel.step_limit)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -92,51 +104,12 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the tail is the preemption victim
         self.num_preemptions = 0
 
-    def _longest_fitting(self, limit: int) -> int:
-        """The most tokens (up to ``limit``) a sequence may reach with the whole cache to itself."""
-        low, high = 0, limit
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.bm.peak_blocks(mid, self.max_num_batched_tokens) <= self.bm.num_blocks:
-                low = mid
-            else:
-                high = mid - 1
-        return low
-
     # ---- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
         self.waiting.append(seq)
-
-    def max_new_tokens(self, seq: Sequence) -> int:
-        """``max_tokens``, or when it is unset as many as fit: up to max_model_len, and no more
-        than the whole KV cache holds (a sequence larger than the cache could never run)."""
-        if seq.params.max_tokens is not None:
-            return seq.params.max_tokens
-        return self.max_seq_len - seq.num_prompt_tokens
-
-    def check_fits(self, seq: Sequence) -> None:
-        """Refuse a request that could never run, rather than let it wait forever."""
-        new = self.max_new_tokens(seq)
-        if seq.params.min_tokens > new:  # unreachable: EOS would be masked until max_model_len ended it
-            raise ValueError(f"min_tokens ({seq.params.min_tokens}) exceeds the {new} tokens this request "
-                             f"may generate (max_tokens, or what max_model_len ({self.max_model_len}) and "
-                             f"the KV cache leave after its {seq.num_prompt_tokens}-token prompt)")
-        if seq.params.max_tokens is None and new < 1:
-            raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) leaves no room for a completion: "
-                             f"max_model_len ({self.max_model_len}) and the KV cache allow "
-                             f"{self.max_seq_len} tokens")
-        total = seq.num_prompt_tokens + new
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {total} "
-                f"exceeds max_model_len ({self.max_model_len})"
-            )
-        need = self.bm.peak_blocks(total, self.max_num_batched_tokens)
-        if need > self.bm.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {need} KV blocks but the whole cache has {self.bm.num_blocks}"
-            )
+        self.shares.join(seq)
+        self.shares.enqueue(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -176,7 +149,7 @@ class Scheduler:
                 continue
             missing = bm.missing_blocks(seq, n)
             while missing > bm.num_free_blocks:
-                victim = self.running[-1]
+                victim = self.shares.victim(self.running)
                 if victim is seq and self._release_pinned():
                     continue  # the pins were the last blocks to take before giving up seq's own
                 budget += self._preempt(victim, scheduled, out)
@@ -187,6 +160,8 @@ class Scheduler:
             bm.take_blocks(seq, missing)
             scheduled[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
+        for s in scheduled.values():
+            self.shares.charge(s.seq, s.num_tokens)
         out.scheduled.extend(scheduled.values())
         return budget
 
@@ -217,7 +192,9 @@ class Scheduler:
         """Whether the step computes a prefill chunk (a running sequence's, or an admission's): drafts
         then stay out, since the step's rows run through GEMMs whose rounding depends on how many
         there are, and plain decoding's tokens would not be kept bit for bit."""
-        admitting = self.waiting and len(self.running) < self.max_num_seqs
+        # with tenants (or priorities, deadlines) a waiting sequence may be admitted into a full
+        # running set, in place of one that gives way to it
+        admitting = self.waiting and (len(self.running) < self.max_num_seqs or not self.shares.plain)
         return bool(admitting) or any(s.num_tokens > 1 for s in out.scheduled)
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
@@ -264,20 +241,54 @@ class Scheduler:
         return bool(pinned)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = self._admit_head(seq, budget)
-            if n is None and not self.running and self._release_pinned(keep=seq):
-                n = self._admit_head(seq, budget)  # nothing runs: only the pins stood in the way
-            if n is None:
+        """Admit waiting sequences in the tenants' order (``TenantShares.pick``) while slots, blocks
+        and budget last; a running sequence that should give way to the next one
+        (``TenantShares.yielding``) is preempted for it when slots or blocks are short."""
+        shares = self.shares
+        by_tenant = None if shares.plain else Counter(s.tenancy.tenant for s in self.running)
+        evicted = 0
+        while self.waiting and budget > 0:
+            seq = shares.pick(self.waiting, by_tenant)
+            if seq is None:
                 break
-            self.waiting.popleft()
+            n, self._out_of_time = None, False
+            if len(self.running) < self.max_num_seqs:
+                n = self._admit_head(seq, budget)
+                if n is None and not self.running and self._release_pinned(keep=seq):
+                    n = self._admit_head(seq, budget)  # nothing runs: only the pins stood in the way
+            if n is None:
+                # a slot or blocks are short, not the step's time (no preemption gives that back);
+                # at most max_num_seqs preemptions a step: a guard against a cycle of them
+                if by_tenant is None or self._out_of_time or evicted >= self.max_num_seqs:
+                    break
+                victim = shares.yielding(seq, self.running, by_tenant)
+                if victim is None:
+                    break
+                evicted += 1
+                by_tenant[victim.tenancy.tenant] -= 1
+                budget += self._evict(victim, out)
+                continue
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
+            shares.started(seq)
+            shares.charge(seq, n)
+            if by_tenant is not None:
+                by_tenant[seq.tenancy.tenant] += 1
             budget -= n
+
+    def _evict(self, victim: Sequence, out: SchedulerOutput) -> int:
+        """Preempt ``victim`` (perhaps scheduled already in this step); returns the budget it gave back."""
+        scheduled = {s.seq.seq_id: s for s in out.scheduled}
+        given_back = self._preempt(victim, scheduled, out)
+        out.scheduled[:] = scheduled.values()
+        return given_back
 
     def _admit_head(self, seq: Sequence, budget: int) -> int | None:
         """Give the head of the queue blocks for its next chunk; returns the chunk's size, or
@@ -285,12 +296,14 @@ class Scheduler:
         bound leaves it no tokens."""
         if seq.block_table:  # a forked choice: it holds its share of the prompt's blocks already
             n = self._chunk(seq, seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens, budget)
+            self._out_of_time = n == 0
             if n == 0 or not self.bm.can_grow(seq, n):
                 return None
         else:
             hits = self.bm.match_prefix(seq)
             start = len(hits) * self.bm.block_size
             n = self._chunk(seq, start, seq.num_tokens - start, budget)
+            self._out_of_time = n == 0
             if n == 0 or not self.bm.can_admit(seq, hits, n):
                 return None
             self.bm.admit(seq, hits)
@@ -306,6 +319,7 @@ class Scheduler:
         for child in reversed(children):  # the parent's prompt and limits: it fits as the parent did
             self.bm.admit(child, shared)
             self.waiting.appendleft(child)
+            self.shares.join(child)
 
     # ---- after the model ran ----------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: list[int] | list[list[int]]) -> list[Sequence]:
@@ -359,8 +373,10 @@ class Scheduler:
             return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.shares.leave(seq)
         elif seq in self.waiting:  # else never handed over: still compiling, or a choice not forked yet
             self.waiting.remove(seq)
+            self.shares.leave(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,6 +34,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.ipc import CacheFlush, NewRequest, Ready, StepDone, StopChoice
 from kvserve.engine.frontend.core_client import CoreClient
 from kvserve.engine.frontend.engine_state import (
+    DeadlineUnmet,
     EngineInfo,
     EngineOverloaded,
     EngineState,
@@ -46,7 +48,12 @@ from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.tokenizer.detokenizer import RequestText
 from kvserve.engine.tokenizer.prompts import PromptEncoder
 
-__all__ = ["AsyncEngine", "EngineInfo", "EngineOverloaded", "EngineState", "EngineUnavailable"]
+__all__ = ["AsyncEngine", "DeadlineUnmet", "EngineInfo", "EngineOverloaded", "EngineState",
+           "EngineUnavailable"]
+
+# the core's ``Rejected.kind`` -> the error its stream raises
+REJECTED = {"invalid": ValueError, "unavailable": EngineUnavailable, "overloaded": EngineOverloaded,
+            "deadline": DeadlineUnmet}
 
 log = logging.getLogger("kvserve.engine.async")
 
@@ -176,8 +183,13 @@ class AsyncEngine:
         prompt: str | list[int] | None,
         params: SamplingParams,
         messages: list[dict[str, str]] | None = None,
+        tenant: str = "",
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> RequestStream:
         """Admit, tokenize (off the loop) and submit a request; returns the stream of its outputs.
+        ``tenant`` (hashed), ``priority`` (lower = earlier) and ``deadline`` (``time.monotonic()``
+        seconds, None = none) order it in the core (engine/tenancy/shares.py).
 
         Raises ``EngineOverloaded`` when the admission queue is full, ``EngineUnavailable`` when
         not ready, ``ValueError`` for a prompt the tokenizer or chat template refuses; errors
@@ -203,7 +215,8 @@ class AsyncEngine:
         stream = RequestStream(key, self._release, params.n, text, self.stream_interval)
         self._live[key] = stream
         self._idle.clear()
-        self._core.add(NewRequest(key, ids, params))
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._core.add(NewRequest(key, ids, params, tenant, priority, timeout))
         return stream
 
     async def stats(self) -> ServerStats:
@@ -305,7 +318,8 @@ class AsyncEngine:
         for r in msg.rejected:
             stream = self._live.pop(r.key, None)
             if stream is not None:
-                stream.fail(EngineUnavailable(r.message) if r.retriable else ValueError(r.message))
+                self._rejected += r.kind == "overloaded"  # a tenant's cap: counted as a full queue is
+                stream.fail(REJECTED[r.kind](r.message))
         live = self._live
         for out in msg.outputs:
             stream = live.get(out.request_id)

@@ -1,5 +1,5 @@
 """What the service sees of the engine: its lifecycle state, the facts about the loaded model,
-and the two errors a request can meet before it runs."""
+and the errors a request can meet before it runs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ class EngineOverloaded(Exception):
 
 class EngineUnavailable(Exception):
     """The engine is loading, draining, stopped or dead."""
+
+
+class DeadlineUnmet(Exception):
+    """The request cannot start before its deadline (the core's step time model says so)."""
 
 
 class EngineState(str, enum.Enum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvserve.engine.frontend.engine_state import EngineOverloaded, EngineUnavailable
+from kvserve.engine.frontend.engine_state import DeadlineUnmet, EngineOverloaded, EngineUnavailable
 from kvserve.service.guards.redact import STATUS_MESSAGE_CHARS, clip
 
 
@@ -25,6 +25,8 @@ def _classify(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, EngineOverloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, DeadlineUnmet):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
     if isinstance(error, EngineUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(error)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"

@@ -27,6 +27,7 @@ from kvserve.service.api.responses import (
 from kvserve.service.api.validation import (
     CacheSalting,
     EngineRequest,
+    call_deadline,
     parse_generate_request,
     parse_tokenize_request,
 )
@@ -133,10 +134,12 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                 raise EngineUnavailable("the model is still loading")
             req = parse_generate_request(request, info.vocab_size, info.sampling_defaults,
                                          call.header_request_id, info.max_model_len)
+            metadata = context.invocation_metadata()
             if self._salting.source != "none":
-                own = req.params.cache_salt
-                req.params.cache_salt = self._salting.salt(context.invocation_metadata(), own)
-            stream = await self._engine.generate(req.request_id, req.prompt, req.params, req.messages)
+                req.params.cache_salt = self._salting.salt(metadata, req.params.cache_salt)
+            stream = await self._engine.generate(req.request_id, req.prompt, req.params, req.messages,
+                                                 tenant=self._salting.tenant(metadata), priority=req.priority,
+                                                 deadline=call_deadline(context))
             call.admitted(req.request_id, arrival)
             # echoed to callers that sent the header: sending headers ahead of the first message is
             # one more write and completion per call (a fifth of the front-end's work per short call)

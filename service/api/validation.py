@@ -14,11 +14,13 @@ one token, so neither list is ever walked beyond ``max_model_len`` entries.
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.contract import AUTHORIZATION, BEARER
+from kvserve.engine.config import parse_weights
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.v1 import llm_pb2
 
@@ -65,7 +67,26 @@ class CacheSalting:
             value = value.decode("latin-1")
         if self.source == "api-key" and value[: len(BEARER)].lower() == BEARER:
             value = value[len(BEARER):]
+        return self.identity(value)
+
+    def identity(self, value: str) -> str:
+        """The tenant of a caller whose credential or header is ``value`` ("" = none given)."""
         return f"{self.source}:{hashlib.sha256(value.encode()).hexdigest() if value else ''}"
+
+    def tenant_weights(self, weights: str | None) -> str | None:
+        """``--tenant-weights`` ("NAME=W,..." by credential or header value) as the engine's
+        ``tenant_weights``, by tenant identity: the engine never holds a key or a tenant name."""
+        parsed = parse_weights(weights or "", "--tenant-weights")
+        if parsed and self.source == "none":
+            raise ValueError("--tenant-weights names tenants, which need --cache-salt-from api-key or header")
+        return ",".join(f"{self.identity(name)}={w!r}" for name, w in parsed.items()) or None
+
+
+def call_deadline(context) -> float | None:
+    """The call's deadline on this process's ``time.monotonic()`` clock (None: the client set none);
+    the engine refuses a request that cannot start before it (engine/tenancy/shares.py)."""
+    left = context.time_remaining()
+    return None if left is None else time.monotonic() + left
 
 
 @dataclass
@@ -74,6 +95,7 @@ class EngineRequest:
     prompt: str | list[int] | None  # text or token ids; None for chat
     messages: list[dict[str, str]] | None
     params: SamplingParams
+    priority: int = 0  # lower = earlier among the tenant's work
 
 
 def parse_generate_request(
@@ -90,7 +112,7 @@ def parse_generate_request(
         raise ValueError(f"{field}: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
     prompt, messages = _parse_input(req, vocab_size, max_model_len)
     params = sampling_from_proto(req.sampling, sampling_defaults).validate(vocab_size)
-    return EngineRequest(request_id, prompt, messages, params)
+    return EngineRequest(request_id, prompt, messages, params, req.priority)
 
 
 def parse_tokenize_request(req: llm_pb2.TokenizeRequest, max_model_len: int | None = None,

@@ -27,7 +27,7 @@ import grpc
 from kvserve.engine.frontend.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from kvserve.engine.frontend.engine_state import EngineInfo, EngineState, ServerStats
 from kvserve.service.api.errors import status_for
-from kvserve.service.api.validation import CacheSalting
+from kvserve.service.api.validation import CacheSalting, call_deadline
 from kvserve.service.guards.interceptors import refuse
 from kvserve.service.guards.redact import for_log
 from kvserve.service.telemetry.calls import current_call
@@ -119,7 +119,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             prompt = req.prompt
             if req.truncate is not None and isinstance(prompt, str):  # token ids come truncated
                 prompt = (await self._engine.tokenize(prompt))[-req.truncate:]
-            return req, await self._engine.generate(req.request_id, prompt, req.params)
+            return req, await self._engine.generate(req.request_id, prompt, req.params,
+                                                    tenant=self._salting.tenant(context.invocation_metadata()),
+                                                    deadline=call_deadline(context))
         except Exception as e:  # noqa: BLE001 - mapped to a status
             status = _status(e, request.request_id)
         refuse(context, *status)

@@ -74,7 +74,8 @@ def test_messages_have_the_contract_field_names():
     def fields(msg) -> set[str]:
         return {f.name for f in msg.DESCRIPTOR.fields}
 
-    assert fields(llm_pb2.GenerateRequest) == {"request_id", "prompt", "token_ids", "messages", "sampling"}
+    assert fields(llm_pb2.GenerateRequest) == {"request_id", "prompt", "token_ids", "messages", "sampling",
+                                               "priority"}
     oneof = llm_pb2.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"]
     assert {f.name for f in oneof.fields} == {"prompt", "token_ids", "messages"}
     assert fields(llm_pb2.TokenIds) == {"ids"}

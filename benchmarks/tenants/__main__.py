@@ -1,0 +1,229 @@
+"""Two tenants on one server, fair scheduling against first come first served, in one run.
+
+- **flood**: tenant "flood" holds ``--flood-calls`` Stream calls of n=``--flood-n`` choices with
+  ``--flood-prompt``-token prompts that it never reads; tenant "interactive" sends ``--requests``
+  short requests one after another (and more until ``--window`` seconds passed). Reported: the
+  interactive TTFT p50/p99 alone and under the flood, with ``--scheduling-policy fair`` and
+  ``fcfs``, and the server's total generated tokens per second over that window (Stats).
+- **weights**: tenants "a" and "b" (``--tenant-weights a=3,b=1``) each keep ``--flood-calls``
+  Stream calls of n=``--flood-n`` busy (read, and sent again as they end) for ``--window`` seconds;
+  reported: each tenant's share of the generated tokens (target 0.75 / 0.25).
+- **overload**: one tenant sends short requests at ``--rate`` per second (more than the server
+  finishes) for ``--window`` seconds, each with a ``--deadline`` s gRPC deadline; reported: goodput,
+  the requests finished within their deadline per second, and how the rest ended (refused at once
+  with DEADLINE_EXCEEDED by the fair policy, or expired waiting), fair against fcfs.
+
+    python -m kvserve.benchmarks.tenants                     # the bundled model, full size
+    python -m kvserve.benchmarks.tenants --model DIR --requests 5 --window 5   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from kvserve.clients.messages import build_request
+from kvserve.testing.process import ServerProcess
+from kvserve.v1 import llm_pb2, llm_pb2_grpc
+
+HEADER = "x-tenant-id"
+SHORT_PROMPT = [9707, 11, 1246, 525, 498, 30] * 4  # 24 ids, valid in any vocabulary of 10k+
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.tenants",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--flood-calls", type=int, default=4, help="never-read Stream calls of the flood tenant")
+    p.add_argument("--flood-n", type=int, default=16, help="choices per flood call")
+    p.add_argument("--flood-prompt", type=int, default=1024, help="prompt tokens of a flood call")
+    p.add_argument("--flood-tokens", type=int, default=1024, help="max_tokens of a flood choice")
+    p.add_argument("--requests", type=int, default=40, help="interactive requests per configuration")
+    p.add_argument("--tokens", type=int, default=16, help="max_tokens of an interactive request")
+    p.add_argument("--window", type=float, default=60.0, help="seconds of the weights and overload runs")
+    p.add_argument("--rate", type=float, default=8.0, help="overload arrivals per second")
+    p.add_argument("--deadline", type=float, default=5.0, help="overload requests' gRPC deadline, seconds")
+    p.add_argument("--runs", default="flood,weights,overload", help="which runs, comma separated")
+    return p.parse_args()
+
+
+def server(args, *flags: str) -> ServerProcess:
+    return ServerProcess("--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
+                         "--max-model-len", str(args.flood_prompt + args.flood_tokens + 16),
+                         "--cache-salt-from", "header", "--cache-salt-header", HEADER, *flags)
+
+
+def meta(tenant: str):
+    return ((HEADER, tenant),)
+
+
+def stats(stub) -> llm_pb2.StatsResponse:
+    return stub.Stats(llm_pb2.StatsRequest(), timeout=60)
+
+
+def long_prompt(args, salt: int) -> list[int]:
+    return [1000 + (salt * 31 + i * 7) % 8000 for i in range(args.flood_prompt)]
+
+
+def flood_request(args, salt: int) -> llm_pb2.GenerateRequest:
+    return build_request(token_ids=long_prompt(args, salt), max_tokens=args.flood_tokens, ignore_eos=True,
+                         n=args.flood_n, temperature=1.0)
+
+
+def ttft(stub, tenant: str, args, timeout: float = 600) -> float:
+    """Seconds to the first streamed token of one short request (read to its end)."""
+    request = build_request(token_ids=SHORT_PROMPT, max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
+    start, first = time.perf_counter(), None
+    for msg in stub.Stream(request, metadata=meta(tenant), timeout=timeout):
+        if first is None and msg.token_ids:
+            first = time.perf_counter() - start
+    return first
+
+
+def p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def interactive(stub, args, seconds: float = 0.0) -> dict:
+    """TTFTs of ``--requests`` short requests one after another, and more until ``seconds`` passed
+    (the window over which the server's generated tokens per second are counted)."""
+    before, start = stats(stub), time.perf_counter()
+    times = []
+    while len(times) < args.requests or time.perf_counter() - start < seconds:
+        times.append(ttft(stub, "interactive", args))
+    after, elapsed = stats(stub), time.perf_counter() - start
+    tokens = after.generation_tokens_total - before.generation_tokens_total
+    return {"p50": p(times, 0.5), "p99": p(times, 0.99), "tok_s": tokens / elapsed}
+
+
+def wait_running(stub, count: int) -> None:
+    for _ in range(6000):
+        if stats(stub).num_running >= count:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"the flood never reached {count} running sequences")
+
+
+def flood_run(args, policy: str) -> dict:
+    with server(args, "--scheduling-policy", policy) as srv, grpc.insecure_channel(srv.target) as ch:
+        stub = llm_pb2_grpc.LLMServiceStub(ch)
+        ttft(stub, "interactive", args)  # warm
+        alone = interactive(stub, args)
+        calls = [stub.Stream(flood_request(args, i), metadata=meta("flood"), timeout=3600)
+                 for i in range(args.flood_calls)]
+        try:
+            wait_running(stub, min(args.max_num_seqs, args.flood_calls * args.flood_n))
+            loaded = interactive(stub, args, args.window)
+        finally:
+            for c in calls:
+                c.cancel()
+    return {"alone": alone, "flood": loaded}
+
+
+def weights_run(args) -> dict[str, int]:
+    tokens = {"a": 0, "b": 0}
+    lock, stop, counting = threading.Lock(), threading.Event(), threading.Event()
+
+    def keep_busy(stub, tenant: str, salt: int) -> None:
+        while not stop.is_set():
+            call = stub.Stream(flood_request(args, salt), metadata=meta(tenant), timeout=3600)
+            try:
+                for msg in call:
+                    with lock:
+                        if counting.is_set():
+                            tokens[tenant] += len(msg.token_ids)
+                    if stop.is_set():
+                        call.cancel()
+                        break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    raise
+
+    with server(args, "--tenant-weights", "a=3,b=1") as srv, grpc.insecure_channel(srv.target) as ch:
+        stub = llm_pb2_grpc.LLMServiceStub(ch)
+        with ThreadPoolExecutor(2 * args.flood_calls) as pool:
+            jobs = [pool.submit(keep_busy, stub, t, i) for t in "ab" for i in range(args.flood_calls)]
+            wait_running(stub, min(args.max_num_seqs, 2 * args.flood_calls * args.flood_n))
+            counting.set()
+            time.sleep(args.window)
+            counting.clear()
+            stop.set()
+            for j in jobs:
+                j.result()
+    return tokens
+
+
+def overload_run(args, policy: str) -> dict:
+    outcomes = {"ok": 0, "refused": 0, "expired": 0, "other": 0}
+    lock = threading.Lock()
+
+    def one(stub) -> None:
+        request = build_request(token_ids=SHORT_PROMPT, max_tokens=args.tokens, ignore_eos=True,
+                                temperature=0.0)
+        try:
+            stub.Generate(request, metadata=meta("load"), timeout=args.deadline)
+            kind = "ok"
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                kind = "refused" if "cannot start before its deadline" in (e.details() or "") else "expired"
+            else:
+                kind = "other"
+        with lock:
+            outcomes[kind] += 1
+
+    with server(args, "--scheduling-policy", policy, "--max-queue", "100000") as srv, \
+            grpc.insecure_channel(srv.target) as ch:
+        stub = llm_pb2_grpc.LLMServiceStub(ch)
+        ttft(stub, "load", args)  # warm (and teaches the step time model)
+        count = int(args.rate * args.window)
+        with ThreadPoolExecutor(min(512, count)) as pool:
+            start = time.perf_counter()
+            for i in range(count):  # open loop: arrivals on a fixed schedule, whatever the server does
+                time.sleep(max(0.0, start + i / args.rate - time.perf_counter()))
+                pool.submit(one, stub)
+        elapsed = args.window + args.deadline
+    return {**outcomes, "goodput": outcomes["ok"] / elapsed}
+
+
+def main() -> int:
+    args = parse_args()
+    runs = set(args.runs.split(","))
+    if runs - {"flood", "weights", "overload"}:
+        raise SystemExit(f"--runs: flood, weights, overload; got {args.runs!r}")
+    if "flood" in runs:
+        fair, fcfs = flood_run(args, "fair"), flood_run(args, "fcfs")
+        print(f"\ntwo tenants: {args.flood_calls} never-read calls x n={args.flood_n}, "
+              f"{args.flood_prompt}-token prompts, against {args.requests} interactive requests")
+        print(f"{'policy':8} {'ttft p50 alone':>15} {'ttft p99 alone':>15} {'p50 flood':>10} "
+              f"{'p99 flood':>10} {'p99 ratio':>10} {'tok/s flood':>12}")
+        for name, r in (("fair", fair), ("fcfs", fcfs)):
+            a, f = r["alone"], r["flood"]
+            print(f"{name:8} {a['p50'] * 1e3:13.0f}ms {a['p99'] * 1e3:13.0f}ms {f['p50'] * 1e3:8.0f}ms "
+                  f"{f['p99'] * 1e3:8.0f}ms {f['p99'] / a['p99']:10.2f} {f['tok_s']:12.1f}")
+        ratio = fair["flood"]["tok_s"] / fcfs["flood"]["tok_s"]
+        print(f"throughput fair / fcfs under the flood: {ratio:.3f}")
+    if "weights" in runs:
+        tokens = weights_run(args)
+        total = sum(tokens.values()) or 1
+        print(f"\nweights a=3,b=1 over {args.window:g} s: a {tokens['a']} tokens "
+              f"({tokens['a'] / total:.3f}), b {tokens['b']} ({tokens['b'] / total:.3f}); "
+              "target 0.750 / 0.250")
+    if "overload" in runs:
+        print(f"\noverload: {args.rate:g} requests/s for {args.window:g} s, "
+              f"deadline {args.deadline:g} s each")
+        print(f"{'policy':8} {'finished':>9} {'refused':>8} {'expired':>8} {'other':>6} {'goodput/s':>10}")
+        for policy in ("fair", "fcfs"):
+            r = overload_run(args, policy)
+            print(f"{policy:8} {r['ok']:9d} {r['refused']:8d} {r['expired']:8d} {r['other']:6d} "
+                  f"{r['goodput']:10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Tenants from outside (issue 49): a real server on a tiny random-weight model, tenants by the
+``--cache-salt-from header`` identity, real gRPC clients. A tenant flooding the engine with n=16
+streams it never reads cannot starve another tenant's short request; ``priority`` orders a
+tenant's own work and preempts its lower-priority streams; ``--max-queued-per-tenant`` refuses with
+RESOURCE_EXHAUSTED naming the limit; a request that cannot start before its deadline is refused at
+once with DEADLINE_EXCEEDED. Everything is asserted by order and counts, never by elapsed time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from kvserve.clients.messages import build_request
+from kvserve.service.api.validation import CacheSalting
+from kvserve.testing.plugin import TEST_SERVER_ENV
+from kvserve.testing.process import ServerProcess
+from kvserve.v1 import llm_pb2, llm_pb2_grpc
+
+HEADER = "x-team"
+SEQS = 16
+QUEUED = 3
+PROMPT = list(range(100, 228))  # 128 ids
+LONG = 1800  # tokens a flood choice may make: it outlives every test below
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory):
+    import torch
+
+    from kvserve.testing.random_model import write_random_model
+
+    model = str(write_random_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny"), dtype=torch.float32))
+    flags = ("--model", model, "--dtype", "float32", "--num-kv-blocks", "4096", "--block-size", "16",
+             "--max-num-seqs", str(SEQS), "--max-queued-per-tenant", str(QUEUED),
+             "--cache-salt-from", "header", "--cache-salt-header", HEADER)
+    with ServerProcess(*flags, env=TEST_SERVER_ENV) as server, grpc.insecure_channel(server.target) as ch:
+        yield llm_pb2_grpc.LLMServiceStub(ch)
+
+
+def team(name: str):
+    return ((HEADER, name),)
+
+
+def stats(stub) -> llm_pb2.StatsResponse:
+    return stub.Stats(llm_pb2.StatsRequest(), timeout=30)
+
+
+def wait_for(stub, ok, what: str):
+    """Poll Stats until ``ok(stats)``; a generous bound only so that a broken server fails the test."""
+    for _ in range(1200):
+        s = stats(stub)
+        if ok(s):
+            return s
+        time.sleep(0.1)
+    raise AssertionError(f"never reached: {what} (last: running {s.num_running}, waiting {s.num_waiting})")
+
+
+@contextlib.contextmanager
+def flood(stub, name: str, n: int = SEQS, priority: int = 0):
+    """A Stream call with ``n`` long choices that nobody reads; cancelled on exit."""
+    request = build_request(token_ids=PROMPT, max_tokens=LONG, ignore_eos=True, n=n, temperature=1.0)
+    request.priority = priority
+    call = stub.Stream(request, metadata=team(name), timeout=600)
+    try:
+        yield call
+    finally:
+        call.cancel()
+        wait_for(stub, lambda s: s.num_running == 0 and s.num_waiting == 0, "the flood cancelled")
+
+
+def short(stub, name: str, priority: int = 0, timeout: float = 300, tokens: int = 8):
+    request = build_request(token_ids=[7, 8, 9, 10], max_tokens=tokens, ignore_eos=True, temperature=0.0)
+    request.priority = priority
+    return stub.Generate(request, metadata=team(name), timeout=timeout)
+
+
+def test_a_flood_of_never_read_streams_cannot_starve_another_tenant(stub):
+    before = stats(stub)
+    with flood(stub, "flood"):
+        wait_for(stub, lambda s: s.num_running == SEQS, "the flood fills every slot")
+        reply = short(stub, "interactive")
+        after = stats(stub)
+    assert reply.finish_reason == llm_pb2.LENGTH and len(reply.token_ids) == 8
+    # it finished while the flood still ran: a flood choice gave its slot, none of them ended
+    assert after.requests_finished == before.requests_finished + 1
+    assert after.num_running >= SEQS - 1 and after.num_preemptions > before.num_preemptions
+
+
+def test_priority_orders_a_tenants_work_and_preempts_its_lower_priority_streams(stub):
+    finished = []
+
+    def generate(priority):
+        reply = short(stub, "prio", priority=priority)
+        finished.append(priority)
+        return reply
+
+    with ThreadPoolExecutor(2) as pool:
+        with flood(stub, "prio", priority=0):
+            wait_for(stub, lambda s: s.num_running == SEQS, "the tenant's streams fill every slot")
+            low = pool.submit(generate, 10)  # below the running streams: waits behind them
+            wait_for(stub, lambda s: s.num_waiting >= 1, "the low-priority request waits")
+            high = pool.submit(generate, -5)  # above them: one of them gives way
+            assert high.result().finish_reason == llm_pb2.LENGTH
+            assert not low.done()
+        assert low.result().finish_reason == llm_pb2.LENGTH  # once the streams are gone
+    assert finished == [-5, 10]
+
+
+def test_a_tenants_queue_cap_refuses_with_resource_exhausted_naming_the_limit(stub):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(flood(stub, "busy"))
+        wait_for(stub, lambda s: s.num_running == SEQS, "the tenant's streams fill every slot")
+        for _ in range(QUEUED):
+            stack.enter_context(flood(stub, "busy", n=1))
+        wait_for(stub, lambda s: s.num_waiting == QUEUED, "the tenant's requests wait")
+        with pytest.raises(grpc.RpcError) as refused:
+            short(stub, "busy")
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"--max-queued-per-tenant {QUEUED}" in refused.value.details()
+        assert short(stub, "other").finish_reason == llm_pb2.LENGTH  # another tenant's queue is its own
+
+
+def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(stub):
+    with flood(stub, "late"):
+        wait_for(stub, lambda s: s.num_running == SEQS, "the tenant's streams fill every slot")
+        with pytest.raises(grpc.RpcError) as refused:
+            short(stub, "late", timeout=3.0)
+    # the server's refusal (its message), not the client's own expiry ("Deadline Exceeded")
+    assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "cannot start before its deadline" in refused.value.details()
+
+
+def test_the_server_names_weighted_tenants_by_the_identity_that_salts_their_cache():
+    salting = CacheSalting("header", "x-team")
+    (entry,) = salting.tenant_weights("red=3").split(",")
+    assert entry == f"{salting.tenant([('x-team', 'red')])}=3.0"
+    with pytest.raises(ValueError, match="--tenant-weights .*--cache-salt-from"):
+        CacheSalting().tenant_weights("red=3")
+    assert CacheSalting().tenant_weights(None) is None
