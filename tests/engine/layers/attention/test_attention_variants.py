@@ -1,6 +1,8 @@
 """The attention variants a layer asks for at ``create_impl``: kept on the impl, or refused there
 with the variant's and the backend's names."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,12 +16,29 @@ def test_plain_impl_has_no_variant():
     assert (impl.sliding_window, impl.logits_soft_cap, impl.has_sinks) == (None, None, False)
 
 
-@pytest.mark.parametrize("variant", [{"logits_soft_cap": 50.0}, {"sinks": True}])
-def test_unimplemented_variant_is_refused_by_name(variant):
-    from kvserve.engine.layers.attention.triton_backend import TritonAttentionBackend
+def test_unimplemented_variant_is_refused_by_name():
+    """flash-attn 2 has no attention sinks (the check its backend runs, with its variants: the
+    module itself imports only where flash_attn does)."""
+    from kvserve.engine.layers.attention.backend import AttentionBackend
 
-    with pytest.raises(ValueError, match=f"{next(iter(variant))} is not implemented by the triton"):
-        TritonAttentionBackend(block_size=16).create_impl(4, 2, 8, 0.25, **variant)
+    flash = SimpleNamespace(name="flash-attn", variants=FLASH_VARIANTS)
+    with pytest.raises(ValueError, match="sinks is not implemented by the flash-attn"):
+        AttentionBackend.check_variants(flash, None, None, True)
+    AttentionBackend.check_variants(flash, 8, 50.0, False)
+
+
+FLASH_VARIANTS = frozenset({"sliding_window", "logits_soft_cap"})
+
+
+def test_auto_backend_takes_one_that_computes_the_models_variants(monkeypatch):
+    from kvserve.engine.layers.attention import backend
+
+    classes = {"flash-attn": SimpleNamespace(variants=FLASH_VARIANTS),
+               "triton": SimpleNamespace(variants=FLASH_VARIANTS | {"sinks"})}
+    monkeypatch.setattr(backend, "_backend_class", classes.__getitem__)
+    cuda = torch.device("cuda")
+    assert backend.resolve_backend_name("auto", cuda, 256, torch.bfloat16) == "flash-attn"
+    assert backend.resolve_backend_name("auto", cuda, 256, torch.bfloat16, frozenset({"sinks"})) == "triton"
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, True])
