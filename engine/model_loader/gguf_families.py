@@ -22,14 +22,21 @@ tensors on the way in.
   head dim, or hidden / heads for the 27B shapes (46 layers of Gemma 2, 62 of Gemma 3), and so
   does this loader unless the file has ``attention.scale``.
 
-Refused by name: ``gpt-oss`` (its MXFP4 expert tensors and their split gate/up layout are not
-read yet: load the Hugging Face checkpoint), ``clip`` (a vision or audio projector, an mmproj
-file, as llama.cpp writes Gemma 3's vision tower), and every other architecture.
+- ``gpt-oss``: the experts as 3-D tensors [E, out, in] (``ffn_gate_exps``, ``ffn_up_exps``,
+  ``ffn_down_exps``, MXFP4 as llama.cpp's converter repacks OpenAI's blocks, or float), each with
+  a bias; ``regroup`` interleaves gate and up back into the checkpoint's ``gate_up_proj`` [E, H, 2I]
+  (and its bias) and transposes ``down_proj`` to [E, I, H]; MXFP4 is dequantized at load, as the
+  safetensors path does. ``attn_sinks`` are the sinks, ``ffn_gate_inp`` the router, YaRN from
+  ``rope.scaling.*`` (``truncate`` false, as gpt-oss ships it); windows on even layers.
+
+Refused by name: ``clip`` (a vision or audio projector, an mmproj file, as llama.cpp writes
+Gemma 3's vision tower), and every architecture not listed above.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 # GGUF architecture -> (transformers model_type, architecture class name)
 ARCHITECTURES = {
@@ -40,11 +47,11 @@ ARCHITECTURES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 MISTRAL = ("mistral", "MistralForCausalLM")
+YARN = ("gpt-oss",)  # rope.scaling.type yarn read (others: linear only)
 REFUSED = {
-    "gpt-oss": "its MXFP4 expert tensors (split gate/up, llama.cpp's nibble order) are not read from GGUF "
-               "yet; load the Hugging Face checkpoint (MXFP4 experts are read there)",
     "clip": "it is a vision or audio projector (an mmproj file); kvserve serves text models only",
 }
 INTERLEAVED_ROTARY = ("llama", "smollm3")  # q and k rows interleaved per head by the converter
@@ -62,7 +69,12 @@ LAYER_NAMES_OF = {
     **dict.fromkeys(GEMMA, {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                             "ffn_norm": "pre_feedforward_layernorm",
                             "post_ffw_norm": "post_feedforward_layernorm"}),
+    "gpt-oss": {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
+                "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+                "ffn_down_exps": "mlp.experts.down_proj"},
 }
+BARE = ("self_attn.sinks",)  # checkpoint names without .weight
 
 
 def check_architecture(arch: str) -> None:
@@ -127,8 +139,40 @@ def family_kwargs(gguf, kwargs: dict) -> tuple[str, dict]:
                 full = {**full, **kwargs.pop("rope_scaling")}
             local = {"rope_type": "default", "rope_theta": key("rope.freq_base_swa", 10000.0)}
             kwargs["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    elif arch == "gpt-oss":
+        kwargs["sliding_window"] = window
+        kwargs["num_local_experts"] = key("expert_count")
+        kwargs["num_experts_per_tok"] = key("expert_used_count")
+        kwargs["intermediate_size"] = key("expert_feed_forward_length", kwargs["intermediate_size"])
+        if key("rope.scaling.type") == "yarn":
+            kwargs["rope_parameters"] = {
+                "rope_type": "yarn", "rope_theta": kwargs.pop("rope_theta"),
+                "factor": key("rope.scaling.factor"),
+                "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0), "truncate": False,
+            }
     kwargs["architectures"] = [architecture]
     return model_type, kwargs
+
+
+def regroup(arch: str, name: str, tensor, pending: dict) -> list[tuple[str, object]]:
+    """The checkpoint tensors ``name`` completes: itself, or (gpt-oss experts) nothing until gate
+    and up are both read (kept in ``pending``), then the interleaved ``gate_up_proj``."""
+    if arch != "gpt-oss" or ".mlp.experts." not in name:
+        return [(name, tensor)]
+    base, part, kind = name.rsplit(".", 2)  # ...mlp.experts, gate_proj|up_proj|down_proj, weight|bias
+    suffix = "" if kind == "weight" else "_bias"
+    if part == "down_proj":  # [E, H, I] -> [E, I, H]
+        down = tensor if kind == "bias" else tensor.transpose(1, 2).contiguous()
+        return [(f"{base}.down_proj{suffix}", down)]
+    pending[(base, part, kind)] = tensor
+    gate, up = pending.get((base, "gate_proj", kind)), pending.get((base, "up_proj", kind))
+    if gate is None or up is None:
+        return []
+    del pending[(base, "gate_proj", kind)], pending[(base, "up_proj", kind)]
+    both = torch.stack((gate, up), dim=2).flatten(1, 2)  # rows gate0, up0, gate1, ...: [E, 2I(, H)]
+    return [(f"{base}.gate_up_proj{suffix}", both if kind == "bias" else both.transpose(1, 2).contiguous())]
 
 
 def _shortest(values) -> list[float]:

@@ -203,7 +203,7 @@ def hf_config_kwargs(gguf: GGUFFile) -> tuple[str, dict]:
     if key("attention.key_length"):
         kwargs["head_dim"] = key("attention.key_length")
     scaling = key("rope.scaling.type")
-    if scaling and scaling != "none":
+    if scaling and scaling != "none" and not (scaling == "yarn" and arch in gguf_families.YARN):
         if scaling != "linear":
             raise ValueError(f"GGUF rope scaling {scaling!r} is not supported; supported: ['linear']")
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
@@ -221,7 +221,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if match:
         layer, part, kind = match.groups()
         names = gguf_families.layer_names(arch)
-        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
+        if part not in names:
+            return None
+        bare = names[part] in gguf_families.BARE and kind == "weight"
+        return f"model.layers.{layer}.{names[part]}" + ("" if bare else f".{kind}")
     base, _, kind = gguf_name.rpartition(".")
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
 
@@ -232,6 +235,7 @@ def hf_tensors(gguf: GGUFFile, keep_blocks: bool = False) -> Iterator[tuple[str,
     meta, arch = gguf.metadata, gguf.architecture
     heads = meta[f"{arch}.attention.head_count"]
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    pending: dict = {}  # halves of a tensor the checkpoint holds whole (gguf_families.regroup)
     for gguf_name in gguf.tensors:
         name = hf_tensor_name(gguf_name, arch)
         if name is None:
@@ -248,7 +252,9 @@ def hf_tensors(gguf: GGUFFile, keep_blocks: bool = False) -> Iterator[tuple[str,
                 tensor = GGUFTensor(tensor.data[order], tensor.ggml_type, tensor.shape)
             else:
                 tensor = _unpermute_rotary_rows(tensor, count)
-        yield name, tensor
+        yield from gguf_families.regroup(arch, name, tensor, pending)
+    if pending:
+        raise ValueError(f"{gguf.path}: {sorted(pending)} lack their other half (gate or up)")
 
 
 def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from kvserve.engine.config import EngineConfig
@@ -32,7 +33,9 @@ CASES = {
     "phi4-mini": ("phi4-mini-tiny", {}, gguf.MODEL_ARCH.PHI3),  # partial rotary, LongRoPE
     "smollm3": ("smollm3-tiny", {}, gguf.MODEL_ARCH.SMOLLM3),
     "mistral": ("mistral-tiny", {}, gguf.MODEL_ARCH.LLAMA),  # a window on every layer
+    "gpt-oss": ("gpt-oss-tiny", {}, gguf.MODEL_ARCH.GPT_OSS),  # experts split gate/up, sinks, YaRN
 }
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
 
 def interleave_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -54,6 +57,15 @@ def write_metadata(writer: gguf.GGUFWriter, config, arch: str) -> None:
     writer.add_value_length(head_dim)
     writer.add_vocab_size(config.vocab_size)
     rope = config.rope_parameters
+    if arch == "gpt-oss":
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "gemma3":
         full = rope["full_attention"]
         writer.add_rope_freq_base(full["rope_theta"])
@@ -63,7 +75,7 @@ def write_metadata(writer: gguf.GGUFWriter, config, arch: str) -> None:
             writer.add_rope_scaling_factor(full["factor"])
     else:
         writer.add_rope_freq_base(rope["rope_theta"])
-    if arch in ("gemma2", "gemma3", "llama") and getattr(config, "sliding_window", None):
+    if arch in ("gemma2", "gemma3", "llama", "gpt-oss") and getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -79,12 +91,34 @@ def write_metadata(writer: gguf.GGUFWriter, config, arch: str) -> None:
                 writer.add_tensor(f"rope_factors_{kind}.weight", factors)
 
 
-def write_gguf(model_dir, config, model_arch: gguf.MODEL_ARCH, path) -> None:
+def gpt_oss_tensors(tensors: dict[str, torch.Tensor]):
+    """As llama.cpp's converter splits gpt-oss's experts: gate and up de-interleaved, every expert
+    weight [E, out, in]; sinks as ``.weight``."""
+    for name, tensor in tensors.items():
+        base = name.rsplit(".", 1)[0]
+        if name.endswith("gate_up_proj"):
+            rows = tensor.transpose(1, 2)
+            yield f"{base}.gate_proj.weight", rows[:, ::2]
+            yield f"{base}.up_proj.weight", rows[:, 1::2]
+        elif name.endswith("gate_up_proj_bias"):
+            yield f"{base}.gate_proj.bias", tensor[:, ::2]
+            yield f"{base}.up_proj.bias", tensor[:, 1::2]
+        elif name.endswith("down_proj"):
+            yield f"{base}.down_proj.weight", tensor.transpose(1, 2)
+        elif name.endswith("down_proj_bias"):
+            yield f"{base}.down_proj.bias", tensor
+        else:
+            yield name + (".weight" if name.endswith("sinks") else ""), tensor
+
+
+def write_gguf(model_dir, config, model_arch: gguf.MODEL_ARCH, path, experts: str = "F32") -> None:
+    """``experts``: F32; MXFP4 (expert weights quantized); MXFP4-values (their MXFP4 values in F32)."""
     arch = gguf.MODEL_ARCH_NAMES[model_arch]
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
     write_metadata(writer, config, arch)
-    for hf_name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for hf_name, tensor in (gpt_oss_tensors(tensors) if arch == "gpt-oss" else tensors.items()):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         tensor = tensor.float()
@@ -93,7 +127,15 @@ def write_gguf(model_dir, config, model_arch: gguf.MODEL_ARCH, path) -> None:
             tensor = interleave_rotary(tensor, heads)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             tensor = tensor + 1  # as the converter stores Gemma's (1 + w) norms
-        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        values = np.ascontiguousarray(tensor.numpy())
+        if experts != "F32" and "_exps.weight" in gguf_name:
+            blocks = quantize(values, MXFP4)
+            if experts == "MXFP4":
+                writer.add_tensor(gguf_name, blocks, raw_dtype=MXFP4)
+                continue
+            values = dequantize(blocks, MXFP4).reshape(values.shape)
+        writer.add_tensor(gguf_name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -141,8 +183,22 @@ def test_gguf_of_each_family_gives_the_checkpoints_logits_and_tokens(tmp_path, c
     assert got_tokens == want_tokens
 
 
-@pytest.mark.parametrize(("arch", "reason"), [("gpt-oss", "MXFP4 expert tensors"), ("clip", "mmproj"),
-                                              ("gemma3n", "supported: ")])
+def test_gpt_oss_mxfp4_experts_load_as_their_values(tmp_path):
+    """Expert weights stored in MXFP4 (gguf's own quantizer, as llama.cpp's converter repacks
+    OpenAI's blocks) give the logits of the same values stored in float32."""
+    config = make_config("gpt-oss-tiny")
+    model_dir = write_model_dir(config, tmp_path / "hf", dtype=torch.float32)
+    for experts in ("MXFP4", "MXFP4-values"):
+        write_gguf(model_dir, config, gguf.MODEL_ARCH.GPT_OSS, tmp_path / f"{experts}.gguf", experts)
+    blocks = gguf_file.GGUFFile(str(tmp_path / "MXFP4.gguf"))
+    assert blocks.tensors["blk.0.ffn_gate_exps.weight"].ggml_type == int(MXFP4)
+    got, got_tokens, _ = logits_and_greedy(str(tmp_path / "MXFP4.gguf"))
+    want, want_tokens, _ = logits_and_greedy(str(tmp_path / "MXFP4-values.gguf"))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got_tokens == want_tokens
+
+
+@pytest.mark.parametrize(("arch", "reason"), [("clip", "mmproj"), ("gemma3n", "supported: ")])
 def test_an_architecture_not_read_is_refused_by_name(tmp_path, arch, reason):
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
     writer.add_block_count(1)
