@@ -111,7 +111,7 @@ class CpuKernels:
         ``n`` keys/values of the blocks in ``block_tables[seq_ids[i]]``, where ``n`` is
         ``ctx_lens[i]`` when given (prefill tokens, each up to its own position), else
         ``seq_lens[seq_ids[i]]`` (decodes); with a sliding ``window``, over the last ``window``
-        of them only, read from the block of the first on (no tiles: one query per item). With
+        of them only, read from the block of the first on (tiles too: each lane its own window). With
         ``soft_cap`` each score s becomes ``cap * tanh(s / cap)``; ``sinks`` (float32 [heads],
         contiguous) join each head's softmax denominator (variants.py); either takes the portable
         loop, one query per item.

@@ -20,7 +20,9 @@
  * Prefill runs of PREFILL_TILE_MIN_RUN or more tokens of one sequence, in bfloat16 with
  * AVX512-BF16, go as tiles of 16 tokens x the group's heads instead (attend_tile below: the
  * tokens are the lanes, each key is read and dotted once for the whole tile): 2.1-2.2x faster
- * than one query per item for prompts of 250-2,048 tokens on the dev CPU.
+ * than one query per item for prompts of 250-2,048 tokens on the dev CPU. Under a sliding window
+ * each lane also drops the keys before its own token's window (the tile starts at the block of
+ * the first token's window: window_view). Soft-cap and sink items take the portable attend().
  *
  * Element types: float32 and bfloat16 (DTYPE_* below) for queries and outputs; the cache holds
  * the same type, or KV_INT8 rows (common.h: int8 values and one float scale per token and KV
@@ -240,11 +242,11 @@ static inline const char *key_row(const char *cache, const int32_t *table, int64
 #ifdef HAVE_TILES
 #define TILE_CASE(G, D)                                                                                 \
     case (G) * 1000 + (D):                                                                              \
-        attend_tile(c, table, ctx0, M, kv_head, q, q_token_bytes, q_head_bytes, scale, G, D, work, out,   \
-                    out_token_bytes, out_head_bytes);                                                   \
+        attend_tile(c, table, ctx0, M, window, kv_head, q, q_token_bytes, q_head_bytes, scale, G, D, work, \
+                    out, out_token_bytes, out_head_bytes);                                              \
         return;
 
-static void attend_tile_dispatch(const cache_t *c, const int32_t *table, int ctx0, int M, int kv_head,
+static void attend_tile_dispatch(const cache_t *c, const int32_t *table, int ctx0, int M, int window, int kv_head,
                                  const char *q, int64_t q_token_bytes, int64_t q_head_bytes, float scale,
                                  int group, int head_dim, float *work, char *out, int64_t out_token_bytes,
                                  int64_t out_head_bytes) {
@@ -359,8 +361,8 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     int num_runs = 0;
     size_t tile_floats = 0;
 #ifdef HAVE_TILES
-    /* tiles: no window, no variant */
-    const int tiled = window <= 0 && soft_cap == 0.f && !sinks && tiles_take(dtype, cache_dtype, group, head_dim);
+    /* tiles: no soft cap or sinks (a window: each lane's own lower bound) */
+    const int tiled = soft_cap == 0.f && !sinks && tiles_take(dtype, cache_dtype, group, head_dim);
 #else
     const int tiled = 0;
 #endif
@@ -412,7 +414,7 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
             if (count > 1) {
                 const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size,
                                        dtype, elem, cache_dtype, kv_row_bytes(cache_dtype, head_dim)};
-                attend_tile_dispatch(&cache, table, ctx, count, kv_head, q0, q_token_stride * elem,
+                attend_tile_dispatch(&cache, table, ctx, count, window, kv_head, q0, q_token_stride * elem,
                                      q_head_stride * elem, scale, group, head_dim, mine, out0,
                                      out_token_stride * elem, out_head_stride * elem);
                 continue;
