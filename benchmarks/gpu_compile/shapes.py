@@ -113,8 +113,10 @@ def attention_cases(
              prefill_launch(head_dim, group, block_size, True, e, windowed=True),
              kv_bytes + context * qo_bytes, context * attn_flops / 2, ptrs),
     ]  # fmt: skip
-    # Gemma 2's layers (a window and the soft cap) and gpt-oss's (a window and sinks)
-    for name, variant in (("softcap", {"soft_cap": True}), ("sinks", {"sinks": True})):
+    # Gemma 2's layers (a window and the soft cap) and gpt-oss's (a window and sinks), at their
+    # groups (Gemma 2 2B/9B/27B: 2; gpt-oss: 8) with 16-token blocks in bf16
+    variants = (("softcap", {"soft_cap": True}), ("sinks", {"sinks": True}))
+    for name, variant in variants if group in (2, 8) and block_size == 16 and dtype == "bf16" else ():
         cases += [
             Case("_paged_decode_kernel", f"{label} window {name}", dtype,
                  decode_launch(head_dim, group, block_size, False, True, windowed=True, **variant),
