@@ -4,7 +4,8 @@ tensors on the way in.
 
 - ``llama``: Llama, and Mistral (llama.cpp's converter writes MistralForCausalLM as ``llama``,
   with no window: llama.cpp runs it with full attention). A ``llama`` file that carries
-  ``llama.attention.sliding_window`` loads as Mistral with that window on every layer. The q and
+  ``llama.attention.sliding_window`` loads as Mistral with that window on every layer; with a
+  per-layer ``sliding_window_pattern`` too (Ministral's) it is refused. The q and
   k rows are interleaved per head for llama.cpp's rotary (undone in gguf_file.hf_tensors).
 - ``qwen2``, ``qwen3``: as Hugging Face stores them.
 - ``smollm3``: Llama's tensors (q and k interleaved as for ``llama``); every fourth layer without
@@ -105,6 +106,9 @@ def family_kwargs(gguf, kwargs: dict) -> tuple[str, dict]:
     model_type, architecture = ARCHITECTURES[arch]
     window = key("attention.sliding_window") or None
     head_dim = kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    if arch == "llama" and window and key("attention.sliding_window_pattern") is not None:
+        raise ValueError("GGUF architecture 'llama' with attention.sliding_window_pattern (windows on some "
+                         "layers, as Ministral) is not supported; load the Hugging Face checkpoint")
     if arch == "llama" and window:
         model_type, architecture = MISTRAL
         kwargs["sliding_window"] = window

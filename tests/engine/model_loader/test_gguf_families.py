@@ -198,13 +198,19 @@ def test_gpt_oss_mxfp4_experts_load_as_their_values(tmp_path):
     assert got_tokens == want_tokens
 
 
-@pytest.mark.parametrize(("arch", "reason"), [("clip", "mmproj"), ("gemma3n", "supported: ")])
+@pytest.mark.parametrize(("arch", "reason"), [("clip", "mmproj"), ("gemma3n", "supported: "),
+                                              ("llama", "Ministral")])
 def test_an_architecture_not_read_is_refused_by_name(tmp_path, arch, reason):
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
     writer.add_block_count(1)
+    if arch == "llama":  # Ministral's windows on some layers
+        for add, value in ((writer.add_context_length, 64), (writer.add_embedding_length, 64),
+                           (writer.add_head_count, 4), (writer.add_sliding_window, 8)):
+            add(value)
+        writer.add_sliding_window_pattern([True])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' is not supported.*{reason}"):
+    with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' .*not supported.*{reason}"):
         gguf_file.hf_config_kwargs(gguf_file.GGUFFile(str(tmp_path / "m.gguf")))
