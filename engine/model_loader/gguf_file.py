@@ -25,7 +25,6 @@ import torch
 
 from kvserve.engine.layers.gguf_linear import GGUFTensor
 from kvserve.engine.model_loader import gguf_families
-from kvserve.engine.model_loader.gguf_families import ARCHITECTURES  # noqa: F401 - the loader's list
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES
 
 # metadata value types of fixed width: struct format and size
@@ -185,7 +184,7 @@ def hf_config_kwargs(gguf: GGUFFile) -> tuple[str, dict]:
 
     vocab = key("vocab_size") or _count(meta.get("tokenizer.ggml.tokens"))
     kwargs = dict(
-        architectures=[ARCHITECTURES[arch][1]],
+        architectures=[gguf_families.ARCHITECTURES[arch][1]],
         num_hidden_layers=key("block_count"),
         max_position_embeddings=key("context_length"),
         hidden_size=key("embedding_length"),
