@@ -12,9 +12,9 @@ import importlib
 
 _LAZY = {
     "store_kv_cache": "triton.kv_store",
-    "DecodeWorkspace": "triton.paged_attention",
-    "decode_num_splits": "triton.paged_attention",
-    "device_sm_count": "triton.paged_attention",
+    "DecodeWorkspace": "triton.decode_splits",
+    "decode_num_splits": "triton.decode_splits",
+    "device_sm_count": "triton.decode_splits",
     "paged_decode_attention": "triton.paged_attention",
     "paged_prefill_attention": "triton.paged_attention",
     "prefill_tile_shape": "triton.paged_attention",

@@ -28,7 +28,7 @@ from kvserve.benchmarks.gpu_compile.targets import Target, roofline_us
 DIVISIBLE = {"q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h", "c_stride_block", "c_stride_slot",
              "c_stride_head", "k_stride_t", "v_stride_t", "cache_stride_block", "cache_stride_slot",
              "N", "K", "a_stride_m", "w_stride_e", "w_stride_n", "c_stride_m"}  # fmt: skip
-FLOATS = {"scale"}
+FLOATS = {"scale", "soft_cap"}
 
 
 @dataclass(frozen=True)

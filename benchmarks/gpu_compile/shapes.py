@@ -78,6 +78,7 @@ def _attention_pointers(dtype: str) -> dict[str, str]:
         "seq_lens_ptr": "i32",
         "cu_seqlens_q_ptr": "i32",
         "work_ptr": "i32",
+        "sinks_ptr": "fp32",
     }
 
 
@@ -112,6 +113,21 @@ def attention_cases(
              prefill_launch(head_dim, group, block_size, True, e, windowed=True),
              kv_bytes + context * qo_bytes, context * attn_flops / 2, ptrs),
     ]  # fmt: skip
+    # Gemma 2's layers (a window and the soft cap) and gpt-oss's (a window and sinks), at their
+    # groups (Gemma 2 2B/9B/27B: 2; gpt-oss: 8) with 16-token blocks in bf16
+    variants = (("softcap", {"soft_cap": True}), ("sinks", {"sinks": True}))
+    for name, variant in variants if group in (2, 8) and block_size == 16 and dtype == "bf16" else ():
+        cases += [
+            Case("_paged_decode_kernel", f"{label} window {name}", dtype,
+                 decode_launch(head_dim, group, block_size, False, True, windowed=True, **variant),
+                 batch * (kv_bytes + qo_bytes), batch * attn_flops, ptrs),
+            Case("_paged_decode_kernel", f"{label} window {name} split", dtype,
+                 decode_launch(head_dim, group, block_size, True, True, windowed=True, **variant),
+                 batch * (kv_bytes + qo_bytes / 2) + parts, batch * attn_flops, ptrs),
+            Case("_paged_prefill_kernel", f"{label} window {name}", dtype,
+                 prefill_launch(head_dim, group, block_size, True, e, windowed=True, **variant),
+                 kv_bytes + context * qo_bytes, context * attn_flops / 2, ptrs),
+        ]  # fmt: skip
     cases.append(Case("_store_kv_kernel", f"d{head_dim} kv{kv_heads} blk{block_size}", dtype,
                           kv_store_launch(kv_heads, head_dim, block_size), 2 * kv_bytes, 0.0,
                           {"k_ptr": dtype, "v_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,

@@ -10,6 +10,7 @@ package's reference ``dequantize``.
 
 llama.cpp stores Llama's q and k projections with the rows of each head interleaved for its
 GPT-J style rotary; ``hf_tensors`` undoes that so the model keeps Hugging Face's rotate-half form.
+What each architecture's metadata and tensors mean, and which are refused: gguf_families.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.layers.gguf_linear import GGUFTensor
+from kvserve.engine.model_loader import gguf_families
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES
 
 # metadata value types of fixed width: struct format and size
@@ -32,19 +34,6 @@ _STRING, _ARRAY = 8, 9
 _FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 _BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34)}  # type: (values per block, bytes per block)
 
-# GGUF architecture -> (transformers model_type, architecture class name)
-ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -178,13 +167,11 @@ def _dequantize(blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
     return ((nibbles - 8.0) * scale).flatten()  # Q4_0: scale, nibbles offset by 8
 
 
-def hf_config_kwargs(gguf: GGUFFile) -> dict:
-    """Keyword arguments for ``AutoConfig.for_model`` describing the file's model."""
+def hf_config_kwargs(gguf: GGUFFile) -> tuple[str, dict]:
+    """(transformers model_type, keyword arguments for ``AutoConfig.for_model``) describing the
+    file's model; ValueError naming an architecture this loader does not read."""
     arch = gguf.architecture
-    if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)}"
-        )
+    gguf_families.check_architecture(arch)
     if "rope_freqs.weight" in gguf.tensors:
         raise ValueError(
             f"{gguf.path} scales its rotary frequencies with a rope_freqs tensor (Llama 3.1 style), "
@@ -197,7 +184,7 @@ def hf_config_kwargs(gguf: GGUFFile) -> dict:
 
     vocab = key("vocab_size") or _count(meta.get("tokenizer.ggml.tokens"))
     kwargs = dict(
-        architectures=[ARCHITECTURES[arch][1]],
+        architectures=[gguf_families.ARCHITECTURES[arch][1]],
         num_hidden_layers=key("block_count"),
         max_position_embeddings=key("context_length"),
         hidden_size=key("embedding_length"),
@@ -215,23 +202,28 @@ def hf_config_kwargs(gguf: GGUFFile) -> dict:
     if key("attention.key_length"):
         kwargs["head_dim"] = key("attention.key_length")
     scaling = key("rope.scaling.type")
-    if scaling and scaling != "none":
+    if scaling and scaling != "none" and not (scaling == "yarn" and arch in gguf_families.YARN):
         if scaling != "linear":
             raise ValueError(f"GGUF rope scaling {scaling!r} is not supported; supported: ['linear']")
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
-    return kwargs
+    return gguf_families.family_kwargs(gguf, kwargs)
 
 
 def _count(value) -> int | None:
     return value.count if isinstance(value, ArrayLength) else None
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for tensors the model does not use."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of an ``arch`` model; None for tensors the model
+    does not use (Phi-3's rope factors are read into the config)."""
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if match:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES else None
+        names = gguf_families.layer_names(arch)
+        if part not in names:
+            return None
+        bare = names[part] in gguf_families.BARE and kind == "weight"
+        return f"model.layers.{layer}.{names[part]}" + ("" if bare else f".{kind}")
     base, _, kind = gguf_name.rpartition(".")
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
 
@@ -242,21 +234,26 @@ def hf_tensors(gguf: GGUFFile, keep_blocks: bool = False) -> Iterator[tuple[str,
     meta, arch = gguf.metadata, gguf.architecture
     heads = meta[f"{arch}.attention.head_count"]
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    pending: dict = {}  # halves of a tensor the checkpoint holds whole (gguf_families.regroup)
     for gguf_name in gguf.tensors:
-        name = hf_tensor_name(gguf_name)
+        name = hf_tensor_name(gguf_name, arch)
         if name is None:
             continue
         info = gguf.tensors[gguf_name]
         as_stored = keep_blocks and len(info.shape) == 2 and info.ggml_type in BLOCK_TYPES
         tensor = gguf.blocks(gguf_name) if as_stored else gguf.tensor(gguf_name)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if shift := gguf_families.norm_shift(arch, name):  # (a float tensor: norms are never blocks)
+            tensor = tensor.float() + shift
+        if arch in gguf_families.INTERLEAVED_ROTARY and name.endswith(("q_proj.weight", "k_proj.weight")):
             count = heads if "q_proj" in name else kv_heads
             if as_stored:  # whole rows move: a copy of these two tensors' blocks in the new order
                 order = _unpermute_rotary_rows(torch.arange(info.shape[0]), count)
                 tensor = GGUFTensor(tensor.data[order], tensor.ggml_type, tensor.shape)
             else:
                 tensor = _unpermute_rotary_rows(tensor, count)
-        yield name, tensor
+        yield from gguf_families.regroup(arch, name, tensor, pending)
+    if pending:
+        raise ValueError(f"{gguf.path}: {sorted(pending)} lack their other half (gate or up)")
 
 
 def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -34,8 +34,8 @@ def load_hf_config(src: ModelSource):
 
     if src.gguf_file:
         gguf = gguf_file.GGUFFile(src.gguf_path)
-        kwargs = gguf_file.hf_config_kwargs(gguf)
-        config = AutoConfig.for_model(gguf_file.ARCHITECTURES[gguf.architecture][0], **kwargs)
+        model_type, kwargs = gguf_file.hf_config_kwargs(gguf)
+        config = AutoConfig.for_model(model_type, **kwargs)
     else:
         config = AutoConfig.from_pretrained(src.path)
     model_class_for(config)
@@ -75,7 +75,8 @@ def load_weights(model: nn.Module, src: ModelSource, show_progress: bool = True,
     ``show_progress``: a progress bar on stderr, shown only when stderr is a terminal."""
     if src.gguf_file:
         gguf = gguf_file.GGUFFile(src.gguf_path)
-        total = sum(1 for name in gguf.tensors if gguf_file.hf_tensor_name(name) is not None)
+        arch = gguf.architecture
+        total = sum(1 for name in gguf.tensors if gguf_file.hf_tensor_name(name, arch) is not None)
         weights = gguf_file.hf_tensors(gguf, keep_blocks=gguf_blocks and kquant_kernels() is not None)
     else:
         files = sorted(glob.glob(os.path.join(src.path, "*.safetensors")))

@@ -87,6 +87,7 @@ class DecodeRow:
                     or not computes(mlp)
                     or any(type(norm) is not RMSNorm for norm in norms)
                     or not attn.attn.impl.attends_in_c
+                    or attn.attn.impl.logits_soft_cap is not None or attn.attn.impl.has_sinks
                     or attn.attn.kv_group != model.layers[0].self_attn.attn.kv_group  # one block table a row
                     or attn.qkv_proj.parallel.size != 1 or attn.qkv_proj.weight.device.type != "cpu"):
                 return False

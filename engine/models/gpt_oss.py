@@ -118,6 +118,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     model_class = GptOssModel
     supports_sliding_window = True
     checkpoint_renames = {".self_attn.sinks": ".self_attn.attn.sinks"}  # checkpoint name -> ours
+    attention_needs = frozenset({"sinks"})  # the auto backend on a GPU: Triton (flash-attn 2 has no sinks)
 
     def transform_checkpoint(self, weights):
         """MXFP4 experts' blocks and scales as the dequantized weights they stand for."""

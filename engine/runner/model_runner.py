@@ -50,6 +50,7 @@ from kvserve.engine.model_loader.loader import load_hf_config, load_weights, res
 from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.models import build_model
 from kvserve.engine.models.llama import head_dim_of
+from kvserve.engine.models.registry import model_class_for
 from kvserve.engine.process.malloc import tune_malloc
 from kvserve.engine.process.threads import intra_op_threads
 from kvserve.engine.runner.cuda_graphs import (
@@ -137,8 +138,9 @@ class ModelRunner:
         flush_denormals(self.device)
         self.block_size = config.block_size
         self.graphs: CudaGraphRunner | None = None
+        needs = getattr(model_class_for(self.hf_config), "attention_needs", frozenset())  # gpt-oss: sinks
         self.backend = create_attention_backend(config.attention_backend, self.device, config.block_size,
-                                                self.dtype, config.kv_cache_dtype)
+                                                self.dtype, config.kv_cache_dtype, needs)
         self.cache_dtype = self.backend.cache_dtype(self.dtype)
         self.attention_backend_name = self.backend.name
         self.model = build_model(self.hf_config, self.dtype, self.device, self.parallel, self.backend)

@@ -26,7 +26,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C sources' DTYPE_* codes
 _I64, _I32, _F32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {  # every exported C function: its argument types (each returns int)
     "paged_decode": [_P, _I64, _I64, _P, _P, _I64, _I32, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32,
-                     _F32, _P, _I64, _I64, _I32, _I32, _I32, _I32],
+                     _F32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _P, _I32],
     "rms_norm": [_P, _I64, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _I32, _I32],
     "silu_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
     "share_fp_mode": [_I32],

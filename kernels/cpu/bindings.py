@@ -105,12 +105,16 @@ class CpuKernels:
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
                      tokens: torch.Tensor, out: torch.Tensor, scale: float,
-                     ctx_lens: torch.Tensor | None = None, window: int | None = None) -> None:
+                     ctx_lens: torch.Tensor | None = None, window: int | None = None,
+                     soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         """For each i: ``out[tokens[i]]`` = attention of ``q[tokens[i]]`` [heads, D] over the first
         ``n`` keys/values of the blocks in ``block_tables[seq_ids[i]]``, where ``n`` is
         ``ctx_lens[i]`` when given (prefill tokens, each up to its own position), else
         ``seq_lens[seq_ids[i]]`` (decodes); with a sliding ``window``, over the last ``window``
-        of them only, read from the block of the first on (no tiles: one query per item).
+        of them only, read from the block of the first on (tiles too: each lane its own window). With
+        ``soft_cap`` each score s becomes ``cap * tanh(s / cap)``; ``sinks`` (float32 [heads],
+        contiguous) join each head's softmax denominator (variants.py); either takes the portable
+        loop, one query per item.
 
         q, out: [T, heads, D]; caches [kv_heads, blocks, block_size, D] contiguous, of q's dtype, or
         int8 [kv_heads, blocks, block_size, D + 4] (``KV_INT8`` rows: D int8 values, then their
@@ -128,13 +132,14 @@ class CpuKernels:
             block_size, block_tables.data_ptr(), block_tables.stride(0), seq_ids.data_ptr(),
             tokens.data_ptr(), ctx_lens.data_ptr(), seq_ids.numel(), q.shape[1], kv_heads, q.shape[2], scale,
             out.data_ptr(), out.stride(0), out.stride(1), DTYPES[q.dtype], self.cache_code(q.dtype, k_cache),
-            window or 0, torch.get_num_threads(),
+            window or 0, soft_cap or 0.0, 0 if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
         ), "paged_decode")
 
     def paged_decode_checked(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor,
                              tokens: torch.Tensor, out: torch.Tensor, scale: float,
-                             ctx_lens: torch.Tensor | None = None, window: int | None = None) -> None:
+                             ctx_lens: torch.Tensor | None = None, window: int | None = None,
+                             soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         """``paged_decode`` for callers that do not guarantee its layouts: ValueError for caches
         that are not contiguous or mixed dtypes; index tensors are made contiguous."""
         if not self.takes(q, out):
@@ -146,7 +151,8 @@ class CpuKernels:
             ctx_lens = ctx_lens.contiguous()
         block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
         self.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, seq_ids.contiguous(),
-                          tokens.contiguous(), out, scale, ctx_lens, window)
+                          tokens.contiguous(), out, scale, ctx_lens, window, soft_cap,
+                          None if sinks is None else sinks.float().contiguous())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -94,7 +94,7 @@ def build(cc: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         objects = _compile_each(cc, [p for p in sources() if p.suffix == ".c"], Path(tmp))
-        _run(cc, [cc, *LINK_FLAGS, "-o", str(built), *objects])
+        _run(cc, [cc, *LINK_FLAGS, "-o", str(built), *objects, "-lm"])  # libm: tanhf (attention.c's soft cap)
         os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
     return target
 

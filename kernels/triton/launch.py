@@ -76,14 +76,15 @@ def prefill_tile(on_gpu: bool, group: int) -> dict[str, int]:
 
 
 def decode_launch(head_dim: int, group: int, block_size: int, split: bool, on_gpu: bool,
-                  windowed: bool = False) -> Launch:
-    """``_paged_decode_kernel``: rows are the group's query heads (padded to >= 16); ``windowed``:
-    the sliding-window variant."""
+                  windowed: bool = False, soft_cap: bool = False, sinks: bool = False) -> Launch:
+    """``_paged_decode_kernel``: rows are the group's query heads (padded to >= 16); ``windowed``,
+    ``soft_cap``, ``sinks``: the variants (each a constexpr)."""
     return Launch(
         constexprs={
             "GROUP": group, "BLOCK_M": max(16, next_power_of_2(group)),
             "BLOCK_N": attention_block_n(head_dim, on_gpu), "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim,
             "D_PAD": d_pad(head_dim), "SPLIT": split, "UPCAST_DOT": not on_gpu, "WINDOWED": windowed,
+            "SOFTCAP": soft_cap, "SINKS": sinks,
         },
         num_warps=attention_warps(head_dim, on_gpu),
         num_stages=attention_stages(head_dim, prefill=False),
@@ -100,7 +101,8 @@ def reduce_launch(head_dim: int) -> Launch:
 
 
 def prefill_launch(head_dim: int, group: int, block_size: int, on_gpu: bool,
-                   element_bytes: int = 2, windowed: bool = False) -> Launch:
+                   element_bytes: int = 2, windowed: bool = False, soft_cap: bool = False,
+                   sinks: bool = False) -> Launch:
     """``_paged_prefill_kernel``: a tile of (query token, group head) rows per program. In float32
     (``element_bytes`` 4) tl.dot runs on FMA units, not tensor cores, and 4 warps over 64-key tiles
     spilled kilobytes: 8 warps over 32-key tiles."""
@@ -112,7 +114,7 @@ def prefill_launch(head_dim: int, group: int, block_size: int, on_gpu: bool,
             "GROUP": group, **prefill_tile(on_gpu, group),
             "BLOCK_N": 32 if narrow else attention_block_n(head_dim, on_gpu),
             "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "D_PAD": d_pad(head_dim),
-            "UPCAST_DOT": not on_gpu, "WINDOWED": windowed,
+            "UPCAST_DOT": not on_gpu, "WINDOWED": windowed, "SOFTCAP": soft_cap, "SINKS": sinks,
         },
         num_warps=8 if fp32 else attention_warps(head_dim, on_gpu),
         num_stages=attention_stages(head_dim, prefill=True),

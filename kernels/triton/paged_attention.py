@@ -7,7 +7,10 @@ head_dim]`` through ``block_tables``, so the new tokens' K/V must be stored firs
 query token ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q_len_i + j`` and attends
 to keys ``0..position``; with a sliding window of W tokens (``window``), to keys
 ``max(0, position - W + 1)..position`` only, and no program reads a key below the first one its
-rows see (the blocks behind a window may have been freed and reused).
+rows see (the blocks behind a window may have been freed and reused). Two more variants, each a
+constexpr of its own: ``SOFTCAP`` (Gemma 2: each scaled score s becomes cap * tanh(s / cap)) and
+``SINKS`` (gpt-oss: one learned logit per query head in the softmax's denominator, weighing no
+value; it starts each row's online softmax, in the first split only, so the reduce is unchanged).
 
 A program owns one KV head and a tile of query rows: (query token, query head of that KV head's
 group) pairs, so grouped-query heads share each K/V load. Keys are gathered ``BLOCK_N`` tokens at
@@ -29,17 +32,18 @@ or a multiple of 16. A sequence with no keys (seq_lens 0, a padded CUDA-graph ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels.triton.decode_splits import (  # noqa: F401 - the split sizes, importable from here
+    DecodeWorkspace,
+    decode_num_splits,
+    device_sm_count,
+)
 from kvserve.kernels.triton.kv_store import check_paged_cache
 from kvserve.kernels.triton.launch import (
     MAX_SPLITS,
-    d_pad,
     decode_launch,
     prefill_launch,
     prefill_tile,
@@ -69,8 +73,8 @@ def _query_tile(q_ptr, row_offs, d, io_mask,
 @triton.jit
 def _attend_keys(q, m_i, l_i, acc, q_pos, key_lo, key_hi, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, scale,
                  window, c_stride_block, c_stride_slot, c_stride_head, d, d_ok,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                 WINDOWED: tl.constexpr):
+                 soft_cap, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold keys [key_lo, key_hi) of one sequence (block table row at ``table_ptr``) into the
     running (max, sum, output) of each query row; row r sees keys <= q_pos[r], and with
     ``WINDOWED`` (a variant of its own: the bound costs registers) only those > q_pos[r] - window
@@ -86,6 +90,8 @@ def _attend_keys(q, m_i, l_i, acc, q_pos, key_lo, key_hi, k_cache_ptr, v_cache_p
         if UPCAST_DOT:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1) (inf-safe both ways)
+            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
         seen = key_ok[None, :] & (key[None, :] <= q_pos[:, None])
         if WINDOWED:
             seen = seen & (key[None, :] > q_pos[:, None] - window)
@@ -102,14 +108,22 @@ def _attend_keys(q, m_i, l_i, acc, q_pos, key_lo, key_hi, k_cache_ptr, v_cache_p
     return m_i, l_i, acc
 
 
+@triton.jit
+def _sink_start(m_i, l_i, sinks_ptr, head, row_ok, first):
+    """The online softmax's state after the sink's logit (rows where ``first``): max = the sink,
+    sum = exp(0) = 1, the accumulator untouched."""
+    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    return tl.where(first, sink, m_i), tl.where(first, l_i + 1.0, l_i)
+
+
 @triton.jit(do_not_specialize=["bt_stride", "window"])
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, work_ptr,
-    scale, window, q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
+    scale, window, soft_cap, sinks_ptr, q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
     c_stride_block, c_stride_slot, c_stride_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, WINDOWED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -131,6 +145,8 @@ def _paged_prefill_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     q, m_i, l_i, acc = _query_tile(q_ptr, q_row * q_stride_t + head * q_stride_h, d, io_mask,
                                    BLOCK_M, D_PAD, UPCAST_DOT)
+    if SINKS:
+        m_i, l_i = _sink_start(m_i, l_i, sinks_ptr, head, row_ok, row_ok)
     kv_end = tl.minimum(seq_len, q_offset + first + TOKENS_PER_TILE)
     kv_start = 0
     if WINDOWED:
@@ -138,7 +154,7 @@ def _paged_prefill_kernel(
     m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, q_offset + tok, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
                                  block_tables_ptr + seq.to(tl.int64) * bt_stride, kv_head, scale, window,
                                  c_stride_block, c_stride_slot, c_stride_head, d, d_ok,
-                                 BLOCK_N, BLOCK_SIZE, UPCAST_DOT, WINDOWED)  # fmt: skip
+                                 soft_cap, BLOCK_N, BLOCK_SIZE, UPCAST_DOT, WINDOWED, SOFTCAP)  # fmt: skip
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_offs = q_row[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -147,11 +163,11 @@ def _paged_prefill_kernel(
 @triton.jit(do_not_specialize=["bt_stride", "num_splits", "window"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    block_tables_ptr, seq_lens_ptr, scale, window, num_splits, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-    bt_stride, c_stride_block, c_stride_slot, c_stride_head,
+    block_tables_ptr, seq_lens_ptr, scale, window, soft_cap, sinks_ptr, num_splits, q_stride_t, q_stride_h,
+    o_stride_t, o_stride_h, bt_stride, c_stride_block, c_stride_slot, c_stride_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -173,11 +189,13 @@ def _paged_decode_kernel(
     io_mask = row_ok[:, None] & d_ok[None, :]
     q, m_i, l_i, acc = _query_tile(q_ptr, seq.to(tl.int64) * q_stride_t + head * q_stride_h, d, io_mask,
                                    BLOCK_M, D_PAD, UPCAST_DOT)
+    if SINKS:  # in the first split only (the reduce sums the splits' denominators)
+        m_i, l_i = _sink_start(m_i, l_i, sinks_ptr, head, row_ok, row_ok & (split == 0))
     m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1,
                                  key_lo, key_hi, k_cache_ptr, v_cache_ptr,
                                  block_tables_ptr + seq.to(tl.int64) * bt_stride, kv_head, scale, window,
                                  c_stride_block, c_stride_slot, c_stride_head, d, d_ok,
-                                 BLOCK_N, BLOCK_SIZE, UPCAST_DOT, WINDOWED)  # fmt: skip
+                                 soft_cap, BLOCK_N, BLOCK_SIZE, UPCAST_DOT, WINDOWED, SOFTCAP)  # fmt: skip
     if SPLIT:
         part = (seq.to(tl.int64) * num_splits + split) * (GROUP * tl.num_programs(1)) + head
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
@@ -211,58 +229,6 @@ def _reduce_splits_kernel(
              mask=d < HEAD_DIM)
 
 
-# ---------------------------------------------------------------- split-K decode: sizes and scratch
-
-
-def decode_num_splits(batch: int, kv_heads: int, num_sms: int) -> int:
-    """Splits per sequence for a decode of ``batch`` sequences: 1 once (batch x kv_heads) programs
-    fill the GPU, else enough for about two programs per SM, at most ``MAX_SPLITS``."""
-    programs = max(1, batch * kv_heads)
-    if programs >= num_sms:
-        return 1
-    return min(MAX_SPLITS, -(-2 * num_sms // programs))
-
-
-@dataclass
-class DecodeWorkspace:
-    """Float32 scratch for split decodes: per (sequence, split, head) the partial output
-    ``[rows, heads, D_PAD]``, max and sum ``[rows, heads]``. Allocated once, before any CUDA graph
-    is captured (graphs bake in its addresses), and shared by every layer: layers run in order."""
-
-    out: torch.Tensor
-    max: torch.Tensor
-    sum: torch.Tensor
-
-    @classmethod
-    def allocate(cls, rows: int, num_heads: int, head_dim: int, device: torch.device) -> DecodeWorkspace:
-        return cls(
-            out=torch.empty(rows, num_heads, d_pad(head_dim), dtype=torch.float32, device=device),
-            max=torch.empty(rows, num_heads, dtype=torch.float32, device=device),
-            sum=torch.empty(rows, num_heads, dtype=torch.float32, device=device),
-        )
-
-    @classmethod
-    def for_every_batch(cls, num_heads: int, kv_heads: int, head_dim: int, num_sms: int,
-                        device: torch.device) -> DecodeWorkspace:
-        """Rows for the largest ``batch x splits`` that ``decode_num_splits`` gives any batch,
-        so every batch fits, the largest captured one included (batches of ``num_sms`` sequences
-        or more are never split)."""
-        splits = [(b, decode_num_splits(b, kv_heads, num_sms)) for b in range(1, num_sms + 1)]
-        rows = max((b * n for b, n in splits if n > 1), default=1)
-        return cls.allocate(rows, num_heads, head_dim, device)
-
-    def rows(self) -> int:
-        return self.max.shape[0]
-
-
-@cache
-def device_sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 elsewhere (no reason to split on a CPU)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 # ---------------------------------------------------------------- entry points
 
 
@@ -277,9 +243,12 @@ def paged_decode_attention(
     num_splits: int = 1,
     workspace: DecodeWorkspace | None = None,
     window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its cached keys (its last ``window`` keys
-    with a sliding window).
+    with a sliding window; scores capped at ``soft_cap``; ``sinks`` [num_heads] in each head's
+    softmax denominator).
 
     q ``[B, num_heads, head_dim]``; block_tables int32 ``[B, max_blocks]``; seq_lens int32
     ``[B]`` (keys per sequence, including the current token). With ``num_splits`` > 1 each
@@ -302,9 +271,11 @@ def paged_decode_attention(
                          f"{num_seqs} sequences x {num_splits} splits need {num_seqs * num_splits}")
     parts = (workspace.out, workspace.max, workspace.sum) if split else (out, out, out)
     launch = decode_launch(head_dim, num_heads // kv_heads, k_cache.shape[1], split, q.device.type == "cuda",
-                           windowed=window is not None)
+                           windowed=window is not None, soft_cap=soft_cap is not None,
+                           sinks=sinks is not None)
     _paged_decode_kernel[(num_splits, kv_heads, num_seqs)](
-        q, k_cache, v_cache, out, *parts, block_tables, seq_lens, scale, window or NO_WINDOW, num_splits,
+        q, k_cache, v_cache, out, *parts, block_tables, seq_lens, scale, window or NO_WINDOW, soft_cap or 1.0,
+        _sinks(sinks, num_heads, q), num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **launch.kwargs(),
     )  # fmt: skip
@@ -326,9 +297,11 @@ def paged_prefill_attention(
     work: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks over the paged cache (each token over its last
-    ``window`` keys with a sliding window).
+    ``window`` keys with a sliding window; ``soft_cap`` and ``sinks`` as in the decode).
 
     q ``[T, num_heads, head_dim]`` holds sequence ``i``'s new tokens at rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` (int32 ``[B+1]``); seq_lens int32 ``[B]`` is each
@@ -343,7 +316,8 @@ def paged_prefill_attention(
     head_dim = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
     launch = prefill_launch(head_dim, group, k_cache.shape[1], q.device.type == "cuda", q.element_size(),
-                            windowed=window is not None)
+                            windowed=window is not None, soft_cap=soft_cap is not None,
+                            sinks=sinks is not None)
     if work is None:
         q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
         work = prefill_work(q_lens, seq_lens.tolist(), launch.constexprs["TOKENS_PER_TILE"], q.device)
@@ -351,7 +325,8 @@ def paged_prefill_attention(
         return out
     _paged_prefill_kernel[(work.shape[0], k_cache.shape[2])](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, work, scale, window or NO_WINDOW,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        soft_cap or 1.0, _sinks(sinks, q.shape[1], q), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **launch.kwargs(),
     )  # fmt: skip
     return out
@@ -391,6 +366,16 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, out):
     if q.stride(2) != 1:
         q = q.contiguous()
     return q, torch.empty_like(q) if out is None else out
+
+
+def _sinks(sinks: torch.Tensor | None, num_heads: int, q: torch.Tensor) -> torch.Tensor:
+    """The sinks as the kernels read them (float32, one per query head); ``q`` where there are none
+    (a pointer the kernel never reads)."""
+    if sinks is None:
+        return q
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must be [{num_heads}] (one per query head), got {tuple(sinks.shape)}")
+    return sinks.to(device=q.device, dtype=torch.float32).contiguous()
 
 
 def upcast_dot(device: torch.device) -> bool:

@@ -240,9 +240,10 @@ FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn computes in ha
 
 
 def resolve_backend_name(name: str, device: torch.device, block_size: int,
-                         dtype: torch.dtype | None = None) -> str:
+                         dtype: torch.dtype | None = None, needs: frozenset[str] = frozenset()) -> str:
     """``auto``: the torch backend on CPU; on CUDA the first of flash-attn (only when
-    ``flash_attn_refusal`` has nothing against it), triton, torch that imports."""
+    ``flash_attn_refusal`` has nothing against it), triton, torch that imports and computes the
+    attention variants the model ``needs`` (gpt-oss's sinks: not flash-attn 2's, so Triton)."""
     if name != "auto":
         return name
     if device.type != "cuda":
@@ -251,8 +252,8 @@ def resolve_backend_name(name: str, device: torch.device, block_size: int,
         if candidate == "flash-attn" and flash_attn_refusal(block_size, dtype):
             continue
         try:
-            _backend_class(candidate)
-            return candidate
+            if needs <= _backend_class(candidate).variants:
+                return candidate
         except ImportError:
             continue
     return "torch"
@@ -273,14 +274,16 @@ def flash_attn_refusal(block_size: int, dtype: torch.dtype | None) -> str | None
 
 
 def create_attention_backend(name: str, device: torch.device, block_size: int,
-                             dtype: torch.dtype | None = None,
-                             kv_cache_dtype: str = "auto") -> AttentionBackend:
+                             dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto",
+                             needs: frozenset[str] = frozenset()) -> AttentionBackend:
     """The backend called ``name`` ("auto", "torch", "triton", "flash-attn") for ``device``
-    and a model in ``dtype``, with a cache of ``kv_cache_dtype`` ("auto": the model's dtype)."""
+    and a model in ``dtype`` whose layers ask for the attention variants ``needs`` (``auto``
+    picks a backend that computes them), with a cache of ``kv_cache_dtype`` ("auto": the model's
+    dtype)."""
     if kv_cache_dtype != "auto" and device.type != "cpu":
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is a CPU cache (the torch backend's C kernels "
                          f"read it); on {device.type} leave kv_cache_dtype at 'auto'")
-    resolved = resolve_backend_name(name, device, block_size, dtype)
+    resolved = resolve_backend_name(name, device, block_size, dtype, needs)
     if resolved == "flash-attn":
         refusal = flash_attn_refusal(block_size, dtype)
         if refusal:

@@ -129,7 +129,8 @@ class CpuAttentionBackend(AttentionBackend):
     name = "torch"
     kv_cache_dtypes = ("auto", "int8")
     # the window in the torch ops, the C kernel and the fused decode step; the soft cap and sinks in
-    # the torch ops only (layers/attention/variants.py): a layer with either stays off the C kernels
+    # the torch ops (layers/attention/variants.py) and the C kernel's portable loop (one query per
+    # item: no AVX fast path, no prefill tiles), not in the fused decode step
     variants = frozenset({"sliding_window", "logits_soft_cap", "sinks"})
 
     def __init__(self, block_size: int, prefill_in_kernel: bool | None = None, kv_cache_dtype: str = "auto"):
@@ -199,7 +200,7 @@ class CpuAttentionImpl(AttentionImpl):
 
     @property
     def attends_in_c(self) -> bool:
-        return self._kernel_shapes and self.logits_soft_cap is None and not self.has_sinks
+        return self._kernel_shapes
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CpuAttentionMetadata,
@@ -214,7 +215,8 @@ class CpuAttentionImpl(AttentionImpl):
             # prefill and decode tokens alike: each query over the cached keys up to its position
             kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_seqs,
                                  meta.query_tokens, out, self.scale, ctx_lens=meta.query_ctx,
-                                 window=self.sliding_window)
+                                 window=self.sliding_window, soft_cap=self.logits_soft_cap,
+                                 sinks=None if sinks is None else sinks.float())
             if meta.every_token_queried:
                 return out
             plans = meta.prefill_plans(True, self.sliding_window)

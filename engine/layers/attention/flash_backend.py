@@ -35,7 +35,9 @@ class FlashAttentionMetadata(AttentionMetadata):
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
-    variants = frozenset({"sliding_window"})  # flash-attn's local attention: window_size=(W - 1, 0)
+    # flash-attn's local attention, window_size=(W - 1, 0), and its softcap=; flash-attn 2 has no
+    # attention sinks: a model with sinks takes the Triton backend (resolve_backend_name)
+    variants = frozenset({"sliding_window", "logits_soft_cap"})
 
     def build_metadata(self, inp: ModelInput, device: torch.device) -> FlashAttentionMetadata:
         cu_seqlens_k = [0]
@@ -67,10 +69,12 @@ class FlashAttentionImpl(AttentionImpl):
             out = flash_attn_with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
                 softmax_scale=self.scale, causal=True, window_size=self.window_size,
+                softcap=self.logits_soft_cap or 0.0,
             )
             return out.squeeze(1)
         return flash_attn_varlen_func(
             q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale,
             causal=True, block_table=meta.block_tables, window_size=self.window_size,
+            softcap=self.logits_soft_cap or 0.0,
         )

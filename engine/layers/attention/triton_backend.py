@@ -52,7 +52,9 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    variants = frozenset({"sliding_window"})
+    # each a constexpr of the kernels (kernels/triton/paged_attention.py); flash-attn 2 has no sinks,
+    # so on a GPU a model with sinks runs on this backend (attention.select)
+    variants = frozenset({"sliding_window", "logits_soft_cap", "sinks"})
 
     def __init__(self, block_size: int, kv_cache_dtype: str = "auto"):
         super().__init__(block_size, kv_cache_dtype)
@@ -91,15 +93,16 @@ class TritonAttentionImpl(AttentionImpl):
         self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: TritonAttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        variant = dict(window=self.sliding_window, soft_cap=self.logits_soft_cap, sinks=sinks)
         if meta.max_query_len == 1:
             splits, workspace = self.backend.decode_plan(q, self.num_kv_heads)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                          num_splits=splits, workspace=workspace,
-                                          window=self.sliding_window)  # fmt: skip
+                                          num_splits=splits, workspace=workspace, **variant)  # fmt: skip
         tile = prefill_tile_shape(q.device, self.num_heads // self.num_kv_heads)
         return paged_prefill_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-            work=meta.work_for(tile["TOKENS_PER_TILE"]), window=self.sliding_window,
+            work=meta.work_for(tile["TOKENS_PER_TILE"]), **variant,
         )

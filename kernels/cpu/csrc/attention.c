@@ -20,7 +20,9 @@
  * Prefill runs of PREFILL_TILE_MIN_RUN or more tokens of one sequence, in bfloat16 with
  * AVX512-BF16, go as tiles of 16 tokens x the group's heads instead (attend_tile below: the
  * tokens are the lanes, each key is read and dotted once for the whole tile): 2.1-2.2x faster
- * than one query per item for prompts of 250-2,048 tokens on the dev CPU.
+ * than one query per item for prompts of 250-2,048 tokens on the dev CPU. Under a sliding window
+ * each lane also drops the keys before its own token's window (the tile starts at the block of
+ * the first token's window: window_view). Soft-cap and sink items take the portable attend().
  *
  * Element types: float32 and bfloat16 (DTYPE_* below) for queries and outputs; the cache holds
  * the same type, or KV_INT8 rows (common.h: int8 values and one float scale per token and KV
@@ -123,12 +125,23 @@ typedef struct {
     float *q, *acc, *block, *scores;
 } scratch_t;
 
+/* The softmax variants of one item: each score s becomes cap * tanh(s / cap) (Gemma 2's logit soft
+ * cap; cap 0: none), and a learned logit per query head joins the denominator and weighs no value
+ * (gpt-oss's sinks; sinks[j] for the item's j-th query head, NULL: none). Items with either take
+ * the portable attend() below (no fast path, no tiles). */
+typedef struct {
+    float cap;
+    const float *sinks;
+} variant_t;
+
+static const variant_t NO_VARIANT = {0.f, NULL};
+
 /* One (sequence, KV head): D is a compile-time constant in the common instantiations below. The
  * first skip keys (fewer than a block: those of a sliding window's first block that lie before
  * the window) are read but weigh nothing. */
 static inline __attribute__((always_inline)) void attend(
         const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head, int group, const int D,
-        const scratch_t *w) {
+        const scratch_t *w, const variant_t *var) {
     float *restrict qf = w->q, *restrict acc = w->acc, *restrict blk = w->block, *restrict scores = w->scores;
     const int bs = c->block_size;
     const int64_t head_base = (int64_t)kv_head * c->num_blocks;
@@ -151,14 +164,18 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
+    if (var->cap > 0.f)
+        for (int j = 0; j < group; ++j)
+            for (int p = skip; p < ctx; ++p) scores[j * ctx + p] = var->cap * tanhf(scores[j * ctx + p] / var->cap);
     for (int j = 0; j < group; ++j)
         for (int p = 0; p < skip; ++p) scores[j * ctx + p] = -INFINITY;
-    /* softmax per query head, in place; 1 / sum kept in acc's tail */
+    /* softmax per query head, in place (a sink in the maximum and the sum); 1 / sum kept in acc's tail */
     for (int j = 0; j < group; ++j) {
         float *restrict s = scores + j * ctx;
-        float m = s[0];
-        for (int p = 1; p < ctx; ++p) m = s[p] > m ? s[p] : m;
-        acc[group * D + j] = 1.f / exp_in_place(s, ctx, m);
+        float m = var->sinks ? var->sinks[j] : s[0];
+        for (int p = 0; p < ctx; ++p) m = s[p] > m ? s[p] : m;
+        const float sum = exp_in_place(s, ctx, m);
+        acc[group * D + j] = 1.f / (var->sinks ? sum + fast_exp(var->sinks[j] - m) : sum);
     }
     memset(acc, 0, sizeof(float) * (size_t)group * D);
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
@@ -196,17 +213,18 @@ static inline __attribute__((always_inline)) void attend(
 
 /* The portable path for any head dim: the query rows as scaled floats, then attend(). */
 static void attend_any(const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head, const char *q,
-                       int64_t q_head_bytes, float scale, int group, int head_dim, const scratch_t *w) {
+                       int64_t q_head_bytes, float scale, int group, int head_dim, const scratch_t *w,
+                       const variant_t *var) {
     for (int j = 0; j < group; ++j) {
         to_float(q + j * q_head_bytes, c->dtype, w->q + j * head_dim, head_dim);
         for (int d = 0; d < head_dim; ++d) w->q[j * head_dim + d] *= scale;
     }
     if (head_dim == 64)
-        attend(c, table, ctx, skip, kv_head, group, 64, w);
+        attend(c, table, ctx, skip, kv_head, group, 64, w, var);
     else if (head_dim == 128)
-        attend(c, table, ctx, skip, kv_head, group, 128, w);
+        attend(c, table, ctx, skip, kv_head, group, 128, w, var);
     else
-        attend(c, table, ctx, skip, kv_head, group, head_dim, w);
+        attend(c, table, ctx, skip, kv_head, group, head_dim, w, var);
 }
 
 /* row key of a paged cache (rows row_bytes apart, blocks of bs of them) */
@@ -224,11 +242,11 @@ static inline const char *key_row(const char *cache, const int32_t *table, int64
 #ifdef HAVE_TILES
 #define TILE_CASE(G, D)                                                                                 \
     case (G) * 1000 + (D):                                                                              \
-        attend_tile(c, table, ctx0, M, kv_head, q, q_token_bytes, q_head_bytes, scale, G, D, work, out,   \
-                    out_token_bytes, out_head_bytes);                                                   \
+        attend_tile(c, table, ctx0, M, window, kv_head, q, q_token_bytes, q_head_bytes, scale, G, D, work, \
+                    out, out_token_bytes, out_head_bytes);                                              \
         return;
 
-static void attend_tile_dispatch(const cache_t *c, const int32_t *table, int ctx0, int M, int kv_head,
+static void attend_tile_dispatch(const cache_t *c, const int32_t *table, int ctx0, int M, int window, int kv_head,
                                  const char *q, int64_t q_token_bytes, int64_t q_head_bytes, float scale,
                                  int group, int head_dim, float *work, char *out, int64_t out_token_bytes,
                                  int64_t out_head_bytes) {
@@ -281,6 +299,23 @@ size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ct
     return q_len + acc_len + (size_t)block_size * head_dim + (size_t)group * (size_t)max_ctx;
 }
 
+/* attend_one with the softmax variants of var (NO_VARIANT: plain). */
+static void attend_item(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
+                        const int32_t *table, int ctx, int skip, int kv_head, const char *q0, int64_t q_head_bytes,
+                        float scale, int group, int head_dim, int dtype, int cache_dtype, float *scratch,
+                        char *out0, int64_t out_head_bytes, const variant_t *var) {
+    const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype,
+                           elem_size(dtype), cache_dtype, kv_row_bytes(cache_dtype, head_dim)};
+    const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
+    const scratch_t w = {scratch, scratch + q_len, scratch + q_len + acc_len,
+                         scratch + q_len + acc_len + (size_t)block_size * head_dim};
+    const int plain = var->cap == 0.f && var->sinks == NULL;
+    if (!plain || !attend_fast_dispatch(&cache, table, ctx, skip, kv_head, q0, q_head_bytes, scale, group, head_dim, &w))
+        attend_any(&cache, table, ctx, skip, kv_head, q0, q_head_bytes, scale, group, head_dim, &w, var);
+    for (int j = 0; j < group; ++j)
+        from_float(w.acc + j * head_dim, w.acc[group * head_dim + j], dtype, out0 + j * out_head_bytes, head_dim);
+}
+
 /* The group query heads at q0 (q_head_bytes apart) that share KV head kv_head, over the first
  * ctx keys and values in table's blocks but the first skip (< block_size) of them; head j's output
  * goes to out0 + j * out_head_bytes.
@@ -289,28 +324,23 @@ void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, in
                 const int32_t *table, int ctx, int skip, int kv_head, const char *q0, int64_t q_head_bytes,
                 float scale, int group, int head_dim, int dtype, int cache_dtype, float *scratch, char *out0,
                 int64_t out_head_bytes) {
-    const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size, dtype,
-                           elem_size(dtype), cache_dtype, kv_row_bytes(cache_dtype, head_dim)};
-    const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
-    const scratch_t w = {scratch, scratch + q_len, scratch + q_len + acc_len,
-                         scratch + q_len + acc_len + (size_t)block_size * head_dim};
-    if (!attend_fast_dispatch(&cache, table, ctx, skip, kv_head, q0, q_head_bytes, scale, group, head_dim, &w))
-        attend_any(&cache, table, ctx, skip, kv_head, q0, q_head_bytes, scale, group, head_dim, &w);
-    for (int j = 0; j < group; ++j)
-        from_float(w.acc + j * head_dim, w.acc[group * head_dim + j], dtype, out0 + j * out_head_bytes, head_dim);
+    attend_item(k_cache, v_cache, num_blocks, block_size, table, ctx, skip, kv_head, q0, q_head_bytes, scale,
+                group, head_dim, dtype, cache_dtype, scratch, out0, out_head_bytes, &NO_VARIANT);
 }
 
 /* For each i: out[tokens[i]] = attention of q[tokens[i]] over the first ctx_lens[i] keys and
  * values in the blocks of block_tables[seq_ids[i]] (a decode sees its whole context, a prefill
  * token the keys up to its own position); with window > 0 over the last window of them only, read
- * from the block of the first on (the blocks before it may be freed). Strides are in elements.
+ * from the block of the first on (the blocks before it may be freed). soft_cap > 0: each score
+ * capped (variant_t); sinks: NULL, or num_heads float32 logits joining the softmax's denominators.
+ * Strides are in elements.
  * Returns 0, 1 for shapes it does not take, 2 when scratch memory could not be had. */
 int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, const void *k_cache,
                  const void *v_cache, int64_t num_blocks, int block_size, const int32_t *block_tables,
                  int64_t table_stride, const int32_t *seq_ids,
                  const int32_t *tokens, const int32_t *ctx_lens, int num_queries, int num_heads, int num_kv_heads, int head_dim,
                  float scale, void *out, int64_t out_token_stride, int64_t out_head_stride, int dtype,
-                 int cache_dtype, int window, int num_threads) {
+                 int cache_dtype, int window, float soft_cap, const float *sinks, int num_threads) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (head_dim > MAX_HEAD_DIM || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_heads ||
         (dtype != DTYPE_F32 && dtype != DTYPE_BF16) || !kv_cache_takes(dtype, cache_dtype))
@@ -331,7 +361,8 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
     int num_runs = 0;
     size_t tile_floats = 0;
 #ifdef HAVE_TILES
-    const int tiled = window <= 0 && tiles_take(dtype, cache_dtype, group, head_dim); /* tiles: no window */
+    /* tiles: no soft cap or sinks (a window: each lane's own lower bound) */
+    const int tiled = soft_cap == 0.f && !sinks && tiles_take(dtype, cache_dtype, group, head_dim);
 #else
     const int tiled = 0;
 #endif
@@ -383,15 +414,17 @@ int paged_decode(const void *q, int64_t q_token_stride, int64_t q_head_stride, c
             if (count > 1) {
                 const cache_t cache = {(const char *)k_cache, (const char *)v_cache, num_blocks, block_size,
                                        dtype, elem, cache_dtype, kv_row_bytes(cache_dtype, head_dim)};
-                attend_tile_dispatch(&cache, table, ctx, count, kv_head, q0, q_token_stride * elem,
+                attend_tile_dispatch(&cache, table, ctx, count, window, kv_head, q0, q_token_stride * elem,
                                      q_head_stride * elem, scale, group, head_dim, mine, out0,
                                      out_token_stride * elem, out_head_stride * elem);
                 continue;
             }
 #endif
             (void)count;
-            attend_one(k_cache, v_cache, num_blocks, block_size, table, ctx, skip, kv_head, q0, q_head_stride * elem,
-                       scale, group, head_dim, dtype, cache_dtype, mine, out0, out_head_stride * elem);
+            const variant_t var = {soft_cap > 0.f ? soft_cap : 0.f, sinks ? sinks + h0 : NULL};
+            attend_item(k_cache, v_cache, num_blocks, block_size, table, ctx, skip, kv_head, q0,
+                        q_head_stride * elem, scale, group, head_dim, dtype, cache_dtype, mine, out0,
+                        out_head_stride * elem, &var);
         }
     }
     free(runs);

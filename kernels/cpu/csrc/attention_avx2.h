@@ -212,7 +212,7 @@ static inline void rows_to_floats(const char *cache, const int32_t *table, int64
 }
 
 static inline __attribute__((always_inline)) void attend_tile(
-        const cache_t *c, const int32_t *table, int ctx0, int M, int kv_head, const char *q,
+        const cache_t *c, const int32_t *table, int ctx0, int M, int window, int kv_head, const char *q,
         int64_t q_token_bytes, int64_t q_head_bytes, float scale, const int G, const int D, float *work,
         char *out, int64_t out_token_bytes, int64_t out_head_bytes) {
     enum { L = TILE_TOKENS };
@@ -239,6 +239,10 @@ static inline __attribute__((always_inline)) void attend_tile(
                                           _mm256_add_ps(_mm256_set1_ps((float)ctx0), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
                                           _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(M),
                                                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+    /* ... and, with a window, the keys from ctx0 + m - window on */
+    const __m256 low = window > 0 ? _mm256_add_ps(_mm256_set1_ps((float)(ctx0 - window)),
+                                                  _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7))
+                                  : _mm256_set1_ps(-1.f);
     __m256 vmax[8];
     for (int j = 0; j < G; ++j) vmax[j] = ninf;
     for (int t = 0; t < T; t += KB) {
@@ -258,7 +262,8 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         for (int i = 0; i < KB; ++i) { /* keys from T on: unseen by every token, rows to spare */
             const int key = t + i;
-            const __m256 seen = _mm256_cmp_ps(_mm256_set1_ps((float)key), limit, _CMP_LT_OQ);
+            const __m256 seen = _mm256_and_ps(_mm256_cmp_ps(_mm256_set1_ps((float)key), limit, _CMP_LT_OQ),
+                                              _mm256_cmp_ps(_mm256_set1_ps((float)key), low, _CMP_GE_OQ));
             for (int j = 0; j < G; ++j) {
                 const __m256 s = _mm256_blendv_ps(ninf, _mm256_mul_ps(acc[i][j], vscale), seen);
                 vmax[j] = _mm256_max_ps(vmax[j], s);

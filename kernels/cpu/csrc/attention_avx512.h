@@ -182,7 +182,7 @@ static size_t tile_scratch_floats(int group, int head_dim, int max_ctx) {
 /* The M (<= TILE_TOKENS) tokens at q (q_token_bytes apart; heads q_head_bytes apart) of which the
  * first sees ctx0 keys and each next one more; their outputs likewise at out. */
 static inline __attribute__((always_inline)) void attend_tile(
-        const cache_t *c, const int32_t *table, int ctx0, int M, int kv_head, const char *q,
+        const cache_t *c, const int32_t *table, int ctx0, int M, int window, int kv_head, const char *q,
         int64_t q_token_bytes, int64_t q_head_bytes, float scale, const int G, const int D, float *work,
         char *out, int64_t out_token_bytes, int64_t out_head_bytes) {
     const int KB = G <= 1 ? 8 : (G <= 4 ? 4 : 2); /* keys per pass: G * KB accumulators */
@@ -221,7 +221,11 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         for (int i = 0; i < KB; ++i) { /* keys from T on: unseen by every token, rows to spare */
             const int key = t + i; /* token m sees it when key < ctx0 + m */
-            const __mmask16 seen = key < ctx0 ? lanes : (__mmask16)(lanes & (0xFFFFu << (key - ctx0 + 1)));
+            __mmask16 seen = key < ctx0 ? lanes : (__mmask16)(lanes & (0xFFFFu << (key - ctx0 + 1)));
+            if (window > 0) { /* and token m's window starts at ctx0 + m - window: m <= key - ctx0 + window */
+                const int h = key - ctx0 + window;
+                seen &= h >= 15 ? (__mmask16)0xFFFFu : h < 0 ? (__mmask16)0 : (__mmask16)((1u << (h + 1)) - 1u);
+            }
             for (int j = 0; j < G; ++j) {
                 const __m512 s = _mm512_mul_ps(acc[i][j], vscale);
                 vmax[j] = _mm512_mask_max_ps(vmax[j], seen, vmax[j], s);

@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.model_input import ModelInput
+from kvserve.engine.models.decode_row import DecodeRow
 from kvserve.engine.runner.model_runner import ModelRunner
+from kvserve.kernels.cpu.bindings import load_kernels
 from kvserve.testing.random_model import make_config, write_model_dir
 
 BLOCK = 4
@@ -104,8 +106,9 @@ def test_family_greedy_tokens_equal_transformers_alone_and_batched(model_dirs, n
 
 
 def test_each_layer_asks_for_its_own_variant(model_dirs):
-    """Windows where layer_types put them, Gemma 2's soft cap, gpt-oss's sinks; a layer with a soft
-    cap or sinks stays off the C attention kernel (and so off the fused decode step)."""
+    """Windows where layer_types put them, Gemma 2's soft cap, gpt-oss's sinks; every layer attends
+    in the C kernel (soft cap and sinks in its portable loop), and a model with a soft cap or sinks
+    stays off the fused decode step."""
     want = {"gemma2-tiny": ([8, None, 8, None], 50.0, False), "gemma3-tiny": ([8] * 5 + [None], None, False),
             "gpt-oss-tiny": ([8, None], None, True), "smollm3-tiny": ([None] * 4, None, False)}
     for name, (windows, cap, sinks) in want.items():
@@ -116,7 +119,8 @@ def test_each_layer_asks_for_its_own_variant(model_dirs):
             assert [impl.sliding_window for impl in impls] == windows
             assert {impl.logits_soft_cap for impl in impls} == {cap}
             assert {impl.has_sinks for impl in impls} == {sinks}
-            assert not any(impl.attends_in_c for impl in impls if cap or sinks)
+            assert all(impl.attends_in_c for impl in impls) == (load_kernels() is not None)
+            assert not (DecodeRow.fits(model) and (cap or sinks))
         finally:
             llm.shutdown()
 

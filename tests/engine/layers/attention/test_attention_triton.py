@@ -117,6 +117,33 @@ def test_triton_window_layer_matches_torch_and_reads_no_block_behind_the_window(
         assert (outs["triton"] - outs["torch"]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("num_sms", [None, 64])
+@pytest.mark.parametrize(("window", "cap", "with_sinks"),
+                         [(None, 2.0, False), (None, None, True), (3, 2.0, True)])
+def test_triton_soft_cap_and_sinks_match_the_torch_layer(window, cap, with_sinks, num_sms):
+    """Gemma 2's soft cap (2.0: small enough to bend these scores) and gpt-oss's sinks, alone and
+    with a window, over the mixed steps: the prefill kernel and the decode, unsplit and split (the
+    sink counted once, in the first split). The torch layer is checked against a float64
+    reference in test_attention_variants.py."""
+    backends = {name: create_attention_backend(name, DEVICE, BLOCK_SIZE) for name in ("torch", "triton")}
+    backends["triton"].num_sms = num_sms
+    variant = dict(sliding_window=window, logits_soft_cap=cap, sinks=with_sinks)
+    impls = {name: b.create_impl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, **variant)
+             for name, b in backends.items()}
+    caches = {name: paged_caches(backend=b) for name, b in backends.items()}
+    gen = torch.Generator().manual_seed(0)
+    sinks = {"sinks": torch.randn(HEADS, generator=gen).mul(2).to(DEVICE)} if with_sinks else {}
+    for inp in three_steps():
+        q, k, v = random_qkv(inp.num_tokens, gen)
+        outs = {name: impls[name].forward(q * 4, k, v, *caches[name], backend.build_metadata(inp, DEVICE),
+                                          **sinks)
+                for name, backend in backends.items()}
+        assert (outs["triton"] - outs["torch"]).abs().max().item() <= 1e-5
+    plain = backends["triton"].create_impl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, sliding_window=window)
+    meta = backends["triton"].build_metadata(inp, DEVICE)
+    assert (plain.forward(q * 4, k, v, *caches["triton"], meta) - outs["triton"]).abs().max() > 1e-2  # bites
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host-device synchronisation exists only on a GPU")
 @pytest.mark.parametrize("name", ["torch", "triton"])
 def test_a_steps_metadata_and_attention_never_wait_for_the_gpu(name):
