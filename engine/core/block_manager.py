@@ -238,8 +238,8 @@ class BlockManager:
     def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
         """Whether ``seq`` (empty block tables) can take ``hits`` and cover its first chunk."""
         groups = getattr(hits, "groups", [hits])
-        reused_free = sum(1 for table in groups for bid in table
-                          if bid != NULL_BLOCK and self.blocks[bid].ref_count == 0)
+        reused_free = sum(1 for table in groups for bid in table  # block 0 is a block like any other
+                          if (bid != NULL_BLOCK or not self.reserved) and self.blocks[bid].ref_count == 0)
         covered = len(hits) * self.block_size + num_new_tokens
         fresh = (self.blocks_needed(covered) - len(hits)) * self.num_groups
         return reused_free + fresh <= self.num_free_blocks

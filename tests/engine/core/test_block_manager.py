@@ -258,3 +258,20 @@ def test_cache_salt_shares_blocks_only_within_the_same_salt():
     assert bm.match_prefix(make_seq(tokens)) == plain.block_table[:3]
     assert bm.match_prefix(Sequence("d", tokens, SamplingParams(max_tokens=4, cache_salt="tenant-b"))) == []
     bm.check_integrity()
+
+
+
+def test_a_free_cached_block_zero_counts_as_taken_when_admitted():
+    """Without a window group block 0 is an ordinary block: a prefix hit on it while it is free
+    takes a free block, so admission counts it (it once did not, and the sequence's next block
+    then found the pool empty)."""
+    bm = BlockManager(2, BS)
+    a = make_seq([1, 2, 3, 4, 5])
+    run_prefill(bm, a)
+    assert a.block_table[0] == 0
+    bm.free(a)
+    b = make_seq([1, 2, 3, 4, 6, 7, 8, 9, 10])
+    hits = bm.match_prefix(b)
+    assert hits == [0] and bm.num_free_blocks == 2
+    assert bm.can_admit(b, hits, 4)  # block 0 and one fresh block: two of two
+    assert not bm.can_admit(b, hits, 5)  # block 0 and two fresh blocks: three of two
