@@ -51,6 +51,8 @@ class ModelInput:
     group_slot_mappings: list[list[int]] = field(default_factory=list)
     group_table_updates: list[list[list[int]]] = field(default_factory=list)
     group_block_tables: list[list[list[int]]] = field(default_factory=list)
+    # per sequence: its state slot, for models with a recurrent state (engine/runner/state_cache.py)
+    state_slots: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -217,6 +219,8 @@ def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter
             slots.extend(slot_of(table, p, block_size) for p in range(start, end))
         query_lens.append(n)
         inp.context_lens.append(end)
+        if seq.state_slot is not None:
+            inp.state_slots.append(seq.state_slot)
         if end == len(seq.token_ids):
             inp.logits_indices.append(len(input_ids) - 1)
         if len(seq.block_tables) > 1:

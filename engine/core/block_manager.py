@@ -28,7 +28,8 @@
   decoding sequence holds at most ceil(W / block_size) + 1 of them. Hashes stay one chain per
   sequence (``Sequence.block_hashes``); each group publishes its own blocks under them, and a
   prefix hit needs every full group's blocks up to the hit and each window group's blocks of the
-  last W - 1 tokens before it (``match_prefix``).
+  last W - 1 tokens before it (``match_prefix``). ``state_slots``: the slots of a model's recurrent
+  state (engine/kv_cache/state_slots.py): taken at admission with the blocks, given back with them.
 - KV-cache events (``kv_events``, a list when the server publishes them, else None): a tuple is
   appended when a hash enters the table (``STORED``), leaves it (``REMOVED``: the last block
   holding it was reused) or the whole table is dropped (``CLEARED``); the engine core hands the
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvserve.engine.kv_cache.groups import NULL_BLOCK, Hits, first_live_block, peak_blocks
+from kvserve.engine.kv_cache.state_slots import StateSlots
 from kvserve.engine.model_input import blocks_for
 from kvserve.engine.sequence import Sequence
 
@@ -82,7 +84,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: tuple[int | None, ...] = (None,)):
+                 windows: tuple[int | None, ...] = (None,), state_slots: int = 0):
         self.windows = tuple(windows)  # per KV cache group: its sliding window (None: full attention)
         self.reserved = 1 if any(w is not None for w in self.windows) else 0  # NULL_BLOCK
         if num_blocks < 1 + self.reserved or block_size < 1:
@@ -101,10 +103,11 @@ class BlockManager:
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found
         self.kv_events: list[tuple] | None = None  # see the module's docstring
+        if state_slots and enable_prefix_caching:  # a hit would need the state at its end too
+            raise ValueError("prefix caching needs state snapshots, which a model with state slots lacks")
+        self.state_slots = StateSlots(state_slots) if state_slots else None
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.windows)
+    num_groups = property(lambda self: len(self.windows))
 
     def take_kv_events(self) -> list[tuple]:
         """The events since the last call (empty when they are not collected)."""
@@ -134,9 +137,7 @@ class BlockManager:
         """Blocks sequences can take (the null block, reserved with window groups, is not one)."""
         return len(self.blocks) - self.reserved
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+    num_free_blocks = property(lambda self: len(self.free_ids))
 
     @property
     def hit_rate(self) -> float:
@@ -242,7 +243,8 @@ class BlockManager:
                           if bid != NULL_BLOCK and self.blocks[bid].ref_count == 0)
         covered = len(hits) * self.block_size + num_new_tokens
         fresh = (self.blocks_needed(covered) - len(hits)) * self.num_groups
-        return reused_free + fresh <= self.num_free_blocks
+        slot_free = self.state_slots is None or self.state_slots.num_free > 0
+        return slot_free and reused_free + fresh <= self.num_free_blocks
 
     def admit(self, seq: Sequence, hits: list[int]) -> None:
         """Give an un-admitted sequence its cached prefix blocks (``match_prefix``'s, or for a
@@ -261,6 +263,8 @@ class BlockManager:
                 table.append(bid)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
+        if self.state_slots is not None:
+            self.state_slots.take(seq)
         if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.query_tokens += seq.num_tokens
             self.hit_tokens += seq.num_computed_tokens
@@ -391,3 +395,5 @@ class BlockManager:
         seq.block_tables = [[] for _ in self.windows]
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        if self.state_slots is not None:
+            self.state_slots.release(seq)

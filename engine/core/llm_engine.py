@@ -62,12 +62,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = load_generation_eos(self.source, hf_config, self.tokenizer)
         self.executor = create_executor(config)
+        if self.executor.num_state_slots:
+            self.config = config = self._hybrid_config(config, hf_config)
         self.vocab_size = self.executor.vocab_size
         self.model_name = self.source.name
         self.architecture = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
         self.block_manager = BlockManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            windows=self.executor.kv_groups.windows,
+            windows=self.executor.kv_groups.windows, state_slots=self.executor.num_state_slots,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -95,6 +97,19 @@ class LLMEngine:
         self.counters = dict.fromkeys(
             ("requests_finished", "requests_aborted", "prompt_tokens_total", "generation_tokens_total"), 0
         )
+
+    def _hybrid_config(self, config: EngineConfig, hf_config) -> EngineConfig:
+        """A model with a recurrent state: speculation refused, prefix caching off (as vLLM), with reasons."""
+        name = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+        if config.speculative != "off":
+            self.executor.shutdown()
+            raise ValueError(f"speculative={config.speculative!r} is not supported for {name}: verifying "
+                             "drafts through its linear-attention layers needs their state at every kept "
+                             "position, which kvserve does not keep yet; serve it with speculative='off'")
+        if config.enable_prefix_caching:
+            log.warning("prefix caching is off for %s: a hit needs the linear-attention layers' state at "
+                        "the hit's end, and kvserve keeps no state snapshots yet", name)
+        return config.replace(enable_prefix_caching=False)
 
     # ---- requests in ---------------------------------------------------------------------
     @functools.cached_property
@@ -324,6 +339,7 @@ class LLMEngine:
             kv_blocks_free=blocks.num_free_blocks,
             kv_block_size=self.config.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
+            **self._state_stats(),
             prefix_cache_hit_rate=blocks.hit_rate,
             prefix_cache_queries=blocks.query_tokens,
             prefix_cache_hits=blocks.hit_tokens,
@@ -332,6 +348,12 @@ class LLMEngine:
             **speculation_stats(self.speculator and self.speculator.counters),
             uptime_s=time.monotonic() - self.started,
         )
+
+    def _state_stats(self) -> dict:
+        slots = self.block_manager.state_slots
+        return {} if slots is None else dict(state_slots_total=slots.num_slots,
+                                             state_slots_free=slots.num_free,
+                                             state_cache_bytes=self.executor.state_cache_bytes)
 
     def enable_kv_events(self) -> None:
         """Collect KV-cache events from now on (``take_kv_events``; the server publishes them)."""

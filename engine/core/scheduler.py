@@ -301,10 +301,13 @@ class Scheduler:
         """The other choices of ``parent``'s request (SamplingParams.n), once its prompt's KV is
         written: each child takes references on the prompt's full blocks and waits at the head of
         the queue to compute the rest itself, at least the last prompt token, whose logits give
-        its own first token. The prompt is prefilled once whether prefix caching is on or off."""
+        its own first token. The prompt is prefilled once whether prefix caching is on or off.
+        A model with a recurrent state (``bm.state_slots``) keeps no state at the shared prefix's
+        end: its children wait unadmitted and compute their whole prompt."""
         shared = self.bm.shared_prefix(parent, (parent.num_prompt_tokens - 1) // self.bm.block_size)
         for child in reversed(children):  # the parent's prompt and limits: it fits as the parent did
-            self.bm.admit(child, shared)
+            if self.bm.state_slots is None:
+                self.bm.admit(child, shared)
             self.waiting.appendleft(child)
 
     # ---- after the model ran ----------------------------------------------------------------

@@ -80,6 +80,10 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
         raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of nnodes ({nnodes})")
     if nnodes > 1 and config.master_port is None:
         raise ValueError("master_port must be set when nnodes > 1, so that the other machines can join")
+    if tp > 1 and "linear_attention" in (getattr(hf_config, "layer_types", None) or []):
+        name = (getattr(hf_config, "architectures", None) or ["the model"])[0]
+        raise ValueError(f"tensor_parallel_size={tp} is not supported for {name}: its linear-attention "
+                         "(Gated DeltaNet) layers do not split across ranks yet; use tensor_parallel_size=1")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     try:  # the layers' own rules, checked before any process starts
@@ -129,6 +133,7 @@ class TensorParallelExecutor:
         self.device: torch.device = runner.device
         self.attention_backend_name: str = runner.attention_backend_name
         self.kv_groups = runner.kv_groups  # the KV cache groups the block manager keeps blocks for
+        self.num_state_slots, self.state_cache_bytes = 0, 0  # hybrid models are refused above
         self.weight_formats: list[str] = runner.weight_formats
 
     def _spawn_local_workers(self, channel: str) -> WorkerProcesses:

@@ -24,6 +24,7 @@ from kvserve.engine.models import (  # noqa: F401 - they register
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     smollm3,
 )
