@@ -23,8 +23,9 @@ from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.ipc import CacheFlush, EngineStats, ModelFacts
 from kvserve.engine.core.requests import Choice, Request, choice_params
-from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.executor.executor import create_executor
+from kvserve.engine.kv_cache.state_slots import hybrid_config, state_stats
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
 from kvserve.engine.model_loader.generation_defaults import sampling_defaults
@@ -63,7 +64,11 @@ class LLMEngine:
         self.eos_token_ids = load_generation_eos(self.source, hf_config, self.tokenizer)
         self.executor = create_executor(config)
         if self.executor.num_state_slots:
-            self.config = config = self._hybrid_config(config, hf_config)
+            try:
+                self.config = config = hybrid_config(config, hf_config)
+            except ValueError:
+                self.executor.shutdown()
+                raise
         self.vocab_size = self.executor.vocab_size
         self.model_name = self.source.name
         self.architecture = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
@@ -97,19 +102,6 @@ class LLMEngine:
         self.counters = dict.fromkeys(
             ("requests_finished", "requests_aborted", "prompt_tokens_total", "generation_tokens_total"), 0
         )
-
-    def _hybrid_config(self, config: EngineConfig, hf_config) -> EngineConfig:
-        """A model with a recurrent state: speculation refused, prefix caching off (as vLLM), with reasons."""
-        name = (getattr(hf_config, "architectures", None) or ["this model"])[0]
-        if config.speculative != "off":
-            self.executor.shutdown()
-            raise ValueError(f"speculative={config.speculative!r} is not supported for {name}: verifying "
-                             "drafts through its linear-attention layers needs their state at every kept "
-                             "position, which kvserve does not keep yet; serve it with speculative='off'")
-        if config.enable_prefix_caching:
-            log.warning("prefix caching is off for %s: a hit needs the linear-attention layers' state at "
-                        "the hit's end, and kvserve keeps no state snapshots yet", name)
-        return config.replace(enable_prefix_caching=False)
 
     # ---- requests in ---------------------------------------------------------------------
     @functools.cached_property
@@ -163,6 +155,9 @@ class LLMEngine:
         """Hand choice 0 to the scheduler; the other choices fork from it after its prefill."""
         if len(req.choices) > 1:  # choices 1..n-1 fork from choice 0 after its prefill
             self._forks[req.seq.seq_id] = [c.seq for c in req.choices[1:]]
+            if self.block_manager.state_slots is not None:  # where the shared blocks end (Scheduler.fork)
+                bs = self.config.block_size
+                req.seq.fork_at = (req.seq.num_prompt_tokens - 1) // bs * bs
         self.scheduler.add(req.seq)
 
     def _admit_compiled(self) -> None:
@@ -243,7 +238,8 @@ class LLMEngine:
             return outputs
         pairs = sched.attended_pairs if self.scheduler.step_time else 0
         self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
-        inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
+        inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables,
+                                sched.state_copies)
         model_started = time.perf_counter()
         logits = self.executor.execute_model(inp)
         if self.speculator is not None and inp.is_decode_only:  # what the policy's rows cost now
@@ -259,7 +255,7 @@ class LLMEngine:
                         "it after %d tokens", seq.request_id, seq.num_completion_tokens)
             self.scheduler.finish(seq, FinishReason.ABORT)
         if self._forks:
-            self._fork_prefilled(sampling)
+            self._fork_prefilled(sched)
         before = [seq.num_tokens for seq in sampling]
         self.scheduler.postprocess(sched, runs)  # the same sampling_seqs (cached)
         first_row = 0
@@ -273,12 +269,15 @@ class LLMEngine:
             self.scheduler.step_time.observe(sched.num_tokens, pairs, time.perf_counter() - started)
         return outputs
 
-    def _fork_prefilled(self, sampling: list[Sequence]) -> None:
-        """Fork the other choices of each request whose prompt was prefilled in this step (before
-        ``postprocess``, which may finish choice 0 and free its blocks)."""
-        for seq in sampling:
-            if seq.num_completion_tokens == 0 and seq.seq_id in self._forks:
-                self.scheduler.fork(seq, self._forks.pop(seq.seq_id))
+    def _fork_prefilled(self, sched: SchedulerOutput) -> None:
+        """Fork the other choices of each request whose prompt was prefilled in this step, or whose
+        step ended at its ``fork_at`` (before ``postprocess``, which may finish choice 0 and free its
+        blocks)."""
+        for s in sched.scheduled:
+            seq, end = s.seq, s.seq.num_computed_tokens + s.num_tokens
+            forks_now = s.samples or end == seq.fork_at
+            if seq.num_completion_tokens == 0 and seq.seq_id in self._forks and forks_now:
+                self.scheduler.fork(seq, self._forks.pop(seq.seq_id), state_at=end)
 
     def _emit(self, choice: Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         seq = choice.seq
@@ -339,7 +338,7 @@ class LLMEngine:
             kv_blocks_free=blocks.num_free_blocks,
             kv_block_size=self.config.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
-            **self._state_stats(),
+            **state_stats(self.block_manager.state_slots, self.executor),
             prefix_cache_hit_rate=blocks.hit_rate,
             prefix_cache_queries=blocks.query_tokens,
             prefix_cache_hits=blocks.hit_tokens,
@@ -348,12 +347,6 @@ class LLMEngine:
             **speculation_stats(self.speculator and self.speculator.counters),
             uptime_s=time.monotonic() - self.started,
         )
-
-    def _state_stats(self) -> dict:
-        slots = self.block_manager.state_slots
-        return {} if slots is None else dict(state_slots_total=slots.num_slots,
-                                             state_slots_free=slots.num_free,
-                                             state_cache_bytes=self.executor.state_cache_bytes)
 
     def enable_kv_events(self) -> None:
         """Collect KV-cache events from now on (``take_kv_events``; the server publishes them)."""

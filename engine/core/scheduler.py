@@ -44,6 +44,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    state_copies: list[list[int]] = field(default_factory=list)  # [from slot, to slot]: forks' states
 
     @property
     def attended_pairs(self) -> int:
@@ -152,6 +153,8 @@ class Scheduler:
             if not self._prefills_this_step(out):
                 budget = self._schedule_drafts(out, budget)
             self._schedule_waiting(out, budget)
+        if out.scheduled and self.bm.state_slots is not None:  # copied before the step's model runs
+            out.state_copies = self.bm.state_slots.take_copies()
         now = time.monotonic()
         for s in out.scheduled:
             if s.seq.times.first_scheduled is None:
@@ -196,6 +199,8 @@ class Scheduler:
         token (see __init__); then cut to what keeps the step under ``max_step_time`` (a decode
         token is never cut; the first prefill chunk of a step keeps a minimum, so prompts always
         progress; later ones may get 0). Adds the chunk's predicted time to the step's."""
+        if seq.fork_at is not None and position < seq.fork_at:  # its choices fork there
+            remaining = min(remaining, seq.fork_at - position)
         if (self.last_prompt_token_alone and remaining > 1 and seq.num_completion_tokens == 0
                 and seq.params.seed is not None):
             remaining -= 1
@@ -297,17 +302,23 @@ class Scheduler:
         self.bm.grow(seq, n)
         return n
 
-    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+    def fork(self, parent: Sequence, children: list[Sequence], state_at: int | None = None) -> None:
         """The other choices of ``parent``'s request (SamplingParams.n), once its prompt's KV is
         written: each child takes references on the prompt's full blocks and waits at the head of
         the queue to compute the rest itself, at least the last prompt token, whose logits give
         its own first token. The prompt is prefilled once whether prefix caching is on or off.
-        A model with a recurrent state (``bm.state_slots``) keeps no state at the shared prefix's
-        end: its children wait unadmitted and compute their whole prompt."""
+        With a recurrent state (``bm.state_slots``), a child shares them only where the parent's state
+        (at ``state_at`` after this step) is at their end: it takes a slot and a copy of that state
+        (the engine forks there, ``Sequence.fork_at``); else it waits unadmitted, to compute all."""
         shared = self.bm.shared_prefix(parent, (parent.num_prompt_tokens - 1) // self.bm.block_size)
+        slots = self.bm.state_slots
+        parent.fork_at = None
         for child in reversed(children):  # the parent's prompt and limits: it fits as the parent did
-            if self.bm.state_slots is None:
+            if slots is None:
                 self.bm.admit(child, shared)
+            elif shared and state_at == len(shared) * self.bm.block_size and slots.num_free:
+                self.bm.admit(child, shared)
+                slots.copy(parent, child)
             self.waiting.appendleft(child)
 
     # ---- after the model ran ----------------------------------------------------------------

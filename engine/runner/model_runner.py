@@ -176,6 +176,8 @@ class ModelRunner:
         if self.rows_alike is not None:
             self.rows_alike.set(inp.is_decode_only)
         views = self.group_tables.views(inp, self.block_size)  # (first: the other groups' updates)
+        if inp.state_copies:  # forked choices take their parent's state
+            self.state_cache.copy(inp.state_copies)
         if inp.seq_rows:  # the step's block tables, cut from this runner's persistent array
             inp.block_table_array = self.block_tables.take(inp, self.block_size)
         if self.graphs is not None and self.graphs.fits(inp):

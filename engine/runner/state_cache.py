@@ -60,6 +60,11 @@ class StateCache:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.recurrent.nbytes
 
+    def copy(self, copies: list[list[int]]) -> None:
+        for src, dst in copies:
+            self.conv[:, dst] = self.conv[:, src]
+            self.recurrent[:, dst] = self.recurrent[:, src]
+
     def step_slots(self, state_slots: list[int], num_seqs: int) -> list[int]:
         """The step's slots; an input with no request behind it (a warm-up) uses the first ones."""
         if state_slots:
