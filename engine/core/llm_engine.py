@@ -75,6 +75,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
             windows=self.executor.kv_groups.windows, state_slots=self.executor.num_state_slots,
+            state_snapshots=self.executor.num_state_snapshots if config.enable_prefix_caching else 0,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -155,9 +156,6 @@ class LLMEngine:
         """Hand choice 0 to the scheduler; the other choices fork from it after its prefill."""
         if len(req.choices) > 1:  # choices 1..n-1 fork from choice 0 after its prefill
             self._forks[req.seq.seq_id] = [c.seq for c in req.choices[1:]]
-            if self.block_manager.state_slots is not None:  # where the shared blocks end (Scheduler.fork)
-                bs = self.config.block_size
-                req.seq.fork_at = (req.seq.num_prompt_tokens - 1) // bs * bs
         self.scheduler.add(req.seq)
 
     def _admit_compiled(self) -> None:
@@ -271,11 +269,11 @@ class LLMEngine:
 
     def _fork_prefilled(self, sched: SchedulerOutput) -> None:
         """Fork the other choices of each request whose prompt was prefilled in this step, or whose
-        step ended at its ``fork_at`` (before ``postprocess``, which may finish choice 0 and free its
+        step ended at its ``checkpoint_at`` (before ``postprocess``, which may finish choice 0 and free its
         blocks)."""
         for s in sched.scheduled:
             seq, end = s.seq, s.seq.num_computed_tokens + s.num_tokens
-            forks_now = s.samples or end == seq.fork_at
+            forks_now = s.samples or end == seq.checkpoint_at
             if seq.num_completion_tokens == 0 and seq.seq_id in self._forks and forks_now:
                 self.scheduler.fork(seq, self._forks.pop(seq.seq_id), state_at=end)
 

@@ -107,6 +107,8 @@ class Scheduler:
     # ---- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
+        if self.bm.state_slots is not None:  # (kv_cache/state_slots.py)
+            seq.checkpoint_at = (seq.num_prompt_tokens - 1) // self.bm.block_size * self.bm.block_size or None
         self.waiting.append(seq)
 
     def max_new_tokens(self, seq: Sequence) -> int:
@@ -199,8 +201,8 @@ class Scheduler:
         token (see __init__); then cut to what keeps the step under ``max_step_time`` (a decode
         token is never cut; the first prefill chunk of a step keeps a minimum, so prompts always
         progress; later ones may get 0). Adds the chunk's predicted time to the step's."""
-        if seq.fork_at is not None and position < seq.fork_at:  # its choices fork there
-            remaining = min(remaining, seq.fork_at - position)
+        if seq.checkpoint_at is not None and position < seq.checkpoint_at:  # its state is kept there
+            remaining = min(remaining, seq.checkpoint_at - position)
         if (self.last_prompt_token_alone and remaining > 1 and seq.num_completion_tokens == 0
                 and seq.params.seed is not None):
             remaining -= 1
@@ -309,10 +311,9 @@ class Scheduler:
         its own first token. The prompt is prefilled once whether prefix caching is on or off.
         With a recurrent state (``bm.state_slots``), a child shares them only where the parent's state
         (at ``state_at`` after this step) is at their end: it takes a slot and a copy of that state
-        (the engine forks there, ``Sequence.fork_at``); else it waits unadmitted, to compute all."""
+        (the engine forks there, ``Sequence.checkpoint_at``); else it waits unadmitted, to compute all."""
         shared = self.bm.shared_prefix(parent, (parent.num_prompt_tokens - 1) // self.bm.block_size)
         slots = self.bm.state_slots
-        parent.fork_at = None
         for child in reversed(children):  # the parent's prompt and limits: it fits as the parent did
             if slots is None:
                 self.bm.admit(child, shared)

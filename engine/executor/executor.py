@@ -133,7 +133,7 @@ class TensorParallelExecutor:
         self.device: torch.device = runner.device
         self.attention_backend_name: str = runner.attention_backend_name
         self.kv_groups = runner.kv_groups  # the KV cache groups the block manager keeps blocks for
-        self.num_state_slots, self.state_cache_bytes = 0, 0  # hybrid models are refused above
+        self.num_state_slots = self.num_state_snapshots = self.state_cache_bytes = 0  # hybrids: refused
         self.weight_formats: list[str] = runner.weight_formats
 
     def _spawn_local_workers(self, channel: str) -> WorkerProcesses:

@@ -5,35 +5,50 @@ every linear layer) from admission until it finishes, is aborted or preempted. P
 A slot needs no clearing when it changes hands: a sequence's first chunk starts at position 0,
 and the model starts such a chunk from a zero state. So preemption (by recompute) gives the slot
 back and the sequence rebuilds its state on readmission.
+
+Prefix caching needs, besides the full-attention blocks, the state at the hit's end. A prompt's
+prefill stops once at its *checkpoint* (``Sequence.checkpoint_at``: the end of its last full
+block before its last token), and the state there is copied into a *snapshot* row, keyed by the
+hash chain of the blocks before it; snapshots are reused LRU-first. A later prompt's hit is cut
+back to the longest cached prefix ending where a snapshot is (``find``), and its slot takes a copy
+(``restore``). Forked choices (n > 1) copy their parent's slot at the same point. The copies are
+queued here and run on the device before the next step's model (``take_copies``), in order.
 """
 
 from __future__ import annotations
 
-import logging
+from collections import OrderedDict
 
 from kvserve.engine.config import EngineConfig
 
-log = logging.getLogger("kvserve.engine")
-
 
 class StateSlots:
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, num_snapshots: int = 0):
         if num_slots < 1:
             raise ValueError(f"a state cache needs at least one slot, got {num_slots}")
-        self.num_slots = num_slots
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._copies: list[list[int]] = []  # [from, to]: states to copy before the next step
+        # the rows after the slots: a block hash -> its snapshot's row, least recently used first
+        self._snapshots: OrderedDict[int, int] = OrderedDict()
+        self._free_rows = list(range(num_slots + num_snapshots - 1, num_slots - 1, -1))
+        self.hits = 0  # admissions that restored a snapshot
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def take(self, seq) -> None:
-        """Give ``seq`` a slot (it must have none; ``num_free`` says whether one is left)."""
+    def take(self, seq, snapshot: int | None = None) -> None:
+        """Give ``seq`` a slot (it must have none; ``num_free`` says whether one is left), which
+        takes the state of the ``snapshot`` key (a prefix hit) before the next step runs."""
         assert seq.state_slot is None, seq
         if not self._free:
             raise RuntimeError(f"out of state slots: all {self.num_slots} are held")
         seq.state_slot = self._free.pop()
+        if snapshot is not None:
+            self._snapshots.move_to_end(snapshot)
+            self._copies.append([self._snapshots[snapshot], seq.state_slot])
+            self.hits += 1
 
     def release(self, seq) -> None:
         """Take back ``seq``'s slot, if it holds one."""
@@ -44,6 +59,30 @@ class StateSlots:
     def copy(self, parent, child) -> None:
         """Have ``child``'s slot take ``parent``'s state before the next step runs (a fork)."""
         self._copies.append([parent.state_slot, child.state_slot])
+
+    def checkpoint(self, seq, key: int) -> None:
+        """When ``seq``'s computed tokens are at its checkpoint, keep its state there as the snapshot
+        of ``key`` (the hash of its blocks up to there), in a free row or the least recently used."""
+        if seq.num_computed_tokens != seq.checkpoint_at or seq.state_slot is None:
+            return
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+            return
+        row = self._free_rows.pop() if self._free_rows else self._snapshots.popitem(last=False)[1]
+        self._snapshots[key] = row
+        self._copies.append([seq.state_slot, row])
+
+    def find(self, hashes: list[int], limit: int) -> int:
+        """The most of the first ``limit`` blocks of ``hashes`` whose end has a snapshot (0: none)."""
+        return next((n for n in range(limit, 0, -1) if hashes[n - 1] in self._snapshots), 0)
+
+    def clear_snapshots(self) -> None:
+        self._free_rows.extend(self._snapshots.values())
+        self._snapshots.clear()
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._snapshots)
 
     def take_copies(self) -> list[list[int]]:
         copies, self._copies = self._copies, []
@@ -56,16 +95,13 @@ class StateSlots:
 
 
 def hybrid_config(config: EngineConfig, hf_config) -> EngineConfig:
-    """A model with a recurrent state: speculation refused, prefix caching off (as vLLM), with reasons."""
+    """Refuses, for a model with a recurrent state, speculation, with the reason."""
     name = (getattr(hf_config, "architectures", None) or ["this model"])[0]
     if config.speculative != "off":
         raise ValueError(f"speculative={config.speculative!r} is not supported for {name}: verifying "
                          "drafts through its linear-attention layers needs their state at every kept "
                          "position, which kvserve does not keep yet; serve it with speculative='off'")
-    if config.enable_prefix_caching:
-        log.warning("prefix caching is off for %s: a hit needs the linear-attention layers' state at "
-                    "the hit's end, and kvserve keeps no state snapshots yet", name)
-    return config.replace(enable_prefix_caching=False)
+    return config
 
 
 def state_stats(slots: StateSlots | None, executor) -> dict:
@@ -73,4 +109,5 @@ def state_stats(slots: StateSlots | None, executor) -> dict:
     if slots is None:
         return {}
     return dict(state_slots_total=slots.num_slots, state_slots_free=slots.num_free,
-                state_cache_bytes=executor.state_cache_bytes)
+                state_snapshots_total=slots.num_snapshots, state_snapshots_cached=slots.num_cached,
+                state_snapshot_hits=slots.hits, state_cache_bytes=executor.state_cache_bytes)

@@ -281,6 +281,10 @@ class ModelRunner:
         return 0 if self.state_cache is None else self.state_cache.num_slots
 
     @property
+    def num_state_snapshots(self) -> int:
+        return 0 if self.state_cache is None else self.state_cache.num_snapshots
+
+    @property
     def state_cache_bytes(self) -> int:
         return 0 if self.state_cache is None else self.state_cache.nbytes
 
@@ -290,8 +294,9 @@ class ModelRunner:
             return None
         cpu_budget = self.device.type == "cpu" and self.config.num_kv_blocks is None
         budget = int(self.config.kv_cache_memory * GiB) if cpu_budget else None
-        slots = count_state_slots(self.model, self.dtype, self.config.max_num_seqs, budget)
-        return StateCache(self.model, slots, self.dtype, self.device)
+        snapshots = self.config.enable_prefix_caching
+        slots = count_state_slots(self.model, self.dtype, self.config.max_num_seqs, budget, snapshots)
+        return StateCache(self.model, slots, self.dtype, self.device, slots if snapshots else 0)
 
     def _free_gpu_bytes_after_warm_up(self, record_graph: Recorder | None) -> int:
         """GPU memory for the KV cache: what ``gpu_memory_utilization`` allows, less what is in use,

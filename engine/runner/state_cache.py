@@ -6,8 +6,10 @@ and each step's ``ModelInput.state_slots`` says which sequence has which.
 
 The slots come out of the KV cache's memory: one per sequence that may run (``max_num_seqs``), or
 on the CPU, where ``kv_cache_memory`` is the budget, as many as half of it holds when that is
-fewer; the KV blocks get the rest. On CUDA the cache is allocated before the free memory is
-measured, so the blocks are sized around it.
+fewer; the KV blocks get the rest. With prefix caching, as many rows again hold state snapshots
+(the states at prompts' checkpoints, reused LRU-first: kv_cache/state_slots.py) out of the same
+half. On CUDA the cache is allocated before the free memory is measured, so the blocks are sized
+around it.
 """
 
 from __future__ import annotations
@@ -31,28 +33,35 @@ def slot_bytes(model, dtype: torch.dtype) -> int:
     return per_layer * len(model.state_layers())
 
 
-def count_state_slots(model, dtype: torch.dtype, max_num_seqs: int, budget: int | None) -> int:
+def count_state_slots(model, dtype: torch.dtype, max_num_seqs: int, budget: int | None,
+                      snapshots: bool = False) -> int:
     """Slots for ``max_num_seqs`` sequences, fewer when ``budget`` (bytes, None: unbounded) cannot
-    give half of itself to them; refuses a budget that holds none."""
-    per_slot = slot_bytes(model, dtype)
+    give half of itself to them (and with ``snapshots`` as many snapshot rows); refuses a budget
+    that holds none."""
+    per_slot = slot_bytes(model, dtype) * (2 if snapshots else 1)
     if budget is None or per_slot * max_num_seqs <= budget // 2:
         return max_num_seqs
     slots = budget // 2 // per_slot
     if slots < 1:
         raise ValueError(f"kv_cache_memory ({budget / 2**30:.3f} GiB) cannot hold the recurrent state of one "
-                         f"sequence ({per_slot / 2**20:.1f} MiB) in half of it; raise kv_cache_memory")
-    log.warning("kv_cache_memory holds the recurrent state of %d sequences (%.1f MiB each), fewer than "
-                "max_num_seqs (%d): at most %d run at once", slots, per_slot / 2**20, max_num_seqs, slots)
+                         f"sequence ({per_slot / 2**20:.1f} MiB{', with its snapshot' if snapshots else ''}) "
+                         "in half of it; raise kv_cache_memory")
+    log.warning("kv_cache_memory holds the recurrent state of %d sequences (%.1f MiB each%s), fewer than "
+                "max_num_seqs (%d): at most %d run at once", slots, per_slot / 2**20,
+                ", with a snapshot" if snapshots else "", max_num_seqs, slots)
     return slots
 
 
 class StateCache:
-    def __init__(self, model, num_slots: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model, num_slots: int, dtype: torch.dtype, device: torch.device,
+                 num_snapshots: int = 0):
+        """Rows 0..num_slots-1: the slots; the ``num_snapshots`` rows after them: snapshots."""
         conv_shape, state_shape = model.state_shapes()
         layers = model.state_layers()
-        self.num_slots = num_slots
-        self.conv = torch.zeros(len(layers), num_slots, *conv_shape, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(len(layers), num_slots, *state_shape, dtype=torch.float32, device=device)
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
+        rows = num_slots + num_snapshots
+        self.conv = torch.zeros(len(layers), rows, *conv_shape, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(len(layers), rows, *state_shape, dtype=torch.float32, device=device)
         for i, layer in enumerate(layers):
             layer.bind_state(self.conv[i], self.recurrent[i])
 

@@ -99,7 +99,6 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(model_dir, want):
     try:
         assert greedy_tokens(llm, PROMPTS) == want
         assert [greedy_tokens(llm, [p])[0] for p in PROMPTS[:2]] == want[:2]
-        assert not llm.engine.config.enable_prefix_caching  # off for a hybrid, with a logged reason
         assert_slots_all_free(llm)
     finally:
         llm.shutdown()
@@ -146,6 +145,33 @@ def test_n_choices_fork_with_a_copy_of_the_state_and_give_the_tokens_of_separate
         assert [list(c.token_ids) for c in out[0].choices] == alone
         assert len({tuple(a) for a in alone}) > 1
         assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_a_shared_64_token_prefix_hits_a_state_snapshot_and_gives_the_tokens_of_a_cold_run(model_dir):
+    """The first prompt's prefill stops at the end of its last full block (64 tokens here) and keeps
+    the state there; the second, sharing those 64 tokens, takes the blocks and a copy of that state
+    and computes only its own 23 tokens."""
+    shared = [(11 * i + 5) % 7000 + 9 for i in range(64)]
+    prompts = [shared + list(range(500, 510)), shared + list(range(900, 923))]
+    cold = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, enable_prefix_caching=False)
+    try:
+        want = [greedy_tokens(cold, [p])[0] for p in prompts]
+        assert cold.stats().state_snapshots_total == 0
+    finally:
+        cold.shutdown()
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK)
+    try:
+        first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0]
+        second = llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0]
+        assert (first.cached_tokens, second.cached_tokens) == (0, 64)
+        assert [list(first.token_ids), list(second.token_ids)] == want
+        stats = llm.stats()
+        assert stats.state_snapshot_hits == 1 and stats.state_snapshots_cached == 2  # at 64 and at 80
+        assert_slots_all_free(llm)
+        assert llm.engine.reset_prefix_cache().success
+        assert llm.stats().state_snapshots_cached == 0
     finally:
         llm.shutdown()
 
@@ -211,9 +237,9 @@ def test_the_state_slots_come_out_of_kv_cache_memory(model_dir):
     try:
         per_slot = slot_bytes(llm.engine.executor.model, torch.float32)
         stats = llm.stats()
-        budget = int(0.001 * 2**30)
-        assert stats.state_slots_total == min(8, budget // 2 // per_slot)
-        assert stats.state_cache_bytes == stats.state_slots_total * per_slot
+        budget = int(0.001 * 2**30)  # half of it for the slots and as many snapshot rows
+        assert stats.state_slots_total == stats.state_snapshots_total == min(8, budget // 2 // (2 * per_slot))
+        assert stats.state_cache_bytes == 2 * stats.state_slots_total * per_slot
         block_bytes = llm.engine.executor.kv_block_bytes
         assert stats.kv_blocks_total == (budget - stats.state_cache_bytes) // block_bytes
     finally:
