@@ -61,9 +61,9 @@ class StateSlots:
         self._copies.append([parent.state_slot, child.state_slot])
 
     def checkpoint(self, seq, key: int) -> None:
-        """When ``seq``'s computed tokens are at its checkpoint, keep its state there as the snapshot
-        of ``key`` (the hash of its blocks up to there), in a free row or the least recently used."""
-        if seq.num_computed_tokens != seq.checkpoint_at or seq.state_slot is None:
+        """``seq``'s computed tokens are at its checkpoint: keep its state there as the snapshot of
+        ``key`` (the hash of its blocks up to there), in a free row or the least recently used."""
+        if seq.state_slot is None:
             return
         if key in self._snapshots:
             self._snapshots.move_to_end(key)
