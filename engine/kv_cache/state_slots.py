@@ -94,14 +94,26 @@ class StateSlots:
         assert sorted(held + self._free) == list(range(self.num_slots)), (held, self._free)
 
 
-def hybrid_config(config: EngineConfig, hf_config) -> EngineConfig:
-    """Refuses, for a model with a recurrent state, speculation, with the reason."""
+def has_linear_attention(hf_config) -> bool:
+    """Whether the config's layers include linear-attention ones (a recurrent state per sequence)."""
+    return "linear_attention" in (getattr(hf_config, "layer_types", None) or [])
+
+
+def refuse_on_linear_attention(config: EngineConfig, hf_config) -> None:
+    """What the engine cannot do yet for a model with linear-attention layers, refused at start by
+    name: speculation (verifying drafts needs the state after each kept prefix) and tensor
+    parallelism (the linear layers' heads are not split across ranks)."""
+    if not has_linear_attention(hf_config):
+        return
     name = (getattr(hf_config, "architectures", None) or ["this model"])[0]
     if config.speculative != "off":
         raise ValueError(f"speculative={config.speculative!r} is not supported for {name}: verifying "
                          "drafts through its linear-attention layers needs their state at every kept "
                          "position, which kvserve does not keep yet; serve it with speculative='off'")
-    return config
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} is not supported for {name}: "
+                         "its linear-attention (Gated DeltaNet) layers do not split across ranks yet; use "
+                         "tensor_parallel_size=1")
 
 
 def state_stats(slots: StateSlots | None, executor) -> dict:
