@@ -73,8 +73,7 @@ class GatedDeltaNet(nn.Module):
         key_size, value_size = self.num_k_heads * self.k_dim, value_dim_of(config)
         self.conv_size = 2 * key_size + value_size
         self.splits = [self.conv_size, value_size, self.num_v_heads, self.num_v_heads]
-        # in_proj_qkv | in_proj_z | in_proj_b | in_proj_a, one GEMM
-        self.in_proj = MergedColumnParallelLinear(config.hidden_size, self.splits, False, parallel)
+        self.in_proj = self.make_in_proj(config, parallel)
         self.conv1d = CausalConv1d(self.conv_size, config.linear_conv_kernel_dim)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=torch.float32), requires_grad=False)
@@ -84,6 +83,10 @@ class GatedDeltaNet(nn.Module):
         self.conv_states = torch.empty(0)  # [slots, channels, K - 1], bound by the runner
         self.recurrent_states = torch.empty(0)  # [slots, value heads, key dim, value dim], float32
 
+    def make_in_proj(self, config, parallel: ParallelContext) -> MergedColumnParallelLinear:
+        """in_proj_qkv | in_proj_z | in_proj_b | in_proj_a, one GEMM."""
+        return MergedColumnParallelLinear(config.hidden_size, self.splits, False, parallel)
+
     def bind_state(self, conv_states: torch.Tensor, recurrent_states: torch.Tensor) -> None:
         self.conv_states, self.recurrent_states = conv_states, recurrent_states
 
@@ -92,7 +95,7 @@ class GatedDeltaNet(nn.Module):
         if slots is None or len(slots) != meta.num_seqs:
             raise RuntimeError("a Gated DeltaNet layer needs one state slot per sequence of the step "
                                "(AttentionMetadata.state_slots)")
-        mixed, z, b, a = self.in_proj(hidden).split(self.splits, dim=-1)
+        mixed, z, b, a = self.project(hidden)
         beta = b.sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         if meta.max_query_len == 1:
@@ -102,6 +105,10 @@ class GatedDeltaNet(nn.Module):
                              for s, e, slot, fresh in self._spans(meta, slots)])
         out = self._gated_norm(out.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(hidden.shape[0], -1))
+
+    def project(self, hidden: torch.Tensor):
+        """The conv channels (q | k | v), z, b and a of each token."""
+        return self.in_proj(hidden).split(self.splits, dim=-1)
 
     @staticmethod
     def _spans(meta: AttentionMetadata, slots: list[int]):
@@ -185,14 +192,16 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
+    linear_class = GatedDeltaNet
+
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(config, parallel)
+            self.linear_attn = self.linear_class(config, parallel)
         else:
             self.self_attn = GatedAttention(config, backend, parallel)
-        self.mlp = LlamaMLP(config, parallel)
+        self.mlp = self.make_mlp(config, parallel, layer_idx)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -208,12 +217,17 @@ class Qwen3_5DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def make_mlp(self, config, parallel: ParallelContext, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config, parallel)
+
 
 class Qwen3_5Model(nn.Module):
+    layer_class = Qwen3_5DecoderLayer
+
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, backend, parallel, i)
+        self.layers = nn.ModuleList(self.layer_class(config, backend, parallel, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(rotary_dim_of(config), config.max_position_embeddings,

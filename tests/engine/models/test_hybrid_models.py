@@ -1,7 +1,8 @@
-"""Qwen3.5 (Gated DeltaNet + gated full attention) end to end on the CPU in float32 against
-transformers 5.24, with a tiny random-weight checkpoint from ``Qwen3_5TextConfig`` whose linear
-layers' weights are scaled up so that their state visibly steers the tokens; and the state slots
-the sequences hold: returned at finish, abort and preemption, a burst larger than the pool waits.
+"""Qwen3.5 (Gated DeltaNet + gated full attention) and Qwen3-Next (the same with mixtures of
+experts) end to end on the CPU in float32 against transformers 5.24, with tiny random-weight
+checkpoints from ``Qwen3_5TextConfig`` / ``Qwen3NextConfig`` whose linear layers' weights are
+scaled up so that their state visibly steers the tokens; and the state slots the sequences hold:
+returned at finish, abort and preemption, a burst larger than the pool waits.
 """
 
 from __future__ import annotations
@@ -27,32 +28,42 @@ PROMPTS = [[(37 * i + 11) % 9000 + 3 for i in range(300)], list(range(2000, 2200
            [(i * i) % 5000 + 7 for i in range(137)], [42] * 65]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # the linear layers' projections, times this: N(0, 0.02) weights leave their output too small to matter
-LINEAR_SCALE = {"in_proj_qkv": 20.0, "in_proj_z": 20.0, "out_proj": 20.0, "conv1d": 20.0}
+LINEAR_SCALE = {"in_proj_qkv": 20.0, "in_proj_z": 20.0, "in_proj_qkvz": 20.0, "out_proj": 20.0,
+                "conv1d": 20.0}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    path = write_model_dir(make_config("qwen3.5-tiny"), tmp_path_factory.mktemp("qwen3.5"),
-                           dtype=torch.float32)
+def scaled_model(name: str, out_dir) -> str:
+    path = write_model_dir(make_config(name), out_dir, dtype=torch.float32)
     weights = load_file(str(path / "model.safetensors"))
-    for name in weights:
+    for key in weights:
         for part, scale in LINEAR_SCALE.items():
-            if f"linear_attn.{part}." in name:
-                weights[name] = weights[name] * scale
+            if f"linear_attn.{part}." in key:
+                weights[key] = weights[key] * scale
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def want(model_dir) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def model_dir(tmp_path_factory) -> str:
+    return scaled_model("qwen3.5-tiny", tmp_path_factory.mktemp("qwen3.5"))
+
+
+def hf_greedy(path: str, prompts) -> list[list[int]]:
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # every tensor of ours was read
+    model.eval()
     out = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         with torch.no_grad():
             ids = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
                                  do_sample=False)
         out.append(ids[0, len(prompt):].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def want(model_dir) -> list[list[int]]:
+    return hf_greedy(model_dir, PROMPTS)
 
 
 def greedy_tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -189,6 +200,20 @@ def test_an_aborted_request_gives_its_slot_back(model_dir):
         assert engine.abort("r1")
         while engine.has_unfinished_requests():
             engine.step()
+        assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_qwen3_next_greedy_tokens_equal_transformers_batched_and_chunked(tmp_path):
+    """Qwen3-Next: per-key-head projections regrouped, experts with a shared one."""
+    path = scaled_model("qwen3-next-tiny", tmp_path)
+    prompts = PROMPTS[1:3]
+    want = hf_greedy(path, prompts)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, max_num_batched_tokens=37,
+              max_num_seqs=2)
+    try:
+        assert greedy_tokens(llm, prompts) == want
         assert_slots_all_free(llm)
     finally:
         llm.shutdown()
