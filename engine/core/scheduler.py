@@ -44,7 +44,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    state_copies: list[list[int]] = field(default_factory=list)  # [from slot, to slot]: forks' states
+    state_copies: list[list[int]] = field(default_factory=list)  # [from row, to row]: kv_cache/state_slots.py
 
     @property
     def attended_pairs(self) -> int:
