@@ -51,6 +51,9 @@ class ModelInput:
     group_slot_mappings: list[list[int]] = field(default_factory=list)
     group_table_updates: list[list[list[int]]] = field(default_factory=list)
     group_block_tables: list[list[list[int]]] = field(default_factory=list)
+    # per sequence: its state slot, for models with a recurrent state (engine/runner/state_cache.py)
+    state_slots: list[int] = field(default_factory=list)
+    state_copies: list[list[int]] = field(default_factory=list)  # [from slot, to slot], before the step
 
     @property
     def num_seqs(self) -> int:
@@ -193,11 +196,12 @@ def step_block_tables(inp: ModelInput) -> np.ndarray:
     return inp.block_table_array
 
 
-def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter | None = None) -> ModelInput:
+def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter | None = None,
+                      state_copies: list[list[int]] | None = None) -> ModelInput:
     """Lay out a scheduler step (``ScheduledSeq`` items, batch order) as one flat batch; with
     ``tables``, each sequence's row in the runners' block table and the blocks they lack instead
     of its whole block table."""
-    inp = ModelInput()
+    inp = ModelInput(state_copies=state_copies or [])
     input_ids, positions, slots, query_lens = inp.input_ids, inp.positions, inp.slot_mapping, inp.query_lens
     for s in scheduled:
         seq, n = s.seq, s.num_tokens
@@ -217,6 +221,8 @@ def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter
             slots.extend(slot_of(table, p, block_size) for p in range(start, end))
         query_lens.append(n)
         inp.context_lens.append(end)
+        if seq.state_slot is not None:
+            inp.state_slots.append(seq.state_slot)
         if end == len(seq.token_ids):
             inp.logits_indices.append(len(input_ids) - 1)
         if len(seq.block_tables) > 1:

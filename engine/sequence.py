@@ -76,6 +76,10 @@ class Sequence:
         # one block table per KV cache group (engine/kv_cache/groups.py), all as long; the block
         # manager sizes the list; ``block_table`` is the first group's
         self.block_tables: list[list[int]] = [[]]
+        self.state_slot: int | None = None  # its row of the state cache (models with a recurrent state)
+        # with a recurrent state: its prefill stops here once, where its state is kept (a snapshot
+        # for prefix hits, copies for its other choices): the end of the prompt's last full block
+        self.checkpoint_at: int | None = None
         self.num_hashed_blocks = 0  # leading columns of the tables whose hashes are published
         self.block_hashes: list[int] = []  # the hash chain of the full blocks computed so far
         self.status = SequenceStatus.WAITING

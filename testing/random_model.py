@@ -148,6 +148,36 @@ SHAPES: dict[str, tuple[str, dict]] = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
     )),
+    # Qwen3.5: Gated DeltaNet (linear attention) layers, every fourth layer full attention with a
+    # quarter of each head turning; the tiny shape puts linear layers after the full one too
+    "qwen3.5-tiny": ("Qwen3_5ForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        max_position_embeddings=2048, tie_word_embeddings=False, **TINY_SPECIAL_IDS,
+    )),
+    "qwen3.5-0.8b": ("Qwen3_5ForCausalLM", dict(  # Qwen/Qwen3.5-0.8B's text_config
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    )),
+    "qwen3.5-2b": ("Qwen3_5ForCausalLM", dict(  # Qwen/Qwen3.5-2B's text_config
+        vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    )),
+    # Qwen3-Next: Qwen3.5's hybrid with mixtures of experts (8 experts, top-2, a shared expert)
+    "qwen3-next-tiny": ("Qwen3NextForCausalLM", dict(
+        vocab_size=10240, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, shared_expert_intermediate_size=64, norm_topk_prob=True, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        max_position_embeddings=2048, tie_word_embeddings=False, **TINY_SPECIAL_IDS,
+    )),
     # the sizes CPU users serve from GGUF (``make bench-scale``), after each model's config.json; Llama
     # 3.2's rope scaling is left out (a GGUF of it carries rope_freqs, which kvserve's reader refuses)
     "smollm2-1.7b": ("LlamaForCausalLM", dict(
@@ -179,7 +209,8 @@ MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3M
                "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
                "MistralForCausalLM": "mistral", "MinistralForCausalLM": "ministral",
                "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-               "Gemma3ForCausalLM": "gemma3_text", "GptOssForCausalLM": "gpt_oss"}
+               "Gemma3ForCausalLM": "gemma3_text", "GptOssForCausalLM": "gpt_oss",
+               "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next"}
 
 
 # each family's chat format, written for these directories after the released models' own: (jinja

@@ -17,9 +17,8 @@
   keep it and go to the tail (least recently freed reused first), so a later request can
   still hit them. Freed blocks with nothing to hit (a sequence's partial last block, any
   block with prefix caching off) go to the head: reused most recently freed first, before
-  any block never used. The CPU cache is a lazily zeroed memory map whose pages take memory
-  at first touch, so reusing warm blocks keeps the resident KV at the working set instead of
-  walking through the whole cache; only cached prefixes (which are worth their memory) make
+  any block never used. The CPU cache is a lazily zeroed memory map (pages take memory at first
+  touch): reusing warm blocks keeps the resident KV at the working set; only cached prefixes make
   it grow towards the configured size.
 - KV cache groups (engine/kv_cache/groups.py; ``windows``: each group's sliding window, None
   for full attention): one pool of blocks, one block table per group and sequence, all as long.
@@ -28,12 +27,10 @@
   decoding sequence holds at most ceil(W / block_size) + 1 of them. Hashes stay one chain per
   sequence (``Sequence.block_hashes``); each group publishes its own blocks under them, and a
   prefix hit needs every full group's blocks up to the hit and each window group's blocks of the
-  last W - 1 tokens before it (``match_prefix``).
-- KV-cache events (``kv_events``, a list when the server publishes them, else None): a tuple is
-  appended when a hash enters the table (``STORED``), leaves it (``REMOVED``: the last block
-  holding it was reused) or the whole table is dropped (``CLEARED``); the engine core hands the
-  list over after each step. That append is the only cost on the step; the front-end groups and
-  encodes them (engine/frontend/kv_events.py).
+  last W - 1 tokens before it (``match_prefix``). Recurrent states: engine/kv_cache/state_slots.py.
+- KV-cache events (``kv_events``, a list when the server publishes them, else None): a tuple when
+  a hash enters the table (``STORED``), leaves it (``REMOVED``: its last block was reused) or the
+  table is dropped (``CLEARED``), handed over after each step (engine/frontend/kv_events.py).
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvserve.engine.kv_cache.groups import NULL_BLOCK, Hits, first_live_block, peak_blocks
+from kvserve.engine.kv_cache.state_slots import StateSlots
 from kvserve.engine.model_input import blocks_for
 from kvserve.engine.sequence import Sequence
 
@@ -82,7 +80,8 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: tuple[int | None, ...] = (None,)):
+                 windows: tuple[int | None, ...] = (None,), state_slots: int = 0,
+                 state_snapshots: int = 0):
         self.windows = tuple(windows)  # per KV cache group: its sliding window (None: full attention)
         self.reserved = 1 if any(w is not None for w in self.windows) else 0  # NULL_BLOCK
         if num_blocks < 1 + self.reserved or block_size < 1:
@@ -101,18 +100,16 @@ class BlockManager:
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found
         self.kv_events: list[tuple] | None = None  # see the module's docstring
+        if state_slots and enable_prefix_caching and not state_snapshots:  # a hit needs the state too
+            raise ValueError("prefix caching needs state snapshots, which a model with state slots lacks")
+        self.state_slots = StateSlots(state_slots, state_snapshots) if state_slots else None
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.windows)
+    num_groups = property(lambda self: len(self.windows))
 
     def take_kv_events(self) -> list[tuple]:
         """The events since the last call (empty when they are not collected)."""
-        events = self.kv_events
-        if not events:
-            return []
-        self.kv_events = []
-        return events
+        events, self.kv_events = self.kv_events, (None if self.kv_events is None else [])
+        return events or []
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use, since running
@@ -126,6 +123,8 @@ class BlockManager:
             duplicates.clear()
         if self.kv_events is not None:
             self.kv_events.append((CLEARED,))
+        if self.state_slots is not None:
+            self.state_slots.clear_snapshots()
         return True
 
     # ---- accounting -------------------------------------------------------------------
@@ -134,9 +133,7 @@ class BlockManager:
         """Blocks sequences can take (the null block, reserved with window groups, is not one)."""
         return len(self.blocks) - self.reserved
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+    num_free_blocks = property(lambda self: len(self.free_ids))
 
     @property
     def hit_rate(self) -> float:
@@ -192,15 +189,17 @@ class BlockManager:
             found.append(blocks)
         while hit and not all(self._reaches(found[g], hit, w) for g, w in enumerate(self.windows)):
             hit -= 1
-        return self._hits(found, hit)
+        if self.state_slots is not None:  # where a snapshot of the state is (restored by ``admit``)
+            hit = self.state_slots.find(hashes, hit)
+        return self._hits(found, hit, hashes)
 
-    def _hits(self, tables: list[list[int | None]], hit: int) -> Hits:
+    def _hits(self, tables: list[list[int | None]], hit: int, hashes: list[int] | None = None) -> Hits:
         """The first ``hit`` columns of ``tables``, each window group's behind its window nulled."""
         groups = []
         for g, window in enumerate(self.windows):
             live = first_live_block(hit * self.block_size, window, self.block_size)
             groups.append([NULL_BLOCK] * live + tables[g][live:hit])
-        return Hits(groups)
+        return Hits(groups, hashes[hit - 1] if hashes and hit else None)
 
     def _reaches(self, table: list[int | None], hit: int, window: int | None) -> bool:
         """Whether ``table`` holds every block a window group's next token after ``hit`` columns
@@ -242,7 +241,8 @@ class BlockManager:
                           if (bid != NULL_BLOCK or not self.reserved) and self.blocks[bid].ref_count == 0)
         covered = len(hits) * self.block_size + num_new_tokens
         fresh = (self.blocks_needed(covered) - len(hits)) * self.num_groups
-        return reused_free + fresh <= self.num_free_blocks
+        slot_free = self.state_slots is None or self.state_slots.num_free > 0
+        return slot_free and reused_free + fresh <= self.num_free_blocks
 
     def admit(self, seq: Sequence, hits: list[int]) -> None:
         """Give an un-admitted sequence its cached prefix blocks (``match_prefix``'s, or for a
@@ -261,6 +261,8 @@ class BlockManager:
                 table.append(bid)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
+        if self.state_slots is not None:  # a slot, which takes the state snapshot at the hit's end
+            self.state_slots.take(seq, getattr(hits, "state_key", None))
         if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.query_tokens += seq.num_tokens
             self.hit_tokens += seq.num_computed_tokens
@@ -347,6 +349,9 @@ class BlockManager:
                         block.parent_hash = hashes[i - 1] if i else salt_root(seq.params.cache_salt)
                         self._publish(block)
             seq.num_hashed_blocks = full
+        at = seq.checkpoint_at  # with a recurrent state: keep it there (kv_cache/state_slots.py)
+        if self.state_slots is not None and self.enable_prefix_caching and at == seq.num_computed_tokens:
+            self.state_slots.checkpoint(seq, self.hash_chain(seq, at // bs)[-1])
         if self.reserved:
             self.free_behind_windows(seq)
 
@@ -391,3 +396,5 @@ class BlockManager:
         seq.block_tables = [[] for _ in self.windows]
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        if self.state_slots is not None:
+            self.state_slots.release(seq)

@@ -89,6 +89,14 @@ class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
     kv_blocks_free: int  # prefix-cached blocks that are free count here
     kv_block_size: int
     kv_cache_dtype: str
+    # models with linear-attention layers: the slots of their per-sequence state and its memory,
+    # part of the KV cache's (engine/runner/state_cache.py); 0 for other models
+    state_slots_total: int = 0
+    state_slots_free: int = 0
+    state_snapshots_total: int = 0  # rows for prefix caching's states (as many as slots; 0: it is off)
+    state_snapshots_cached: int = 0
+    state_snapshot_hits: int = 0  # admissions that resumed from a snapshot
+    state_cache_bytes: int = 0
     prefix_cache_hit_rate: float
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found

@@ -23,8 +23,9 @@ from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.ipc import CacheFlush, EngineStats, ModelFacts
 from kvserve.engine.core.requests import Choice, Request, choice_params
-from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.executor.executor import create_executor
+from kvserve.engine.kv_cache.state_slots import refuse_on_linear_attention, state_stats
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
 from kvserve.engine.model_loader.generation_defaults import sampling_defaults
@@ -62,13 +63,15 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = load_generation_eos(self.source, hf_config, self.tokenizer)
+        refuse_on_linear_attention(config, hf_config)
         self.executor = create_executor(config)
         self.vocab_size = self.executor.vocab_size
         self.model_name = self.source.name
         self.architecture = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
         self.block_manager = BlockManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-            windows=self.executor.kv_groups.windows,
+            windows=self.executor.kv_groups.windows, state_slots=self.executor.num_state_slots,
+            state_snapshots=self.executor.num_state_snapshots if config.enable_prefix_caching else 0,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -235,7 +238,8 @@ class LLMEngine:
             return outputs
         pairs = sched.attended_pairs if self.scheduler.step_clock else 0
         self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
-        inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables)
+        inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables,
+                                sched.state_copies)
         model_started = time.perf_counter()
         logits = self.executor.execute_model(inp)
         if self.speculator is not None and inp.is_decode_only:  # what the policy's rows cost now
@@ -251,7 +255,7 @@ class LLMEngine:
                         "it after %d tokens", seq.request_id, seq.num_completion_tokens)
             self.scheduler.finish(seq, FinishReason.ABORT)
         if self._forks:
-            self._fork_prefilled(sampling)
+            self._fork_prefilled(sched)
         before = [seq.num_tokens for seq in sampling]
         self.scheduler.postprocess(sched, runs)  # the same sampling_seqs (cached)
         first_row = 0
@@ -265,12 +269,15 @@ class LLMEngine:
             self.scheduler.step_clock.observe(sched.num_tokens, pairs, time.perf_counter() - started)
         return outputs
 
-    def _fork_prefilled(self, sampling: list[Sequence]) -> None:
-        """Fork the other choices of each request whose prompt was prefilled in this step (before
-        ``postprocess``, which may finish choice 0 and free its blocks)."""
-        for seq in sampling:
-            if seq.num_completion_tokens == 0 and seq.seq_id in self._forks:
-                self.scheduler.fork(seq, self._forks.pop(seq.seq_id))
+    def _fork_prefilled(self, sched: SchedulerOutput) -> None:
+        """Fork the other choices of each request whose prompt was prefilled in this step, or whose
+        step ended at its ``checkpoint_at`` (before ``postprocess``, which may finish choice 0 and free its
+        blocks)."""
+        for s in sched.scheduled:
+            seq, end = s.seq, s.seq.num_computed_tokens + s.num_tokens
+            forks_now = s.samples or end == seq.checkpoint_at
+            if seq.num_completion_tokens == 0 and seq.seq_id in self._forks and forks_now:
+                self.scheduler.fork(seq, self._forks.pop(seq.seq_id), state_at=end)
 
     def _emit(self, choice: Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         seq = choice.seq
@@ -331,6 +338,7 @@ class LLMEngine:
             kv_blocks_free=blocks.num_free_blocks,
             kv_block_size=self.config.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
+            **state_stats(self.block_manager.state_slots, self.executor),
             prefix_cache_hit_rate=blocks.hit_rate,
             prefix_cache_queries=blocks.query_tokens,
             prefix_cache_hits=blocks.hit_tokens,

@@ -51,6 +51,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    state_copies: list[list[int]] = field(default_factory=list)  # [from row, to row]: kv_cache/state_slots.py
 
     @property
     def attended_pairs(self) -> int:
@@ -107,6 +108,8 @@ class Scheduler(AdmissionChecks):
     # ---- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
+        if self.bm.state_slots is not None:  # (kv_cache/state_slots.py)
+            seq.checkpoint_at = (seq.num_prompt_tokens - 1) // self.bm.block_size * self.bm.block_size or None
         self.waiting.append(seq)
         self.shares.join(seq)
         self.shares.enqueue(seq)
@@ -125,6 +128,8 @@ class Scheduler(AdmissionChecks):
             if not self._prefills_this_step(out):
                 budget = self._schedule_drafts(out, budget)
             self._schedule_waiting(out, budget)
+        if out.scheduled and self.bm.state_slots is not None:  # copied before the step's model runs
+            out.state_copies = self.bm.state_slots.take_copies()
         now = time.monotonic()
         for s in out.scheduled:
             if s.seq.times.first_scheduled is None:
@@ -171,6 +176,8 @@ class Scheduler(AdmissionChecks):
         token (see __init__); then cut to what keeps the step under ``max_step_time`` (a decode
         token is never cut; the first prefill chunk of a step keeps a minimum, so prompts always
         progress; later ones may get 0). Adds the chunk's predicted time to the step's."""
+        if seq.checkpoint_at is not None and position < seq.checkpoint_at:  # its state is kept there
+            remaining = min(remaining, seq.checkpoint_at - position)
         if (self.last_prompt_token_alone and remaining > 1 and seq.num_completion_tokens == 0
                 and seq.params.seed is not None):
             remaining -= 1
@@ -310,14 +317,22 @@ class Scheduler(AdmissionChecks):
         self.bm.grow(seq, n)
         return n
 
-    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+    def fork(self, parent: Sequence, children: list[Sequence], state_at: int | None = None) -> None:
         """The other choices of ``parent``'s request (SamplingParams.n), once its prompt's KV is
         written: each child takes references on the prompt's full blocks and waits at the head of
         the queue to compute the rest itself, at least the last prompt token, whose logits give
-        its own first token. The prompt is prefilled once whether prefix caching is on or off."""
+        its own first token. The prompt is prefilled once whether prefix caching is on or off.
+        With a recurrent state (``bm.state_slots``), a child shares them only where the parent's state
+        (at ``state_at`` after this step) is at their end: it takes a slot and a copy of that state
+        (the engine forks there, ``Sequence.checkpoint_at``); else it waits unadmitted, to compute all."""
         shared = self.bm.shared_prefix(parent, (parent.num_prompt_tokens - 1) // self.bm.block_size)
+        slots = self.bm.state_slots
         for child in reversed(children):  # the parent's prompt and limits: it fits as the parent did
-            self.bm.admit(child, shared)
+            if slots is None:
+                self.bm.admit(child, shared)
+            elif shared and state_at == len(shared) * self.bm.block_size and slots.num_free:
+                self.bm.admit(child, shared)
+                slots.copy(parent, child)
             self.waiting.appendleft(child)
             self.shares.join(child)
 

@@ -35,11 +35,13 @@ class KVCacheGroups:
 
 class Hits(list):
     """A prefix hit: the first group's blocks, as a list; ``groups``: every group's, as long (a
-    window group's start with ``NULL_BLOCK`` behind its window)."""
+    window group's start with ``NULL_BLOCK`` behind its window); ``state_key``: with a recurrent
+    state (kv_cache/state_slots.py), the key of the state snapshot at the hit's end."""
 
-    def __init__(self, groups: list[list[int]]):
+    def __init__(self, groups: list[list[int]], state_key: int | None = None):
         super().__init__(groups[0])
         self.groups = groups
+        self.state_key = state_key
 
 
 def group_layers(windows: Sequence[int | None]) -> KVCacheGroups:

@@ -24,7 +24,9 @@ from kvserve.engine.models import (  # noqa: F401 - they register
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
+    qwen3_next,
     smollm3,
 )
 from kvserve.engine.models.registry import model_class_for

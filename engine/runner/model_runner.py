@@ -62,6 +62,7 @@ from kvserve.engine.runner.cuda_graphs import (
     record_cuda_graph,
 )
 from kvserve.engine.runner.kv_groups import GroupTables, bind_groups, build_group_metadata, model_kv_groups
+from kvserve.engine.runner.state_cache import StateCache, count_state_slots, has_recurrent_state
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
@@ -162,6 +163,7 @@ class ModelRunner:
         width = block_table_width(self.max_model_len, self.block_size)
         self.block_tables = BlockTableArray(config.max_num_seqs, width)  # changed by each step's updates
         self.group_tables = GroupTables(self.kv_groups, config.max_num_seqs, width)  # the other groups'
+        self.state_cache = self._allocate_state_cache()  # before the KV blocks: it takes from their memory
         self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks(record_graph))
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.graphs = self._new_graph_runner(record_graph)
@@ -176,6 +178,8 @@ class ModelRunner:
         if self.rows_alike is not None:
             self.rows_alike.set(inp.is_decode_only)
         views = self.group_tables.views(inp, self.block_size)  # (first: the other groups' updates)
+        if inp.state_copies:  # forked choices take their parent's state
+            self.state_cache.copy(inp.state_copies)
         if inp.seq_rows:  # the step's block tables, cut from this runner's persistent array
             inp.block_table_array = self.block_tables.take(inp, self.block_size)
         if self.graphs is not None and self.graphs.fits(inp):
@@ -183,6 +187,8 @@ class ModelRunner:
             logits_indices = to_device(inp.logits_indices, self.device)
         else:
             batch = prepare_inputs(inp, self.backend, self.device, views)
+            if self.state_cache is not None:
+                batch.attn_metadata.state_slots = self.state_cache.step_slots(inp.state_slots, inp.num_seqs)
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
             logits_indices = batch.logits_indices
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
@@ -207,8 +213,9 @@ class ModelRunner:
         if not decode_graphs_enabled(self.config.enforce_eager, self.backend.name, self.device,
                                      test_recorder=record_graph is not None):
             return None
-        if self.kv_groups.num_groups > 1:  # the graphs' static metadata is one group's: decode eagerly
-            log.info("KV cache groups %s: decode steps run eagerly", self.kv_groups.windows)
+        if self.kv_groups.num_groups > 1 or self.state_cache is not None:  # graphs hold one group's
+            log.info("KV cache groups %s%s: decode steps run eagerly", self.kv_groups.windows,
+                     " and state slots" if self.state_cache is not None else "")
             return None
         return CudaGraphRunner(
             self.model, lambda inputs: decode_metadata(inputs, self.block_size), self.config.max_num_seqs,
@@ -224,7 +231,7 @@ class ModelRunner:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        return self.model.model.layers[0].self_attn.num_kv_heads
+        return self.model.attention_layers()[0].impl.num_kv_heads
 
     @property
     def kv_block_bytes(self) -> int:
@@ -261,8 +268,8 @@ class ModelRunner:
             return self.config.num_kv_blocks
         if self.device.type == "cuda":
             budget = self._free_gpu_bytes_after_warm_up(record_graph)
-        else:
-            budget = int(self.config.kv_cache_memory * GiB)
+        else:  # the state slots' memory is part of kv_cache_memory (on CUDA, in use already)
+            budget = int(self.config.kv_cache_memory * GiB) - self.state_cache_bytes
         blocks = budget // self.kv_block_bytes
         if blocks < 1:
             raise ValueError(
@@ -270,6 +277,28 @@ class ModelRunner:
                 "raise kv_cache_memory / gpu_memory_utilization or set num_kv_blocks"
             )
         return blocks
+
+    @property
+    def num_state_slots(self) -> int:
+        return 0 if self.state_cache is None else self.state_cache.num_slots
+
+    @property
+    def num_state_snapshots(self) -> int:
+        return 0 if self.state_cache is None else self.state_cache.num_snapshots
+
+    @property
+    def state_cache_bytes(self) -> int:
+        return 0 if self.state_cache is None else self.state_cache.nbytes
+
+    def _allocate_state_cache(self) -> StateCache | None:
+        """The linear layers' state slots (engine/runner/state_cache.py), None for other models."""
+        if not has_recurrent_state(self.model):
+            return None
+        cpu_budget = self.device.type == "cpu" and self.config.num_kv_blocks is None
+        budget = int(self.config.kv_cache_memory * GiB) if cpu_budget else None
+        snapshots = self.config.enable_prefix_caching
+        slots = count_state_slots(self.model, self.dtype, self.config.max_num_seqs, budget, snapshots)
+        return StateCache(self.model, slots, self.dtype, self.device, slots if snapshots else 0)
 
     def _free_gpu_bytes_after_warm_up(self, record_graph: Recorder | None) -> int:
         """GPU memory for the KV cache: what ``gpu_memory_utilization`` allows, less what is in use,

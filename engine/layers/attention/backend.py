@@ -72,6 +72,8 @@ class AttentionMetadata:
     # with several KV cache groups (engine/runner/kv_groups.py): every group's metadata, this one
     # first; each ``Attention`` module reads its own group's
     group_metadata: list[AttentionMetadata] | None = None
+    # models with a recurrent state (engine/runner/state_cache.py): each sequence's state slot
+    state_slots: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,273 @@
+"""Qwen3.5 (Gated DeltaNet + gated full attention) and Qwen3-Next (the same with mixtures of
+experts) end to end on the CPU in float32 against transformers 5.24, with tiny random-weight
+checkpoints from ``Qwen3_5TextConfig`` / ``Qwen3NextConfig`` whose linear layers' weights are
+scaled up so that their state visibly steers the tokens; and the state slots the sequences hold:
+returned at finish, abort and preemption, a burst larger than the pool waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.core.block_manager import BlockManager
+from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.layers import gated_delta
+from kvserve.engine.sequence import Sequence
+from kvserve.testing.random_model import make_config, write_model_dir
+
+BLOCK = 16
+# a few hundred tokens each, past several 64-token blocks of the chunked rule
+PROMPTS = [[(37 * i + 11) % 9000 + 3 for i in range(300)], list(range(2000, 2200)),
+           [(i * i) % 5000 + 7 for i in range(137)], [42] * 65]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# the linear layers' projections, times this: N(0, 0.02) weights leave their output too small to matter
+LINEAR_SCALE = {"in_proj_qkv": 20.0, "in_proj_z": 20.0, "in_proj_qkvz": 20.0, "out_proj": 20.0,
+                "conv1d": 20.0}
+
+
+def scaled_model(name: str, out_dir) -> str:
+    path = write_model_dir(make_config(name), out_dir, dtype=torch.float32)
+    weights = load_file(str(path / "model.safetensors"))
+    for key in weights:
+        for part, scale in LINEAR_SCALE.items():
+            if f"linear_attn.{part}." in key:
+                weights[key] = weights[key] * scale
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return scaled_model("qwen3.5-tiny", tmp_path_factory.mktemp("qwen3.5"))
+
+
+def hf_greedy(path: str, prompts) -> list[list[int]]:
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # every tensor of ours was read
+    model.eval()
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                                 do_sample=False)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def want(model_dir) -> list[list[int]]:
+    return hf_greedy(model_dir, PROMPTS)
+
+
+def greedy_tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_slots_all_free(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats.state_slots_total > 0
+    assert stats.state_slots_free == stats.state_slots_total
+    llm.engine.block_manager.check_integrity()
+
+
+def test_the_rule_in_chunks_of_any_size_matches_transformers_whole_sequence():
+    """Chunks of 1, 2, 70, 3 and 74 tokens (inside the conv window, across 64-token blocks) carry the
+    conv window and the recurrent state to the same outputs as transformers' rule over all 150."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    gen = torch.Generator().manual_seed(0)
+    T, hk, hv, dk, dv, channels, kernel = 150, 2, 4, 8, 8, 12, 4
+    q, k = torch.randn(T, hk, dk, generator=gen), torch.randn(T, hk, dk, generator=gen)
+    v = torch.randn(T, hv, dv, generator=gen)
+    g, beta = -torch.rand(T, hv, generator=gen), torch.rand(T, hv, generator=gen)
+    want, _ = hf.torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
+                                                  use_qk_l2norm_in_kernel=True)
+    x, weight = torch.randn(T, channels, generator=gen), torch.randn(channels, kernel, generator=gen)
+    conv_want = torch.nn.functional.silu(torch.nn.functional.conv1d(
+        x.t()[None], weight[:, None], padding=kernel - 1, groups=channels)[0, :, :T]).t()
+    state, conv_state = torch.zeros(hv, dk, dv), torch.zeros(channels, kernel - 1)
+    outs, convs, start = [], [], 0
+    for n in (1, 2, 70, 3, 74):
+        span = slice(start, start + n)
+        rule = gated_delta.delta_rule_recurrent if n == 1 else gated_delta.delta_rule_chunked
+        states = state.unsqueeze(0) if n == 1 else state
+        outs.append(rule(q[span], k[span], v[span], g[span], beta[span], states))
+        convs.append(gated_delta.causal_conv(x[span], weight, conv_state))
+        start += n
+    torch.testing.assert_close(torch.cat(outs), want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(convs), conv_want, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_tokens_equal_transformers_alone_and_batched(model_dir, want):
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK)
+    try:
+        assert greedy_tokens(llm, PROMPTS) == want
+        assert [greedy_tokens(llm, [p])[0] for p in PROMPTS[:2]] == want[:2]
+        assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("chunk", [2, 37])  # inside the conv window (K - 1 = 3); across blocks
+def test_chunked_prefill_leaves_the_tokens_unchanged(model_dir, want, chunk):
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, max_num_batched_tokens=chunk,
+              max_num_seqs=2)
+    try:
+        prompts = PROMPTS if chunk > 2 else PROMPTS[2:]  # two-token steps: the shorter prompts
+        assert greedy_tokens(llm, prompts) == (want if chunk > 2 else want[2:])
+        assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_rebuilds_the_state_and_leaves_the_tokens_unchanged(model_dir, want):
+    # 40 blocks of 16 tokens for four prompts of up to 312 tokens: the later admitted are preempted
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=40,
+              max_num_batched_tokens=64, max_num_seqs=4)
+    try:
+        assert greedy_tokens(llm, PROMPTS) == want
+        assert llm.stats().num_preemptions > 0
+        assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_n_choices_fork_with_a_copy_of_the_state_and_give_the_tokens_of_separate_requests(model_dir, want):
+    """The choices share the prompt's full blocks and copy choice 0's state there (137 tokens: 128
+    shared); greedy, each gives transformers' tokens; seeded, choice i gives what a request of
+    seed + i alone gives."""
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3)
+        out = llm.generate([PROMPTS[2]], greedy, use_tqdm=False)
+        assert [list(c.token_ids) for c in out[0].choices] == [want[2]] * 3
+        assert [c.cached_tokens for c in out[0].choices[1:]] == [128, 128]
+        seeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5)
+        out = llm.generate([PROMPTS[2]], dataclasses.replace(seeded, n=3), use_tqdm=False)
+        alone = [greedy_tokens(llm, [PROMPTS[2]], dataclasses.replace(seeded, seed=5 + i))[0]
+                 for i in range(3)]
+        assert [list(c.token_ids) for c in out[0].choices] == alone
+        assert len({tuple(a) for a in alone}) > 1
+        assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_a_shared_64_token_prefix_hits_a_state_snapshot_and_gives_the_tokens_of_a_cold_run(model_dir):
+    """The first prompt's prefill stops at the end of its last full block (64 tokens here) and keeps
+    the state there; the second, sharing those 64 tokens, takes the blocks and a copy of that state
+    and computes only its own 23 tokens."""
+    shared = [(11 * i + 5) % 7000 + 9 for i in range(64)]
+    prompts = [shared + list(range(500, 510)), shared + list(range(900, 923))]
+    cold = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, enable_prefix_caching=False)
+    try:
+        want = [greedy_tokens(cold, [p])[0] for p in prompts]
+        assert cold.stats().state_snapshots_total == 0
+    finally:
+        cold.shutdown()
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK)
+    try:
+        first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0]
+        second = llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0]
+        assert (first.cached_tokens, second.cached_tokens) == (0, 64)
+        assert [list(first.token_ids), list(second.token_ids)] == want
+        stats = llm.stats()
+        assert stats.state_snapshot_hits == 1 and stats.state_snapshots_cached == 2  # at 64 and at 80
+        assert_slots_all_free(llm)
+        assert llm.engine.reset_prefix_cache().success
+        assert llm.stats().state_snapshots_cached == 0
+    finally:
+        llm.shutdown()
+
+
+def test_an_aborted_request_gives_its_slot_back(model_dir):
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, max_num_batched_tokens=64)
+    try:
+        engine = llm.engine
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                                                               ignore_eos=True))
+        for _ in range(4):
+            engine.step()
+        assert llm.stats().state_slots_free < llm.stats().state_slots_total
+        assert engine.abort("r1")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_qwen3_next_greedy_tokens_equal_transformers_batched_and_chunked(tmp_path):
+    """Qwen3-Next: per-key-head projections regrouped, experts with a shared one."""
+    path = scaled_model("qwen3-next-tiny", tmp_path)
+    prompts = PROMPTS[1:3]
+    want = hf_greedy(path, prompts)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, max_num_batched_tokens=37,
+              max_num_seqs=2)
+    try:
+        assert greedy_tokens(llm, prompts) == want
+        assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_a_burst_beyond_the_slots_waits_its_turn_and_every_slot_comes_back():
+    """Control plane: 2 slots, 6 requests: two run at a time, all finish, nothing is wedged."""
+    bm = BlockManager(64, 4, enable_prefix_caching=False, state_slots=2)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    seqs = [Sequence(f"r{i}", list(range(1, 10 + i)), SamplingParams(max_tokens=3, ignore_eos=True))
+            for i in range(6)]
+    for seq in seqs:
+        scheduler.add(seq)
+    steps = 0
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        assert out.scheduled, "wedged: nothing scheduled while requests wait"
+        assert len(scheduler.running) <= 2
+        held = [s for s in scheduler.running if s.state_slot is not None]
+        assert held == scheduler.running
+        bm.state_slots.check_integrity(scheduler.running)
+        scheduler.postprocess(out, [7] * len(out.sampling_seqs))
+        steps += 1
+        assert steps < 100
+    assert all(s.is_finished for s in seqs)
+    assert bm.state_slots.num_free == 2 and all(s.state_slot is None for s in seqs)
+
+
+def test_what_the_hybrid_lacks_is_refused_by_name(model_dir):
+    from kvserve.engine.executor.executor import check_tensor_parallel
+
+    with pytest.raises(ValueError, match="speculative='ngram' is not supported for Qwen3_5ForCausalLM"):
+        LLM(model_dir, dtype="float32", device="cpu", speculative="ngram")
+    config = EngineConfig(model=model_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for Qwen3_5ForCausalLM"):
+        check_tensor_parallel(config, make_config("qwen3.5-tiny"))
+    with pytest.raises(ValueError, match="prefix caching needs state snapshots"):
+        BlockManager(8, 4, enable_prefix_caching=True, state_slots=2)
+
+
+def test_the_state_slots_come_out_of_kv_cache_memory(model_dir):
+    from kvserve.engine.runner.state_cache import slot_bytes
+
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, max_num_seqs=8,
+              kv_cache_memory=0.001)
+    try:
+        per_slot = slot_bytes(llm.engine.executor.model, torch.float32)
+        stats = llm.stats()
+        budget = int(0.001 * 2**30)  # half of it for the slots and as many snapshot rows
+        assert stats.state_slots_total == stats.state_snapshots_total == min(8, budget // 2 // (2 * per_slot))
+        assert stats.state_cache_bytes == 2 * stats.state_slots_total * per_slot
+        block_bytes = llm.engine.executor.kv_block_bytes
+        assert stats.kv_blocks_total == (budget - stats.state_cache_bytes) // block_bytes
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="kv_cache_memory .* cannot hold the recurrent state of one"):
+        LLM(model_dir, dtype="float32", device="cpu", kv_cache_memory=1e-6)
