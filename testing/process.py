@@ -10,8 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.clients.client import Client
 from kvserve.kernels.cpu.build import MARCH_ENV, compiler, cpu_flags
@@ -122,6 +125,24 @@ class ServerProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
+
+    @property
+    def metrics_url(self) -> str:
+        """The URL of its /metrics (``--metrics-port``), as its log says."""
+        (line,) = [ln for ln in self.log_text().splitlines() if ln.startswith("kvserve: metrics on ")]
+        return line.removeprefix("kvserve: metrics on ")
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """A scrape of its /metrics: {(sample name, sorted labels but model_name): value}."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            text = r.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = dict(s.labels)
+                labels.pop("model_name", None)
+                samples[(s.name, tuple(sorted(labels.items())))] = s.value
+        return samples
 
     def _check_alive(self) -> None:
         if self.proc.poll() is not None:

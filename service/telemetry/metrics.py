@@ -3,10 +3,11 @@
 
 Two sources, one registry per server:
 
-- the engine's state (running, waiting, KV cache use, prefix cache, preemptions, token and
-  request counters) is read at scrape time from the same snapshot the ``Stats`` RPC returns
-  (``AsyncEngine.stats()``: the engine-core process's counters plus the front-end's admission
-  fields), so /metrics and Stats agree and the metrics cover the core process too;
+- the engine's state (running, waiting, KV cache use, prefix cache, the state cache of
+  linear-attention hybrids, preemptions, token and request counters) is read at scrape time
+  from the same snapshot the ``Stats`` RPC returns (``AsyncEngine.stats()``: the engine-core
+  process's counters plus the front-end's admission fields), so /metrics and Stats agree and
+  the metrics cover the core process too;
 - per-request timings, outcomes by finish reason and gRPC status counts are observed by the
   front-end as each call's outputs go out (service/telemetry/calls.py).
 
@@ -59,6 +60,12 @@ SNAPSHOT_GAUGES = (
      "Speculative decoding: share of verified draft tokens that were accepted."),
     ("spec_decode_mean_accepted_length", "spec_decode_mean_accepted_length",
      "Speculative decoding: tokens per verification step of a sequence, the sampled one included."),
+    # linear-attention hybrids' state cache (engine/runner/state_cache.py); zero for other models
+    ("state_slots", "state_slots_total", "Slots of the linear-attention layers' per-sequence state."),
+    ("state_slots_free", "state_slots_free", "State slots not held by any sequence."),
+    ("state_snapshots", "state_snapshots_total", "Rows for prefix caching's state snapshots."),
+    ("state_snapshots_cached", "state_snapshots_cached", "State snapshot rows holding a cached state."),
+    ("state_cache_bytes", "state_cache_bytes", "Bytes of the state cache (slots and snapshots)."),
 )
 SNAPSHOT_COUNTERS = (
     ("num_preemptions", "num_preemptions", "Running requests preempted to free KV cache blocks."),
@@ -74,6 +81,7 @@ SNAPSHOT_COUNTERS = (
      "Speculative decoding: draft tokens verified."),
     ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
      "Speculative decoding: draft tokens accepted."),
+    ("state_snapshot_hits", "state_snapshot_hits", "Admissions that resumed from a state snapshot."),
 )
 
 

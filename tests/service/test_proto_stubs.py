@@ -93,7 +93,8 @@ def test_messages_have_the_contract_field_names():
         "model", "device", "dtype", "tp_size", "num_waiting", "num_running", "num_queued", "max_queue",
         "kv_blocks_total", "kv_blocks_free", "kv_block_size", "prefix_cache_hit_rate", "num_preemptions",
         "requests_finished", "requests_aborted", "requests_rejected", "prompt_tokens_total",
-        "generation_tokens_total", "uptime_s",
+        "generation_tokens_total", "uptime_s", "state_slots_total", "state_slots_free",
+        "state_snapshots_total", "state_snapshots_cached", "state_snapshot_hits", "state_cache_bytes",
     }
 
 

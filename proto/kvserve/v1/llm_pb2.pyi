@@ -221,7 +221,7 @@ class WatchStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("model", "device", "dtype", "tp_size", "num_waiting", "num_running", "num_queued", "max_queue", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "prefix_cache_hit_rate", "num_preemptions", "requests_finished", "requests_aborted", "requests_rejected", "prompt_tokens_total", "generation_tokens_total", "uptime_s", "attention_backend", "kv_cache_dtype", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_acceptance_rate", "spec_decode_mean_accepted_length")
+    __slots__ = ("model", "device", "dtype", "tp_size", "num_waiting", "num_running", "num_queued", "max_queue", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "prefix_cache_hit_rate", "num_preemptions", "requests_finished", "requests_aborted", "requests_rejected", "prompt_tokens_total", "generation_tokens_total", "uptime_s", "attention_backend", "kv_cache_dtype", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_acceptance_rate", "spec_decode_mean_accepted_length", "state_slots_total", "state_slots_free", "state_snapshots_total", "state_snapshots_cached", "state_snapshot_hits", "state_cache_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,12 @@ class StatsResponse(_message.Message):
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    STATE_SNAPSHOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_SNAPSHOTS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    STATE_SNAPSHOT_HITS_FIELD_NUMBER: _ClassVar[int]
+    STATE_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     device: str
     dtype: str
@@ -274,7 +280,13 @@ class StatsResponse(_message.Message):
     spec_decode_num_accepted_tokens: int
     spec_decode_acceptance_rate: float
     spec_decode_mean_accepted_length: float
-    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., attention_backend: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_mean_accepted_length: _Optional[float] = ...) -> None: ...
+    state_slots_total: int
+    state_slots_free: int
+    state_snapshots_total: int
+    state_snapshots_cached: int
+    state_snapshot_hits: int
+    state_cache_bytes: int
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_aborted: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., attention_backend: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_mean_accepted_length: _Optional[float] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., state_snapshots_total: _Optional[int] = ..., state_snapshots_cached: _Optional[int] = ..., state_snapshot_hits: _Optional[int] = ..., state_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages")

@@ -66,24 +66,6 @@ def stub(server):
         yield llm_pb2_grpc.LLMServiceStub(channel)
 
 
-def metrics_url(server: ServerProcess) -> str:
-    (line,) = [ln for ln in server.log_text().splitlines() if ln.startswith("kvserve: metrics on ")]
-    return line.removeprefix("kvserve: metrics on ")
-
-
-def scrape(server: ServerProcess) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels but model_name): value}."""
-    with urllib.request.urlopen(metrics_url(server), timeout=10) as r:
-        text = r.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = dict(s.labels)
-            labels.pop("model_name", None)  # test_metrics_carry_the_model_name_label checks it
-            samples[(s.name, tuple(sorted(labels.items())))] = s.value
-    return samples
-
-
 def request(i: int, **sampling) -> llm_pb2.GenerateRequest:
     return llm_pb2.GenerateRequest(
         token_ids=llm_pb2.TokenIds(ids=[10 + i, 20, 30, 40, 50]),
@@ -132,7 +114,7 @@ def test_x_request_id_names_the_request_and_comes_back(workload):
 
 def test_metrics_agree_with_stats_after_a_known_workload(server, stub, workload):
     stats = stub.Stats(llm_pb2.StatsRequest())
-    m = scrape(server)
+    m = server.metrics()
     done = workload["generate"] + [workload["stream"][-1]]
     assert stats.requests_finished == len(done) == m[("kvserve:request_success_total",
                                                       (("finished_reason", "length"),))]
@@ -158,7 +140,7 @@ def test_metrics_agree_with_stats_after_a_known_workload(server, stub, workload)
 
 def test_vllm_named_gauges_alias_kvserves_for_endpoint_pickers(server, stub, workload):
     stats = stub.Stats(llm_pb2.StatsRequest())
-    m = scrape(server)
+    m = server.metrics()
     assert m[("vllm:num_requests_waiting", ())] == stats.num_waiting + stats.num_queued
     assert m[("vllm:num_requests_running", ())] == m[("kvserve:num_requests_running", ())]
     assert m[("vllm:kv_cache_usage_perc", ())] == m[("kvserve:kv_cache_usage_perc", ())]
@@ -168,7 +150,7 @@ def test_vllm_named_gauges_alias_kvserves_for_endpoint_pickers(server, stub, wor
 
 
 def test_metrics_count_grpc_status_by_method_and_code(server, workload):
-    m = scrape(server)
+    m = server.metrics()
 
     def handled(method: str, code: str) -> float:
         key = (("grpc_code", code), ("grpc_method", method), ("grpc_service", "kvserve.v1.LLMService"))
@@ -180,7 +162,7 @@ def test_metrics_count_grpc_status_by_method_and_code(server, workload):
 
 
 def test_metrics_carry_the_model_name_label(server, stub, workload):
-    with urllib.request.urlopen(metrics_url(server), timeout=10) as r:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
         text = r.read().decode()
     model = stub.Stats(llm_pb2.StatsRequest()).model
     families = [f for f in text_string_to_metric_families(text) if f.name.startswith("kvserve:")]
