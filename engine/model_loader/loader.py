@@ -28,7 +28,8 @@ HARMONY_TURN_END_TOKENS = ("<|return|>", "<|call|>")
 
 
 def load_hf_config(src: ModelSource):
-    """The model's transformers config; an unsupported architecture is refused here."""
+    """The model's transformers config (the text config of a multimodal checkpoint served as text);
+    an unsupported architecture is refused here."""
     from transformers import AutoConfig
 
 
@@ -38,7 +39,9 @@ def load_hf_config(src: ModelSource):
         config = AutoConfig.for_model(model_type, **kwargs)
     else:
         config = AutoConfig.from_pretrained(src.path)
-    model_class_for(config)
+    cls = model_class_for(config)
+    if hasattr(cls, "served_config"):  # a multimodal checkpoint served as its text model
+        config = cls.served_config(config)
     return config
 
 

@@ -25,6 +25,7 @@ from kvserve.engine.models import (  # noqa: F401 - they register
     qwen2_moe,
     qwen3,
     qwen3_5,
+    qwen3_5_vl,
     qwen3_moe,
     qwen3_next,
     smollm3,

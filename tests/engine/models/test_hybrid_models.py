@@ -271,3 +271,37 @@ def test_the_state_slots_come_out_of_kv_cache_memory(model_dir):
         llm.shutdown()
     with pytest.raises(ValueError, match="kv_cache_memory .* cannot hold the recurrent state of one"):
         LLM(model_dir, dtype="float32", device="cpu", kv_cache_memory=1e-6)
+
+
+def test_a_hub_qwen3_5_checkpoint_serves_its_text_model_as_transformers_does(model_dir, tmp_path):
+    """The Hub's Qwen3.5 checkpoints are ``Qwen3_5ForConditionalGeneration``: text settings under
+    text_config, the decoder under model.language_model.*, a vision tower under model.visual.*. The
+    text weights load (the tower is skipped) and greedy tokens equal transformers' on text alone."""
+    import shutil
+
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+    config = Qwen3_5Config(text_config=make_config("qwen3.5-tiny").to_dict(), vision_config=vision,
+                           tie_word_embeddings=False, architectures=["Qwen3_5ForConditionalGeneration"])
+    torch.manual_seed(0)
+    hf_model = Qwen3_5ForConditionalGeneration(config).eval()
+    text = {k.replace("model.", "model.language_model.", 1): v
+            for k, v in load_file(f"{model_dir}/model.safetensors").items()}
+    missing, unexpected = hf_model.load_state_dict(text, strict=False)
+    assert not unexpected and missing and all(k.startswith("model.visual.") for k in missing)
+    hf_model.save_pretrained(tmp_path)
+    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{model_dir}/{tokenizer_file}", tmp_path)
+    prompts = PROMPTS[:2]
+    with torch.no_grad():
+        want = [hf_model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
+                                  do_sample=False)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=BLOCK)
+    try:
+        assert llm.engine.architecture == "Qwen3_5ForConditionalGeneration"
+        assert greedy_tokens(llm, prompts) == want
+        assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
