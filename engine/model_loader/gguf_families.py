@@ -30,6 +30,18 @@ tensors on the way in.
   safetensors path does. ``attn_sinks`` are the sinks, ``ffn_gate_inp`` the router, YaRN from
   ``rope.scaling.*`` (``truncate`` false, as gpt-oss ships it); windows on even layers.
 
+- ``qwen35`` (Qwen3.5, the text model; llama.cpp writes ``Qwen3_5ForConditionalGeneration`` and
+  ``Qwen3_5ForCausalLM`` alike): the ``ssm.*`` keys give the Gated DeltaNet shape, the layer kinds
+  come from ``attention.recurrent_layers`` (else ``full_attention_interval``), the rotary share from
+  ``rope.dimension_count`` (text positions make its interleaved MRoPE plain rotary). The converter
+  stores A_log as -exp(A_log) (``ssm_a``), dt_bias as ``ssm_dt.bias``, the conv kernel squeezed to
+  [channels, K], the zero-centred RMSNorm weights as 1 + w (not the gated ``ssm_norm``), and, when
+  there are more value heads than key heads, the value heads in "tiled" order (the heads of one key
+  head spread out) in the v rows of ``attn_qkv``, the conv's v channels, ``attn_gate``,
+  ``ssm_alpha``/``ssm_beta``, ``ssm_a``, ``ssm_dt`` and the columns of ``ssm_out``; ``qwen35_tensor``
+  undoes each. The multi-token-prediction layers after ``block_count - nextn_predict_layers`` are
+  skipped.
+
 Refused by name: ``clip`` (a vision or audio projector, an mmproj file, as llama.cpp writes
 Gemma 3's vision tower), and every architecture not listed above.
 """
@@ -49,6 +61,7 @@ ARCHITECTURES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
 }
 MISTRAL = ("mistral", "MistralForCausalLM")
 YARN = ("gpt-oss",)  # rope.scaling.type yarn read (others: linear only)
@@ -74,7 +87,16 @@ LAYER_NAMES_OF = {
                 "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
                 "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
                 "ffn_down_exps": "mlp.experts.down_proj"},
+    "qwen35": {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+               "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+               "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
+               "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+               "ssm_out": "linear_attn.out_proj"},
 }
+# tensors whose checkpoint name is not the layer name + .weight / .bias
+BARE_LAYER_NAMES = {"qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}}
+QWEN35_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
+                       "k_norm.weight", "model.norm.weight")
 BARE = ("self_attn.sinks",)  # checkpoint names without .weight
 
 
@@ -91,8 +113,11 @@ def layer_names(arch: str) -> dict[str, str]:
 
 
 def norm_shift(arch: str, hf_name: str) -> float:
-    """What to add to a stored tensor: -1 for Gemma's RMSNorm weights (stored as 1 + w)."""
-    return -1.0 if arch in GEMMA and hf_name.endswith("norm.weight") else 0.0
+    """What to add to a stored tensor: -1 for Gemma's and Qwen3.5's zero-centred RMSNorm weights
+    (stored as 1 + w)."""
+    if arch in GEMMA and hf_name.endswith("norm.weight"):
+        return -1.0
+    return -1.0 if arch == "qwen35" and hf_name.endswith(QWEN35_ZERO_CENTRED) else 0.0
 
 
 def family_kwargs(gguf, kwargs: dict) -> tuple[str, dict]:
@@ -143,6 +168,8 @@ def family_kwargs(gguf, kwargs: dict) -> tuple[str, dict]:
                 full = {**full, **kwargs.pop("rope_scaling")}
             local = {"rope_type": "default", "rope_theta": key("rope.freq_base_swa", 10000.0)}
             kwargs["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    elif arch == "qwen35":
+        _qwen35_kwargs(key, kwargs, head_dim)
     elif arch == "gpt-oss":
         kwargs["sliding_window"] = window
         kwargs["num_local_experts"] = key("expert_count")
@@ -197,3 +224,55 @@ def _gemma_layer_types(arch: str, pattern, window, layers: int) -> list[str]:
         flags = [(i + 1) % period != 0 for i in range(layers)]
     return ["sliding_attention" if f else "full_attention" for f in flags]
 
+
+
+def _qwen35_kwargs(key, kwargs: dict, head_dim: int) -> None:
+    layers = kwargs["num_hidden_layers"] = kwargs["num_hidden_layers"] - key("nextn_predict_layers", 0)
+    value_heads = key("ssm.time_step_rank")
+    kwargs.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
+                  linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=value_heads,
+                  linear_value_head_dim=key("ssm.inner_size") // value_heads, head_dim=head_dim)
+    recurrent = key("attention.recurrent_layers")
+    if isinstance(recurrent, list):
+        kinds = [bool(r) for r in recurrent[:layers]]
+    else:
+        interval = key("full_attention_interval", 4)
+        kinds = [(i + 1) % interval != 0 for i in range(layers)]
+    kwargs["layer_types"] = ["linear_attention" if r else "full_attention" for r in kinds]
+    kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta"),
+                                 "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim}
+
+
+def qwen35_layers(meta: dict) -> int:
+    """The decoder layers of a ``qwen35`` file (the MTP layers after them are not loaded)."""
+    return meta["qwen35.block_count"] - meta.get("qwen35.nextn_predict_layers", 0)
+
+
+def qwen35_tensor(name: str, tensor: torch.Tensor, meta: dict) -> torch.Tensor:
+    """The checkpoint's tensor from what llama.cpp's converter stored under ``name`` (HF name)."""
+    if name.endswith("linear_attn.A_log"):
+        tensor = torch.log(-tensor.float())
+    elif name.endswith("linear_attn.conv1d.weight"):
+        tensor = tensor.unsqueeze(1)
+    key_heads, value_heads = meta["qwen35.ssm.group_count"], meta["qwen35.ssm.time_step_rank"]
+    if key_heads == value_heads or ".linear_attn." not in name:
+        return tensor
+    value_dim = meta["qwen35.ssm.inner_size"] // value_heads
+    per_key = value_heads // key_heads
+
+    def grouped(t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:
+        """Tiled value heads [per_key, key_heads] back to grouped [key_heads, per_key] along ``dim``."""
+        shape = list(t.shape)
+        t = t.reshape(*shape[:dim], per_key, key_heads, head_dim, *shape[dim + 1:])
+        return t.transpose(dim, dim + 1).reshape(shape)
+
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        qk = 2 * meta["qwen35.ssm.state_size"] * key_heads
+        return torch.cat((tensor[:qk], grouped(tensor[qk:], 0, value_dim)))
+    if name.endswith("in_proj_z.weight"):
+        return grouped(tensor, 0, value_dim)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return grouped(tensor, 0, 1)
+    if name.endswith("out_proj.weight"):
+        return grouped(tensor, 1, value_dim)
+    return tensor

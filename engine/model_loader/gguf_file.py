@@ -216,6 +216,9 @@ def _count(value) -> int | None:
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor of an ``arch`` model; None for tensors the model
     does not use (Phi-3's rope factors are read into the config)."""
+    bare = re.fullmatch(r"blk\.(\d+)\.(\w+(?:\.bias)?)", gguf_name)
+    if bare and bare.group(2) in gguf_families.BARE_LAYER_NAMES.get(arch, {}):
+        return f"model.layers.{bare.group(1)}.{gguf_families.BARE_LAYER_NAMES[arch][bare.group(2)]}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if match:
         layer, part, kind = match.groups()
@@ -235,15 +238,20 @@ def hf_tensors(gguf: GGUFFile, keep_blocks: bool = False) -> Iterator[tuple[str,
     heads = meta[f"{arch}.attention.head_count"]
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
     pending: dict = {}  # halves of a tensor the checkpoint holds whole (gguf_families.regroup)
+    layers = gguf_families.qwen35_layers(meta) if arch == "qwen35" else None
     for gguf_name in gguf.tensors:
         name = hf_tensor_name(gguf_name, arch)
-        if name is None:
+        if name is None or (layers is not None and _layer_of(name) >= layers):
             continue
         info = gguf.tensors[gguf_name]
-        as_stored = keep_blocks and len(info.shape) == 2 and info.ggml_type in BLOCK_TYPES
+        # qwen35's linear-attention tensors are reordered, some by column: as floats
+        reordered = arch == "qwen35" and ".linear_attn." in name
+        as_stored = keep_blocks and len(info.shape) == 2 and info.ggml_type in BLOCK_TYPES and not reordered
         tensor = gguf.blocks(gguf_name) if as_stored else gguf.tensor(gguf_name)
         if shift := gguf_families.norm_shift(arch, name):  # (a float tensor: norms are never blocks)
             tensor = tensor.float() + shift
+        if reordered:
+            tensor = gguf_families.qwen35_tensor(name, tensor, meta)
         if arch in gguf_families.INTERLEAVED_ROTARY and name.endswith(("q_proj.weight", "k_proj.weight")):
             count = heads if "q_proj" in name else kv_heads
             if as_stored:  # whole rows move: a copy of these two tensors' blocks in the new order
@@ -254,6 +262,12 @@ def hf_tensors(gguf: GGUFFile, keep_blocks: bool = False) -> Iterator[tuple[str,
         yield from gguf_families.regroup(arch, name, tensor, pending)
     if pending:
         raise ValueError(f"{gguf.path}: {sorted(pending)} lack their other half (gate or up)")
+
+
+def _layer_of(hf_name: str) -> int:
+    """The decoder layer of a ``model.layers.N.`` name; -1 for the others (embedding, head)."""
+    match = re.match(r"model\.layers\.(\d+)\.", hf_name)
+    return int(match.group(1)) if match else -1
 
 
 def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

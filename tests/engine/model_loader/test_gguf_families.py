@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.model_input import ModelInput
@@ -80,6 +80,17 @@ def write_metadata(writer: gguf.GGUFWriter, config, arch: str) -> None:
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "qwen35":  # as convert_hf_to_gguf.py's Qwen3NextModel writes them
+        writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+        writer.add_ssm_state_size(config.linear_key_head_dim)
+        writer.add_ssm_group_count(config.linear_num_key_heads)
+        writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+        writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+        writer.add_full_attention_interval(4)  # the converter's default: Qwen3.5's configs hold none
+        # (the installed gguf package has no add_recurrent_layers; the converter's own writes this key)
+        recurrent = [t == "linear_attention" for t in config.layer_types]
+        writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     if arch == "phi3":
         rotated = int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size)
         writer.add_rope_dimension_count(rotated // config.num_attention_heads)
@@ -111,6 +122,38 @@ def gpt_oss_tensors(tensors: dict[str, torch.Tensor]):
             yield name + (".weight" if name.endswith("sinks") else ""), tensor
 
 
+def tiled_value_heads(tensor: torch.Tensor, dim: int, config, head_dim: int) -> torch.Tensor:
+    """llama.cpp's reorder of Qwen3.5's value heads from grouped by key head to tiled."""
+    shape, keys = list(tensor.shape), config.linear_num_key_heads
+    per_key = config.linear_num_value_heads // keys
+    tensor = tensor.reshape(*shape[:dim], keys, per_key, head_dim, *shape[dim + 1:])
+    return tensor.transpose(dim, dim + 1).reshape(shape)
+
+
+def qwen35_tensors(tensors: dict[str, torch.Tensor], config):
+    """As llama.cpp's converter stores Qwen3.5: value heads tiled, A_log as -exp(A_log), dt_bias as
+    dt_proj.bias, the conv kernel squeezed, the zero-centred norms as 1 + w."""
+    qk, dv = 2 * config.linear_num_key_heads * config.linear_key_head_dim, config.linear_value_head_dim
+    for name, tensor in tensors.items():
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            tensor = torch.cat((tensor[:qk], tiled_value_heads(tensor[qk:], 0, config, dv)))
+        elif name.endswith("in_proj_z.weight"):
+            tensor = tiled_value_heads(tensor, 0, config, dv)
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            tensor = tiled_value_heads(tensor, 0, config, 1)
+        elif name.endswith("out_proj.weight"):
+            tensor = tiled_value_heads(tensor, 1, config, dv)
+        if name.endswith("A_log"):
+            tensor = -torch.exp(tensor)
+        elif name.endswith("dt_bias"):
+            name = name.replace("dt_bias", "dt_proj.bias")
+        elif "conv1d" in name:
+            tensor = tensor.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            tensor = tensor + 1
+        yield name, tensor
+
+
 def write_gguf(model_dir, config, model_arch: gguf.MODEL_ARCH, path, experts: str = "F32") -> None:
     """``experts``: F32; MXFP4 (expert weights quantized); MXFP4-values (their MXFP4 values in F32)."""
     arch = gguf.MODEL_ARCH_NAMES[model_arch]
@@ -118,7 +161,9 @@ def write_gguf(model_dir, config, model_arch: gguf.MODEL_ARCH, path, experts: st
     writer = gguf.GGUFWriter(str(path), arch)
     write_metadata(writer, config, arch)
     tensors = load_file(str(model_dir / "model.safetensors"))
-    for hf_name, tensor in (gpt_oss_tensors(tensors) if arch == "gpt-oss" else tensors.items()):
+    named = (gpt_oss_tensors(tensors) if arch == "gpt-oss" else
+             qwen35_tensors(tensors, config) if arch == "qwen35" else tensors.items())
+    for hf_name, tensor in named:
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         tensor = tensor.float()
@@ -214,3 +259,47 @@ def test_an_architecture_not_read_is_refused_by_name(tmp_path, arch, reason):
     writer.close()
     with pytest.raises(ValueError, match=f"GGUF architecture '{arch}'(?=.*not supported).*{reason}"):
         gguf_file.hf_config_kwargs(gguf_file.GGUFFile(str(tmp_path / "m.gguf")))
+
+
+def hybrid_logits_and_greedy(path: str, steps: int = 6) -> tuple[torch.Tensor, list[int]]:
+    """As ``logits_and_greedy``, for a model with a state cache (one KV group, state slot 0)."""
+    runner = ModelRunner(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=56,
+                                      block_size=BLOCK, enforce_eager=True, max_num_seqs=2))
+
+    def hybrid_step(ids: list[int], start: int) -> ModelInput:
+        end = start + len(ids)
+        return ModelInput(input_ids=ids, positions=list(range(start, end)), query_lens=[len(ids)],
+                          context_lens=[end], block_tables=[TABLES[0]], logits_indices=list(range(len(ids))),
+                          slot_mapping=[TABLES[0][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)],
+                          state_slots=[0])
+
+    try:
+        logits = runner.execute_model(hybrid_step(IDS, 0))
+        tokens = [int(logits[-1].argmax())]
+        for _ in range(steps - 1):
+            last = runner.execute_model(hybrid_step(tokens[-1:], len(IDS) + len(tokens) - 1))
+            tokens.append(int(last[0].argmax()))
+        return logits, tokens
+    finally:
+        runner.shutdown()
+
+
+def test_qwen35_gguf_gives_the_checkpoints_logits_and_tokens(tmp_path):
+    """llama.cpp's ``qwen35``: more value heads than key heads (so the converter's head reorder is
+    exercised), the linear layers' weights scaled up so that their state steers the tokens."""
+    config = make_config("qwen3.5-tiny")
+    model_dir = write_model_dir(config, tmp_path / "hf", dtype=torch.float32)
+    weights = {name: t * 20.0 if ".linear_attn." in name and "norm" not in name and "A_log" not in name else t
+               for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_gguf(model_dir, config, gguf.MODEL_ARCH.QWEN35, tmp_path / "qwen35.gguf")
+    loaded = gguf_file.hf_config_kwargs(gguf_file.GGUFFile(str(tmp_path / "qwen35.gguf")))[1]
+    for field in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim"):
+        assert loaded[field] == getattr(config, field), field
+    rotary = config.rope_parameters["partial_rotary_factor"]
+    assert loaded["rope_parameters"]["partial_rotary_factor"] == rotary
+    want_logits, want_tokens = hybrid_logits_and_greedy(str(model_dir))
+    got_logits, got_tokens = hybrid_logits_and_greedy(str(tmp_path / "qwen35.gguf"))
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+    assert got_tokens == want_tokens
