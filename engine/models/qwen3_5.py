@@ -16,9 +16,11 @@ full-attention layers, as ``layer_types`` lists them (three linear per full one 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import Attention, AttentionBackend, AttentionMetadata
@@ -260,6 +262,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     checkpoint_renames = {"linear_attn.norm.weight": "linear_attn.norm_weight"}
     # a fixed-size state per sequence in the linear layers: the runner keeps a state cache
     has_recurrent_state = True
+    # checkpoint tensors not loaded: the multi-token-prediction head (transformers skips it too)
+    skipped_prefixes: tuple[str, ...] = ("mtp.",)
 
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext | None = None):
         super().__init__()
@@ -280,6 +284,9 @@ class Qwen3_5ForCausalLM(nn.Module):
     @property
     def tie_word_embeddings(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def transform_checkpoint(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        return ((name, tensor) for name, tensor in weights if not name.startswith(self.skipped_prefixes))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -11,7 +11,7 @@ import copy
 import logging
 from collections.abc import Iterable, Iterator
 
-import torch
+from torch import Tensor
 
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import AttentionBackend
@@ -20,11 +20,11 @@ from kvserve.engine.models.registry import register_model
 
 log = logging.getLogger("kvserve.engine.models")
 
-SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # the vision tower; the speculative MTP head
-
 
 @register_model
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    skipped_prefixes = ("model.visual.", "mtp.")  # the vision tower; the multi-token-prediction head
+
     @staticmethod
     def served_config(hf_config):
         """The text config the model runs on, under this architecture's name; the composite's
@@ -46,11 +46,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         log.info("Qwen3_5ForConditionalGeneration: serving the text model; the vision tower is not loaded "
                  "and images are not served")
 
-    @staticmethod
-    def transform_checkpoint(
-        weights: Iterable[tuple[str, torch.Tensor]],
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The text decoder's tensors under Qwen3.5's names; the rest is skipped."""
-        for name, tensor in weights:
-            if not name.startswith(SKIPPED_PREFIXES):
-                yield name.replace("model.language_model.", "model.", 1), tensor
+    def transform_checkpoint(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """The text decoder's tensors under Qwen3.5's names; the vision tower and MTP head skipped."""
+        for name, tensor in super().transform_checkpoint(weights):
+            yield name.replace("model.language_model.", "model.", 1), tensor

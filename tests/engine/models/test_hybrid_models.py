@@ -275,8 +275,9 @@ def test_the_state_slots_come_out_of_kv_cache_memory(model_dir):
 
 def test_a_hub_qwen3_5_checkpoint_serves_its_text_model_as_transformers_does(model_dir, tmp_path):
     """The Hub's Qwen3.5 checkpoints are ``Qwen3_5ForConditionalGeneration``: text settings under
-    text_config, the decoder under model.language_model.*, a vision tower under model.visual.*. The
-    text weights load (the tower is skipped) and greedy tokens equal transformers' on text alone."""
+    text_config, the decoder under model.language_model.*, a vision tower under model.visual.*, a
+    multi-token-prediction head under mtp.*. The text weights load (the tower and the head are
+    skipped, as transformers skips the head) and greedy tokens equal transformers' on text alone."""
     import shutil
 
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
@@ -292,6 +293,9 @@ def test_a_hub_qwen3_5_checkpoint_serves_its_text_model_as_transformers_does(mod
     missing, unexpected = hf_model.load_state_dict(text, strict=False)
     assert not unexpected and missing and all(k.startswith("model.visual.") for k in missing)
     hf_model.save_pretrained(tmp_path)
+    saved = load_file(f"{tmp_path}/model.safetensors")
+    saved["mtp.fc.weight"] = torch.zeros(64, 128)  # (transformers builds no MTP head to save)
+    save_file(saved, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
     for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{model_dir}/{tokenizer_file}", tmp_path)
     prompts = PROMPTS[:2]
