@@ -62,7 +62,7 @@ from kvserve.engine.runner.cuda_graphs import (
     record_cuda_graph,
 )
 from kvserve.engine.runner.kv_groups import GroupTables, bind_groups, build_group_metadata, model_kv_groups
-from kvserve.engine.runner.state_cache import StateCache, count_state_slots, has_recurrent_state
+from kvserve.engine.runner.state_cache import create_state_cache
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
@@ -163,7 +163,8 @@ class ModelRunner:
         width = block_table_width(self.max_model_len, self.block_size)
         self.block_tables = BlockTableArray(config.max_num_seqs, width)  # changed by each step's updates
         self.group_tables = GroupTables(self.kv_groups, config.max_num_seqs, width)  # the other groups'
-        self.state_cache = self._allocate_state_cache()  # before the KV blocks: it takes from their memory
+        # before the KV blocks: it takes from their memory
+        self.state_cache = create_state_cache(self.model, self.config, self.dtype, self.device)
         self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks(record_graph))
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.graphs = self._new_graph_runner(record_graph)
@@ -289,16 +290,6 @@ class ModelRunner:
     @property
     def state_cache_bytes(self) -> int:
         return 0 if self.state_cache is None else self.state_cache.nbytes
-
-    def _allocate_state_cache(self) -> StateCache | None:
-        """The linear layers' state slots (engine/runner/state_cache.py), None for other models."""
-        if not has_recurrent_state(self.model):
-            return None
-        cpu_budget = self.device.type == "cpu" and self.config.num_kv_blocks is None
-        budget = int(self.config.kv_cache_memory * GiB) if cpu_budget else None
-        snapshots = self.config.enable_prefix_caching
-        slots = count_state_slots(self.model, self.dtype, self.config.max_num_seqs, budget, snapshots)
-        return StateCache(self.model, slots, self.dtype, self.device, slots if snapshots else 0)
 
     def _free_gpu_bytes_after_warm_up(self, record_graph: Recorder | None) -> int:
         """GPU memory for the KV cache: what ``gpu_memory_utilization`` allows, less what is in use,

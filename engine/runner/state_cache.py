@@ -82,3 +82,16 @@ class StateCache:
             raise RuntimeError(f"a synthetic step of {num_seqs} sequences exceeds the "
                                f"{self.num_slots} state slots")
         return list(range(num_seqs))
+
+
+def create_state_cache(model, config, dtype: torch.dtype, device: torch.device) -> StateCache | None:
+    """The linear layers' state slots (and snapshot rows with prefix caching) for ``config`` (an
+    EngineConfig); None for other models. The CPU's ``kv_cache_memory`` budgets them unless
+    ``num_kv_blocks`` is set."""
+    if not has_recurrent_state(model):
+        return None
+    cpu_budget = device.type == "cpu" and config.num_kv_blocks is None
+    budget = int(config.kv_cache_memory * (1 << 30)) if cpu_budget else None
+    snapshots = config.enable_prefix_caching
+    slots = count_state_slots(model, dtype, config.max_num_seqs, budget, snapshots)
+    return StateCache(model, slots, dtype, device, slots if snapshots else 0)
