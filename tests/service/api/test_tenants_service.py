@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from kvserve.clients.messages import build_request
+from kvserve.engine.tenancy.accounts import tenant_label
 from kvserve.service.api.validation import CacheSalting
 from kvserve.testing.plugin import TEST_SERVER_ENV
 from kvserve.testing.process import ServerProcess
@@ -41,7 +42,7 @@ def server(tmp_path_factory):
     model = str(write_random_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny"), dtype=torch.float32))
     flags = ("--model", model, "--dtype", "float32", "--num-kv-blocks", "4096", "--block-size", "16",
              "--max-num-seqs", str(SEQS), "--max-queued-per-tenant", str(QUEUED),
-             "--cache-salt-from", "header", "--cache-salt-header", HEADER)
+             "--cache-salt-from", "header", "--cache-salt-header", HEADER, "--metrics-port", "0")
     with ServerProcess(*flags, env=TEST_SERVER_ENV) as server:
         yield server
 
@@ -191,3 +192,21 @@ def test_a_priority_outside_int32_is_refused_naming_the_field_before_any_call():
     cli = subprocess.run([sys.executable, "-m", "kvserve", "generate", "hi", "--priority", "-2147483649"],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 2 and "argument --priority: must be in [-2147483648, 2147483647]" in cli.stderr
+
+
+def test_metrics_show_each_tenants_tokens_under_its_hashed_label_never_its_header(server, stub):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for name in ("metrics-red", "metrics-blue"):
+        assert short(stub, name).finish_reason == llm_pb2.LENGTH
+    (line,) = [ln for ln in server.log_text().splitlines() if ln.startswith("kvserve: metrics on ")]
+    with urllib.request.urlopen(line.removeprefix("kvserve: metrics on "), timeout=30) as r:
+        text = r.read().decode()
+    generated = {s.labels["tenant"]: s.value for f in text_string_to_metric_families(text)
+                 for s in f.samples if s.name == "kvserve:tenant_generation_tokens_total"}
+    salting = CacheSalting("header", HEADER)
+    for name in ("metrics-red", "metrics-blue"):
+        assert generated[tenant_label(salting.identity(name))] >= 8
+    assert "metrics-red" not in text and "metrics-blue" not in text
