@@ -195,19 +195,37 @@ def test_a_priority_outside_int32_is_refused_naming_the_field_before_any_call():
     assert cli.returncode == 2 and "argument --priority: must be in [-2147483648, 2147483647]" in cli.stderr
 
 
-def test_metrics_show_each_tenants_tokens_under_its_hashed_label_never_its_header(server, stub):
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
+def test_metrics_show_each_tenants_series_under_its_hashed_label_never_its_header(server, stub):
+    """Two tenants' generated tokens; a flooding tenant's running sequences and its deadline refusal."""
     for name in ("metrics-red", "metrics-blue"):
         assert short(stub, name).finish_reason == llm_pb2.LENGTH
+    with flood(stub, "metrics-late"):
+        wait_for(stub, lambda s: s.num_running == SEQS, "the tenant's streams fill every slot")
+        with pytest.raises(grpc.RpcError) as refused:
+            short(stub, "metrics-late", timeout=3.0)
+        assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        text = scrape_metrics(server)
+    label = {name: tenant_label(CacheSalting("header", HEADER).identity(name))
+             for name in ("metrics-red", "metrics-blue", "metrics-late")}
+    assert sample(text, "kvserve:tenant_generation_tokens_total", tenant=label["metrics-red"]) >= 8
+    assert sample(text, "kvserve:tenant_generation_tokens_total", tenant=label["metrics-blue"]) >= 8
+    assert sample(text, "kvserve:tenant_num_sequences_running", tenant=label["metrics-late"]) == SEQS
+    assert sample(text, "kvserve:tenant_requests_refused_total", tenant=label["metrics-late"],
+                  reason="deadline") == 1
+    assert "metrics-red" not in text and "metrics-blue" not in text and "metrics-late" not in text
+
+
+def scrape_metrics(server) -> str:
+    import urllib.request
+
     (line,) = [ln for ln in server.log_text().splitlines() if ln.startswith("kvserve: metrics on ")]
     with urllib.request.urlopen(line.removeprefix("kvserve: metrics on "), timeout=30) as r:
-        text = r.read().decode()
-    generated = {s.labels["tenant"]: s.value for f in text_string_to_metric_families(text)
-                 for s in f.samples if s.name == "kvserve:tenant_generation_tokens_total"}
-    salting = CacheSalting("header", HEADER)
-    for name in ("metrics-red", "metrics-blue"):
-        assert generated[tenant_label(salting.identity(name))] >= 8
-    assert "metrics-red" not in text and "metrics-blue" not in text
+        return r.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (value,) = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name and labels.items() <= s.labels.items()]
+    return value
