@@ -35,15 +35,17 @@ class AsyncClient(ClientBase):
 
     async def generate(self, prompt: str | None = None, *, token_ids: Iterable[int] | None = None,
                        messages: Iterable[Message] | None = None, request_id: str = "",
-                       timeout: float | None = None, **sampling) -> Completion:
-        req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id, **sampling)
+                       priority: int = 0, timeout: float | None = None, **sampling) -> Completion:
+        req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id,
+                            priority=priority, **sampling)
         return completion_from_proto(await self._stub.Generate(req, **self._call_options(timeout)))
 
     async def stream(self, prompt: str | None = None, *, token_ids: Iterable[int] | None = None,
                      messages: Iterable[Message] | None = None, request_id: str = "",
-                     timeout: float | None = None, **sampling) -> AsyncIterator[Delta]:
+                     priority: int = 0, timeout: float | None = None, **sampling) -> AsyncIterator[Delta]:
         """Async-iterates the completion; closing the iterator early cancels the request."""
-        req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id, **sampling)
+        req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id,
+                            priority=priority, **sampling)
         call = self._stub.Stream(req, **self._call_options(timeout))
         try:
             async for msg in call:

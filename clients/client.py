@@ -37,16 +37,18 @@ class Client(ClientBase):
 
     def generate(self, prompt: str | None = None, *, token_ids: Iterable[int] | None = None,
                  messages: Iterable[Message] | None = None, request_id: str = "",
-                 timeout: float | None = None, **sampling) -> Completion:
+                 priority: int = 0, timeout: float | None = None, **sampling) -> Completion:
         """The whole completion of one prompt (text, token ids or chat messages)."""
-        req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id, **sampling)
+        req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id,
+                            priority=priority, **sampling)
         return completion_from_proto(self._stub.Generate(req, **self._call_options(timeout)))
 
     def stream(self, prompt: str | None = None, *, token_ids: Iterable[int] | None = None,
                messages: Iterable[Message] | None = None, request_id: str = "",
-               timeout: float | None = None, **sampling) -> Iterator[Delta]:
+               priority: int = 0, timeout: float | None = None, **sampling) -> Iterator[Delta]:
         """Yields the completion piece by piece; leaving the loop early cancels the request."""
-        req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id, **sampling)
+        req = build_request(prompt, token_ids=token_ids, messages=messages, request_id=request_id,
+                            priority=priority, **sampling)
         call = self._stub.Stream(req, **self._call_options(timeout))
         try:
             for msg in call:

@@ -16,7 +16,7 @@ import sys
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from kvserve.clients.messages import DEFAULT_TARGET, SAMPLING_FIELDS, SERVICE_NAME
+from kvserve.clients.messages import DEFAULT_TARGET, INT32_MAX, INT32_MIN, SAMPLING_FIELDS, SERVICE_NAME
 from kvserve.contract import API_KEY_ENV, api_key_or_env
 
 HEALTH_TIMEOUT_S = 5.0  # a probe answers within its own deadline, never hangs
@@ -55,6 +55,7 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    _add_priority(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
 
@@ -62,6 +63,7 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     _add_target(p)
     p.add_argument("message", nargs="?", help="the user message; omit for an interactive chat")
     p.add_argument("--system", help="a system message")
+    _add_priority(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_chat)
 
@@ -107,6 +109,12 @@ def _client(args: argparse.Namespace):
             raise SystemExit(f"kvserve: --tls-*: {e}") from None
     api_key = api_key_or_env(args.api_key)
     return Client(args.target, timeout=args.timeout, credentials=credentials, api_key=api_key)
+
+
+def _add_priority(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--priority", type=_int_in(INT32_MIN, INT32_MAX), default=0, metavar="N",
+                   help="order among this caller's own waiting work: lower runs earlier, as vLLM's "
+                        "(GenerateRequest.priority, an int32; default 0)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -163,9 +171,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate(client, args: argparse.Namespace) -> int:
     sampling = sampling_kwargs(args)
     if sampling.get("logprobs") and not args.json:
-        return _generate_with_logprobs(client, args.prompt, sampling, args.stream)
+        return _generate_with_logprobs(client, args, sampling)
     if not args.stream:
-        done = client.generate(args.prompt, **sampling)
+        done = client.generate(args.prompt, priority=args.priority, **sampling)
         if args.json:
             print(json.dumps(_as_dict(done), indent=2))
         for choice in ([] if args.json else done.choices):
@@ -173,7 +181,7 @@ def _generate(client, args: argparse.Namespace) -> int:
                 print(f"--- choice {choice.index} ({choice.finish_reason}) ---")
             print(choice.text)
         return 0
-    for delta in client.stream(args.prompt, **sampling):
+    for delta in client.stream(args.prompt, priority=args.priority, **sampling):
         if args.json or (sampling.get("n") or 1) > 1:  # n > 1: pieces of the choices interleave
             print(json.dumps(_as_dict(delta)), flush=True)
         else:
@@ -186,16 +194,16 @@ def _generate(client, args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_with_logprobs(client, prompt: str, sampling: dict, stream: bool) -> int:
+def _generate_with_logprobs(client, args: argparse.Namespace, sampling: dict) -> int:
     """The text, then one line per token: its id, its text, its log probability and the top
     alternatives (id, text and log probability each)."""
     text, rows = [], []
-    for delta in client.stream(prompt, **sampling):
-        if stream:
+    for delta in client.stream(args.prompt, priority=args.priority, **sampling):
+        if args.stream:
             print(delta.text, end="", flush=True)
         text.append(delta.text)
         rows += delta.logprobs
-    if not stream:
+    if not args.stream:
         print("".join(text), end="")
     print()
     print(f"{'id':>7} {'token':<16} {'logprob':>8}   top alternatives")
@@ -225,7 +233,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def _chat_turn(client, history: list[dict], message: str, args: argparse.Namespace) -> int:
     history.append({"role": "user", "content": message})
     reply = []
-    for delta in client.stream(messages=history, **sampling_kwargs(args)):
+    for delta in client.stream(messages=history, priority=args.priority, **sampling_kwargs(args)):
         reply.append(delta.text)
         print(delta.text, end="", flush=True)
     print()

@@ -18,6 +18,7 @@ from kvserve.v1 import llm_pb2
 SAMPLING_FIELDS: dict[str, FieldDescriptor] = {f.name: f for f in llm_pb2.SamplingParams.DESCRIPTOR.fields}
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 DEFAULT_TARGET = "127.0.0.1:50051"
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 # Keys gRPC core reads. The server allows a ping every 10 s; we ping an idle-looking
 # connection every 30 s so that a dead server is noticed during a long call.
@@ -128,13 +129,24 @@ def build_request(
     token_ids: Iterable[int] | None = None,
     messages: Iterable[Message] | None = None,
     request_id: str = "",
+    priority: int = 0,
     **sampling,
 ) -> llm_pb2.GenerateRequest:
-    """A GenerateRequest from exactly one of prompt / token_ids / messages and sampling keywords."""
-    req = _with_input(llm_pb2.GenerateRequest(request_id=request_id),
+    """A GenerateRequest from exactly one of prompt / token_ids / messages and sampling keywords.
+    ``priority`` orders the caller's own work (lower runs earlier, as vLLM's; docs/serving/tenants.md)."""
+    req = _with_input(llm_pb2.GenerateRequest(request_id=request_id, priority=check_priority(priority)),
                       prompt=prompt, token_ids=token_ids, messages=messages)
     req.sampling.CopyFrom(sampling_params(**sampling))
     return req
+
+
+def check_priority(priority: int) -> int:
+    """``priority`` as GenerateRequest.priority holds it (an int32); a clear error otherwise."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority: an integer, got {type(priority).__name__} {priority!r}")
+    if not INT32_MIN <= priority <= INT32_MAX:
+        raise ValueError(f"priority: must be in [{INT32_MIN}, {INT32_MAX}] (int32), got {priority}")
+    return priority
 
 
 def build_tokenize_request(prompt: str | None = None, messages: Iterable[Message] | None = None

@@ -93,6 +93,7 @@ class EngineCore:
                 # the front-end's PromptEncoder checked the ids: they are not walked again here
                 self.engine.add_tokenized(req.key, req.prompt_token_ids, req.params, tenancy(req))
             except Exception as e:  # noqa: BLE001 - this request's fault alone; the engine goes on
+                self.engine.tenants.refused(req.tenant, e)
                 self._rejected.append(Rejected(req.key, str(e) or type(e).__name__, rejection(e)))
         for key in batch.aborts:
             self.engine.abort(key)

@@ -19,6 +19,7 @@ import msgspec
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.tenancy.accounts import TenantStats
 
 HEARTBEAT_S = 1.0  # an idle core reports this often
 
@@ -111,6 +112,7 @@ class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
     spec_decode_acceptance_rate: float
     spec_decode_mean_accepted_length: float  # tokens a verification step emits per sequence
     uptime_s: float
+    tenants: list[TenantStats] = []  # per tenant, at most MAX_TENANT_LABELS and "other" (/metrics only)
 
 
 class CacheFlush(msgspec.Struct, kw_only=True, tag="flush"):

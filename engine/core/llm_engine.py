@@ -37,6 +37,7 @@ from kvserve.engine.sequence import PLAIN, FinishReason, Sequence, Tenancy
 from kvserve.engine.spec_decode.speculator import spec_usage, speculation_stats, speculator_for
 from kvserve.engine.spec_decode.verify import sampling_rows
 from kvserve.engine.structured.grammar import StructuredOutput
+from kvserve.engine.tenancy.accounts import TenantAccounts
 from kvserve.engine.tenancy.shares import TenantShares
 from kvserve.engine.tokenizer.detokenizer import RequestText
 from kvserve.engine.tokenizer.load import load_tokenizer
@@ -98,6 +99,7 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._rejected: list[tuple[str, BaseException]] = []
         self.started = time.monotonic()
+        self.tenants = TenantAccounts()  # per-tenant series of /metrics
         self.counters = dict.fromkeys(
             ("requests_finished", "requests_aborted", "prompt_tokens_total", "generation_tokens_total"), 0
         )
@@ -153,6 +155,7 @@ class LLMEngine:
         else:
             self.structured.submit(req, constraint)
         self.counters["prompt_tokens_total"] += len(ids)
+        self.tenants.prompt(tenancy.tenant, len(ids))
 
     def _schedule(self, req: Request) -> None:
         """Hand choice 0 to the scheduler; the other choices fork from it after its prefill."""
@@ -262,6 +265,7 @@ class LLMEngine:
         for seq, count, start in zip(sampling, rows.counts, before, strict=True):
             kept = seq.num_tokens - start  # a run ends early where a token ended the sequence
             self.counters["generation_tokens_total"] += kept
+            self.tenants.generated(seq.tenancy.tenant, kept)
             lps = [lp for lp in sampled.logprobs[first_row : first_row + kept] if lp is not None]
             outputs.append(self._emit(self._choices[seq.seq_id], seq.token_ids[start:], lps))
             first_row += count
@@ -346,6 +350,7 @@ class LLMEngine:
             **self.counters,
             **speculation_stats(self.speculator and self.speculator.counters),
             uptime_s=time.monotonic() - self.started,
+            tenants=self.tenants.snapshot(self.scheduler.running, self.scheduler.waiting),
         )
 
     def enable_kv_events(self) -> None:

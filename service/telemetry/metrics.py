@@ -11,7 +11,9 @@ Two sources, one registry per server:
 - per-request timings, outcomes by finish reason and gRPC status counts are observed by the
   front-end as each call's outputs go out (service/telemetry/calls.py).
 
-Every series has a ``model_name`` label.
+Every series has a ``model_name`` label. The ``kvserve:tenant_*`` series have a ``tenant`` label too:
+a short form of the hashed identity the server knows a tenant by, never its credential, and at most
+``MAX_TENANT_LABELS`` of them plus ``other`` (engine/tenancy/accounts.py; docs/serving/tenants.md).
 
 The gauges endpoint pickers read (the Gateway API Inference Extension's model-server protocol)
 are also exported under vLLM's own names (``VLLM_PREFIX``), so a picker configured for vLLM
@@ -82,6 +84,17 @@ SNAPSHOT_COUNTERS = (
     ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
      "Speculative decoding: draft tokens accepted."),
     ("state_snapshot_hits", "state_snapshot_hits", "Admissions that resumed from a state snapshot."),
+)
+
+
+# (metric name without prefix, TenantStats field, help) of the per-tenant series
+TENANT_GAUGES = (
+    ("tenant_num_sequences_running", "running", "A tenant's sequences (choices) running now."),
+    ("tenant_num_sequences_waiting", "waiting", "A tenant's sequences in the scheduler's waiting queue."),
+)
+TENANT_COUNTERS = (
+    ("tenant_prompt_tokens", "prompt_tokens", "Prompt tokens of a tenant's requests."),
+    ("tenant_generation_tokens", "generation_tokens", "Tokens generated for a tenant."),
 )
 
 
@@ -163,7 +176,27 @@ class SnapshotCollector(Collector):
                            usage)
         for name, key, doc in SNAPSHOT_COUNTERS:
             yield self._family(CounterMetricFamily, name, doc, getattr(stats, key))
+        yield from self._tenants(stats)
         yield from self._vllm_aliases(stats, usage)
+
+    def _tenants(self, stats: ServerStats):
+        """The per-tenant series (none on a server that has served no request yet)."""
+        if not stats.tenants:
+            return
+        labels = ["model_name", "tenant"]
+        for kind, series in ((GaugeMetricFamily, TENANT_GAUGES), (CounterMetricFamily, TENANT_COUNTERS)):
+            for name, key, doc in series:
+                family = kind(PREFIX + name, doc, labels=labels)
+                for t in stats.tenants:
+                    family.add_metric([self._model, t.tenant], getattr(t, key))
+                yield family
+        refused = CounterMetricFamily(PREFIX + "tenant_requests_refused", "A tenant's requests refused at "
+                                      "once, by reason (max_queued_per_tenant, deadline).",
+                                      labels=[*labels, "reason"])
+        for t in stats.tenants:
+            for reason, count in sorted(t.refused.items()):
+                refused.add_metric([self._model, t.tenant, reason], count)
+        yield refused
 
     def _vllm_aliases(self, stats: ServerStats, usage: float):
         alias = VLLM_PREFIX

@@ -8,7 +8,10 @@ once with DEADLINE_EXCEEDED. Everything is asserted by order and counts, never b
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +19,7 @@ import grpc
 import pytest
 
 from kvserve.clients.messages import build_request
+from kvserve.engine.tenancy.accounts import tenant_label
 from kvserve.service.api.validation import CacheSalting
 from kvserve.testing.plugin import TEST_SERVER_ENV
 from kvserve.testing.process import ServerProcess
@@ -26,10 +30,11 @@ SEQS = 16
 QUEUED = 3
 PROMPT = list(range(100, 228))  # 128 ids
 LONG = 1800  # tokens a flood choice may make: it outlives every test below
+SHORT = {"max_tokens": 8, "ignore_eos": True, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def stub(tmp_path_factory):
+def server(tmp_path_factory):
     import torch
 
     from kvserve.testing.random_model import write_random_model
@@ -37,13 +42,20 @@ def stub(tmp_path_factory):
     model = str(write_random_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny"), dtype=torch.float32))
     flags = ("--model", model, "--dtype", "float32", "--num-kv-blocks", "4096", "--block-size", "16",
              "--max-num-seqs", str(SEQS), "--max-queued-per-tenant", str(QUEUED),
-             "--cache-salt-from", "header", "--cache-salt-header", HEADER)
-    with ServerProcess(*flags, env=TEST_SERVER_ENV) as server, grpc.insecure_channel(server.target) as ch:
+             "--cache-salt-from", "header", "--cache-salt-header", HEADER, "--metrics-port", "0")
+    with ServerProcess(*flags, env=TEST_SERVER_ENV) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.target) as ch:
         yield llm_pb2_grpc.LLMServiceStub(ch)
 
 
-def team(name: str):
-    return ((HEADER, name),)
+def team(name: str | None):
+    """The call's tenant header (None: no header, the tenant of the callers that send none)."""
+    return () if name is None else ((HEADER, name),)
 
 
 def stats(stub) -> llm_pb2.StatsResponse:
@@ -61,7 +73,7 @@ def wait_for(stub, ok, what: str):
 
 
 @contextlib.contextmanager
-def flood(stub, name: str, n: int = SEQS, priority: int = 0):
+def flood(stub, name: str | None, n: int = SEQS, priority: int = 0):
     """A Stream call with ``n`` long choices that nobody reads; cancelled on exit."""
     request = build_request(token_ids=PROMPT, max_tokens=LONG, ignore_eos=True, n=n, temperature=1.0)
     request.priority = priority
@@ -142,3 +154,78 @@ def test_the_server_names_weighted_tenants_by_the_identity_that_salts_their_cach
     with pytest.raises(ValueError, match="--tenant-weights .*--cache-salt-from"):
         CacheSalting().tenant_weights("red=3")
     assert CacheSalting().tenant_weights(None) is None
+
+
+def test_the_clients_and_the_cli_send_priority_that_preempts_the_callers_own_streams(server, stub):
+    """``Client``/``AsyncClient`` ``priority=`` and ``kvserve generate --priority`` set
+    GenerateRequest.priority: above the caller's own running streams, each request takes a slot at
+    once while the streams still run (at priority 0 it would wait for them to end)."""
+    from kvserve.clients import AsyncClient, Client
+
+    async def via_async_client():
+        async with AsyncClient(server.target) as c:
+            return [d async for d in c.stream(token_ids=[7, 8, 9, 10], priority=-5, timeout=300, **SHORT)]
+
+    with flood(stub, None) as streams, Client(server.target) as client:
+        wait_for(stub, lambda s: s.num_running == SEQS, "the caller's streams fill every slot")
+        before = stats(stub)
+        done = client.generate(token_ids=[7, 8, 9, 10], priority=-5, timeout=300, **SHORT)
+        deltas = list(client.stream(token_ids=[7, 8, 9, 10], priority=-5, timeout=300, **SHORT))
+        deltas += asyncio.run(via_async_client())
+        cli = subprocess.run([sys.executable, "-m", "kvserve", "generate", "hi", "--target", server.target,
+                              "--priority", "-5", "--max-tokens", "8", "--ignore-eos", "--temperature", "0"],
+                             capture_output=True, text=True, timeout=300)
+        after = stats(stub)
+        assert streams.running()
+    assert done.finish_reason == "LENGTH" and len(done.token_ids) == 8
+    assert [d.finish_reason for d in deltas if d.finished] == ["LENGTH", "LENGTH"]
+    assert cli.returncode == 0, cli.stderr
+    assert after.requests_finished == before.requests_finished + 4  # the four, none of the streams
+    # a stream gave way (a request may also take the slot its predecessor left before the stream is back)
+    assert after.num_preemptions > before.num_preemptions
+
+
+def test_a_priority_outside_int32_is_refused_naming_the_field_before_any_call():
+    with pytest.raises(ValueError, match=r"priority: must be in \[-2147483648, 2147483647\].*got 2147483648"):
+        build_request("hi", priority=2**31)
+    with pytest.raises(TypeError, match="priority: an integer, got float"):
+        build_request("hi", priority=1.5)
+    cli = subprocess.run([sys.executable, "-m", "kvserve", "generate", "hi", "--priority", "-2147483649"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and "argument --priority: must be in [-2147483648, 2147483647]" in cli.stderr
+
+
+def test_metrics_show_each_tenants_series_under_its_hashed_label_never_its_header(server, stub):
+    """Two tenants' generated tokens; a flooding tenant's running sequences and its deadline refusal."""
+    for name in ("metrics-red", "metrics-blue"):
+        assert short(stub, name).finish_reason == llm_pb2.LENGTH
+    with flood(stub, "metrics-late"):
+        wait_for(stub, lambda s: s.num_running == SEQS, "the tenant's streams fill every slot")
+        with pytest.raises(grpc.RpcError) as refused:
+            short(stub, "metrics-late", timeout=3.0)
+        assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        text = scrape_metrics(server)
+    label = {name: tenant_label(CacheSalting("header", HEADER).identity(name))
+             for name in ("metrics-red", "metrics-blue", "metrics-late")}
+    assert sample(text, "kvserve:tenant_generation_tokens_total", tenant=label["metrics-red"]) >= 8
+    assert sample(text, "kvserve:tenant_generation_tokens_total", tenant=label["metrics-blue"]) >= 8
+    assert sample(text, "kvserve:tenant_num_sequences_running", tenant=label["metrics-late"]) == SEQS
+    assert sample(text, "kvserve:tenant_requests_refused_total", tenant=label["metrics-late"],
+                  reason="deadline") == 1
+    assert "metrics-red" not in text and "metrics-blue" not in text and "metrics-late" not in text
+
+
+def scrape_metrics(server) -> str:
+    import urllib.request
+
+    (line,) = [ln for ln in server.log_text().splitlines() if ln.startswith("kvserve: metrics on ")]
+    with urllib.request.urlopen(line.removeprefix("kvserve: metrics on "), timeout=30) as r:
+        return r.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (value,) = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name and labels.items() <= s.labels.items()]
+    return value
