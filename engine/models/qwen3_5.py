@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import Attention, AttentionBackend, AttentionMetadata
-from kvserve.engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from kvserve.engine.layers.embed_head import VocabParallelEmbedding
 from kvserve.engine.layers.gated_delta import (
     causal_conv,
     causal_conv_step,
@@ -34,7 +34,7 @@ from kvserve.engine.layers.gated_delta import (
 from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvserve.engine.layers.norm import GemmaRMSNorm
 from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from kvserve.engine.models.llama import LlamaMLP, head_dim_of
+from kvserve.engine.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of
 from kvserve.engine.models.phi3 import rotary_dim_of
 from kvserve.engine.models.registry import register_model
 
@@ -246,7 +246,7 @@ class Qwen3_5Model(nn.Module):
 
 
 @register_model
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(LlamaForCausalLM):  # its head, tying, forward and logits
     model_class = Qwen3_5Model
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -265,15 +265,6 @@ class Qwen3_5ForCausalLM(nn.Module):
     # checkpoint tensors not loaded: the multi-token-prediction head (transformers skips it too)
     skipped_prefixes: tuple[str, ...] = ("mtp.",)
 
-    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext | None = None):
-        super().__init__()
-        parallel = parallel or ParallelContext()
-        self.config = config
-        self.model = self.model_class(config, backend, parallel)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     @staticmethod
     def refuse_unsupported(hf_config) -> None:
         kinds = set(hf_config.layer_types)
@@ -281,19 +272,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             raise ValueError(f"Qwen3_5ForCausalLM needs layer_types of {LINEAR!r} and at least one {FULL!r}, "
                              f"got {sorted(kinds)}")
 
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return bool(getattr(self.config, "tie_word_embeddings", False))
-
     def transform_checkpoint(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         return ((name, tensor) for name, tensor in weights if not name.startswith(self.skipped_prefixes))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers if layer.layer_type == FULL]
