@@ -6,6 +6,7 @@ from kvserve.engine import LLM
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.layers.cpu_matmul import compute_rows_alike
+from kvserve.engine.model_input import ModelInput
 from kvserve.engine.spec_decode.policy import StepCosts
 from kvserve.engine.spec_decode.speculator import Speculator
 
@@ -35,3 +36,18 @@ def with_control_plane(llm: LLM, step_costs: StepCosts = FLAT_STEP_COSTS, **chan
         last_prompt_token_alone=cfg.enable_prefix_caching,
     )
     return llm
+
+
+def sequence_step(ids: list[int], start: int, tables: list[list[int]], block: int, all_logits: bool = True,
+                  state_slots: list[int] | None = None) -> ModelInput:
+    """One sequence's tokens ``ids`` at positions ``start``.. straight to a model runner, through the
+    paged cache at ``tables`` (one block table per KV cache group; a model of fewer groups reads the
+    first ones only) with blocks of ``block`` tokens; logits of every token or of the last only;
+    ``state_slots`` for a model with a state cache (then one group)."""
+    end = start + len(ids)
+    slots = [[table[p // block] * block + p % block for p in range(start, end)] for table in tables]
+    extra = ({"state_slots": state_slots} if state_slots is not None else
+             {"group_slot_mappings": slots[1:], "group_block_tables": [[table] for table in tables[1:]]})
+    return ModelInput(input_ids=ids, positions=list(range(start, end)), query_lens=[len(ids)],
+                      context_lens=[end], block_tables=[tables[0]], slot_mapping=slots[0],
+                      logits_indices=list(range(len(ids))) if all_logits else [len(ids) - 1], **extra)

@@ -19,6 +19,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_loader import gguf_file
 from kvserve.engine.runner.model_runner import ModelRunner
+from kvserve.testing.engine import sequence_step
 from kvserve.testing.random_model import make_config, write_model_dir
 
 BLOCK = 4
@@ -188,14 +189,7 @@ def write_gguf(model_dir, config, model_arch: gguf.MODEL_ARCH, path, experts: st
 
 
 def step(ids: list[int], start: int) -> ModelInput:
-    end = start + len(ids)
-    slots = [[table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)] for table in TABLES]
-    return ModelInput(
-        input_ids=ids, positions=list(range(start, end)), query_lens=[len(ids)], context_lens=[end],
-        block_tables=[TABLES[0]], slot_mapping=slots[0],
-        group_slot_mappings=slots[1:], group_block_tables=[[table] for table in TABLES[1:]],
-        logits_indices=list(range(len(ids))),
-    )
+    return sequence_step(ids, start, TABLES, BLOCK)
 
 
 def logits_and_greedy(path: str, steps: int = 6) -> tuple[torch.Tensor, list[int], object]:
@@ -266,18 +260,12 @@ def hybrid_logits_and_greedy(path: str, steps: int = 6) -> tuple[torch.Tensor, l
     runner = ModelRunner(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=56,
                                       block_size=BLOCK, enforce_eager=True, max_num_seqs=2))
 
-    def hybrid_step(ids: list[int], start: int) -> ModelInput:
-        end = start + len(ids)
-        return ModelInput(input_ids=ids, positions=list(range(start, end)), query_lens=[len(ids)],
-                          context_lens=[end], block_tables=[TABLES[0]], logits_indices=list(range(len(ids))),
-                          slot_mapping=[TABLES[0][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)],
-                          state_slots=[0])
-
     try:
-        logits = runner.execute_model(hybrid_step(IDS, 0))
+        logits = runner.execute_model(sequence_step(IDS, 0, TABLES[:1], BLOCK, state_slots=[0]))
         tokens = [int(logits[-1].argmax())]
         for _ in range(steps - 1):
-            last = runner.execute_model(hybrid_step(tokens[-1:], len(IDS) + len(tokens) - 1))
+            at = len(IDS) + len(tokens) - 1
+            last = runner.execute_model(sequence_step(tokens[-1:], at, TABLES[:1], BLOCK, state_slots=[0]))
             tokens.append(int(last[0].argmax()))
         return logits, tokens
     finally:

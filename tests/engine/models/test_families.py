@@ -21,6 +21,7 @@ from kvserve.engine.model_input import ModelInput
 from kvserve.engine.models.decode_row import DecodeRow
 from kvserve.engine.runner.model_runner import ModelRunner
 from kvserve.kernels.cpu.bindings import load_kernels
+from kvserve.testing.engine import sequence_step
 from kvserve.testing.random_model import make_config, write_model_dir
 
 BLOCK = 4
@@ -54,16 +55,8 @@ TABLES = [[7 * group + b for b in (5, 2, 6, 0, 3, 1, 4)] for group in range(6)]
 
 
 def step(ids: list[int], start: int, all_logits: bool) -> ModelInput:
-    """One sequence's tokens at ``start``.. through the paged cache (a model of fewer groups reads
-    the first tables only)."""
-    end = start + len(ids)
-    slots = [[table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)] for table in TABLES]
-    return ModelInput(
-        input_ids=ids, positions=list(range(start, end)), query_lens=[len(ids)], context_lens=[end],
-        block_tables=[TABLES[0]], slot_mapping=slots[0],
-        group_slot_mappings=slots[1:], group_block_tables=[[table] for table in TABLES[1:]],
-        logits_indices=list(range(len(ids))) if all_logits else [len(ids) - 1],
-    )
+    """One sequence's tokens at ``start``.. through the paged cache."""
+    return sequence_step(ids, start, TABLES, BLOCK, all_logits)
 
 
 @pytest.mark.parametrize("name", [*FAMILIES, "gpt-oss-clamped"])
