@@ -5,7 +5,8 @@ llama.cpp's converter recognises it and pads the vocabulary), converted to bf16 
 ``convert_hf_to_gguf.py`` and quantized with its ``llama-quantize`` (both from the pinned sdist,
 built once: ``benchmarks.peers.setup``'s ``llama.cpp-tools`` step), then served as loaded (no
 ``--quantization``) by kvserve and by llama-server, one after the other, through the peers harness;
-``--with-vllm`` adds the bf16 checkpoint served by kvserve and vLLM's CPU build.
+``--with-vllm`` adds vLLM's CPU build on the bf16 checkpoint: in the same run as llama-server where
+kvserve serves that checkpoint too (``--kvserve-loads hf``), else in a second run with kvserve on it.
 
 Each file is made once under ``--work-dir`` (default ``$KVSERVE_PEERS_DIR/scale/<shape>``), written
 beside its final name and renamed when whole, so a second run only serves.
@@ -66,15 +67,17 @@ def quantized_gguf(paths: setup.PeerPaths, hf: Path, work: Path, quant: str) -> 
     return out
 
 
-def harness_args(args: argparse.Namespace, ours: Path, model: Path, peer: str, peer_flag: str) -> list[str]:
-    """The peers harness on kvserve serving ``ours`` and ``peer`` serving ``model`` (by default the
-    issue's workload: prompts of 64-400 tokens, 64 new tokens, one stream and ``--concurrency``'s
-    levels, no open-loop levels)."""
-    return ["--systems", f"kvserve,{peer}", "--model", str(ours), peer_flag, str(model),
+def harness_args(args: argparse.Namespace, ours: Path, peers: list[tuple[str, str, Path]]) -> list[str]:
+    """The peers harness on kvserve serving ``ours`` and each ``(peer, its model flag, its model)``
+    of ``peers`` (by default the issue's workload: prompts of 64-400 tokens, 64 new tokens, one
+    stream and ``--concurrency``'s levels, no open-loop levels)."""
+    names = [peer for peer, _, _ in peers]
+    models = [arg for _, flag, model in peers for arg in (flag, str(model))]
+    return ["--systems", ",".join(["kvserve", *names]), "--model", str(ours), *models,
             "--peers-dir", str(args.peers_dir), "--concurrency", args.concurrency, "--rates", "none",
             "--num-requests", str(args.num_requests), "--prompt-len", args.prompt_len,
             "--output-len", args.output_len,
-            "--dtype", "bfloat16", *(["--json", f"{args.json}.{peer}.json"] if args.json else [])]
+            "--dtype", "bfloat16", *(["--json", f"{args.json}.{'.'.join(names)}.json"] if args.json else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,16", help="closed-loop levels")
     ap.add_argument("--num-requests", type=int, default=16, help="requests per level")
     ap.add_argument("--with-vllm", action="store_true", help="also the bf16 checkpoint: kvserve against vLLM")
-    ap.add_argument("--json", help="results to <JSON>.llama.cpp.json (and <JSON>.vllm.json)")
+    ap.add_argument("--json", help="results to <JSON>.<peers>.json "
+                    "(llama.cpp; vllm; llama.cpp.vllm for one run of both)")
     args = ap.parse_args(argv)
     paths = setup.peers_dir(args.peers_dir)
     args.peers_dir = paths.root
@@ -105,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     hf = checkpoint(args.shape, work)
     gguf = quantized_gguf(paths, hf, work, args.quant)
     print(f"{gguf}: {gguf.stat().st_size / 1e9:.2f} GB", flush=True)
-    ours = hf if args.kvserve_loads == "hf" else gguf
-    status = compare.main(harness_args(args, ours, gguf, "llama.cpp", "--llama-gguf"))
+    llama = ("llama.cpp", "--llama-gguf", gguf)
+    vllm = ("vllm", "--vllm-model", hf)
     if args.with_vllm:
         setup.setup_vllm(paths)
-        status = status or compare.main(harness_args(args, hf, hf, "vllm", "--vllm-model"))
+    if args.kvserve_loads == "hf":  # one run: kvserve once, on the checkpoint both peers were given
+        return compare.main(harness_args(args, hf, [llama, *([vllm] if args.with_vllm else [])]))
+    status = compare.main(harness_args(args, gguf, [llama]))
+    if args.with_vllm:  # vLLM serves the bf16 checkpoint: kvserve on the same, in a second run
+        status = status or compare.main(harness_args(args, hf, [vllm]))
     return status

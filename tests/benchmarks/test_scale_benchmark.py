@@ -24,11 +24,11 @@ def test_the_harness_takes_its_flags_for_llama_server_and_vllm(tmp_path):
     args = argparse.Namespace(peers_dir=tmp_path, concurrency="1,16", num_requests=16, json=None,
                               prompt_len="64:400", output_len="64")
     model = Path("/models/model-Q4_K_M.gguf")
-    parsed = parse(scale.harness_args(args, model, model, "llama.cpp", "--llama-gguf"))
+    parsed = parse(scale.harness_args(args, model, [("llama.cpp", "--llama-gguf", model)]))
     assert parsed.systems == ["kvserve", "llama.cpp"] and parsed.concurrency == [1, 16] and parsed.rates == []
     assert parsed.model == parsed.llama_gguf == str(model) and parsed.output_len == (64, 64)
     assert parsed.prompt_len == (64, 400)
-    parsed = parse(scale.harness_args(args, tmp_path, tmp_path, "vllm", "--vllm-model"))
+    parsed = parse(scale.harness_args(args, tmp_path, [("vllm", "--vllm-model", tmp_path)]))
     assert parsed.systems == ["kvserve", "vllm"] and parsed.vllm_model == str(tmp_path)
 
 
@@ -38,9 +38,15 @@ def test_kvserve_may_serve_the_checkpoint_beside_llama_servers_gguf(tmp_path):
     args = argparse.Namespace(peers_dir=tmp_path, concurrency="16", num_requests=16, json=None,
                               prompt_len="2048:6144", output_len="32")
     gguf = tmp_path / "model-bf16.gguf"
-    parsed = parse(scale.harness_args(args, tmp_path, gguf, "llama.cpp", "--llama-gguf"))
+    parsed = parse(scale.harness_args(args, tmp_path, [("llama.cpp", "--llama-gguf", gguf)]))
     assert parsed.model == str(tmp_path) and parsed.llama_gguf == str(gguf)
     assert parsed.prompt_len == (2048, 6144) and parsed.output_len == (32, 32) and parsed.concurrency == [16]
+    # with --with-vllm: the three in one run, kvserve once, vLLM on the same checkpoint
+    args.json = str(tmp_path / "gemma")
+    parsed = parse(scale.harness_args(args, tmp_path, [("llama.cpp", "--llama-gguf", gguf),
+                                                        ("vllm", "--vllm-model", tmp_path)]))
+    assert parsed.systems == ["kvserve", "llama.cpp", "vllm"] and parsed.vllm_model == str(tmp_path)
+    assert parsed.llama_gguf == str(gguf) and parsed.json == str(tmp_path / "gemma.llama.cpp.vllm.json")
 
 
 def test_the_tools_step_is_not_part_of_bench_peers(tmp_path):
