@@ -10,7 +10,7 @@
  * the same libgomp.so.1).
  *
  * Where the compiler targets AVX-512 (-march=native on such a CPU), head dims 64 and 128 with up
- * to 8 query heads per KV head take attend_fast: 16 keys' scores per vector (no horizontal sum
+ * to 8 query heads per KV head (and 256, Gemma's, with 1, 2, 4 or 8) take attend_fast: 16 keys' scores per vector (no horizontal sum
  * per key), bfloat16 keys dotted as stored with AVX512-BF16, the running maximum kept as the
  * scores come out, and each value row converted once for all the group's heads, whose
  * accumulators stay in registers (attention_avx512.h). Where it targets AVX2 with FMA (no AVX-512),
@@ -22,7 +22,8 @@
  * tokens are the lanes, each key is read and dotted once for the whole tile): 2.1-2.2x faster
  * than one query per item for prompts of 250-2,048 tokens on the dev CPU. Under a sliding window
  * each lane also drops the keys before its own token's window (the tile starts at the block of
- * the first token's window: window_view). Soft-cap and sink items take the portable attend().
+ * the first token's window: window_view). Runs with a soft cap or sinks go query by query, the
+ * variants applied to the scores before the softmax (variant_t), in the fast paths as in attend().
  *
  * Element types: float32 and bfloat16 (DTYPE_* below) for queries and outputs; the cache holds
  * the same type, or KV_INT8 rows (common.h: int8 values and one float scale per token and KV
@@ -127,14 +128,45 @@ typedef struct {
 
 /* The softmax variants of one item: each score s becomes cap * tanh(s / cap) (Gemma 2's logit soft
  * cap; cap 0: none), and a learned logit per query head joins the denominator and weighs no value
- * (gpt-oss's sinks; sinks[j] for the item's j-th query head, NULL: none). Items with either take
- * the portable attend() below (no fast path, no tiles). */
+ * (gpt-oss's sinks; sinks[j] for the item's j-th query head, NULL: none). The fast paths and the
+ * portable attend() take both (the prefill tiles neither: such runs go query by query). */
 typedef struct {
     float cap;
     const float *sinks;
 } variant_t;
 
 static const variant_t NO_VARIANT = {0.f, NULL};
+
+/* cap * tanh(s / cap), by exp: tanh(x) = (1 - e) / (1 + e) with e = exp(-2|x|) and the sign put
+ * back, or an odd polynomial for |x| < 1/16, where 1 - e would cancel (error under 1e-9 there) */
+static inline float soft_cap(float s, float cap) {
+    const float x = s / cap, ax = x < 0.f ? -x : x;
+    float t;
+    if (ax < 0.0625f) {
+        const float x2 = ax * ax;
+        t = ax * (1.f + x2 * (-1.f / 3.f + x2 * (2.f / 15.f)));
+    } else {
+        const float e = fast_exp(-2.f * ax);
+        t = (1.f - e) / (1.f + e);
+    }
+    return cap * (x < 0.f ? -t : t);
+}
+
+/* var's part in query head j's softmax, before the exponentials: its scores from skip on capped
+ * (those before skip are -inf already); returns what to subtract, m (the largest score before the
+ * cap) capped, or the head's sink where larger. After them the sum gains the sink's term
+ * (variant_sum). */
+static inline float variant_scores(float *restrict s, int ctx, int skip, float m, const variant_t *var, int j) {
+    if (var->cap > 0.f) {
+        for (int p = skip; p < ctx; ++p) s[p] = soft_cap(s[p], var->cap);
+        m = soft_cap(m, var->cap);
+    }
+    return var->sinks && var->sinks[j] > m ? var->sinks[j] : m;
+}
+
+static inline float variant_sum(float sum, float m, const variant_t *var, int j) {
+    return var->sinks ? sum + fast_exp(var->sinks[j] - m) : sum;
+}
 
 /* One (sequence, KV head): D is a compile-time constant in the common instantiations below. The
  * first skip keys (fewer than a block: those of a sliding window's first block that lie before
@@ -164,18 +196,14 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    if (var->cap > 0.f)
-        for (int j = 0; j < group; ++j)
-            for (int p = skip; p < ctx; ++p) scores[j * ctx + p] = var->cap * tanhf(scores[j * ctx + p] / var->cap);
-    for (int j = 0; j < group; ++j)
-        for (int p = 0; p < skip; ++p) scores[j * ctx + p] = -INFINITY;
-    /* softmax per query head, in place (a sink in the maximum and the sum); 1 / sum kept in acc's tail */
+    /* softmax per query head, in place (var's cap and sink); 1 / sum kept in acc's tail */
     for (int j = 0; j < group; ++j) {
         float *restrict s = scores + j * ctx;
-        float m = var->sinks ? var->sinks[j] : s[0];
-        for (int p = 0; p < ctx; ++p) m = s[p] > m ? s[p] : m;
-        const float sum = exp_in_place(s, ctx, m);
-        acc[group * D + j] = 1.f / (var->sinks ? sum + fast_exp(var->sinks[j] - m) : sum);
+        float m = -INFINITY;
+        for (int p = 0; p < skip; ++p) s[p] = -INFINITY;
+        for (int p = skip; p < ctx; ++p) m = s[p] > m ? s[p] : m;
+        m = variant_scores(s, ctx, skip, m, var, j);
+        acc[group * D + j] = 1.f / variant_sum(exp_in_place(s, ctx, m), m, var, j);
     }
     memset(acc, 0, sizeof(float) * (size_t)group * D);
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
@@ -267,28 +295,30 @@ static int tiles_take(int dtype, int cache_dtype, int group, int head_dim) {
 
 #ifdef HAVE_FAST_PATH
 #define FAST_CASE(G, D) \
-    case (G) * 1000 + (D): attend_fast(c, table, ctx, skip, kv_head, q, q_head_bytes, scale, G, D, w); return 1;
+    case (G) * 1000 + (D): attend_fast(c, table, ctx, skip, kv_head, q, q_head_bytes, scale, G, D, w, var); return 1;
 
 /* 1 when the fast path took this item (accumulators and 1 / sums in w->acc), else 0. It stays in
  * this file, static: moved into a translation unit of its own (with a shared header) the decode
  * kernel ran 20-30% slower (batch 48 x 300, 30 layers: 26-28 vs 21-22 ms, alternating runs). */
 static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head,
                                 const char *q, int64_t q_head_bytes, float scale, int group, int head_dim,
-                                const scratch_t *w) {
+                                const scratch_t *w, const variant_t *var) {
     switch (group * 1000 + head_dim) {
         FAST_CASE(1, 64) FAST_CASE(2, 64) FAST_CASE(3, 64) FAST_CASE(4, 64)
         FAST_CASE(5, 64) FAST_CASE(6, 64) FAST_CASE(7, 64) FAST_CASE(8, 64)
         FAST_CASE(1, 128) FAST_CASE(2, 128) FAST_CASE(3, 128) FAST_CASE(4, 128)
         FAST_CASE(5, 128) FAST_CASE(6, 128) FAST_CASE(7, 128) FAST_CASE(8, 128)
+        /* Gemma's 256-dim heads, in the groups its sizes have (1B: 4; 4B to 27B, Gemma 2: 2) */
+        FAST_CASE(1, 256) FAST_CASE(2, 256) FAST_CASE(4, 256) FAST_CASE(8, 256)
         default: return 0;
     }
 }
 #else
 static int attend_fast_dispatch(const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head,
                                 const char *q, int64_t q_head_bytes, float scale, int group, int head_dim,
-                                const scratch_t *w) {
+                                const scratch_t *w, const variant_t *var) {
     (void)c, (void)table, (void)ctx, (void)skip, (void)kv_head, (void)q, (void)q_head_bytes, (void)scale;
-    (void)group, (void)head_dim, (void)w;
+    (void)group, (void)head_dim, (void)w, (void)var;
     return 0;
 }
 #endif
@@ -309,8 +339,7 @@ static void attend_item(const void *k_cache, const void *v_cache, int64_t num_bl
     const size_t q_len = (size_t)group * head_dim, acc_len = q_len + group;
     const scratch_t w = {scratch, scratch + q_len, scratch + q_len + acc_len,
                          scratch + q_len + acc_len + (size_t)block_size * head_dim};
-    const int plain = var->cap == 0.f && var->sinks == NULL;
-    if (!plain || !attend_fast_dispatch(&cache, table, ctx, skip, kv_head, q0, q_head_bytes, scale, group, head_dim, &w))
+    if (!attend_fast_dispatch(&cache, table, ctx, skip, kv_head, q0, q_head_bytes, scale, group, head_dim, &w, var))
         attend_any(&cache, table, ctx, skip, kv_head, q0, q_head_bytes, scale, group, head_dim, &w, var);
     for (int j = 0; j < group; ++j)
         from_float(w.acc + j * head_dim, w.acc[group * head_dim + j], dtype, out0 + j * out_head_bytes, head_dim);

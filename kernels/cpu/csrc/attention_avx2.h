@@ -92,8 +92,8 @@ static inline float exp_in_place8(float *restrict s, int ctx, float max) {
 /* One (sequence, KV head), as the AVX-512 attend_fast above: G query heads of D dims at q. */
 static inline __attribute__((always_inline)) void attend_fast(
         const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head, const char *q,
-        int64_t q_head_bytes, float scale, const int G, const int D, const scratch_t *w) {
-    enum { MAXV = 16 };
+        int64_t q_head_bytes, float scale, const int G, const int D, const scratch_t *w, const variant_t *var) {
+    enum { MAXV = 32 };
     const int V = D / 8;                        /* float vectors per row */
     const int VC = G == 1 ? 8 : (G == 2 ? 4 : 2); /* of them per pass over a value block */
     float *restrict scores = w->scores, *restrict acc = w->acc;
@@ -150,8 +150,12 @@ static inline __attribute__((always_inline)) void attend_fast(
             }
         }
     }
-    /* softmax per query head, in place; 1 / sum kept in acc's tail */
-    for (int j = 0; j < G; ++j) acc[G * D + j] = 1.f / exp_in_place8(scores + j * ctx, ctx, max_lanes8(vmax[j]));
+    /* softmax per query head, in place (var's cap and sink); 1 / sum kept in acc's tail */
+    for (int j = 0; j < G; ++j) {
+        float *restrict s = scores + j * ctx;
+        const float m = variant_scores(s, ctx, skip, max_lanes8(vmax[j]), var, j);
+        acc[G * D + j] = 1.f / variant_sum(exp_in_place8(s, ctx, m), m, var, j);
+    }
     memset(acc, 0, sizeof(float) * (size_t)G * D);
     for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
         const int n = ctx - pos0 < bs ? ctx - pos0 : bs;

@@ -3,8 +3,8 @@
 #ifndef KVSERVE_ATTENTION_AVX512_H
 #define KVSERVE_ATTENTION_AVX512_H
 
-/* The AVX-512 path for head dims 64 and 128 and up to 8 query heads per KV head (every model
- * here): the scores of 16 keys come out of one vector instead of one horizontal sum per key, the
+/* The AVX-512 path for head dims 64 and 128 and up to 8 query heads per KV head (and 256: 1, 2, 4
+ * or 8 of them): the scores of 16 keys come out of one vector instead of one horizontal sum per key, the
  * keys are dotted in bfloat16 pairs where the CPU has AVX512-BF16 (no conversion: products of
  * bfloat16 values are exact in float32), and the values are converted once per row and
  * accumulated into every query head's registers at once. */
@@ -70,9 +70,12 @@ static inline __attribute__((always_inline)) __m512 dot_key(const char *k, const
  * skip keys (a sliding window's, in its first block) score -inf. */
 static inline __attribute__((always_inline)) void attend_fast(
         const cache_t *c, const int32_t *table, int ctx, int skip, int kv_head, const char *q,
-        int64_t q_head_bytes, float scale, const int G, const int D, const scratch_t *w) {
-    enum { MAXV = 8 };
+        int64_t q_head_bytes, float scale, const int G, const int D, const scratch_t *w, const variant_t *var) {
+    enum { MAXV = 16 };
     const int V = D / 16; /* float vectors per row */
+    /* of them per pass over the values: all up to D 128 (as many accumulators as always); at 256,
+     * as many as keep the G heads' accumulators and one row's chunk within the 32 registers */
+    const int VC = D <= 128 ? V : (G <= 1 ? 16 : (G <= 2 ? 8 : (G <= 4 ? 4 : 2)));
     float *restrict scores = w->scores, *restrict acc = w->acc;
     const int bs = c->block_size, elem = c->elem, cd = c->cdtype, celem = kv_elem_size(cd), quant = cd == KV_INT8;
     const int64_t head_base = (int64_t)kv_head * c->num_blocks;
@@ -129,31 +132,34 @@ static inline __attribute__((always_inline)) void attend_fast(
             }
         }
     }
-    /* softmax per query head, in place; 1 / sum kept in acc's tail */
+    /* softmax per query head, in place (var's cap and sink); 1 / sum kept in acc's tail */
     for (int j = 0; j < G; ++j) {
         float *restrict s = scores + j * ctx;
-        acc[G * D + j] = 1.f / exp_in_place(s, ctx, _mm512_reduce_max_ps(vmax[j]));
+        const float m = variant_scores(s, ctx, skip, _mm512_reduce_max_ps(vmax[j]), var, j);
+        acc[G * D + j] = 1.f / variant_sum(exp_in_place(s, ctx, m), m, var, j);
     }
-    __m512 a[8][MAXV];
-    for (int j = 0; j < G; ++j)
-        for (int v = 0; v < V; ++v) a[j][v] = _mm512_setzero_ps();
-    for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
-        const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
-        prefetch_while_values(c, table, head_base, block_bytes, b, last);
-        const char *vb = c->v_cache + (head_base + table[b]) * block_bytes;
-        for (int t = 0; t < n; ++t) {
-            __m512 row[MAXV];
-            const char *vt = vb + t * row_bytes;
-            for (int v = 0; v < V; ++v) row[v] = load16(vt + v * 16 * celem, cd);
-            const float vs = quant ? kv_row_scale(vt, D) : 1.f;
-            for (int j = 0; j < G; ++j) {
-                const __m512 p = _mm512_set1_ps(scores[j * ctx + pos0 + t] * vs);
-                for (int v = 0; v < V; ++v) a[j][v] = _mm512_fmadd_ps(p, row[v], a[j][v]);
+    for (int c0 = 0; c0 < V; c0 += VC) {
+        __m512 a[8][MAXV];
+        for (int j = 0; j < G; ++j)
+            for (int v = 0; v < VC; ++v) a[j][v] = _mm512_setzero_ps();
+        for (int pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
+            const int n = ctx - pos0 < bs ? ctx - pos0 : bs;
+            if (c0 == 0) prefetch_while_values(c, table, head_base, block_bytes, b, last);
+            const char *vb = c->v_cache + (head_base + table[b]) * block_bytes;
+            for (int t = 0; t < n; ++t) {
+                __m512 row[MAXV];
+                const char *vt = vb + t * row_bytes;
+                for (int v = 0; v < VC; ++v) row[v] = load16(vt + (c0 + v) * 16 * celem, cd);
+                const float vs = quant ? kv_row_scale(vt, D) : 1.f;
+                for (int j = 0; j < G; ++j) {
+                    const __m512 p = _mm512_set1_ps(scores[j * ctx + pos0 + t] * vs);
+                    for (int v = 0; v < VC; ++v) a[j][v] = _mm512_fmadd_ps(p, row[v], a[j][v]);
+                }
             }
         }
+        for (int j = 0; j < G; ++j)
+            for (int v = 0; v < VC; ++v) _mm512_storeu_ps(acc + j * D + 16 * (c0 + v), a[j][v]);
     }
-    for (int j = 0; j < G; ++j)
-        for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + j * D + 16 * v, a[j][v]);
 }
 
 #if defined(__AVX512BF16__)

@@ -68,24 +68,27 @@ def window_reference(q, keys, values, first_position, window, scale, group, cap=
     return torch.einsum("hqk,khd->qhd", probs, values)
 
 
-VARIANTS = [(6, None, False), (6, 5.0, False), (6, None, True), (None, 5.0, True), (6, 5.0, True)]
+VARIANTS = [(None, None, False), (6, None, False), (6, 5.0, False), (6, None, True), (None, 5.0, True),
+            (6, 5.0, True)]
 
 
 @pytest.mark.parametrize(("window", "cap", "with_sinks"), VARIANTS)
-@pytest.mark.parametrize("head_dim", [8, 64])  # the kernel's portable loop, and its vector path
+# the kernel's portable loop (8), its vector path (64), and Gemma's 256-dim heads in 2 and 4 heads per KV head
+@pytest.mark.parametrize(("head_dim", "kv_heads"), [(8, 2), (64, 2), (256, 2), (256, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_c", [True, False])
-def test_window_layer_matches_a_reference_and_reads_no_block_behind_the_window(in_c, dtype, head_dim, window,
-                                                                               cap, with_sinks, monkeypatch):
+def test_window_layer_matches_a_reference_and_reads_no_block_behind_the_window(
+        in_c, dtype, head_dim, kv_heads, window, cap, with_sinks, monkeypatch):
     """Decodes (context inside the window, past it, on a block edge), a chunk after cached
     context and a fresh prompt longer than the window, in one step, through the C kernel (every
     token a query of its own, the prefill too) and through the torch ops; every block wholly
     behind a sequence's window holds NaN (it stands for a freed block that another sequence
     reuses), so any read of one, even under the mask, would show in the output. With Gemma 2's
-    soft cap (small, so that it bends the scores) and gpt-oss's sinks (in C: the portable loop)."""
+    soft cap (small, so that it bends the scores) and gpt-oss's sinks (in C: in the vector paths and
+    the portable loop alike)."""
     if not in_c:
         monkeypatch.setattr(cpu_backend, "kernels_for", lambda *tensors: None)
-    block_size, heads, kv_heads, num_blocks = 4, 4, 2, 48
+    block_size, heads, num_blocks = 4, 4, 48
     backend = CpuAttentionBackend(block_size, prefill_in_kernel=True)
     impl = backend.create_impl(heads, kv_heads, head_dim, head_dim**-0.5, sliding_window=window,
                                logits_soft_cap=cap, sinks=with_sinks)
