@@ -140,7 +140,35 @@ int kq_isa(void) { return KQ_ISA; }
 
 /* ---- activations ---- */
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* a whole block as quantize_block computes it, 16 values a vector: the same maximum (a NaN
+ * skipped as fmaxf skips it), the same products and the same rounding, half away from zero
+ * (|v| + 0.5 truncated, the sign given back), so the same bytes on every build */
+static void quantize_full_block(const float *x, kq_act_t *out) {
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < KQ_BLOCK; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), m);
+    const float amax = _mm512_reduce_max_ps(m);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    out->d = amax / 127.f;
+    const __m512 scale = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f);
+    for (int i = 0; i < KQ_BLOCK; i += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), scale);
+        __m512i q = _mm512_cvttps_epi32(_mm512_add_ps(_mm512_abs_ps(v), half));
+        q = _mm512_mask_sub_epi32(q, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_si512(), q);
+        _mm_storeu_si128((__m128i *)(out->qs + i), _mm512_cvtepi32_epi8(q));
+        out->bsums[i / 16] = (int16_t)_mm512_reduce_add_epi32(q);
+    }
+}
+#endif
+
 static void quantize_block(const float *x, int n, kq_act_t *out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (n == KQ_BLOCK) {
+        quantize_full_block(x, out);
+        return;
+    }
+#endif
     float amax = 0.f;
     for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
