@@ -140,7 +140,35 @@ int kq_isa(void) { return KQ_ISA; }
 
 /* ---- activations ---- */
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* a whole block as quantize_block computes it, 16 values a vector: the same maximum (a NaN
+ * skipped as fmaxf skips it), the same products and the same rounding, half away from zero
+ * (|v| + 0.5 truncated, the sign given back), so the same bytes on every build */
+static void quantize_full_block(const float *x, kq_act_t *out) {
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < KQ_BLOCK; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), m);
+    const float amax = _mm512_reduce_max_ps(m);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    out->d = amax / 127.f;
+    const __m512 scale = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f);
+    for (int i = 0; i < KQ_BLOCK; i += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), scale);
+        __m512i q = _mm512_cvttps_epi32(_mm512_add_ps(_mm512_abs_ps(v), half));
+        q = _mm512_mask_sub_epi32(q, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_si512(), q);
+        _mm_storeu_si128((__m128i *)(out->qs + i), _mm512_cvtepi32_epi8(q));
+        out->bsums[i / 16] = (int16_t)_mm512_reduce_add_epi32(q);
+    }
+}
+#endif
+
 static void quantize_block(const float *x, int n, kq_act_t *out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (n == KQ_BLOCK) {
+        quantize_full_block(x, out);
+        return;
+    }
+#endif
     float amax = 0.f;
     for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -257,10 +285,40 @@ int kq_linear_takes(const lin_t *L) {
     return rows == L->n_out;
 }
 
+/* the output rows [*begin, *end) that thread t of a team of T takes in kq_linear_team: one run of
+ * rows, the runs' weight bytes as even as runs of TEAM_ROWS allow (parts of different types have
+ * rows of different sizes), so that each thread streams one contiguous stretch of every part it
+ * meets. (Runs of 16 rows dealt out in turn, as a static schedule of 16 gives, read the weights at
+ * half the rate at one row: docs/design/gguf_kquants.md.) */
+#define TEAM_ROWS 32 /* 64 bytes of bfloat16 outputs: no cache line of y written by two threads */
+static void team_share(const kq_part_t *parts, int n_parts, int t, int T, int *begin, int *end) {
+    int64_t total = 0;
+    int rows = 0;
+    for (int p = 0; p < n_parts; ++p) {
+        total += (int64_t)parts[p].rows * parts[p].row_bytes;
+        rows += parts[p].rows;
+    }
+    int at[2];
+    for (int e = 0; e < 2; ++e) { /* the first row whose bytes before it reach (t + e) / T of the total */
+        const int64_t goal = total * (t + e) / T;
+        int64_t before = 0;
+        int row = 0, p = 0;
+        while (p < n_parts && before + (int64_t)parts[p].rows * parts[p].row_bytes <= goal) {
+            before += (int64_t)parts[p].rows * parts[p].row_bytes;
+            row += parts[p++].rows;
+        }
+        if (p < n_parts) row += (int)((goal - before + parts[p].row_bytes - 1) / parts[p].row_bytes);
+        row = (row + TEAM_ROWS / 2) / TEAM_ROWS * TEAM_ROWS;
+        at[e] = t + e == T ? rows : (row < rows ? row : rows);
+    }
+    *begin = at[0];
+    *end = at[1];
+}
+
 /* y = x L^T (+ bias) for rows (1..MAX_FUSED_ROWS) rows of x, by every thread of the enclosing team,
  * no barrier at the end (as linear_rows_team): each thread quantizes the rows for itself (xh, the
  * bfloat16 input, where given, as the per-op path quantizes its bfloat16 rows; else xf) and takes
- * its share of the output rows in KQ_TILE_N runs; a row's products are those of kq_matmul. */
+ * its share of the output rows (team_share); a row's products are those of kq_matmul. */
 void kq_linear_team(const lin_t *L, int rows, const float *xf, const void *xh, void *y, int dtype) {
     if (!kq_linear_takes(L) || rows < 1 || rows > MAX_FUSED_ROWS) { /* a caller's bug */
         fprintf(stderr, "kvserve kernels: kq_linear_team called with a weight or row count it refuses\n");
@@ -281,15 +339,18 @@ void kq_linear_team(const lin_t *L, int rows, const float *xf, const void *xh, v
     }
     const kq_part_t *parts = (const kq_part_t *)L->w;
     const int elem = elem_size(dtype);
-#pragma omp for schedule(static, KQ_TILE_N) nowait
-    for (int n = 0; n < L->n_out; ++n) {
-        int p = 0, first = 0;
-        while (n >= first + parts[p].rows) first += parts[p++].rows;
-        const uint8_t *row = (const uint8_t *)parts[p].w + (int64_t)(n - first) * parts[p].row_bytes;
-        float b = 0.f;
-        if (L->bias != NULL) to_float((const char *)L->bias + (int64_t)n * elem, dtype, &b, 1);
-        row_products(row, dot_for(parts[p].type, 0), dots_for(parts[p].type, 0), a, nb, k, 0, rows, b, y, L->n_out,
-                     n, dtype);
+    int begin, end; /* this thread's rows, in whichever parts they fall */
+    team_share(parts, (int)L->row_bytes, omp_get_thread_num(), omp_get_num_threads(), &begin, &end);
+    for (int p = 0, first = 0; p < L->row_bytes && first < end; first += parts[p++].rows) {
+        const int lo = begin > first ? begin : first, hi = end < first + parts[p].rows ? end : first + parts[p].rows;
+        const kq_dot_fn dot = dot_for(parts[p].type, 0);
+        const kq_dots_fn dots = dots_for(parts[p].type, 0);
+        for (int n = lo; n < hi; ++n) {
+            const uint8_t *row = (const uint8_t *)parts[p].w + (int64_t)(n - first) * parts[p].row_bytes;
+            float b = 0.f;
+            if (L->bias != NULL) to_float((const char *)L->bias + (int64_t)n * elem, dtype, &b, 1);
+            row_products(row, dot, dots, a, nb, k, 0, rows, b, y, L->n_out, n, dtype);
+        }
     }
     if (a != act) free(a);
 }

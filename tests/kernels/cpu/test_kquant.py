@@ -15,7 +15,7 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from kvserve.kernels.cpu.kquant import BLOCK_TYPES, KQ_BLOCK, PORTABLE, kquant_kernels
+from kvserve.kernels.cpu.kquant import BLOCK_TYPES, KQ_ACT_BYTES, KQ_BLOCK, PORTABLE, kquant_kernels
 
 KQ = kquant_kernels()
 pytestmark = pytest.mark.skipif(KQ is None, reason="the CPU kernels are not built here (no compiler)")
@@ -150,3 +150,36 @@ def test_each_row_is_computed_alike_whatever_rows_are_beside_it(ggml_type, path)
     together = product(weight, ggml_type, k, x, path)
     alone = torch.cat([product(weight, ggml_type, k, x[i : i + 1], path) for i in range(9)])
     assert torch.equal(together, alone)
+
+
+def q8_k_reference(x: np.ndarray) -> list[tuple[np.float32, np.ndarray, np.ndarray]]:
+    """Each 256 values of float32 row ``x`` (a short last block zero-padded) as llama.cpp's Q8_K:
+    d = max|x| / 127, q = x (127 / max|x|) rounded half away from zero, the sums of each 16."""
+    out = []
+    for at in range(0, x.size, KQ_BLOCK):
+        block = np.zeros(KQ_BLOCK, np.float32)
+        block[: min(KQ_BLOCK, x.size - at)] = x[at : at + KQ_BLOCK]
+        amax = np.abs(block).max()
+        inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+        v = block * inv
+        q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int32)
+        out.append((amax / np.float32(127), q, q.reshape(-1, 16).sum(axis=1)))
+    return out
+
+
+@pytest.mark.parametrize("k", [256, 768, 288])
+def test_activations_are_quantized_to_llama_cpps_q8_k_bit_for_bit(k):
+    """Whole blocks (vectorized where the build has AVX-512) and a short last block (the loop):
+    the same scale, bytes and sums, ties rounded away from zero (max 127: values .5 apart exactly)."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((3, k)) * 3).astype(np.float32)
+    x[0, 0] = 127.0
+    x[0, 1:KQ_BLOCK - 1] = np.arange(KQ_BLOCK - 2, dtype=np.float32) / 2 - 63  # -63, -62.5, ..., 63.5
+    x[0, KQ_BLOCK - 1] = -0.0
+    act = KQ.quantize(torch.from_numpy(x)).numpy()
+    for r in range(x.shape[0]):
+        blocks = act[r].reshape(-1, KQ_ACT_BYTES)
+        for b, (d, q, sums) in enumerate(q8_k_reference(x[r])):
+            assert blocks[b, :4].view(np.float32)[0] == d
+            np.testing.assert_array_equal(blocks[b, 4:260].view(np.int8).astype(np.int32), q)
+            np.testing.assert_array_equal(blocks[b, 260:].view(np.int16).astype(np.int32), sums)
