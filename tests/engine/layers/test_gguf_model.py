@@ -129,6 +129,10 @@ def test_a_q4_k_m_model_holds_at_most_1_3x_its_files_tensor_bytes(tmp_path, dtyp
 
 
 def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
+    """Where a type takes dequantized panels (CPU classes or types without the int8 GEMM: here
+    forced) a product holds one panel's floats at a time; where it takes the GEMM, none."""
+    original_takes = gguf_linear.gemm_takes
+    monkeypatch.setattr(gguf_linear, "gemm_takes", lambda kernels, part: False)
     n_out, k = 5 * PANEL_ROWS + 16, 512
     part = GGUFTensor(random_weight(int(T.Q4_K), n_out, k, 7), int(T.Q4_K), (n_out, k))
     weight = GGUFWeight(((0, part),), n_out, k)
@@ -143,9 +147,16 @@ def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
     x = torch.randn(PANEL_FROM_ROWS, k).to(torch.bfloat16)
     y = weight.linear(x)
     assert dequantized == [PANEL_ROWS] * 5 + [16]
+    monkeypatch.setattr(gguf_linear, "gemm_takes", original_takes)
+    dequantized.clear()
+    y_gemm = weight.linear(x)
+    assert dequantized == ([] if original_takes(kquant_kernels(), part) else [PANEL_ROWS] * 5 + [16])
     monkeypatch.undo()
-    want = x.double() @ part.dequantize(torch.float32).double().T
+    dense = part.dequantize(torch.float32).double()
+    want = x.double() @ dense.T
     assert (y.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    # the GEMM's int8 activations: within 2^-5 of each output's sum of |products| (test_gguf_linear.py)
+    assert ((y_gemm.double() - want).abs() <= 2 ** -5 * (x.double().abs() @ dense.abs().T)).all()
 
 
 TABLE = [list(range(8))]  # one sequence in KV blocks 0-7
