@@ -68,7 +68,8 @@ def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: 
     def panels():
         for first in range(0, n_out, PANEL_ROWS):
             panel = GGUFTensor(weight[first : first + PANEL_ROWS], ggml_type, (n_out, k))
-            out[:, first : first + panel.data.shape[0]] = linear(x, panel.dequantize(torch.bfloat16), few_rows=8)
+            dense = panel.dequantize(torch.bfloat16)
+            out[:, first : first + panel.data.shape[0]] = linear(x, dense, few_rows=8)
 
     fns = {"panels": panels, "dots": lambda: kernels.matmul(weight, ggml_type, k, kernels.quantize(x), out)}
     if kernels.gemm_takes(ggml_type, preferred=False):

@@ -38,7 +38,8 @@ def tolerance(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     x = x.double()
     rows, k = x.shape
     half_step = (x.abs().view(rows, -1, KQ_BLOCK).amax(dim=-1, keepdim=True) / 254).expand(rows, -1, KQ_BLOCK)
-    return 1.001 * half_step.reshape(rows, k) @ w.double().abs().T + 1e-5 * x.abs() @ w.double().abs().T + 1e-6
+    w = w.double().abs()
+    return 1.001 * half_step.reshape(rows, k) @ w.T + 1e-5 * x.abs() @ w.T + 1e-6
 
 
 def gemm(weight, ggml_type, k, x, bias=None, dtype=torch.float32):
@@ -57,7 +58,7 @@ def test_the_vector_builds_take_the_k_quants():
     """AVX512-VNNI takes every stored type, AVX2 all but Q8_0 (its values offset to 0..255 would
     saturate maddubs' int16 pairs), the portable build none."""
     want = {512: TYPES, 256: [t for t in TYPES if NAMES[t] != "Q8_0"], 0: []}[KQ.isa]
-    assert TAKEN == want
+    assert want == TAKEN
     assert all(KQ.gemm_takes(t, preferred=False) for t in TYPES if KQ.gemm_takes(t))
 
 
@@ -74,7 +75,8 @@ def test_random_blocks_match_dequantize_then_matmul(ggml_type, rows, n_out):
     want = x.double() @ w.double().T
     assert ((got - want).abs() <= tolerance(w, x)).all(), (got - want).abs().max()
     # the block dots sum the same integers: only the float sums' order differs
-    assert ((got - dots(weight, ggml_type, k, x).double()).abs() <= 1e-5 * x.double().abs() @ w.double().abs().T).all()
+    slack = 1e-5 * x.double().abs() @ w.double().abs().T
+    assert ((got - dots(weight, ggml_type, k, x).double()).abs() <= slack).all()
 
 
 @pytest.mark.parametrize("ggml_type", TAKEN, ids=NAMES.get)
