@@ -11,7 +11,8 @@ In bfloat16 a product quantizes the activation rows once (per 256 values, int8, 
 does) and multiplies every part in its own format into its columns of the output: the few rows of
 a decode by the block dots, a prefill chunk (``PANEL_FROM_ROWS`` rows up) by the int8 GEMM where
 this CPU class takes it for the part's type (``gemm_takes``), else by dequantized bfloat16 panels
-into the float GEMM. In float32, and at more rows
+into the float GEMM where that GEMM has AVX512-BF16 and by the block dots where not
+(``dots_over_panels``). In float32, and at more rows
 than ``MAX_FUSED_ROWS`` on CPUs without AVX2 (the kernels' portable dots take fewer), it multiplies
 dequantized panels of ``PANEL_ROWS`` output rows instead: float32 asks for the stored weights'
 exact products, which the activations' int8 rounding (~0.6% of a product) would not give. Without
@@ -106,7 +107,8 @@ class GGUFWeight:
             # layers compute them (a speculative verification row gives a plain decode's logits)
             if isinstance(part, torch.Tensor):
                 out.copy_(float_linear(rows, part, b, few_rows=MAX_FUSED_ROWS))
-            elif panels or (prefill and not gemm_takes(kernels, part)):
+            elif panels or (prefill and not gemm_takes(kernels, part)
+                            and not kernels.dots_over_panels(part.ggml_type)):
                 for first in range(0, n, PANEL_ROWS):
                     panel = GGUFTensor(part.data[first : first + PANEL_ROWS], part.ggml_type, part.shape)
                     cols = slice(first, first + panel.data.shape[0])
@@ -114,7 +116,7 @@ class GGUFWeight:
                     out[:, cols] = float_linear(rows, weight, bias_cols, few_rows=MAX_FUSED_ROWS)
             elif rows.shape[0]:
                 act = kernels.quantize(rows) if act is None else act
-                multiply = kernels.gemm if prefill else kernels.matmul
+                multiply = kernels.gemm if prefill and gemm_takes(kernels, part) else kernels.matmul
                 multiply(part.data, part.ggml_type, self.k_in, act, out, b)
         return y.view(*x.shape[:-1], self.n_out)
 

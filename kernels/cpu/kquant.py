@@ -48,7 +48,7 @@ class KQuantKernels:
     def __init__(self, lib):
         self._lib = lib
         self.isa = lib.kq_isa()
-        self._gemm_types = (lib.kq_gemm_types(0), lib.kq_gemm_types(1))
+        self._gemm_types = (lib.kq_gemm_types(0), lib.kq_gemm_types(1), lib.kq_gemm_types(2))
         self._q4_0 = _code("GGML_Q4_0")
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +77,12 @@ class KQuantKernels:
         """Whether ``gemm`` multiplies ``ggml_type`` on this build (``preferred``: and is the faster
         of it and dequantized bfloat16 panels for a prefill chunk here, measured per CPU class)."""
         return bool(self._gemm_types[preferred] >> (ggml_type - self._q4_0) & 1)
+
+    def dots_over_panels(self, ggml_type: int) -> bool:
+        """Whether a prefill chunk of ``ggml_type`` that ``gemm`` does not take is faster by the
+        block dots (``matmul``) than by dequantized bfloat16 panels here (CPUs without AVX512-BF16,
+        whose bfloat16 GEMM runs in float32)."""
+        return bool(self._gemm_types[2] >> (ggml_type - self._q4_0) & 1)
 
     def gemm(self, weight: torch.Tensor, ggml_type: int, k: int, act: torch.Tensor, out: torch.Tensor,
              bias: torch.Tensor | None = None) -> None:

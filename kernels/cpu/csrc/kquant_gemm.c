@@ -35,18 +35,24 @@
 #define KG_TYPES 0u
 #endif
 
-/* Which types a prefill product takes this GEMM for rather than dequantized bfloat16 panels into
- * csrc/gemm.c (measured per CPU class: docs/design/gguf_kquants.md). Without AVX512-BF16 the
- * panels' GEMM runs in float32, and the int8 GEMM wins for every type it takes. */
-#if KQ_ISA == 512 && defined(__AVX512BF16__)
+/* Which types a prefill chunk takes this GEMM for rather than the alternatives, per CPU class
+ * (measured: docs/design/gguf_kquants.md): every type it has, on every class (AVX512-BF16's
+ * bfloat16 panels included: 1.2-1.5x slower at 256 rows, 2-6x without BF16 or AVX-512). For a
+ * type or width it does not take, the block dots beat dequantized panels into csrc/gemm.c except
+ * where that GEMM has AVX512-BF16 (AVX2: Q8_0 17 ms against 48 at 256 rows). */
 #define KG_PREFERRED KG_TYPES
+#if KQ_ISA != 0 && !defined(__AVX512BF16__)
+#define KG_DOTS_OVER_PANELS 0x7fffu
 #else
-#define KG_PREFERRED KG_TYPES
+#define KG_DOTS_OVER_PANELS 0u
 #endif
 
-/* 0: the types kq_gemm multiplies on this build; 1: those the GGUF linear should give it (a
+/* 0: the types kq_gemm multiplies on this build; 1: those a prefill chunk should give it; 2: those
+ * whose prefill chunks, where not given it, take the block dots rather than dequantized panels (a
  * bit per ggml type code t at 1 << (t - GGML_Q4_0)). Read by kernels/cpu/kquant.py. */
-int kq_gemm_types(int preferred) { return (int)(preferred ? KG_PREFERRED : KG_TYPES); }
+int kq_gemm_types(int which) {
+    return (int)(which == 2 ? KG_DOTS_OVER_PANELS : which == 1 ? KG_PREFERRED : KG_TYPES);
+}
 
 static inline int sub_values(int type) { return type == GGML_Q6_K ? 16 : 32; }
 /* bytes of one sub-block in a panel: its values, then KG_LANES float scales and minimums */

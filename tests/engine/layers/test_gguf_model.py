@@ -129,10 +129,11 @@ def test_a_q4_k_m_model_holds_at_most_1_3x_its_files_tensor_bytes(tmp_path, dtyp
 
 
 def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
-    """Where a type takes dequantized panels (CPU classes or types without the int8 GEMM: here
-    forced) a product holds one panel's floats at a time; where it takes the GEMM, none."""
+    """Where a type takes dequantized panels (a type without the int8 GEMM on an AVX512-BF16 CPU:
+    here forced) a product holds one panel's floats at a time; where it takes the GEMM, none."""
     original_takes = gguf_linear.gemm_takes
     monkeypatch.setattr(gguf_linear, "gemm_takes", lambda kernels, part: False)
+    monkeypatch.setattr(kquant_kernels(), "dots_over_panels", lambda ggml_type: False)
     n_out, k = 5 * PANEL_ROWS + 16, 512
     part = GGUFTensor(random_weight(int(T.Q4_K), n_out, k, 7), int(T.Q4_K), (n_out, k))
     weight = GGUFWeight(((0, part),), n_out, k)
@@ -147,10 +148,13 @@ def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
     x = torch.randn(PANEL_FROM_ROWS, k).to(torch.bfloat16)
     y = weight.linear(x)
     assert dequantized == [PANEL_ROWS] * 5 + [16]
-    monkeypatch.setattr(gguf_linear, "gemm_takes", original_takes)
+    monkeypatch.undo()
+    monkeypatch.setattr(gguf_linear.GGUFTensor, "dequantize", counted)
     dequantized.clear()
     y_gemm = weight.linear(x)
-    assert dequantized == ([] if original_takes(kquant_kernels(), part) else [PANEL_ROWS] * 5 + [16])
+    kernels = kquant_kernels()
+    int8 = original_takes(kernels, part) or kernels.dots_over_panels(part.ggml_type)
+    assert dequantized == ([] if int8 else [PANEL_ROWS] * 5 + [16])
     monkeypatch.undo()
     dense = part.dequantize(torch.float32).double()
     want = x.double() @ dense.T
