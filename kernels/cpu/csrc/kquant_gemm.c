@@ -54,6 +54,7 @@ int kq_gemm_types(int which) {
     return (int)(which == 2 ? KG_DOTS_OVER_PANELS : which == 1 ? KG_PREFERRED : KG_TYPES);
 }
 
+#if KQ_ISA != 0 /* the panels and tiles of the vector builds */
 static inline int sub_values(int type) { return type == GGML_Q6_K ? 16 : 32; }
 /* bytes of one sub-block in a panel: its values, then KG_LANES float scales and minimums */
 static inline int64_t sub_bytes(int S) { return (int64_t)S * KG_LANES + 8 * KG_LANES; }
@@ -214,7 +215,6 @@ KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int ns
 }
 #endif
 
-#if KQ_ISA != 0
 /* the rows taken (KG_ROWS, else 4, 2, 1 of the rows left), each count its own inlined tile */
 static int tiles(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, int rows, int S, float *out) {
 #define KG_AT(R)                                                                 \
