@@ -2,7 +2,10 @@
 same weights dequantized, in one run (``python -m kvserve.benchmarks.scale.kernels``): per format
 (Q4_K, Q6_K, Q8_0) and row count, milliseconds per product (activation quantization included),
 weight bytes per second and the ratio to ``cpu_matmul.linear`` on the dequantized bfloat16 weight
-(csrc/gemm.c's packed copy where it is built). Random valid blocks; run it on a quiet machine.
+(csrc/gemm.c's packed copy where it is built). From ``PANEL_FROM_ROWS`` rows it also times the two
+prefill paths of ``GGUFWeight.linear``: the int8 GEMM (csrc/kquant_gemm.c) and bfloat16 panels
+dequantized 256 rows at a time into the float GEMM, interleaved round by round (``--rounds``; the
+best round of each). Random valid blocks; run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import torch
 
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
 
-NAMES = {"Q4_K": 12, "Q6_K": 14, "Q8_0": 8}
-SCALE_AT = {12: (0, 2), 14: (208,), 8: (0,)}  # each format's float16 scales in its block
+NAMES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "Q4_0": 2}
+SCALE_AT = {12: (0, 2), 13: (0, 2), 14: (208,), 8: (0,), 2: (0,)}  # each format's float16 scales in its block
 
 
 def random_weight(ggml_type: int, n_out: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -35,6 +38,47 @@ def timed(fn, repeat: int) -> float:
     for _ in range(repeat):
         fn()
     return (time.perf_counter() - start) / repeat
+
+
+def best_of_interleaved(fns: dict, rounds: int) -> dict:
+    """Each function's best time over ``rounds`` rounds, the functions taking turns every round (so
+    that the load of a shared machine falls on all of them alike)."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: int, rounds: int) -> str:
+    """One line: a prefill chunk of ``rows`` rows by the int8 GEMM, by the few-row dots and by
+    dequantized bfloat16 panels (what ``GGUFWeight.linear`` chooses between), milliseconds, best
+    of interleaved rounds."""
+    from kvserve.engine.layers.cpu_matmul import linear
+    from kvserve.engine.layers.gguf_linear import PANEL_ROWS, GGUFTensor
+
+    weight = random_weight(ggml_type, n_out, k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    out = torch.empty(rows, n_out, dtype=torch.bfloat16)
+
+    def panels():
+        for first in range(0, n_out, PANEL_ROWS):
+            panel = GGUFTensor(weight[first : first + PANEL_ROWS], ggml_type, (n_out, k))
+            dense = panel.dequantize(torch.bfloat16)
+            out[:, first : first + panel.data.shape[0]] = linear(x, dense, few_rows=8)
+
+    fns = {"panels": panels, "dots": lambda: kernels.matmul(weight, ggml_type, k, kernels.quantize(x), out)}
+    if kernels.gemm_takes(ggml_type, preferred=False):
+        fns["gemm"] = lambda: kernels.gemm(weight, ggml_type, k, kernels.quantize(x), out)
+    best = best_of_interleaved(fns, rounds)
+    cells = ", ".join(f"{key} {t * 1e3:8.2f} ms" for key, t in best.items())
+    ratio = f": gemm {best['panels'] / best['gemm']:.2f}x the panels" if "gemm" in best else ""
+    chosen = "gemm" if kernels.gemm_takes(ggml_type) else "panels"
+    return f"{name} prefill rows {rows:4d}: {cells}{ratio} (linear takes {chosen})"
 
 
 def compare(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: int, repeat: int) -> str:
@@ -59,13 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="8192x2048", help="output rows x inputs (gate/up of a 1.7B model)")
     ap.add_argument("--rows", default="1,8,512", help="activation rows per product")
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the prefill paths")
+    ap.add_argument("--types", default=",".join(NAMES), help="formats, comma-separated")
     args = ap.parse_args(argv)
     n_out, k = (int(v) for v in args.shape.split("x"))
     kernels = kquant_kernels()
     print(f"{n_out} x {k}, {torch.get_num_threads()} threads, dots: {kernels.isa or 'portable'}")
-    for name, ggml_type in NAMES.items():
+    from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS
+
+    for name in args.types.split(","):
+        ggml_type = NAMES[name]
         for rows in (int(r) for r in args.rows.split(",")):
             print(compare(kernels, name, ggml_type, n_out, k, rows, args.repeat), flush=True)
+            if rows >= PANEL_FROM_ROWS:
+                print(prefill_paths(kernels, name, ggml_type, n_out, k, rows, args.rounds), flush=True)
     return 0
 
 

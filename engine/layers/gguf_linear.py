@@ -9,7 +9,10 @@ the file stores in another type arrives as floats and stays a dense part).
 
 In bfloat16 a product quantizes the activation rows once (per 256 values, int8, as llama.cpp
 does) and multiplies every part in its own format into its columns of the output: the few rows of
-a decode and the many of a prefill alike (the kernels tile the rows). In float32, and at more rows
+a decode by the block dots, a prefill chunk (``PANEL_FROM_ROWS`` rows up) by the int8 GEMM where
+this CPU class takes it for the part's type (``gemm_takes``), else by dequantized bfloat16 panels
+into the float GEMM where that GEMM has AVX512-BF16 and by the block dots where not
+(``dots_over_panels``). In float32, and at more rows
 than ``MAX_FUSED_ROWS`` on CPUs without AVX2 (the kernels' portable dots take fewer), it multiplies
 dequantized panels of ``PANEL_ROWS`` output rows instead: float32 asks for the stored weights'
 exact products, which the activations' int8 rounding (~0.6% of a product) would not give. Without
@@ -30,13 +33,21 @@ from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
 GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 PANEL_ROWS = 256  # output rows dequantized at a time where the float GEMM multiplies
-# from this many activation rows (a prefill chunk) a bfloat16 product dequantizes panels into the
-# float GEMM: the crossover of the two, measured at a 1.7B projection (docs/design/gguf_kquants.md)
+# from this many activation rows (a prefill chunk) a bfloat16 product takes the int8 GEMM (or
+# dequantized panels into the float GEMM): the crossover with the block dots, measured at a 1.7B
+# projection (docs/design/gguf_kquants.md)
 PANEL_FROM_ROWS = 128
 
 
 def ggml_name(ggml_type: int) -> str:
     return GGML_NAMES.get(ggml_type, f"ggml type {ggml_type}")
+
+
+def gemm_takes(kernels, part: GGUFTensor) -> bool:
+    """Whether a prefill chunk multiplies ``part`` by the int8 GEMM (csrc/kquant_gemm.c): its type
+    is one this CPU class measured faster there than in dequantized bfloat16 panels, and its
+    width is whole 256-value blocks."""
+    return kernels.gemm_takes(part.ggml_type) and part.shape[1] % 256 == 0
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,8 @@ class GGUFWeight:
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         kernels = kquant_kernels()
         y = torch.empty(rows.shape[0], self.n_out, dtype=x.dtype)
-        panels = (x.dtype == torch.float32 or rows.shape[0] >= PANEL_FROM_ROWS
-                  or (kernels.isa == 0 and rows.shape[0] > MAX_FUSED_ROWS))
+        panels = x.dtype == torch.float32 or (kernels.isa == 0 and rows.shape[0] > MAX_FUSED_ROWS)
+        prefill = rows.shape[0] >= PANEL_FROM_ROWS
         act = None
         for start, part in self.parts:
             n = part.shape[0]
@@ -96,7 +107,8 @@ class GGUFWeight:
             # layers compute them (a speculative verification row gives a plain decode's logits)
             if isinstance(part, torch.Tensor):
                 out.copy_(float_linear(rows, part, b, few_rows=MAX_FUSED_ROWS))
-            elif panels:
+            elif panels or (prefill and not gemm_takes(kernels, part)
+                            and not kernels.dots_over_panels(part.ggml_type)):
                 for first in range(0, n, PANEL_ROWS):
                     panel = GGUFTensor(part.data[first : first + PANEL_ROWS], part.ggml_type, part.shape)
                     cols = slice(first, first + panel.data.shape[0])
@@ -104,7 +116,8 @@ class GGUFWeight:
                     out[:, cols] = float_linear(rows, weight, bias_cols, few_rows=MAX_FUSED_ROWS)
             elif rows.shape[0]:
                 act = kernels.quantize(rows) if act is None else act
-                kernels.matmul(part.data, part.ggml_type, self.k_in, act, out, b)
+                multiply = kernels.gemm if prefill and gemm_takes(kernels, part) else kernels.matmul
+                multiply(part.data, part.ggml_type, self.k_in, act, out, b)
         return y.view(*x.shape[:-1], self.n_out)
 
     def alike_rows(self, dtype: torch.dtype) -> int:

@@ -6,7 +6,8 @@ A product is two calls: ``quantize`` turns activation rows into int8 blocks of `
 multiplies a weight (uint8 rows of the file's blocks, e.g. a view of the memory-mapped file) by
 them, writing into a column range of the output, so that q, k and v (or gate and up), each a
 tensor of its own type in the file, share one quantization of their input. ``dequantize`` gives
-rows of a weight as floats (embedding lookups; the panels of CPUs without vector dots).
+rows of a weight as floats (embedding lookups; the panels of CPUs without vector dots); ``gemm``
+is ``matmul`` for a prefill chunk's many rows (csrc/kquant_gemm.c).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class KQuantKernels:
     def __init__(self, lib):
         self._lib = lib
         self.isa = lib.kq_isa()
+        self._gemm_types = (lib.kq_gemm_types(0), lib.kq_gemm_types(1), lib.kq_gemm_types(2))
+        self._q4_0 = _code("GGML_Q4_0")
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 [rows, blocks * KQ_ACT_BYTES]: the rows of 2-D ``x`` (float32 or bfloat16, last
@@ -69,6 +72,28 @@ class KQuantKernels:
             weight.data_ptr(), weight.stride(0), ggml_type, n_out, k, act.data_ptr(), rows,
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), DTYPES[out.dtype], isa,
             torch.get_num_threads()), "kq_matmul")
+
+    def gemm_takes(self, ggml_type: int, preferred: bool = True) -> bool:
+        """Whether ``gemm`` multiplies ``ggml_type`` on this build (``preferred``: and is the faster
+        of it and dequantized bfloat16 panels for a prefill chunk here, measured per CPU class)."""
+        return bool(self._gemm_types[preferred] >> (ggml_type - self._q4_0) & 1)
+
+    def dots_over_panels(self, ggml_type: int) -> bool:
+        """Whether a prefill chunk of ``ggml_type`` that ``gemm`` does not take is faster by the
+        block dots (``matmul``) than by dequantized bfloat16 panels here (CPUs without AVX512-BF16,
+        whose bfloat16 GEMM runs in float32)."""
+        return bool(self._gemm_types[2] >> (ggml_type - self._q4_0) & 1)
+
+    def gemm(self, weight: torch.Tensor, ggml_type: int, k: int, act: torch.Tensor, out: torch.Tensor,
+             bias: torch.Tensor | None = None) -> None:
+        """``matmul``'s product by csrc/kquant_gemm.c's int8 GEMM (a prefill chunk's many rows: each
+        panel of weight rows unpacked once for all of them); ``k`` a multiple of ``KQ_BLOCK`` and a
+        type ``gemm_takes(..., preferred=False)``."""
+        n_out, rows = weight.shape[0], act.shape[0]
+        _check(self._lib.kq_gemm(
+            weight.data_ptr(), weight.stride(0), ggml_type, n_out, k, act.data_ptr(), rows,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), DTYPES[out.dtype],
+            torch.get_num_threads()), "kq_gemm")
 
     def dequantize(self, weight: torch.Tensor, ggml_type: int, k: int, dtype: torch.dtype,
                    ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, GGUFTensor, GGUFWeight
+from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, GGUFTensor, GGUFWeight, gemm_takes
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.runner.model_runner import ModelRunner
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
@@ -191,16 +191,20 @@ def test_a_shard_that_splits_a_block_is_refused_with_the_block_size():
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0])
-def test_prefill_rows_take_dequantized_panels_and_decode_rows_the_block_dots(qtype):
-    """bfloat16 products of PANEL_FROM_ROWS rows or more dequantize panels into the float GEMM (2-3x
-    faster there, docs/design/gguf_kquants.md); fewer rows take the int8 dots. Both against
-    gguf's dequantize then a float64 matmul: the panels within bfloat16's rounding of the products,
-    the dots within the activations' int8 rounding too."""
+def test_prefill_rows_take_the_int8_gemm_or_dequantized_panels_and_decode_rows_the_block_dots(qtype):
+    """bfloat16 products of PANEL_FROM_ROWS rows or more take the int8 GEMM where this CPU class
+    does for the type (csrc/kquant_gemm.c), else dequantize panels into the float GEMM (AVX512-BF16)
+    or take the int8 dots (other classes); fewer rows take the int8 dots (docs/design/gguf_kquants.md).
+    Against gguf's dequantize then a float64 matmul: the panels within bfloat16's rounding of the
+    products, the int8 paths within the activations' int8 rounding too. The GEMM's products are the
+    block dots' up to float sums."""
     rng = np.random.default_rng(int(qtype))
     n_out, k = 300, 512  # more output rows than one panel
     blocks = random_blocks(qtype, n_out, k, rng)
-    weight = GGUFWeight(((0, GGUFTensor(torch.from_numpy(blocks), int(qtype), (n_out, k))),), n_out, k)
+    part = GGUFTensor(torch.from_numpy(blocks), int(qtype), (n_out, k))
+    weight = GGUFWeight(((0, part),), n_out, k)
     dense = torch.from_numpy(dequantize(blocks, qtype).reshape(n_out, k)).double()
+    kernels = kquant_kernels()
     for rows in (PANEL_FROM_ROWS - 1, PANEL_FROM_ROWS):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         want = x.double() @ dense.T
@@ -208,6 +212,12 @@ def test_prefill_rows_take_dequantized_panels_and_decode_rows_the_block_dots(qty
         scale = (x.double().abs() @ dense.abs().T)  # the sum of |products| per output
         worst = ((got - want).abs() / scale.clamp_min(1e-12)).max().item()
         # the output's bfloat16 rounding (2^-9 of it) bounds the panels (measured up to 1.3e-3); the
-        # dots' int8 activations add more (measured 2.4e-3 to 3.2e-3), which this bound would refuse
-        assert worst < (2 ** -9 if rows >= PANEL_FROM_ROWS else 2 ** -5), (rows, worst)
+        # int8 activations add more (measured 2.4e-3 to 3.2e-3), which this bound would refuse
+        gemm = rows >= PANEL_FROM_ROWS and gemm_takes(kernels, part)
+        panels = rows >= PANEL_FROM_ROWS and not gemm and not kernels.dots_over_panels(int(qtype))
+        assert worst < (2 ** -9 if panels else 2 ** -5), (rows, worst)
+        if gemm:
+            dots = torch.empty(rows, n_out)
+            kernels.matmul(part.data, int(qtype), k, kernels.quantize(x), dots)
+            assert ((got - dots.double()).abs() <= 2 ** -8 * dots.double().abs() + 1e-5 * scale).all()
     assert weight.alike_rows(torch.bfloat16) == PANEL_FROM_ROWS - 1

@@ -129,6 +129,11 @@ def test_a_q4_k_m_model_holds_at_most_1_3x_its_files_tensor_bytes(tmp_path, dtyp
 
 
 def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
+    """Where a type takes dequantized panels (a type without the int8 GEMM on an AVX512-BF16 CPU:
+    here forced) a product holds one panel's floats at a time; where it takes the GEMM, none."""
+    original_takes = gguf_linear.gemm_takes
+    monkeypatch.setattr(gguf_linear, "gemm_takes", lambda kernels, part: False)
+    monkeypatch.setattr(kquant_kernels(), "dots_over_panels", lambda ggml_type: False)
     n_out, k = 5 * PANEL_ROWS + 16, 512
     part = GGUFTensor(random_weight(int(T.Q4_K), n_out, k, 7), int(T.Q4_K), (n_out, k))
     weight = GGUFWeight(((0, part),), n_out, k)
@@ -144,8 +149,18 @@ def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
     y = weight.linear(x)
     assert dequantized == [PANEL_ROWS] * 5 + [16]
     monkeypatch.undo()
-    want = x.double() @ part.dequantize(torch.float32).double().T
+    monkeypatch.setattr(gguf_linear.GGUFTensor, "dequantize", counted)
+    dequantized.clear()
+    y_gemm = weight.linear(x)
+    kernels = kquant_kernels()
+    int8 = original_takes(kernels, part) or kernels.dots_over_panels(part.ggml_type)
+    assert dequantized == ([] if int8 else [PANEL_ROWS] * 5 + [16])
+    monkeypatch.undo()
+    dense = part.dequantize(torch.float32).double()
+    want = x.double() @ dense.T
     assert (y.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    # the GEMM's int8 activations: within 2^-5 of each output's sum of |products| (test_gguf_linear.py)
+    assert ((y_gemm.double() - want).abs() <= 2 ** -5 * (x.double().abs() @ dense.abs().T)).all()
 
 
 TABLE = [list(range(8))]  # one sequence in KV blocks 0-7
@@ -191,3 +206,41 @@ def test_the_fused_decode_step_multiplies_gguf_weights_as_the_per_op_path(tmp_pa
     assert len(calls) == 6
     assert torch.equal(fused.argmax(-1), per_op.argmax(-1))
     assert (fused - per_op).abs().max() <= 1e-5 * per_op.abs().max(), (fused - per_op).abs().max()
+
+
+def test_a_prefill_chunk_through_the_int8_gemm_gives_the_block_dots_logits(tmp_path, monkeypatch):
+    """A 128-token prompt (PANEL_FROM_ROWS rows: every K-quant projection takes the int8 GEMM where
+    this CPU class has it) through the Q4_K_M-shaped model: its last row's logits against the same
+    prefill by the block dots (the same quantized activations and integer sums, other float sums:
+    measured cosine 0.99985) and by float32 serving (the stored weights' exact products: the int8
+    activations' rounding, compounded over 3 layers, measured cosine 0.9962, as the dots' 0.9960)."""
+    path = tmp_path / "model-Q4_K_M.gguf"
+    write_q4_k_m(path)
+    kernels = kquant_kernels()
+    taken: list[int] = []
+    real_gemm = type(kernels).gemm
+
+    def counted(self, weight, ggml_type, *args, **kwargs):
+        taken.append(ggml_type)
+        return real_gemm(self, weight, ggml_type, *args, **kwargs)
+
+    monkeypatch.setattr(type(kernels), "gemm", counted)
+    prompt = torch.randint(0, VOCAB, (PANEL_FROM_ROWS,), generator=torch.Generator().manual_seed(5)).tolist()
+    n, table = len(prompt), [list(range(PANEL_FROM_ROWS // 16))]
+    step = ModelInput(input_ids=prompt, positions=list(range(n)), query_lens=[n], context_lens=[n],
+                      block_tables=table, slot_mapping=list(range(n)), logits_indices=[n - 1])
+    runners = {dtype: ModelRunner(EngineConfig(model=str(path), dtype=dtype, num_kv_blocks=len(table[0]),
+                                               enforce_eager=True)) for dtype in ("bfloat16", "float32")}
+    got = runners["bfloat16"].execute_model(step)[-1].double()
+    exact = runners["float32"].execute_model(step)[-1].double()
+    monkeypatch.setattr(gguf_linear, "gemm_takes", lambda kernels, part: False)
+    monkeypatch.setattr(kernels, "dots_over_panels", lambda ggml_type: True)
+    dots = runners["bfloat16"].execute_model(step)[-1].double()
+
+    def cosine(a, b):
+        return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+    if kernels.isa:  # q, k, o, gate, up in Q4_K and v, down in Q6_K, each layer
+        assert sorted(set(taken)) == [int(T.Q4_K), int(T.Q6_K)] and len(taken) == 7 * LAYERS
+        assert cosine(got, dots) > 0.9995
+    assert cosine(got, exact) > 0.99

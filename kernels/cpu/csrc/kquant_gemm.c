@@ -1,0 +1,285 @@
+/* The int8 GEMM of GGUF block weights for prefill chunks (engine/layers/gguf_linear.py calls it
+ * from PANEL_FROM_ROWS activation rows up; docs/design/gguf_kquants.md). The activations are
+ * kq_quantize's (int8 per 256 values, a float scale, the sums of each 16). Each thread takes
+ * panels of KG_LANES weight rows: it unpacks the panel's blocks once into a buffer of its own
+ * (a byte per value, KG_LANES rows interleaved 4 values at a time, so that an int32 lane holds one
+ * weight row; per sub-block of 32 values, 16 for Q6_K, a float scale and minimum a row), then
+ * every activation row passes over it: 4 activation bytes broadcast, multiplied into all the
+ * lanes (vpdpbusd on AVX512-VNNI; maddubs then madd on AVX2), each sub-block's int32 sums
+ * converted and weighted by its scale in float, its minimum taken off through the block sums.
+ * The panel lives in L2 (~1.25 bytes a value), so the weight is read from memory once a product
+ * and unpacked once for all the rows, not once for every 8 as the few-row dots do. */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kquant.h"
+
+#define KG_BIT(t) (1u << ((t) - GGML_Q4_0)) /* a type's bit in kq_gemm_types' masks */
+
+#if KQ_ISA == 512
+#include <immintrin.h>
+#define KG_LANES 16 /* weight rows a panel: one int32 lane each */
+#define KG_ROWS 8   /* activation rows a tile: 8 x 3 accumulators + 3 of the panel, of 32 registers */
+#define KG_TYPES (KG_BIT(GGML_Q4_0) | KG_BIT(GGML_Q8_0) | KG_BIT(GGML_Q4_K) | KG_BIT(GGML_Q5_K) | KG_BIT(GGML_Q6_K))
+#elif KQ_ISA == 256
+#include <immintrin.h>
+#define KG_LANES 8
+#define KG_ROWS 4
+/* maddubs sums two u8 x s8 products into int16: Q8_0's values offset to 0..255 would saturate */
+#define KG_TYPES (KG_BIT(GGML_Q4_0) | KG_BIT(GGML_Q4_K) | KG_BIT(GGML_Q5_K) | KG_BIT(GGML_Q6_K))
+#else
+#define KG_LANES 1
+#define KG_ROWS 1
+#define KG_TYPES 0u
+#endif
+
+/* Which types a prefill chunk takes this GEMM for rather than the alternatives, per CPU class
+ * (measured: docs/design/gguf_kquants.md): every type it has, on every class (AVX512-BF16's
+ * bfloat16 panels included: 1.2-1.5x slower at 256 rows, 2-6x without BF16 or AVX-512). For a
+ * type or width it does not take, the block dots beat dequantized panels into csrc/gemm.c except
+ * where that GEMM has AVX512-BF16 (AVX2: Q8_0 17 ms against 48 at 256 rows). */
+#define KG_PREFERRED KG_TYPES
+#if KQ_ISA != 0 && !defined(__AVX512BF16__)
+#define KG_DOTS_OVER_PANELS 0x7fffu
+#else
+#define KG_DOTS_OVER_PANELS 0u
+#endif
+
+/* 0: the types kq_gemm multiplies on this build; 1: those a prefill chunk should give it; 2: those
+ * whose prefill chunks, where not given it, take the block dots rather than dequantized panels (a
+ * bit per ggml type code t at 1 << (t - GGML_Q4_0)). Read by kernels/cpu/kquant.py. */
+int kq_gemm_types(int which) {
+    return (int)(which == 2 ? KG_DOTS_OVER_PANELS : which == 1 ? KG_PREFERRED : KG_TYPES);
+}
+
+#if KQ_ISA != 0 /* the panels and tiles of the vector builds */
+static inline int sub_values(int type) { return type == GGML_Q6_K ? 16 : 32; }
+/* bytes of one sub-block in a panel: its values, then KG_LANES float scales and minimums */
+static inline int64_t sub_bytes(int S) { return (int64_t)S * KG_LANES + 8 * KG_LANES; }
+static inline int64_t super_bytes(int S) { return (KQ_BLOCK / S) * sub_bytes(S); }
+
+static inline float half_of(const uint8_t *p) { return kq_half(p); }
+
+/* superblock i (256 values) of a weight row as unsigned bytes and, per sub-block of S values, a
+ * scale and a minimum: value = scale v - minimum (Q8_0's signed values offset by 128, Q4_0's 8
+ * and Q6_K's 32 stored as minimums) */
+static void unpack_superblock(const uint8_t *w, int type, int64_t i, uint8_t v[KQ_BLOCK], float *scale,
+                              float *minimum) {
+    if (type == GGML_Q4_0 || type == GGML_Q8_0) {
+        for (int b = 0; b < 8; ++b) {
+            const int q8 = type == GGML_Q8_0;
+            const uint8_t *blk = w + (i * 8 + b) * (q8 ? 34 : 18);
+            const float d = half_of(blk);
+            for (int l = 0; l < 32; ++l)
+                v[32 * b + l] = q8 ? (uint8_t)(blk[2 + l] ^ 0x80) : (uint8_t)((blk[2 + l % 16] >> (4 * (l / 16))) & 15);
+            scale[b] = d;
+            minimum[b] = (q8 ? 128.f : 8.f) * d;
+        }
+    } else if (type == GGML_Q6_K) {
+        const uint8_t *blk = w + 210 * i;
+        const float d = half_of(blk + 208);
+        for (int n = 0; n < 2; ++n) {
+            const uint8_t *L = blk + 64 * n, *H = blk + 128 + 32 * n;
+            uint8_t *o = v + 128 * n;
+            for (int l = 0; l < 32; ++l) {
+                o[l] = (uint8_t)((L[l] & 15) | ((H[l] & 3) << 4));
+                o[l + 32] = (uint8_t)((L[l + 32] & 15) | (((H[l] >> 2) & 3) << 4));
+                o[l + 64] = (uint8_t)((L[l] >> 4) | (((H[l] >> 4) & 3) << 4));
+                o[l + 96] = (uint8_t)((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4));
+            }
+        }
+        for (int g = 0; g < 16; ++g) {
+            scale[g] = d * (float)((const int8_t *)(blk + 192))[g];
+            minimum[g] = 32.f * scale[g];
+        }
+    } else { /* Q4_K, Q5_K */
+        const int five = type == GGML_Q5_K;
+        const uint8_t *blk = w + (five ? 176 : 144) * i, *qs = blk + (five ? 48 : 16);
+        const float d = half_of(blk), dmin = half_of(blk + 2);
+        for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            kq_scale_min(j, blk + 4, &sc, &m);
+            for (int l = 0; l < 32; ++l)
+                v[32 * j + l] = (uint8_t)(((qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15) |
+                                          (five ? ((blk[16 + l] >> j) & 1) << 4 : 0));
+            scale[j] = d * (float)sc;
+            minimum[j] = dmin * (float)m;
+        }
+    }
+}
+
+/* rows n0 .. n0 + KG_LANES - 1 of the weight (zeros past n_out) into panel: per superblock, per
+ * sub-block s, S / 4 runs of KG_LANES x 4 bytes (run c: values S s + 4c .. + 3 of each row), then
+ * the rows' scales and minimums as floats */
+static void pack_panel(const uint8_t *w, int64_t row_bytes, int type, int n0, int n_out, int nsb, uint8_t *panel) {
+    const int S = sub_values(type), subs = KQ_BLOCK / S;
+    for (int r = 0; r < KG_LANES; ++r) {
+        uint8_t v[KQ_BLOCK];
+        float scale[16], minimum[16];
+        for (int64_t i = 0; i < nsb; ++i) {
+            if (n0 + r < n_out) {
+                unpack_superblock(w + (int64_t)(n0 + r) * row_bytes, type, i, v, scale, minimum);
+            } else {
+                memset(v, 0, sizeof v);
+                for (int s = 0; s < subs; ++s) scale[s] = minimum[s] = 0.f;
+            }
+            uint8_t *P = panel + i * super_bytes(S);
+            for (int s = 0; s < subs; ++s) {
+                uint8_t *B = P + s * sub_bytes(S);
+                for (int c = 0; c < S / 4; ++c) memcpy(B + (int64_t)c * 4 * KG_LANES + 4 * r, v + S * s + 4 * c, 4);
+                float *f = (float *)(B + (int64_t)S * KG_LANES);
+                f[r] = scale[s];
+                f[KG_LANES + r] = minimum[s];
+            }
+        }
+    }
+}
+
+/* out[r][l] = the product of activation row r (blocks at a + r nsb, block sums as floats at
+ * fb + r nsb subs) with the panel's row l, for R rows (a constant where inlined: every row's
+ * arithmetic is the same at any R) and sub-blocks of S values */
+#define KG_TILE_FN static inline __attribute__((always_inline)) void
+#if KQ_ISA == 512
+KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, const int R, const int S,
+                float *out) {
+    const int subs = KQ_BLOCK / S;
+    __m512 acc[KG_ROWS], t[KG_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < nsb; ++i) {
+        const uint8_t *P = panel + (int64_t)i * super_bytes(S);
+        for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
+        for (int s = 0; s < subs; ++s) {
+            const uint8_t *B = P + s * sub_bytes(S);
+            __m512i sums[KG_ROWS];
+            for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+            for (int c = 0; c < S / 4; ++c) {
+                const __m512i wv = _mm512_load_si512(B + 64 * c);
+                for (int r = 0; r < R; ++r) {
+                    int32_t x;
+                    memcpy(&x, a[(int64_t)r * nsb + i].qs + S * s + 4 * c, 4);
+                    sums[r] = _mm512_dpbusd_epi32(sums[r], wv, _mm512_set1_epi32(x));
+                }
+            }
+            const __m512 sc = _mm512_load_ps((const float *)(B + S * KG_LANES));
+            const __m512 mn = _mm512_load_ps((const float *)(B + S * KG_LANES) + KG_LANES);
+            for (int r = 0; r < R; ++r) {
+                t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), sc, t[r]);
+                t[r] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(fb[((int64_t)r * nsb + i) * subs + s]), t[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(t[r], _mm512_set1_ps(a[(int64_t)r * nsb + i].d), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + KG_LANES * r, acc[r]);
+}
+#elif KQ_ISA == 256
+/* maddubs of two 4-value runs summed in int16 (values at most 63: 2 x 2 x 63 x 127 < 32768),
+ * then madd by ones into the int32 lanes */
+KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, const int R, const int S,
+                float *out) {
+    const int subs = KQ_BLOCK / S;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[KG_ROWS], t[KG_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int i = 0; i < nsb; ++i) {
+        const uint8_t *P = panel + (int64_t)i * super_bytes(S);
+        for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_ps();
+        for (int s = 0; s < subs; ++s) {
+            const uint8_t *B = P + s * sub_bytes(S);
+            __m256i sums[KG_ROWS];
+            for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+            for (int c = 0; c < S / 4; c += 2) {
+                const __m256i w0 = _mm256_load_si256((const __m256i *)(B + 32 * c));
+                const __m256i w1 = _mm256_load_si256((const __m256i *)(B + 32 * c + 32));
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *x = a[(int64_t)r * nsb + i].qs + S * s + 4 * c;
+                    int32_t x0, x1;
+                    memcpy(&x0, x, 4);
+                    memcpy(&x1, x + 4, 4);
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
+                                                       _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
+                    sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(p, ones));
+                }
+            }
+            const __m256 sc = _mm256_load_ps((const float *)(B + S * KG_LANES));
+            const __m256 mn = _mm256_load_ps((const float *)(B + S * KG_LANES) + KG_LANES);
+            for (int r = 0; r < R; ++r) {
+                t[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), sc, t[r]);
+                t[r] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(fb[((int64_t)r * nsb + i) * subs + s]), t[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(t[r], _mm256_set1_ps(a[(int64_t)r * nsb + i].d), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + KG_LANES * r, acc[r]);
+}
+#endif
+
+/* the rows taken (KG_ROWS, else 4, 2, 1 of the rows left), each count its own inlined tile */
+static int tiles(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, int rows, int S, float *out) {
+#define KG_AT(R)                                                                 \
+    if (rows >= (R)) {                                                           \
+        if (S == 16) tile(panel, a, fb, nsb, (R), 16, out);                      \
+        else tile(panel, a, fb, nsb, (R), 32, out);                              \
+        return (R);                                                              \
+    }
+    KG_AT(KG_ROWS)
+#if KG_ROWS > 4
+    KG_AT(4)
+#endif
+    KG_AT(2)
+    KG_AT(1)
+#undef KG_AT
+    return 0;
+}
+#endif
+
+/* y[m][n] = dot(weight row n, activation row m) (+ bias[n]), as kq_matmul (the same arguments but
+ * isa), for k a multiple of 256 and a type kq_gemm_types(0) has. 0 on success, 1 for a type or
+ * width it does not take, 2 when memory could not be had. */
+int kq_gemm(const void *w, int64_t row_bytes, int type, int n_out, int k, const void *act, int rows,
+            const void *bias, void *y, int64_t y_stride, int dtype, int num_threads) {
+    if (type < GGML_Q4_0 || type > GGML_Q6_K || !(KG_TYPES & KG_BIT(type)) || k <= 0 || k % KQ_BLOCK || rows < 0 ||
+        n_out < 0)
+        return 1;
+#if KQ_ISA == 0
+    (void)w, (void)row_bytes, (void)act, (void)bias, (void)y, (void)y_stride, (void)dtype, (void)num_threads;
+    return 1;
+#else
+    const int nsb = k / KQ_BLOCK, S = sub_values(type), subs = KQ_BLOCK / S, elem = elem_size(dtype);
+    const kq_act_t *A = (const kq_act_t *)act;
+    float *fb = malloc(sizeof(float) * ((size_t)rows * (size_t)nsb * (size_t)subs + 1));
+    if (fb == NULL) return 2;
+    for (int64_t b = 0; b < (int64_t)rows * nsb; ++b)
+        for (int s = 0; s < subs; ++s)
+            fb[b * subs + s] = S == 16 ? (float)A[b].bsums[s] : (float)(A[b].bsums[2 * s] + A[b].bsums[2 * s + 1]);
+    const int panels = (n_out + KG_LANES - 1) / KG_LANES;
+    const size_t panel_bytes = (size_t)nsb * (size_t)super_bytes(S);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        uint8_t *panel = aligned_alloc(64, (panel_bytes + 63) & ~(size_t)63);
+        failed = panel == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int p = 0; p < panels; ++p) {
+            if (panel == NULL) continue;
+            const int n0 = p * KG_LANES, lanes = n_out - n0 < KG_LANES ? n_out - n0 : KG_LANES;
+            pack_panel((const uint8_t *)w, row_bytes, type, n0, n_out, nsb, panel);
+            float b[KG_LANES] = {0};
+            if (bias != NULL) to_float((const char *)bias + (int64_t)n0 * elem, dtype, b, lanes);
+            for (int m = 0; m < rows;) {
+                float out[KG_ROWS * KG_LANES];
+                const int done = tiles(panel, A + (int64_t)m * nsb, fb + (int64_t)m * nsb * subs, nsb, rows - m, S, out);
+                for (int r = 0; r < done; ++r) {
+                    for (int l = 0; l < lanes; ++l) out[KG_LANES * r + l] += b[l];
+                    from_float(out + KG_LANES * r, 1.f, dtype, (char *)y + ((int64_t)(m + r) * y_stride + n0) * elem, lanes);
+                }
+                m += done;
+            }
+        }
+        free(panel);
+    }
+    free(fb);
+    return failed ? 2 : 0;
+#endif
+}

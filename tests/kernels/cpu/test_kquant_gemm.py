@@ -1,0 +1,125 @@
+"""csrc/kquant_gemm.c, the int8 GEMM of GGUF block weights for prefill chunks
+(``KQuantKernels.gemm``): against the ``gguf`` package's dequantize followed by a float64 matmul,
+within the activations' int8 rounding (test_kquant.py's ``tolerance``), and against the block dots
+(the same quantized activations and integer sums: they differ only in the order of float sums).
+Random valid blocks and real widths; ``make test-isa`` runs it under each x86 class's build
+(AVX512-VNNI's vpdpbusd, AVX2's maddubs; the portable build has no GEMM and refuses)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from kvserve.benchmarks.scale.kernels import random_weight
+from kvserve.kernels.cpu.kquant import BLOCK_TYPES, KQ_BLOCK, kquant_kernels
+
+NAMES = {2: "Q4_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+KQ = kquant_kernels()
+pytestmark = pytest.mark.skipif(KQ is None, reason="the CPU kernels are not built here (no compiler)")
+TYPES = sorted(BLOCK_TYPES)
+TAKEN = [t for t in TYPES if KQ is not None and KQ.gemm_takes(t, preferred=False)]
+
+
+def random_blocks(ggml_type: int, n_out: int, k: int, seed: int) -> torch.Tensor:
+    """uint8 [n_out, row bytes]: random bytes with finite float16 scales of either sign."""
+    return random_weight(ggml_type, n_out, k, seed)
+
+
+def reference(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    values = dequantize(weight.numpy(), ggml_type).astype(np.float32)
+    return torch.from_numpy(values).reshape(weight.shape[0], k)
+
+
+def tolerance(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[rows, n_out]: each activation is off by at most half its 256-value block's step (max|x| /
+    127 / 2), times |w|, plus float32 slack (as test_kquant.py)."""
+    x = x.double()
+    rows, k = x.shape
+    half_step = (x.abs().view(rows, -1, KQ_BLOCK).amax(dim=-1, keepdim=True) / 254).expand(rows, -1, KQ_BLOCK)
+    w = w.double().abs()
+    return 1.001 * half_step.reshape(rows, k) @ w.T + 1e-5 * x.abs() @ w.T + 1e-6
+
+
+def gemm(weight, ggml_type, k, x, bias=None, dtype=torch.float32):
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=dtype)
+    KQ.gemm(weight, ggml_type, k, KQ.quantize(x), out, bias)
+    return out
+
+
+def dots(weight, ggml_type, k, x):
+    out = torch.empty(x.shape[0], weight.shape[0])
+    KQ.matmul(weight, ggml_type, k, KQ.quantize(x), out)
+    return out
+
+
+def test_the_vector_builds_take_the_k_quants():
+    """AVX512-VNNI takes every stored type, AVX2 all but Q8_0 (its values offset to 0..255 would
+    saturate maddubs' int16 pairs), the portable build none."""
+    want = {512: TYPES, 256: [t for t in TYPES if NAMES[t] != "Q8_0"], 0: []}[KQ.isa]
+    assert want == TAKEN
+    assert all(KQ.gemm_takes(t, preferred=False) for t in TYPES if KQ.gemm_takes(t))
+
+
+@pytest.mark.parametrize("ggml_type", TAKEN, ids=NAMES.get)
+@pytest.mark.parametrize(("rows", "n_out"), [(1, 37), (9, 16), (13, 50), (130, 21)])
+def test_random_blocks_match_dequantize_then_matmul(ggml_type, rows, n_out):
+    """Every tile height (8, 4, 2, 1 rows on AVX-512; 4, 2, 1 on AVX2) and a last panel of fewer
+    weight rows than its lanes."""
+    k = 512
+    weight = random_blocks(ggml_type, n_out, k, seed=ggml_type * 10 + rows)
+    w = reference(weight, ggml_type, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = gemm(weight, ggml_type, k, x).double()
+    want = x.double() @ w.double().T
+    assert ((got - want).abs() <= tolerance(w, x)).all(), (got - want).abs().max()
+    # the block dots sum the same integers: only the float sums' order differs
+    slack = 1e-5 * x.double().abs() @ w.double().abs().T
+    assert ((got - dots(weight, ggml_type, k, x).double()).abs() <= slack).all()
+
+
+@pytest.mark.parametrize("ggml_type", TAKEN, ids=NAMES.get)
+@pytest.mark.parametrize(("n_out", "k"), [(300, 2048), (40, 8192)], ids=["width2048", "width8192"])
+def test_real_shaped_rows_with_bias_and_bfloat16(ggml_type, n_out, k):
+    """SmolLM2-1.7B's widths (hidden 2048, intermediate 8192; a slice of the output rows), a prefill
+    chunk of 128 rows, bfloat16 in and out with a bias."""
+    weight = random_blocks(ggml_type, n_out, k, seed=k + ggml_type)
+    w = reference(weight, ggml_type, k)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(128, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n_out, generator=gen).to(torch.bfloat16)
+    got = gemm(weight, ggml_type, k, x, bias, torch.bfloat16).double()
+    want = x.double() @ w.double().T + bias.double()
+    assert ((got - want).abs() <= tolerance(w, x) + want.abs() * 2**-8).all()
+
+
+def test_a_shard_of_columns_is_multiplied_in_place():
+    """A row-parallel shard (whole superblocks of each row, rows further apart than their bytes)
+    written into a column range of a wider output."""
+    ggml_type = 12
+    if ggml_type not in TAKEN:
+        pytest.skip("no int8 GEMM in this build")
+    weight = random_blocks(ggml_type, 20, 1024, seed=1)
+    per_block = BLOCK_TYPES[ggml_type][1]
+    shard = weight[:, per_block : 3 * per_block]  # inputs 256..767
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(2))
+    out = torch.zeros(11, 30)
+    KQ.gemm(shard, ggml_type, 512, KQ.quantize(x), out[:, 5:25])
+    w = reference(weight, ggml_type, 1024)[:, 256:768]
+    assert ((out[:, 5:25].double() - x.double() @ w.double().T).abs() <= tolerance(w, x)).all()
+    assert not out[:, :5].any() and not out[:, 25:].any()
+
+
+def test_types_and_widths_it_does_not_take_are_refused():
+    x = torch.randn(2, 2 * KQ_BLOCK)
+    out = torch.empty(2, 4)
+    with pytest.raises(RuntimeError, match="status 1"):  # Q4_1: dequantized at load instead
+        KQ.gemm(torch.zeros(4, 160, dtype=torch.uint8), 3, 256, KQ.quantize(x[:, :256]), out)
+    with pytest.raises(RuntimeError, match="status 1"):  # Q8_0 rows of 288: not whole 256-value blocks
+        KQ.gemm(torch.zeros(4, 9 * 34, dtype=torch.uint8), 8, 288, KQ.quantize(torch.randn(2, 288)), out)
+    for t in TYPES:
+        if t not in TAKEN:
+            values, size = BLOCK_TYPES[t]
+            with pytest.raises(RuntimeError, match="status 1"):
+                KQ.gemm(torch.zeros(4, 512 // values * size, dtype=torch.uint8), t, 512, KQ.quantize(x), out)
