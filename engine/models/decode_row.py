@@ -31,14 +31,19 @@ import ctypes
 
 import torch
 
-from kvserve.engine.layers.attention.backend import AttentionMetadata
 from kvserve.engine.layers.activation import GeluTanhAndMul, SiluAndMul
+from kvserve.engine.layers.attention.backend import AttentionMetadata
 from kvserve.engine.layers.norm import GemmaRMSNorm, RMSNorm
 from kvserve.kernels.cpu.abi import (
-    ACT_GELU_TANH, ACT_SILU, DTYPES, MAX_FUSED_ROWS, PackedWeight, RowLayer, RowStep,
+    ACT_GELU_TANH,
+    ACT_SILU,
+    DTYPES,
+    MAX_FUSED_ROWS,
+    PackedWeight,
+    RowLayer,
+    RowStep,
 )
 from kvserve.kernels.cpu.bindings import CpuKernels, kernels_for, load_kernels
-
 
 NORMS = (RMSNorm, GemmaRMSNorm)  # both run csrc/elementwise.c's rms_norm (Gemma's weight holds 1 + w)
 ACTS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
@@ -72,7 +77,8 @@ def norms(layer) -> tuple:
     q and k norms (None where the layer has none)."""
     attn = layer.self_attn
     return (layer.input_layernorm, layer.post_attention_layernorm,
-            getattr(layer, "pre_feedforward_layernorm", None), getattr(layer, "post_feedforward_layernorm", None),
+            getattr(layer, "pre_feedforward_layernorm", None),
+            getattr(layer, "post_feedforward_layernorm", None),
             getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
 
 
@@ -146,7 +152,7 @@ class DecodeRow:
             return self._rope_kinds.index(layer.rope_kind) + 1
         return int(getattr(layer.self_attn, "use_rope", True))
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
         if self._rope_kinds is not None:
             return [self.model.rotary[kind].cos_sin(positions, dtype) for kind in self._rope_kinds]
         return [self.model.rotary_emb.cos_sin(positions, dtype)]
@@ -163,7 +169,8 @@ class DecodeRow:
                 attn = layer.self_attn
                 parts = norms(layer)
                 norm_dtypes |= {norm.weight.dtype for norm in parts if norm is not None}
-                pre_mlp, post_mlp, q_norm, k_norm = (0 if n is None else n.weight.data_ptr() for n in parts[2:])
+                pre_mlp, post_mlp, q_norm, k_norm = (0 if n is None else n.weight.data_ptr()
+                                                     for n in parts[2:])
                 rows.append(RowLayer(
                     parts[0].weight.data_ptr(), parts[1].weight.data_ptr(),
                     *linears[4 * i:4 * i + 4], attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr(),

@@ -101,8 +101,9 @@ class RowStep(ctypes.Structure):
 
     _fields_ = [("rows", _I32), ("hidden", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32),
                 ("inter", _I32), ("dtype", _I32), ("norm_dtype", _I32), ("cache_dtype", _I32), ("eps", _F32),
-                ("scale", _F32), ("num_blocks", _I64), ("block_size", _I32), ("num_groups", _I32), ("tables", _P),
-                ("table_stride", _P), ("ctx", _P), ("slots", _P), ("num_rope", _I32), ("cos", _P), ("sin", _P)]
+                ("scale", _F32), ("num_blocks", _I64), ("block_size", _I32), ("num_groups", _I32),
+                ("tables", _P), ("table_stride", _P), ("ctx", _P), ("slots", _P), ("num_rope", _I32),
+                ("cos", _P), ("sin", _P)]
 
 
 def cache_row_width(head_dim: int, int8: bool) -> int:
