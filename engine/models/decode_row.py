@@ -84,9 +84,9 @@ def norms(layer) -> tuple:
 
 def _layer_refusal(layer, eps: float, scale: float) -> str | None:
     attn, mlp = layer.self_attn, layer.mlp
-    for module in (layer, attn, mlp):
-        if not computes(module):  # (mixtures of experts: their MLP; other attentions and layers)
-            return f"{type(module).__name__} is not a module decode_row.c computes"
+    if lacking := [type(m).__name__ for m in (layer, attn, mlp) if not computes(m)]:
+        # (mixtures of experts: their layer and MLP; other attentions and layers)
+        return f"decode_row.c does not compute {', '.join(lacking)}"
     if type(attn) is not layer.attention_class:
         return f"{type(layer).__name__} with attention {type(attn).__name__}"
     parts = norms(layer)
