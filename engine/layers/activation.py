@@ -27,5 +27,8 @@ class GeluTanhAndMul(nn.Module):
     """GeGLU's activation (Gemma): ``gelu_tanh(gate) * up`` over gate|up halves of the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # CPU: one fused pass (csrc/elementwise.c), the arithmetic of the fused decode step's
+        if x.dim() == 2 and (kernels := kernels_for(x)) is not None:
+            return kernels.silu_and_mul(x, gelu_tanh=True)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh").mul_(up)

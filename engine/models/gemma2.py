@@ -23,7 +23,7 @@ from kvserve.engine.layers.embed_head import VocabParallelEmbedding
 from kvserve.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from kvserve.engine.layers.norm import GemmaRMSNorm
 from kvserve.engine.layers.rotary import RotaryEmbedding, rope_parameters
-from kvserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
+from kvserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, head_dim_of
 from kvserve.engine.models.registry import register_model
 from kvserve.engine.models.variants import layer_window
 
@@ -32,6 +32,8 @@ GEGLU_ACTIVATIONS = ("gelu_pytorch_tanh",)
 
 class Gemma2Attention(LlamaAttention):
     """Llama's attention with Gemma's scale, its layer's window and the logit soft cap."""
+
+    in_decode_row = True  # decode_row.c computes this class's forward (models/decode_row.py)
 
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int):
         variant = {}
@@ -51,6 +53,7 @@ class Gemma2Attention(LlamaAttention):
 
 
 class GemmaMLP(nn.Module):
+    in_decode_row = True
     def __init__(self, config, parallel: ParallelContext):
         super().__init__()
         size = config.intermediate_size
@@ -64,6 +67,7 @@ class GemmaMLP(nn.Module):
 
 class Gemma2DecoderLayer(nn.Module):
     attention_class = Gemma2Attention
+    in_decode_row = True  # its four norms' order is decode_row.c's Gemma layer: a change there belongs here
 
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int = 0):
         super().__init__()
@@ -109,6 +113,7 @@ class Gemma2Model(nn.Module):
             kind: RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, params)
             for kind, params in self.rope_parameters_by_kind(config).items()
         })
+        self._decode_row = False  # not decided yet (``decode_row``)
 
     @staticmethod
     def rope_parameters_by_kind(config) -> dict[str, dict]:
@@ -118,12 +123,17 @@ class Gemma2Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.normalizer
+        row = self.decode_row()
+        if row is not None and (out := row(hidden, positions, meta)):
+            return self.norm(*out)[0]  # a decode step through every layer in one kernel call
         tables = {kind: rotary.cos_sin(positions, hidden.dtype) for kind, rotary in self.rotary.items()}
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, *tables[layer.rope_kind], meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    decode_row = LlamaModel.decode_row  # the fused one-token step (models/decode_row.py), decided once
 
 
 @register_model

@@ -19,6 +19,7 @@ from kvserve.engine.models.registry import register_model
 
 
 class Gemma3Attention(Gemma2Attention):
+    in_decode_row = True  # QK-norm: decode_row.c's q_norm and k_norm
     def __init__(self, config, backend, parallel, layer_idx: int):
         super().__init__(config, backend, parallel, layer_idx)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
@@ -33,6 +34,7 @@ class Gemma3Attention(Gemma2Attention):
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
     attention_class = Gemma3Attention
+    in_decode_row = True
 
     @staticmethod
     def rope_kind_of(config, layer_idx: int) -> str:

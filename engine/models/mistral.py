@@ -12,7 +12,7 @@ from kvserve.engine.models.registry import register_model
 
 
 class MistralDecoderLayer(LlamaDecoderLayer):
-    in_decode_row = True  # the Llama forward; a window layer's impl keeps it off the fused step
+    in_decode_row = True  # the Llama forward; decode_row.c reads each layer's window
 
     @staticmethod
     def sliding_window(config, layer_idx: int) -> int | None:

@@ -29,6 +29,7 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
                      _F32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _P, _I32],
     "rms_norm": [_P, _I64, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I32, _I32, _I32, _F32, _I32, _I32],
     "silu_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
+    "gelu_tanh_and_mul": [_P, _I64, _P, _I64, _I32, _I32, _I32, _I32],
     "share_fp_mode": [_I32],
     "rotary": [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
     "store_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32, _I32, _I32, _P, _P, _I64, _I32, _I32],
@@ -83,20 +84,28 @@ class KqPart(ctypes.Structure):
 
 
 class RowLayer(ctypes.Structure):
-    """csrc/decode_row.c ``row_layer_t``: one decoder layer's weights and KV cache."""
+    """csrc/decode_row.c ``row_layer_t``: one decoder layer's weights, KV cache and group, and its
+    variant (Gemma's MLP norms, QK-norm, soft cap, activation ``ACT_*``)."""
 
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
                 ("down", Linear), ("k_cache", _P), ("v_cache", _P), ("window", _I32),
-                ("rope", _I32)]
+                ("rope", _I32), ("pre_mlp_norm", _P), ("post_mlp_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("soft_cap", _F32), ("act", _I32), ("group", _I32)]
+
+
+ACT_SILU, ACT_GELU_TANH = 0, 1  # csrc/decode_row.c's codes of an MLP's gate activation
 
 
 class RowStep(ctypes.Structure):
-    """csrc/decode_row.c ``row_step_t``: the shapes and each row's place in the cache."""
+    """csrc/decode_row.c ``row_step_t``: the shapes, each row's place in each KV cache group's
+    blocks (``tables``, ``table_stride``, ``slots``: arrays of one entry a group) and the rotary
+    tables (``cos``, ``sin``: one pointer a table)."""
 
     _fields_ = [("rows", _I32), ("hidden", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32),
                 ("inter", _I32), ("dtype", _I32), ("norm_dtype", _I32), ("cache_dtype", _I32), ("eps", _F32),
-                ("scale", _F32), ("num_blocks", _I64), ("block_size", _I32), ("tables", _P),
-                ("table_stride", _I64), ("ctx", _P), ("slots", _P), ("cos", _P), ("sin", _P)]
+                ("scale", _F32), ("num_blocks", _I64), ("block_size", _I32), ("num_groups", _I32),
+                ("tables", _P), ("table_stride", _P), ("ctx", _P), ("slots", _P), ("num_rope", _I32),
+                ("cos", _P), ("sin", _P)]
 
 
 def cache_row_width(head_dim: int, int8: bool) -> int:

@@ -178,12 +178,13 @@ class CpuKernels:
         flushing of denormals): elementwise.c ``share_fp_mode``."""
         self._lib.share_fp_mode(num_threads)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(x[:, :w]) * x[:, w:]`` for 2-D ``x`` of width ``2w``."""
+    def silu_and_mul(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+        """``silu(x[:, :w]) * x[:, w:]`` for 2-D ``x`` of width ``2w`` (``gelu_tanh``: Gemma's GeGLU)."""
         rows, width = x.shape[0], x.shape[1] // 2
         out = torch.empty(rows, width, dtype=x.dtype)
-        _check(self._lib.silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows, width,
-                                      DTYPES[x.dtype], torch.get_num_threads()), "silu_and_mul")
+        name = "gelu_tanh_and_mul" if gelu_tanh else "silu_and_mul"
+        _check(getattr(self._lib, name)(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows, width,
+                                        DTYPES[x.dtype], torch.get_num_threads()), name)
         return out
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

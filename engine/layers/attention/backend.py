@@ -140,7 +140,7 @@ class AttentionImpl(ABC):
     def attends_in_c(self) -> bool:
         """Whether csrc/attention.c attends over this layer's cache (the CPU backend, at the shapes
         its kernels take): the fused decode step (models/decode_row.py) runs over such layers only
-        (of one KV cache group: it reads one block table a row)."""
+        (each reading its own KV cache group's block tables)."""
         return False
 
     @abstractmethod

@@ -135,8 +135,6 @@ typedef struct {
     const float *sinks;
 } variant_t;
 
-static const variant_t NO_VARIANT = {0.f, NULL};
-
 /* cap * tanh(s / cap), by exp: tanh(x) = (1 - e) / (1 + e) with e = exp(-2|x|) and the sign put
  * back, or an odd polynomial for |x| < 1/16, where 1 - e would cancel (error under 1e-9 there) */
 static inline float soft_cap(float s, float cap) {
@@ -329,7 +327,7 @@ size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ct
     return q_len + acc_len + (size_t)block_size * head_dim + (size_t)group * (size_t)max_ctx;
 }
 
-/* attend_one with the softmax variants of var (NO_VARIANT: plain). */
+/* attend_one with the softmax variants of var (cap 0 and no sinks: plain). */
 static void attend_item(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
                         const int32_t *table, int ctx, int skip, int kv_head, const char *q0, int64_t q_head_bytes,
                         float scale, int group, int head_dim, int dtype, int cache_dtype, float *scratch,
@@ -347,14 +345,16 @@ static void attend_item(const void *k_cache, const void *v_cache, int64_t num_bl
 
 /* The group query heads at q0 (q_head_bytes apart) that share KV head kv_head, over the first
  * ctx keys and values in table's blocks but the first skip (< block_size) of them; head j's output
- * goes to out0 + j * out_head_bytes.
+ * goes to out0 + j * out_head_bytes. soft_cap > 0 caps each score (Gemma 2; 0: none); sinks: NULL,
+ * or the group query heads' learned logits (gpt-oss).
  * scratch: attend_scratch_floats(group, head_dim, block_size, >= ctx) floats of this thread's. */
 void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
                 const int32_t *table, int ctx, int skip, int kv_head, const char *q0, int64_t q_head_bytes,
                 float scale, int group, int head_dim, int dtype, int cache_dtype, float *scratch, char *out0,
-                int64_t out_head_bytes) {
+                int64_t out_head_bytes, float soft_cap, const float *sinks) {
+    const variant_t var = {soft_cap > 0.f ? soft_cap : 0.f, sinks};
     attend_item(k_cache, v_cache, num_blocks, block_size, table, ctx, skip, kv_head, q0, q_head_bytes, scale,
-                group, head_dim, dtype, cache_dtype, scratch, out0, out_head_bytes, &NO_VARIANT);
+                group, head_dim, dtype, cache_dtype, scratch, out0, out_head_bytes, &var);
 }
 
 /* For each i: out[tokens[i]] = attention of q[tokens[i]] over the first ctx_lens[i] keys and

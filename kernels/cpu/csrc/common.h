@@ -152,6 +152,7 @@ int store_kv(void *k, int64_t k_token, int64_t k_head, void *v, int64_t v_token,
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,
                  int dtype, int num_threads);
 void silu_mul_row(const void *gate, const void *up, void *out, int width, int dtype);
+void gelu_tanh_mul_row(const void *gate, const void *up, void *out, int width, int dtype);
 
 /* Attention (attention.c), shared with the fused decode row. */
 
@@ -171,7 +172,7 @@ size_t attend_scratch_floats(int group, int head_dim, int block_size, int max_ct
 void attend_one(const void *k_cache, const void *v_cache, int64_t num_blocks, int block_size,
                 const int32_t *table, int ctx, int skip, int kv_head, const char *q0, int64_t q_head_bytes,
                 float scale, int group, int head_dim, int dtype, int cache_dtype, float *scratch, char *out0,
-                int64_t out_head_bytes);
+                int64_t out_head_bytes, float soft_cap, const float *sinks);
 
 /* n elements of src (DTYPE_*) as floats in dst */
 static inline void to_float(const void *src, int dtype, float *restrict dst, int n) {

@@ -11,7 +11,11 @@
  * Python between ops were a third of it. Here the team lives for the whole step: the elementwise
  * work runs on one thread (omp single), the projections and the attention are shared out, and a
  * barrier separates each stage from the next. The order of the stages is LlamaDecoderLayer.forward's
- * (engine/models/llama.py), layer 0's residual rule included: a change there belongs here too.
+ * (engine/models/llama.py), layer 0's residual rule included: a change there belongs here too; a
+ * layer with Gemma's four norms follows Gemma2DecoderLayer.forward's (engine/models/gemma2.py),
+ * with QK-norm (Gemma 3), a rotary table per layer, the attention logit soft cap and GELU-tanh.
+ * Each layer reads its own KV cache group's block tables and slots (several groups: window and
+ * full layers, engine/kv_cache/groups.py).
  *
  * Built and loaded by kernels/cpu_kernels.py; engine/models/decode_row.py decides when it runs. On
  * x86 CPUs without AVX-512 it takes the steps whose projections all go through gemm.c (its AVX2
@@ -45,8 +49,18 @@ typedef struct {
     lin_t qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* this layer's [kv_heads][num_blocks][block_size] rows (kv_row_bytes) */
     int window;              /* its sliding window in keys, 0 for none */
-    int rope;                /* 0: q and k go to attention unrotated (SmolLM3's NoPE layers) */
+    int rope;                /* q and k turn by rotary table rope - 1 of the step; 0: unrotated (SmolLM3's NoPE layers) */
+    /* Gemma's layer (engine/models/gemma2.py) where both are set: post_norm norms the attention's
+     * output alone, pre_mlp_norm adds it to the residual and norms the sum for the MLP, post_mlp_norm
+     * norms the MLP's output; NULL: Llama's (post_norm adds and norms) */
+    const void *pre_mlp_norm, *post_mlp_norm;
+    const void *q_norm, *k_norm; /* [head_dim] of norm_dtype: each q and k head normed before the rotary (Gemma 3), or NULL */
+    float soft_cap;              /* attention scores capped at soft_cap (Gemma 2), 0: none */
+    int act;                     /* the MLP's gate: ACT_SILU or ACT_GELU_TANH */
+    int group;                   /* its KV cache group: the step's block tables and slots it reads */
 } row_layer_t;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 typedef struct {
     int rows; /* tokens, one per sequence: 1..MAX_FUSED_ROWS, any number where every projection is packed */
@@ -55,11 +69,13 @@ typedef struct {
     float eps, scale;
     int64_t num_blocks;
     int block_size;
-    const int32_t *tables; /* row r's block table at tables + r * table_stride */
-    int64_t table_stride;
-    const int32_t *ctx;    /* [rows]: keys each row sees, its own included */
-    const int64_t *slots;  /* [rows]: where each row's K/V go */
-    const void *cos, *sin; /* [rows][head_dim] for their positions (RotaryEmbedding.cos_sin), dtype */
+    int num_groups;                /* KV cache groups (engine/kv_cache/groups.py), each with its own tables */
+    const int32_t *const *tables;  /* per group: row r's block table at tables[g] + r * table_stride[g] */
+    const int64_t *table_stride;
+    const int32_t *ctx;            /* [rows]: keys each row sees, its own included (every group) */
+    const int64_t *const *slots;   /* per group: [rows], where each row's K/V go */
+    int num_rope;                  /* rotary tables (Gemma 3: local and global bases) */
+    const void *const *cos, *const *sin; /* per table: [rows][head_dim] for their positions (RotaryEmbedding.cos_sin), dtype */
 } row_step_t;
 
 /* The team's barrier between the stages of a step. OpenMP's own barrier waits the way
@@ -158,6 +174,9 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
         if (L->qkv.n_out != qkv_n || L->qkv.k_in != H || L->o.n_out != H || L->o.k_in != heads * D ||
             L->gate_up.n_out != 2 * I || L->gate_up.k_in != H || L->down.n_out != H || L->down.k_in != I)
             return 1;
+        if (L->group < 0 || L->group >= st->num_groups || L->rope < 0 || L->rope > st->num_rope ||
+            (L->act != ACT_SILU && L->act != ACT_GELU_TANH) || (L->pre_mlp_norm == NULL) != (L->post_mlp_norm == NULL))
+            return 1;
         row_kernel = row_kernel && linear_takes(&L->qkv) && linear_takes(&L->o) && linear_takes(&L->gate_up) &&
                      linear_takes(&L->down);
         gemm = gemm && gemm_takes(&L->qkv, dtype) && gemm_takes(&L->o, dtype) && gemm_takes(&L->gate_up, dtype) &&
@@ -168,7 +187,9 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
     const int64_t cache_slots = st->num_blocks * st->block_size;
     int max_ctx = 1;
     for (int r = 0; r < R; ++r) {
-        if (st->ctx[r] < 1 || st->slots[r] < 0 || st->slots[r] >= cache_slots) return 1;
+        if (st->ctx[r] < 1) return 1;
+        for (int g = 0; g < st->num_groups; ++g)
+            if (st->slots[g][r] < 0 || st->slots[g][r] >= cache_slots) return 1;
         max_ctx = st->ctx[r] > max_ctx ? st->ctx[r] : max_ctx;
     }
     int widest = H > heads * D ? H : heads * D;
@@ -194,6 +215,7 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
         /* each stage ends with team_barrier: the next one reads what every thread wrote */
         for (int l = 0; l < num_layers; ++l) {
             const row_layer_t *L = layers + l;
+            const int gemma = L->pre_mlp_norm != NULL, glu = gemm && L->act == ACT_SILU;
 #pragma omp single nowait
             {
                 if (l == 0) { /* the first norm has no residual yet: it is the embedding */
@@ -210,22 +232,27 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
             team_barrier(&sync);
 #pragma omp single nowait
             {
-                if (L->rope) /* q and k, side by side */
-                    rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos, st->sin, D, dtype, 1);
                 char *k = qkv + (size_t)heads * D * elem, *v = k + (size_t)kvh * D * elem;
-                store_kv(k, qkv_n, D, v, qkv_n, D, st->slots, R, kvh, D, L->k_cache, L->v_cache, cache_slots, dtype,
-                         st->cache_dtype);
+                if (L->q_norm) /* per head, in place */
+                    rms_norm(qkv, qkv_n, D, NULL, 0, L->q_norm, st->norm_dtype, qkv, qkv_n, D, R, heads, D, st->eps,
+                             dtype, 1);
+                if (L->k_norm)
+                    rms_norm(k, qkv_n, D, NULL, 0, L->k_norm, st->norm_dtype, k, qkv_n, D, R, kvh, D, st->eps, dtype, 1);
+                if (L->rope) /* q and k, side by side */
+                    rotary(qkv, qkv_n, D, R, heads + kvh, D, st->cos[L->rope - 1], st->sin[L->rope - 1], D, dtype, 1);
+                store_kv(k, qkv_n, D, v, qkv_n, D, st->slots[L->group], R, kvh, D, L->k_cache, L->v_cache, cache_slots,
+                         dtype, st->cache_dtype);
             }
             team_barrier(&sync);
 #pragma omp for schedule(dynamic, 1) nowait
             for (int item = 0; item < R * kvh; ++item) {
                 const int r = item / kvh, h = item % kvh;
                 int ctx = st->ctx[r], skip;
-                const int32_t *table = window_view(st->tables + r * st->table_stride, L->window, st->block_size,
-                                                   &ctx, &skip);
+                const int32_t *table = window_view(st->tables[L->group] + r * st->table_stride[L->group], L->window,
+                                                   st->block_size, &ctx, &skip);
                 attend_one(L->k_cache, L->v_cache, st->num_blocks, st->block_size, table, ctx, skip, h, qkv + ((size_t)r * qkv_n + (size_t)h * group * D) * elem, (int64_t)D * elem,
                            st->scale, group, D, dtype, st->cache_dtype, mine, att + ((size_t)r * heads + (size_t)h * group) * D * elem,
-                           (int64_t)D * elem);
+                           (int64_t)D * elem, L->soft_cap, NULL);
             }
             team_barrier(&sync);
             if (!gemm) {
@@ -237,24 +264,43 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
             team_barrier(&sync);
 #pragma omp single nowait
             {
-                rms_norm(hidden, H, 0, residual, H, L->post_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps, dtype, 1);
+                if (gemma) { /* the attention's output normed alone, then added and normed for the MLP */
+                    rms_norm(hidden, H, 0, NULL, 0, L->post_norm, st->norm_dtype, hidden, H, 0, R, 1, H, st->eps, dtype, 1);
+                    rms_norm(hidden, H, 0, residual, H, L->pre_mlp_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps,
+                             dtype, 1);
+                } else {
+                    rms_norm(hidden, H, 0, residual, H, L->post_norm, st->norm_dtype, x, H, 0, R, 1, H, st->eps, dtype,
+                             1);
+                }
                 if (!gemm) to_float(x, dtype, xf, R * H); /* the row kernel's input */
             }
             team_barrier(&sync);
             /* in gemm.c, silu(gate) * up comes out of the gate|up tiles (glu); the row kernel's
-             * product goes through silu_and_mul, the same arithmetic */
-            project(&L->gate_up, R, xf, x, gemm ? act : gu, dtype, gemm, 1);
+             * product, and GELU-tanh's, go through silu_and_mul or gelu_tanh_mul_row, the same
+             * arithmetic as the per-op path's */
+            project(&L->gate_up, R, xf, x, glu ? act : gu, dtype, gemm, glu);
             team_barrier(&sync);
-            if (!gemm) {
+            if (!glu) {
 #pragma omp single nowait
                 {
-                    silu_and_mul(gu, 2 * I, act, I, R, I, dtype, 1);
-                    to_float(act, dtype, xf, R * I); /* the row kernel's input */
+                    if (L->act == ACT_GELU_TANH)
+                        for (int r = 0; r < R; ++r)
+                            gelu_tanh_mul_row(gu + (size_t)r * 2 * I * elem, gu + ((size_t)r * 2 * I + I) * elem,
+                                              act + (size_t)r * I * elem, I, dtype);
+                    else
+                        silu_and_mul(gu, 2 * I, act, I, R, I, dtype, 1);
+                    if (!gemm) to_float(act, dtype, xf, R * I); /* the row kernel's input */
                 }
                 team_barrier(&sync);
             }
             project(&L->down, R, xf, act, hidden, dtype, gemm, 0);
             team_barrier(&sync);
+            if (gemma) {
+#pragma omp single nowait
+                rms_norm(hidden, H, 0, NULL, 0, L->post_mlp_norm, st->norm_dtype, hidden, H, 0, R, 1, H, st->eps, dtype,
+                         1);
+                team_barrier(&sync);
+            }
         }
     }
     free(mem);

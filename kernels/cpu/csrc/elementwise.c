@@ -1,5 +1,5 @@
 /* The per-layer elementwise work of a decoder on the CPU, fused into one pass each:
- * residual add + RMSNorm, SiLU(gate) * up, rotary embedding in place, the KV-cache store; and the
+ * residual add + RMSNorm, SiLU(gate) * up and GELU-tanh(gate) * up, rotary embedding in place, the KV-cache store; and the
  * portable few-row linears (small_linear). The sampler's kernels are in sampling.c.
  *
  * In eager torch each of these is several ops (RMSNorm alone: add, pow, mean, rsqrt, two
@@ -168,6 +168,35 @@ int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride,
     for (int r = 0; r < rows; ++r)
         silu_mul_row(at(x, r * x_stride, elem), at(x, r * x_stride + width, elem),
                      (char *)out + r * out_stride * elem, width, dtype);
+    return 0;
+}
+
+/* out[:width] = gelu_tanh(gate) * up for one row (Gemma's GeGLU), gelu_tanh(g) = 0.5 g (1 + tanh(u)),
+ * u = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + exp(-2u)) (the same value: 0.5 (1 +
+ * tanh u) is the logistic of 2u) with fast_exp, in floats, rounded once; one pass where torch's
+ * gelu and mul round twice. The fused decode step and the per-op path both run it. */
+void gelu_tanh_mul_row(const void *gate, const void *up, void *out, int width, int dtype) {
+    const int elem = elem_size(dtype);
+    for (int lo = 0; lo < width; lo += PIECE) {
+        const int n = width - lo < PIECE ? width - lo : PIECE;
+        float g[PIECE], u[PIECE], z[PIECE];
+        to_float(at(gate, lo, elem), dtype, g, n);
+        to_float(at(up, lo, elem), dtype, u, n);
+        for (int d = 0; d < n; ++d) z[d] = -1.5957691216057308f * (g[d] + 0.044715f * g[d] * g[d] * g[d]);
+        for (int d = 0; d < n; ++d) z[d] = 1.f + fast_exp(z[d]);
+        for (int d = 0; d < n; ++d) g[d] = g[d] / z[d] * u[d];
+        from_float(g, 1.f, dtype, (char *)out + (int64_t)lo * elem, n);
+    }
+}
+
+/* out[r] = gelu_tanh(x[r, :width]) * x[r, width:], for any width */
+int gelu_tanh_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int width,
+                      int dtype, int num_threads) {
+    const int elem = elem_size(dtype);
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int r = 0; r < rows; ++r)
+        gelu_tanh_mul_row(at(x, r * x_stride, elem), at(x, r * x_stride + width, elem),
+                          (char *)out + r * out_stride * elem, width, dtype);
     return 0;
 }
 
