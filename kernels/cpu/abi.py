@@ -53,6 +53,7 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "kq_matmul": [_P, _I64, _I32, _I32, _I32, _P, _I32, _P, _P, _I64, _I32, _I32, _I32],
     "kq_dequantize": [_P, _I64, _I32, _I32, _P, _I32, _P, _I64, _I32, _I32],
     "gdn_vector_bits": [],
+    "gdn_conv": [_P, _I64, _I32, _P, _P, _I32, _I32, _I32, _P, _I32],
     "gdn_prefill": [_P, _I64, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _P, _P, _I32],
     "gdn_decode": [_P, _I64, _I32, _P, _P, _I32, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _P, _P, _I32],
 }

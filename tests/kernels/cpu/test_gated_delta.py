@@ -102,3 +102,53 @@ def test_shapes_the_kernels_refuse_keep_the_torch_forms():
     with pytest.raises(RuntimeError, match="shape it does not take"):
         KERNELS.prefill(torch.zeros(2, CHANNELS), torch.zeros(2, H), torch.zeros(2, H),
                         torch.zeros(H, DK + 1, DV), HK, DK + 1)  # an odd key dim
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_convolution_in_chunks_equals_the_torch_convolution(dtype):
+    """Chunks of 1, 2, 70 and 3 tokens (inside the K - 1 window and across it) from a snapshot's
+    window; 70 channels (a last item of 6)."""
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(76, 70, generator=gen).to(dtype), torch.randn(70, K, generator=gen).to(dtype)
+    window = torch.randn(70, K - 1, generator=gen).to(dtype)
+    window_t, start = window.clone(), 0
+    for n in (1, 2, 70, 3):
+        got = KERNELS.conv(x[start:start + n], weight, window)
+        want = gated_delta.causal_conv(x[start:start + n], weight, window_t)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5) if dtype == torch.float32 else \
+            torch.testing.assert_close(got, want)
+        assert torch.equal(window, window_t)
+        start += n
+
+
+def test_the_layer_runs_the_kernels_on_the_cpu_and_its_torch_forms_give_the_same():
+    """A Qwen3.5 Gated DeltaNet layer (tiny shape): its prefill and decode are the kernels' own
+    outputs, bit for bit, and within float32 rounding of the same layer with its kernels off."""
+    from kvserve.engine.distributed.parallel import ParallelContext
+    from kvserve.engine.models.qwen3_5 import GatedDeltaNet, state_shapes
+    from kvserve.testing.random_model import make_config
+
+    config = make_config("qwen3.5-tiny")
+    layer = GatedDeltaNet(config, ParallelContext())
+    gen = torch.Generator().manual_seed(11)
+    layer.conv1d.weight.copy_(torch.randn(layer.conv1d.weight.shape, generator=gen))
+    conv_shape, state_shape = state_shapes(config)
+    layer.bind_state(torch.zeros(3, *conv_shape), torch.zeros(3, *state_shape))
+    heads = layer.num_v_heads
+    mixed, g, beta = (torch.randn(70, layer.conv_size, generator=gen), -torch.rand(70, heads, generator=gen),
+                      torch.rand(70, heads, generator=gen))
+    weight = layer.conv1d.weight[:, 0]
+    window, state = torch.zeros(conv_shape), torch.zeros(state_shape)
+    want = KERNELS.prefill(KERNELS.conv(mixed[:69], weight, window), g[:69], beta[:69], state,
+                           layer.num_k_heads, layer.k_dim)
+    got = layer._sequence(mixed[:69], g[:69], beta[:69], 2, True)
+    assert torch.equal(got, want) and torch.equal(layer.recurrent_states[2], state)
+    slots = torch.tensor([2], dtype=torch.int64)
+    convs, states = window[None].clone(), state[None].clone()
+    want = KERNELS.decode(mixed[69:], weight, convs, states, slots - 2, g[69:], beta[69:], layer.num_k_heads,
+                          layer.k_dim)
+    assert torch.equal(layer._decode(mixed[69:], g[69:], beta[69:], [2]), want)
+    layer.recurrent_states.zero_()
+    layer._kernels = lambda mixed: None  # the torch forms
+    torch.testing.assert_close(layer._sequence(mixed[:69], g[:69], beta[:69], 2, True), got, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(layer._decode(mixed[69:], g[69:], beta[69:], [2]), want, atol=2e-5, rtol=1e-4)
