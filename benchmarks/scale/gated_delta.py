@@ -17,6 +17,7 @@ the ratio torch / C is printed beside the largest difference between their outpu
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batch:
             slots = list(range(args.slots - 1, -1, -args.slots // batch))[:batch]  # scattered rows
             mixed, g, beta = inputs(layer, batch, dtype, batch)
-            step = lambda: layer._decode(mixed, g, beta, slots)  # noqa: E731
+            step = functools.partial(layer._decode, mixed, g, beta, slots)
             diff = difference(layer, step, switch)
             t, c = race(step, switch, args.repeats)
             figures["decode"].append({"batch": batch, "torch_ms": t * 1e3, "c_ms": c * 1e3, "ratio": t / c})
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"torch/C {t / c:5.2f}x  (max diff {diff:.1e})", flush=True)
         for tokens in args.prompt:
             mixed, g, beta = inputs(layer, tokens, dtype, tokens)
-            prompt = lambda: layer._sequence(mixed, g, beta, 0, True)  # noqa: E731
+            prompt = functools.partial(layer._sequence, mixed, g, beta, 0, True)
             diff = difference(layer, prompt, switch)
             t, c = race(prompt, switch, args.repeats)
             figures["prefill"].append({"tokens": tokens, "torch_tok_s": tokens / t, "c_tok_s": tokens / c,

@@ -23,6 +23,7 @@ from kvserve.kernels.cpu.build import header_constant
 
 STRIP = header_constant("GDN_STRIP", "gated_delta.c")
 MAX_KEY_DIM = header_constant("GDN_MAX_KEY_DIM", "gated_delta.c")
+MAX_GROUP_VALUES = header_constant("GDN_MAX_GROUP_VALUES", "gated_delta.c")
 
 
 def _check(status: int, name: str) -> None:
@@ -44,7 +45,7 @@ class GatedDeltaKernels:
         of [q | k | v] with a contiguous last dimension)."""
         return (mixed.is_cpu and mixed.dtype in DTYPES and mixed.stride(-1) == 1 and mixed.dim() == 2
                 and num_v_heads % num_k_heads == 0 and k_dim % 2 == 0 and k_dim <= MAX_KEY_DIM
-                and v_dim % STRIP == 0
+                and v_dim % STRIP == 0 and num_v_heads // num_k_heads * v_dim <= MAX_GROUP_VALUES
                 and mixed.shape[-1] == 2 * num_k_heads * k_dim + num_v_heads * v_dim)
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
@@ -53,9 +54,9 @@ class GatedDeltaKernels:
         Returns [T, C] of x's dtype, contiguous."""
         tokens, channels = x.shape
         out = torch.empty(tokens, channels, dtype=x.dtype)
-        _check(self._lib.gdn_conv(x.data_ptr(), x.stride(0), DTYPES[x.dtype], weight.data_ptr(), window.data_ptr(),
-                                  weight.shape[1], tokens, channels, out.data_ptr(), torch.get_num_threads()),
-               "gdn_conv")
+        _check(self._lib.gdn_conv(x.data_ptr(), x.stride(0), DTYPES[x.dtype], weight.data_ptr(),
+                                  window.data_ptr(), weight.shape[1], tokens, channels, out.data_ptr(),
+                                  torch.get_num_threads()), "gdn_conv")
         return out
 
     def prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
@@ -68,7 +69,8 @@ class GatedDeltaKernels:
         out = torch.empty(tokens, heads, v_dim, dtype=torch.float32)
         _check(self._lib.gdn_prefill(mixed.data_ptr(), mixed.stride(0), DTYPES[mixed.dtype], g.data_ptr(),
                                      beta.data_ptr(), tokens, num_k_heads, heads, k_dim, v_dim,
-                                     state.data_ptr(), out.data_ptr(), torch.get_num_threads()), "gdn_prefill")
+                                     state.data_ptr(), out.data_ptr(), torch.get_num_threads()),
+               "gdn_prefill")
         return out
 
     def decode(self, mixed: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
@@ -82,8 +84,9 @@ class GatedDeltaKernels:
         batch, (_, heads, _, v_dim) = mixed.shape[0], states.shape
         g, beta = g.float().contiguous(), beta.float().contiguous()
         out = torch.empty(batch, heads, v_dim, dtype=torch.float32)
-        _check(self._lib.gdn_decode(mixed.data_ptr(), mixed.stride(0), DTYPES[mixed.dtype], conv_weight.data_ptr(),
-                                    conv_states.data_ptr(), conv_weight.shape[1], slots.data_ptr(), batch,
+        _check(self._lib.gdn_decode(mixed.data_ptr(), mixed.stride(0), DTYPES[mixed.dtype],
+                                    conv_weight.data_ptr(), conv_states.data_ptr(), conv_weight.shape[1],
+                                    slots.data_ptr(), batch,
                                     g.data_ptr(), beta.data_ptr(), num_k_heads, heads, k_dim, v_dim,
                                     states.data_ptr(), out.data_ptr(), torch.get_num_threads()), "gdn_decode")
         return out

@@ -150,5 +150,6 @@ def test_the_layer_runs_the_kernels_on_the_cpu_and_its_torch_forms_give_the_same
     assert torch.equal(layer._decode(mixed[69:], g[69:], beta[69:], [2]), want)
     layer.recurrent_states.zero_()
     layer._kernels = lambda mixed: None  # the torch forms
-    torch.testing.assert_close(layer._sequence(mixed[:69], g[:69], beta[:69], 2, True), got, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(layer._decode(mixed[69:], g[69:], beta[69:], [2]), want, atol=2e-5, rtol=1e-4)
+    tol = dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(layer._sequence(mixed[:69], g[:69], beta[:69], 2, True), got, **tol)
+    torch.testing.assert_close(layer._decode(mixed[69:], g[69:], beta[69:], [2]), want, **tol)
