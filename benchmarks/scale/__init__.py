@@ -46,6 +46,8 @@ def checkpoint(shape: str, work: Path) -> Path:
     # llama.cpp's Gemma 3 converter cuts the embedding down to the tokenizer's vocabulary (its Llama
     # converter pads the tokenizer instead): written at that size, both servers compute the same head
     overrides = {"vocab_size": len(tokenizer)} if shape in CUT_VOCABULARY else {}
+    if shape == "qwen3.5-tiny":  # llama.cpp's qwen35 rotates 11 + 11 + 10 pairs: the real head of 256
+        overrides["head_dim"] = 256
     write_model_dir(make_config(shape, **overrides), scratch, dtype=torch.bfloat16)
     tokenizer.save_pretrained(scratch)
     scratch.rename(out)
