@@ -83,7 +83,7 @@ def harness_args(args: argparse.Namespace, ours: Path, model: Path, peer: str, p
             "--output-len", args.output_len,
             "--dtype", "bfloat16", *(["--json", f"{args.json}.{peer}.json"] if args.json else []),
             *[f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_LIMITS
-              if getattr(args, name) is not None]]
+              if getattr(args, name, None) is not None]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict = {"shape": args.shape, "dtype": args.dtype, "decode": [], "prefill": []}
     with torch.no_grad():
         for batch in args.batch:
-            slots = list(range(args.slots - 1, -1, -args.slots // batch))[:batch]  # scattered rows
+            slots = list(range(args.slots - 1, -1, -max(1, args.slots // batch)))[:batch]  # scattered rows
             mixed, g, beta = inputs(layer, batch, dtype, batch)
             step = functools.partial(layer._decode, mixed, g, beta, slots)
             diff = difference(layer, step, switch)
