@@ -87,8 +87,10 @@ class PeerPaths:
         return self.root / "llama.cpp" / "converter-deps"
 
     def converter_env(self) -> dict[str, str]:
-        """The environment ``llama_convert`` runs in: this one with ``converter_deps`` importable."""
+        """The environment ``llama_convert`` runs in: this one with ``converter_deps`` importable,
+        and without ``PYTHONSAFEPATH`` (the script imports its ``conversion`` package from beside it)."""
         env = dict(os.environ)
+        env.pop("PYTHONSAFEPATH", None)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.converter_deps), env.get("PYTHONPATH")]))
         return env
 

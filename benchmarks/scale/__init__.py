@@ -22,8 +22,12 @@ from pathlib import Path
 
 from kvserve.benchmarks.peers import compare, setup
 
-SHAPES = ("smollm2-1.7b", "llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b", "gemma3-1b")
-CUT_VOCABULARY = ("gemma3-1b",)
+SHAPES = ("smollm2-1.7b", "llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b", "gemma3-1b", "qwen3.5-0.8b",
+          "qwen3.5-2b", "qwen3.5-tiny")
+# the tiny shape checks the flow in seconds; its vocabulary is the bundled tokenizer's, as Gemma 3's is
+CUT_VOCABULARY = ("gemma3-1b", "qwen3.5-tiny")
+# kvserve's limits passed on when given (8k-token prompts at 16 streams need more than the defaults)
+ENGINE_LIMITS = ("max_model_len", "max_num_seqs", "kv_cache_memory")
 
 
 def checkpoint(shape: str, work: Path) -> Path:
@@ -43,20 +47,23 @@ def checkpoint(shape: str, work: Path) -> Path:
     # llama.cpp's Gemma 3 converter cuts the embedding down to the tokenizer's vocabulary (its Llama
     # converter pads the tokenizer instead): written at that size, both servers compute the same head
     overrides = {"vocab_size": len(tokenizer)} if shape in CUT_VOCABULARY else {}
+    if shape == "qwen3.5-tiny":  # llama.cpp's qwen35 rotates 11 + 11 + 10 pairs: the real head of 256
+        overrides["head_dim"] = 256
     write_model_dir(make_config(shape, **overrides), scratch, dtype=torch.bfloat16)
     tokenizer.save_pretrained(scratch)
     scratch.rename(out)
     return out
 
 
-def quantized_gguf(paths: setup.PeerPaths, hf: Path, work: Path, quant: str) -> Path:
+def quantized_gguf(paths: setup.PeerPaths, hf: Path, work: Path, quant: str, no_mtp: bool = False) -> Path:
     """``hf`` converted by llama.cpp to bf16, then quantized to ``quant`` by llama-quantize (``bf16``:
-    the converted file as it is)."""
+    the converted file as it is). ``no_mtp``: a Qwen3.5 checkpoint without the multi-token-prediction
+    layer the Hub's have (the converter expects one unless told)."""
     bf16 = work / "model-bf16.gguf"
     if not bf16.exists():
         partial = bf16.with_suffix(".partial")
-        setup.run([sys.executable, paths.llama_convert, hf, "--outtype", "bf16", "--outfile", partial],
-                  env=paths.converter_env())
+        setup.run([sys.executable, paths.llama_convert, hf, "--outtype", "bf16", "--outfile", partial,
+                   *(["--no-mtp"] if no_mtp else [])], env=paths.converter_env())
         partial.rename(bf16)
     out = work / f"model-{quant}.gguf"
     if out.exists():
@@ -77,7 +84,9 @@ def harness_args(args: argparse.Namespace, ours: Path, peers: list[tuple[str, st
             "--peers-dir", str(args.peers_dir), "--concurrency", args.concurrency, "--rates", "none",
             "--num-requests", str(args.num_requests), "--prompt-len", args.prompt_len,
             "--output-len", args.output_len,
-            "--dtype", "bfloat16", *(["--json", f"{args.json}.{'.'.join(names)}.json"] if args.json else [])]
+            "--dtype", "bfloat16", *(["--json", f"{args.json}.{'.'.join(names)}.json"] if args.json else []),
+            *[f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_LIMITS
+              if getattr(args, name, None) is not None]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                     "<peers-dir>/scale/<shape>)")
     ap.add_argument("--concurrency", default="1,16", help="closed-loop levels")
     ap.add_argument("--num-requests", type=int, default=16, help="requests per level")
+    ap.add_argument("--max-model-len", type=int, help="kvserve's (default: the model's, capped at 8192)")
+    ap.add_argument("--max-num-seqs", type=int, help="kvserve's sequences at once")
+    ap.add_argument("--kv-cache-memory", type=float, help="kvserve's KV (and state) cache, GiB")
     ap.add_argument("--with-vllm", action="store_true", help="also the bf16 checkpoint: kvserve against vLLM")
     ap.add_argument("--json", help="results to <JSON>.<peers>.json "
                     "(llama.cpp; vllm; llama.cpp.vllm for one run of both)")
@@ -107,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     setup.setup_llama_tools(paths)
     hf = checkpoint(args.shape, work)
-    gguf = quantized_gguf(paths, hf, work, args.quant)
+    gguf = quantized_gguf(paths, hf, work, args.quant, no_mtp=args.shape.startswith("qwen3.5"))
     print(f"{gguf}: {gguf.stat().st_size / 1e9:.2f} GB", flush=True)
     llama = ("llama.cpp", "--llama-gguf", gguf)
     vllm = ("vllm", "--vllm-model", hf)

@@ -9,6 +9,11 @@ at a time, carrying a fixed-size state from call to call:
   in blocks of ``CHUNK`` tokens with the WY form (a triangular solve per block, then one state
   update per block), the form the fla-core kernels use.
 
+On the CPU the Gated DeltaNet layers run both rules (and the decode step's convolution) in C
+instead (kernels/cpu/gated_delta.py, ``cpu_kernels``): the recurrent form for prefill too, with the
+state in L1-sized strips, and the decode step on the state cache's rows in place; the torch forms
+stay the path of other devices and of shapes the kernels refuse.
+
 Both rules work in float32 whatever the model's dtype; q and k are L2-normalised over the head
 and q scaled by head_dim ** -0.5, as transformers and fla-core do.
 """
@@ -18,7 +23,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.cpu.gated_delta import GatedDeltaKernels, gated_delta_kernels
+
 CHUNK = 64  # tokens per block of the chunked form
+
+
+def cpu_kernels(mixed: torch.Tensor, num_k_heads: int, num_v_heads: int, k_dim: int,
+                v_dim: int) -> GatedDeltaKernels | None:
+    """The C kernels when they take this layer's step (``mixed``: its [q | k | v] rows), else None
+    (another device, a shape or dtype they refuse, no kernels built, ``KVSERVE_CPU_KERNELS=0``)."""
+    if not GatedDeltaKernels.takes(mixed, num_k_heads, num_v_heads, k_dim, v_dim):
+        return None
+    return gated_delta_kernels()
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from kvserve.engine.layers.embed_head import VocabParallelEmbedding
 from kvserve.engine.layers.gated_delta import (
     causal_conv,
     causal_conv_step,
+    cpu_kernels,
     delta_rule_chunked,
     delta_rule_recurrent,
 )
@@ -134,18 +135,35 @@ class GatedDeltaNet(nn.Module):
         if fresh:
             conv_state.zero_()
             state.zero_()
+        kernels = self._kernels(mixed)
+        if kernels is not None:
+            rows = kernels.conv(mixed, self.conv1d.weight[:, 0], conv_state)
+            return kernels.prefill(rows, g, beta, state, self.num_k_heads, self.k_dim)
         mixed = causal_conv(mixed, self.conv1d.weight[:, 0], conv_state)
         q, k, v = self._qkv(mixed)
         if mixed.shape[0] == 1:
             return delta_rule_recurrent(q, k, v, g, beta, state.unsqueeze(0))
         return delta_rule_chunked(q, k, v, g, beta, state)
 
+    def _kernels(self, mixed: torch.Tensor):
+        """csrc/gated_delta.c's kernels where they take this step (the CPU; the conv's weight and
+        windows of mixed's dtype), else None."""
+        if not mixed.dtype == self.conv1d.weight.dtype == self.conv_states.dtype:
+            return None
+        return cpu_kernels(mixed, self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim)
+
     def _decode(self, mixed, g, beta, slots: list[int]) -> torch.Tensor:
-        """One token of each sequence, their states gathered, stepped and written back."""
+        """One token of each sequence: on the CPU the C step on the slots' rows in place; else
+        their states gathered, stepped and written back."""
         index = torch.tensor(slots, dtype=torch.long, device=mixed.device)
+        weight = self.conv1d.weight[:, 0]
+        kernels = self._kernels(mixed)
+        if kernels is not None:
+            return kernels.decode(mixed, weight, self.conv_states, self.recurrent_states, index, g, beta,
+                                  self.num_k_heads, self.k_dim)
         conv_states = self.conv_states.index_select(0, index)
         states = self.recurrent_states.index_select(0, index)
-        mixed = causal_conv_step(mixed, self.conv1d.weight[:, 0], conv_states)
+        mixed = causal_conv_step(mixed, weight, conv_states)
         q, k, v = self._qkv(mixed)
         out = delta_rule_recurrent(q, k, v, g, beta, states)
         self.conv_states.index_copy_(0, index, conv_states)

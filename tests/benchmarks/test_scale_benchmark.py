@@ -61,3 +61,25 @@ def test_the_kernel_comparison_runs_on_a_small_shape(capsys):
     assert kernels.main(["--shape", "32x256", "--rows", "1,5", "--repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 + 3 * 2 and all("x" in line for line in lines[1:])
+
+
+def test_a_hybrids_long_prompts_pass_kvserves_limits_on(tmp_path, monkeypatch):
+    """Qwen3.5 at 8k-token prompts and 16 streams: kvserve's limits reach its server's flags."""
+    args = argparse.Namespace(peers_dir=tmp_path, concurrency="1,16", num_requests=16, json=None,
+                              prompt_len="8192", output_len="64", max_model_len=9216, max_num_seqs=16,
+                              kv_cache_memory=4.0)
+    parsed = parse(scale.harness_args(args, tmp_path, [("llama.cpp", "--llama-gguf", tmp_path / "m.gguf")]))
+    assert (parsed.max_model_len, parsed.max_num_seqs, parsed.kv_cache_memory) == (9216, 16, 4.0)
+    assert parsed.prompt_len == (8192, 8192)
+    assert {"qwen3.5-2b", "qwen3.5-tiny"} <= set(scale.SHAPES)
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")  # the converter imports its package from beside it
+    assert "PYTHONSAFEPATH" not in setup.peers_dir(str(tmp_path)).converter_env()
+
+
+def test_the_gated_delta_comparison_runs_on_the_tiny_shape(capsys):
+    from kvserve.benchmarks.scale import gated_delta
+
+    assert gated_delta.main(["--shape", "qwen3.5-tiny", "--batch", "1", "3", "--slots", "4",
+                             "--prompt", "70", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 2 + 1 and all("x  (max diff" in line for line in lines[1:])

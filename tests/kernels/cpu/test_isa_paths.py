@@ -1,9 +1,10 @@
 """The exactness promises on every x86 CPU class kvserve builds a path for, run on the machine at
 hand (``kvserve.testing.process``): speculation on and off, packed and plain weights, the fused
 decode step and the per-op path, gemm.c's rows alike, GGUF block formats (csrc/kquant*.c's dots,
-a K-quant model's greedy tokens, its memory and its fused decode step), each under a build for
-the class (skipped where this CPU cannot run it). Slow (a few minutes a class, each its own
-build): ``make test-isa``. Also: gemm.c's 512-bit tiles without BF16 give the AVX2 tiles' bits."""
+a K-quant model's greedy tokens, its memory and its fused decode step), the gated delta rule (csrc/
+gated_delta.c), each under a build for the class (skipped where this CPU cannot run it). Slow (a
+few minutes a class, each its own build): ``make test-isa``. Also: gemm.c's 512-bit tiles without
+BF16 give the AVX2 tiles' bits."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ EXACTNESS_TESTS = ["tests/engine/core/test_speculation.py", "tests/engine/layers
                    "tests/kernels/cpu/test_kquant_gemm.py", "tests/engine/layers/test_gguf_linear.py",
                    "tests/engine/layers/test_gguf_model.py",
                    "tests/engine/layers/attention/test_attention_variants.py",
-                   "tests/kernels/cpu/test_attention_window_tiles.py"]
+                   "tests/kernels/cpu/test_attention_window_tiles.py",
+                   "tests/kernels/cpu/test_gated_delta.py"]
 CLASS = {c.name: c for c in CLASSES}
 
 
