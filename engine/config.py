@@ -66,7 +66,7 @@ class EngineConfig:
     tenant_weights: str | None = None
     # while a tenant under its share has work (or had, tenant_linger_ms ago), the decode rows of tenants
     # over theirs are cut to keep their tokens per second within this fraction of full steps (0: off)
-    tenant_row_cost: float = 0.1
+    tenant_row_cost: float = 0.05
     tenant_linger_ms: float = 250.0
 
     def __post_init__(self) -> None:

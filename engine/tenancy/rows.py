@@ -47,7 +47,7 @@ MAX_LINGER_S = 60.0
 class StepRows:
     """Which decode rows run in the next step (``select``); owned by ``TenantShares``."""
 
-    def __init__(self, shares, cost: float = 0.1, linger: float = 0.25, clock=time.monotonic):
+    def __init__(self, shares, cost: float = 0.05, linger: float = 0.25, clock=time.monotonic):
         if not 0 <= cost <= MAX_ROW_COST:
             raise ValueError(f"tenant_row_cost must be in [0, {MAX_ROW_COST}], got {cost}")
         if not 0 <= linger <= MAX_LINGER_S:

@@ -49,7 +49,7 @@ class TenantShares:
 
     def __init__(self, policy: str = "fair", weights: dict[str, float] | None = None,
                  max_running: int | None = None, max_queued: int | None = None,
-                 row_cost: float = 0.1, linger: float = 0.25):
+                 row_cost: float = 0.05, linger: float = 0.25):
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.fair = policy == "fair"
