@@ -12,22 +12,23 @@ rows of a step are shared too:
   less than ``linger`` seconds ago is present, with none (an interactive client sends its next
   request a round trip after the last one ended: that request should not arrive into a long step);
   the others are **heavy**. Every decode row of a light tenant runs;
+- nothing is cut where the heavy rows take less than the step's fixed part by the step time model
+  (engine/core/step_time.py: ``c0 + rows * (a + b * context)``; ``c0`` is the weights read once per
+  step, as on a GPU): fewer rows would cost their tokens and save little time. Else:
 - while a light tenant's first token is due (a request of it waits for its first step, or it
   lingers), the heavy tenants keep ``1 / MAX_ROUNDS`` of their decode rows: the step in flight when
   its request comes and the step that admits it are short;
 - while light tenants only decode, the heavy tenants' rows are cut to the fewest that keep the
-  step's decode tokens per second within ``cost`` of a step with all rows, by the step time model
-  (engine/core/step_time.py: ``c0 + rows * (a + b * context)``; the fixed part, the weights read
-  once per step, is what shorter steps pay again), and never below ``MIN_KEPT`` of them (a bound on
-  the cost where the model is off);
+  step's decode tokens per second within ``cost`` of a step with all rows (the fixed part is what
+  shorter steps pay again), and never below ``MIN_KEPT`` of them (a bound where the model is off);
 - the rows kept are shared between heavy tenants by weight (the smaller counter first), and within
   a tenant go to the sequences that waited longest for a token (round robin): every sequence still
   gets a token every ``MAX_ROUNDS`` steps at worst, and keeps its slot;
 - with one tenant (or none light, or none heavy, or the policy ``fcfs``, or ``cost`` 0) nothing is
   cut: a lone tenant's steps are unchanged.
 
-Where the fixed part of a step dominates (a GPU reading the weights) the cut keeps almost every row;
-where each row costs much (long contexts on a CPU) it keeps fewer, and steps stay short.
+Where each row costs much (long contexts on a CPU) steps stay short while a light tenant is
+present; where the fixed part of a step dominates nothing changes.
 """
 
 from __future__ import annotations
@@ -97,14 +98,19 @@ class StepRows:
         if not light or not heavy:
             return self._mark(decoding)
         num_heavy = sum(len(rows[t]) for t in heavy)
+        coef = clock_model.coef if clock_model is not None else None
+        if coef is None:  # no step has run yet: nothing to weigh the rows by
+            return self._mark(decoding)
+        heavy_rows = [s for t in heavy for s in rows[t]]
+        c0, a, b = coef
+        d = a + b * sum(s.num_tokens for s in heavy_rows) / num_heavy  # a decode row attends its context
         queued = self.shares.queued
-        if any(t in self._left or t in queued for t in light):  # a light tenant's next token is due
-            keep = math.ceil(num_heavy / MAX_ROUNDS)
-        elif clock_model is not None and clock_model.coef is not None:
-            keep = max(math.ceil(num_heavy * MIN_KEPT), self._rows_kept(
-                len(decoding), num_heavy, clock_model.coef, [s for t in heavy for s in rows[t]]))
-        else:  # no step has run yet: nothing to weigh the cost by
+        if num_heavy * d <= c0:  # the step is mostly its fixed part: fewer rows would save little time
             keep = num_heavy
+        elif any(t in self._left or t in queued for t in light):  # a light tenant's first token is due
+            keep = math.ceil(num_heavy / MAX_ROUNDS)
+        else:
+            keep = max(math.ceil(num_heavy * MIN_KEPT), self._rows_kept(len(decoding), num_heavy, c0, d))
         if keep >= num_heavy:
             return self._mark(decoding)
         kept = {s.seq_id for t in rows if t in light for s in rows[t]}
@@ -115,11 +121,9 @@ class StepRows:
         self.held = len(decoding) - len(chosen)
         return self._mark(chosen)
 
-    def _rows_kept(self, num_rows: int, num_heavy: int, coef, heavy: list[Sequence]) -> int:
+    def _rows_kept(self, num_rows: int, num_heavy: int, c0: float, d: float) -> int:  # (d > 0)
         """How many heavy rows run: the fewest rows ``n`` of the step whose decode tokens per second
         ``n / (c0 + n d)`` stay within ``cost`` of all ``num_rows`` rows', less the light rows."""
-        c0, a, b = coef
-        d = a + b * sum(s.num_tokens for s in heavy) / len(heavy)  # a decode row attends its context
         eps = self.cost
         # n / (c0 + n d) >= (1 - eps) R / (c0 + R d)  <=>  n >= (1 - eps) R c0 / (c0 + eps R d)
         denominator = c0 + eps * num_rows * d
