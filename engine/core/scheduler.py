@@ -142,7 +142,7 @@ class Scheduler(AdmissionChecks):
         decoding, prefilling = [], []
         for seq in self.running:
             (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
-        decoding = self.shares.rows.select(decoding, self.step_clock, self.max_num_seqs)  # tenants' shares
+        decoding = self.shares.rows.select(decoding, self.running, self.step_clock, self.max_num_seqs)
         scheduled: dict[int, ScheduledSeq] = {}
         running, bm = SequenceStatus.RUNNING, self.bm
         for seq in decoding + prefilling:

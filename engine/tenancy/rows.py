@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from kvserve.engine.sequence import Sequence
 
@@ -76,7 +76,8 @@ class StepRows:
         present.update(active)
         return present
 
-    def select(self, decoding: list[Sequence], clock_model, max_num_seqs: int) -> list[Sequence]:
+    def select(self, decoding: list[Sequence], running: list[Sequence], clock_model,
+               max_num_seqs: int) -> list[Sequence]:
         """The rows of ``decoding`` (running sequences with one token to compute, in admission order)
         that decode in this step (module docstring); the others keep their slot and wait a step."""
         self._step += 1
@@ -104,10 +105,9 @@ class StepRows:
         heavy_rows = [s for t in heavy for s in rows[t]]
         c0, a, b = coef
         d = a + b * sum(s.num_tokens for s in heavy_rows) / num_heavy  # a decode row attends its context
-        queued = self.shares.queued
         if num_heavy * d <= c0:  # the step is mostly its fixed part: fewer rows would save little time
             keep = num_heavy
-        elif any(t in self._left or t in queued for t in light):  # a light tenant's first token is due
+        elif self._first_token_due(light, running):
             keep = math.ceil(num_heavy / MAX_ROUNDS)
         else:
             keep = max(math.ceil(num_heavy * MIN_KEPT), self._rows_kept(len(decoding), num_heavy, c0, d))
@@ -120,6 +120,18 @@ class StepRows:
         chosen = [s for s in decoding if s.seq_id in kept]
         self.held = len(decoding) - len(chosen)
         return self._mark(chosen)
+
+    def _first_token_due(self, light: set[str], running: list[Sequence]) -> bool:
+        """Whether a light tenant lingers, or has a request waiting for its first step that its
+        running cap (``max_running``) does not hold back."""
+        queued, cap = self.shares.queued, self.shares.max_running
+        if any(t in self._left for t in light):
+            return True
+        waiting = [t for t in light if t in queued]
+        if not waiting or cap is None:
+            return bool(waiting)
+        held = Counter(s.tenancy.tenant for s in running)
+        return any(held[t] < cap for t in waiting)
 
     def _rows_kept(self, num_rows: int, num_heavy: int, c0: float, d: float) -> int:  # (d > 0)
         """How many heavy rows run: the fewest rows ``n`` of the step whose decode tokens per second

@@ -169,3 +169,16 @@ def test_the_knobs_are_range_checked(field, value):
 def test_step_rows_refuse_out_of_range_values():
     with pytest.raises(ValueError, match="tenant_row_cost"):
         StepRows(TenantShares(), cost=0.9)
+
+
+def test_a_request_its_running_cap_holds_back_does_not_shorten_the_steps():
+    shares = TenantShares(max_running=2)
+    mine = [Sequence(f"i-{k}", [5, 6, 7], SamplingParams(max_tokens=4), Tenancy("interactive"))
+            for k in range(3)]
+    for seq in mine:
+        shares.join(seq)
+        shares.enqueue(seq)
+    for seq in mine[:2]:  # two run, the third waits for the cap
+        shares.started(seq)
+    assert not shares.rows._first_token_due({"interactive"}, mine[:2])
+    assert shares.rows._first_token_due({"interactive"}, mine[:1])  # a slot of its cap is free
