@@ -59,16 +59,16 @@ class StepRows:
         self.clock = clock
         self._step = 0
         self._served: dict[int, int] = {}  # seq_id -> the step it last decoded in
-        self._present: set[str] = set()  # tenants with work at the last step
         self._left: dict[str, float] = {}  # tenant -> when its last sequence ended (within linger)
         self.held = 0  # decode rows held back in the last step
+
+    def depart(self, tenant: str) -> None:
+        """``tenant``'s last sequence ended (``TenantShares.leave``): it lingers from now."""
+        self._left[tenant] = self.clock()
 
     def _tenants(self) -> dict[str, int]:
         """Tenants present (with work, or within ``linger`` of their last work) -> sequences held."""
         active, now = self.shares.active, self.clock()
-        for tenant in self._present - active.keys():
-            self._left[tenant] = now
-        self._present = set(active)
         for tenant, left in list(self._left.items()):
             if tenant in active or now - left > self.linger:
                 del self._left[tenant]
@@ -84,7 +84,6 @@ class StepRows:
         self.held = 0
         shares = self.shares
         if not shares.fair or self.cost == 0 or shares.plain and not self._left:
-            self._present = set(shares.active)
             return decoding
         present = self._tenants()
         if len(present) < 2 or not decoding:

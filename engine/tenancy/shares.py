@@ -87,6 +87,7 @@ class TenantShares:
         if self.active[tenant] <= 0:
             del self.active[tenant]
             self.counters.pop(tenant, None)
+            self.rows.depart(tenant)
 
     def enqueue(self, seq: Sequence) -> None:
         self.queued.setdefault(seq.tenancy.tenant, set()).add(seq.seq_id)

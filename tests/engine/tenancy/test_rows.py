@@ -83,10 +83,10 @@ class Run:
                 self.streak[seq_id] = streak + 1 if seq_id in decoding and seq_id not in rows else 0
                 self.longest = max(self.longest, self.streak[seq_id])
             self.schedules.append([(x.seq.request_id, x.num_tokens) for x in out.scheduled])
+            self.now += dt  # the step ends: a request it finishes ends then
             s.postprocess(out, [7] * len(out.sampling_seqs))
             if s.step_clock is not None:  # (fcfs: no deadlines, no clock)
                 s.step_clock.observe(out.num_tokens, pairs, dt)
-            self.now += dt
             if current is not None and first is None and current.num_completion_tokens:
                 first = self.now
             self.steps.append((dt, len(rows), len(decoding), state))
@@ -182,3 +182,15 @@ def test_a_request_its_running_cap_holds_back_does_not_shorten_the_steps():
         shares.started(seq)
     assert not shares.rows._first_token_due({"interactive"}, mine[:2])
     assert shares.rows._first_token_due({"interactive"}, mine[:1])  # a slot of its cap is free
+
+
+def test_a_tenant_lingers_from_when_its_last_sequence_ended_even_if_no_step_ran_since():
+    shares, now = TenantShares(linger=0.25), [0.0]
+    shares.rows.clock = lambda: now[0]
+    seq = Sequence("a-0", [5, 6, 7], SamplingParams(max_tokens=4), Tenancy("a"))
+    shares.join(seq)
+    shares.leave(seq)
+    now[0] = 0.2
+    assert shares.rows._tenants() == {"a": 0}
+    now[0] = 1.0  # the engine was idle: no step saw it leave
+    assert shares.rows._tenants() == {}
