@@ -63,8 +63,10 @@ class StepRows:
         self.held = 0  # decode rows held back in the last step
 
     def depart(self, tenant: str) -> None:
-        """``tenant``'s last sequence ended (``TenantShares.leave``): it lingers from now."""
-        self._left[tenant] = self.clock()
+        """``tenant``'s last sequence ended (``TenantShares.leave``): it lingers from now (only where
+        rows are shared: ``_tenants`` forgets them, and ``select`` calls it only then)."""
+        if self.shares.fair and self.cost:
+            self._left[tenant] = self.clock()
 
     def _tenants(self) -> dict[str, int]:
         """Tenants present (with work, or within ``linger`` of their last work) -> sequences held."""

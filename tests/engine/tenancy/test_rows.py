@@ -194,3 +194,13 @@ def test_a_tenant_lingers_from_when_its_last_sequence_ended_even_if_no_step_ran_
     assert shares.rows._tenants() == {"a": 0}
     now[0] = 1.0  # the engine was idle: no step saw it leave
     assert shares.rows._tenants() == {}
+
+
+@pytest.mark.parametrize("policy,cost", [("fcfs", COST), ("fair", 0.0)])
+def test_without_the_rows_share_no_departed_tenant_is_kept(policy, cost):
+    shares = TenantShares(policy, row_cost=cost)
+    for k in range(100):
+        seq = Sequence(f"t{k}-0", [5, 6, 7], SamplingParams(max_tokens=4), Tenancy(f"t{k}"))
+        shares.join(seq)
+        shares.leave(seq)
+    assert shares.rows._left == {}
