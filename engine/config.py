@@ -16,6 +16,8 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 32
 QUANTIZATIONS = ("int8", "int4")  # quantized weights, CPU (engine/layers/quantization.py)
 SCHEDULING_POLICIES = ("fair", "fcfs")  # engine/tenancy/shares.py
+MAX_TENANT_ROW_COST = 0.5  # engine/tenancy/rows.py
+MAX_TENANT_LINGER_MS = 60_000.0
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: CPU (engine/layers/attention/kv_quant.py)
 
 
@@ -62,6 +64,10 @@ class EngineConfig:
     max_running_per_tenant: int | None = None
     max_queued_per_tenant: int | None = None
     tenant_weights: str | None = None
+    # while a tenant under its share has work (or had, tenant_linger_ms ago), the decode rows of tenants
+    # over theirs are cut to keep their tokens per second within this fraction of full steps (0: off)
+    tenant_row_cost: float = 0.05
+    tenant_linger_ms: float = 250.0
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
@@ -93,6 +99,12 @@ class EngineConfig:
             )
         if self.max_step_time_ms is not None and self.max_step_time_ms < 0:
             raise ValueError(f"max_step_time_ms must be >= 0 (0: no bound), got {self.max_step_time_ms}")
+        if not 0 <= self.tenant_row_cost <= MAX_TENANT_ROW_COST:
+            raise ValueError(f"tenant_row_cost must be in [0, {MAX_TENANT_ROW_COST}], "
+                             f"got {self.tenant_row_cost}")
+        if not 0 <= self.tenant_linger_ms <= MAX_TENANT_LINGER_MS:
+            raise ValueError(f"tenant_linger_ms must be in [0, {MAX_TENANT_LINGER_MS:.0f}], "
+                             f"got {self.tenant_linger_ms}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 1:

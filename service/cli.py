@@ -107,6 +107,12 @@ HELP = {
                              "(default: no cap)",
     "tenant_weights": "NAME=W,...: tenants' shares by weight under the fair policy (default: every weight "
                       "1); NAME is the API key or --cache-salt-header value, as --cache-salt-from says",
+    "tenant_row_cost": "fair policy: while a tenant under its share of the slots has work, tenants over "
+                       "theirs decode fewer rows a step: a quarter while its first token is due, else the "
+                       "fewest that lose at most this fraction of their tokens per second by the step "
+                       "time model (at least half); in [0, 0.5], 0 = no cut (docs/serving/tenants.md)",
+    "tenant_linger_ms": "fair policy: a tenant counts as present this long after its last request ended "
+                        "(its next one should not land in a long step); in [0, 60000]",
 }
 
 

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,13 +50,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=8.0, help="overload arrivals per second")
     p.add_argument("--deadline", type=float, default=5.0, help="overload requests' gRPC deadline, seconds")
     p.add_argument("--runs", default="flood,weights,overload", help="which runs, comma separated")
+    p.add_argument("--server-flags", default="", help="more `kvserve serve` flags for every server, e.g. "
+                   "\"--tenant-row-cost 0.2 --tenant-linger-ms 500\" (docs/serving/tenants.md)")
     return p.parse_args()
 
 
 def server(args, *flags: str) -> ServerProcess:
     return ServerProcess("--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
                          "--max-model-len", str(args.flood_prompt + args.flood_tokens + 16),
-                         "--cache-salt-from", "header", "--cache-salt-header", HEADER, *flags)
+                         "--cache-salt-from", "header", "--cache-salt-header", HEADER, *flags,
+                         *shlex.split(args.server_flags))
 
 
 def meta(tenant: str):

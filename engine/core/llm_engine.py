@@ -83,7 +83,8 @@ class LLMEngine:
             max_step_time=resolve_max_step_time(config, device_type),
             last_prompt_token_alone=config.enable_prefix_caching,
             shares=TenantShares(config.scheduling_policy, config.weights(), config.max_running_per_tenant,
-                                config.max_queued_per_tenant),
+                                config.max_queued_per_tenant, config.tenant_row_cost,
+                                config.tenant_linger_ms / 1000),
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed)
         self.speculator = speculator_for(config, self.executor)

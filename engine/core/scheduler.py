@@ -16,8 +16,9 @@ sequence always gets its blocks (``check_fits`` made sure the whole cache holds 
 empty engine always admits its head: every request finishes.
 
 Between tenants (engine/tenancy/shares.py): which waiting sequence is next, which running one is
-preempted, and which running one gives way to waiting work, by tokens served per tenant, priority
-and deadline; a request that cannot start before its deadline is refused at once.
+preempted, which running one gives way to waiting work, by tokens served per tenant, priority
+and deadline, and which decode rows a step takes (engine/tenancy/rows.py); a request that cannot
+start before its deadline is refused at once.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class Scheduler(AdmissionChecks):
         decoding, prefilling = [], []
         for seq in self.running:
             (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
+        decoding = self.shares.rows.select(decoding, self.running, self.step_clock, self.max_num_seqs)
         scheduled: dict[int, ScheduledSeq] = {}
         running, bm = SequenceStatus.RUNNING, self.bm
         for seq in decoding + prefilling:

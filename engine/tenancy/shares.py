@@ -13,6 +13,8 @@ inside the scheduler, so the running set is shared too:
 
 - a tenant that comes back after idling starts at the smallest counter of the tenants with work,
   neither credit banked while idle nor debt kept (its counter is forgotten when its work ends);
+- while a tenant under its share of the slots has work (or had, a moment ago), the decode rows of
+  the tenants over theirs are cut so that steps stay short (engine/tenancy/rows.py);
 - a waiting sequence may preempt a running one of another tenant whose counter is larger and who
   holds more running sequences per unit of weight than the waiter would after admission (the
   second condition stops two tenants from trading one slot back and forth every step), or one of
@@ -29,6 +31,7 @@ import time
 from collections import Counter
 
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.tenancy.rows import StepRows
 
 POLICIES = ("fair", "fcfs")
 
@@ -45,7 +48,8 @@ class TenantShares:
     """The counters, caps and order of one scheduler (weights checked by ``EngineConfig``)."""
 
     def __init__(self, policy: str = "fair", weights: dict[str, float] | None = None,
-                 max_running: int | None = None, max_queued: int | None = None):
+                 max_running: int | None = None, max_queued: int | None = None,
+                 row_cost: float = 0.05, linger: float = 0.25):
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.fair = policy == "fair"
@@ -59,6 +63,7 @@ class TenantShares:
         # common single-tenant case costs no scan)
         self.plain = not (self.fair and self.weights) and max_running is None
         self._tenant: str | None = None
+        self.rows = StepRows(self, row_cost, linger)  # the step's decode rows (engine/tenancy/rows.py)
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
@@ -82,6 +87,7 @@ class TenantShares:
         if self.active[tenant] <= 0:
             del self.active[tenant]
             self.counters.pop(tenant, None)
+            self.rows.depart(tenant)
 
     def enqueue(self, seq: Sequence) -> None:
         self.queued.setdefault(seq.tenancy.tenant, set()).add(seq.seq_id)
@@ -129,11 +135,14 @@ class TenantShares:
 
     def victim(self, running: list[Sequence]) -> Sequence:
         """The running sequence to preempt when blocks run out: of the tenant with the largest
-        counter, the lowest priority, the most recently admitted (the tail, under ``fcfs``)."""
+        counter (then the most slots per weight), the lowest priority, the most recently admitted
+        (the tail, under ``fcfs``)."""
         if self.plain or not self.fair:
             return running[-1]
-        counters = self.counters
+        counters, held = self.counters, Counter(s.tenancy.tenant for s in running)
+        # among equal counters the tenant holding more slots per unit of weight gives way first
         return max(reversed(running), key=lambda s: (counters.get(s.tenancy.tenant, 0.0),
+                                                     held[s.tenancy.tenant] / self.weight(s.tenancy.tenant),
                                                      s.tenancy.priority))
 
     def yielding(self, waiter: Sequence, running: list[Sequence],

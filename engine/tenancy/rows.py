@@ -1,0 +1,166 @@
+"""A tenant's share of a step's rows (the fair policy): a tenant far over its share cannot make every
+step long while another tenant's work waits or runs.
+
+The counters (engine/tenancy/shares.py) share admission and the running set, but once a flood of
+long-context streams holds most slots every step decodes all of them, and another tenant's short
+request waits for the step in flight and then rides in a step as long: its first token comes a whole
+flood step or two later, whatever its counter says. So, while tenants share the engine, the decode
+rows of a step are shared too:
+
+- a tenant is **light** while it has fewer sequences in the scheduler (running and waiting) than its
+  weighted share of ``max_num_seqs`` among the tenants present; a tenant whose last sequence ended
+  less than ``linger`` seconds ago is present, with none (an interactive client sends its next
+  request a round trip after the last one ended: that request should not arrive into a long step);
+  the others are **heavy**. Every decode row of a light tenant runs;
+- nothing is cut where the heavy rows take less than the step's fixed part by the step time model
+  (engine/core/step_time.py: ``c0 + rows * (a + b * context)``; ``c0`` is the weights read once per
+  step, as on a GPU): fewer rows would cost their tokens and save little time. Else:
+- while a light tenant's first token is due (a request of it waits for its first step, or it
+  lingers), the heavy tenants keep ``1 / MAX_ROUNDS`` of their decode rows: the step in flight when
+  its request comes and the step that admits it are short;
+- while light tenants only decode, the heavy tenants' rows are cut to the fewest that keep the
+  step's decode tokens per second within ``cost`` of a step with all rows (the fixed part is what
+  shorter steps pay again), and never below ``MIN_KEPT`` of them (a bound where the model is off);
+- the rows kept are shared between heavy tenants by weight (the smaller counter first), and within
+  a tenant go to the sequences that waited longest for a token (round robin): every sequence still
+  gets a token every ``MAX_ROUNDS`` steps at worst, and keeps its slot;
+- with one tenant (or none light, or none heavy, or the policy ``fcfs``, or ``cost`` 0) nothing is
+  cut: a lone tenant's steps are unchanged.
+
+Where each row costs much (long contexts on a CPU) steps stay short while a light tenant is
+present; where the fixed part of a step dominates nothing changes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, defaultdict
+
+from kvserve.engine.sequence import Sequence
+
+MAX_ROUNDS = 4  # a heavy tenant's sequence decodes at least once every MAX_ROUNDS steps
+MIN_KEPT = 0.5  # of its rows, the least a heavy tenant keeps in a step no light tenant's first token needs
+MAX_ROW_COST = 0.5  # the largest ``cost`` accepted (half of the heavy tenants' throughput)
+MAX_LINGER_S = 60.0
+
+
+class StepRows:
+    """Which decode rows run in the next step (``select``); owned by ``TenantShares``."""
+
+    def __init__(self, shares, cost: float = 0.05, linger: float = 0.25, clock=time.monotonic):
+        if not 0 <= cost <= MAX_ROW_COST:
+            raise ValueError(f"tenant_row_cost must be in [0, {MAX_ROW_COST}], got {cost}")
+        if not 0 <= linger <= MAX_LINGER_S:
+            raise ValueError(f"tenant_linger must be in [0, {MAX_LINGER_S}] s, got {linger}")
+        self.shares = shares
+        self.cost = cost
+        self.linger = linger
+        self.clock = clock
+        self._step = 0
+        self._served: dict[int, int] = {}  # seq_id -> the step it last decoded in
+        self._left: dict[str, float] = {}  # tenant -> when its last sequence ended (within linger)
+        self.held = 0  # decode rows held back in the last step
+
+    def depart(self, tenant: str) -> None:
+        """``tenant``'s last sequence ended (``TenantShares.leave``): it lingers from now (only where
+        rows are shared: ``_tenants`` forgets them, and ``select`` calls it only then)."""
+        if self.shares.fair and self.cost:
+            self._left[tenant] = self.clock()
+
+    def _tenants(self) -> dict[str, int]:
+        """Tenants present (with work, or within ``linger`` of their last work) -> sequences held."""
+        active, now = self.shares.active, self.clock()
+        for tenant, left in list(self._left.items()):
+            if tenant in active or now - left > self.linger:
+                del self._left[tenant]
+        present = dict.fromkeys(self._left, 0)
+        present.update(active)
+        return present
+
+    def select(self, decoding: list[Sequence], running: list[Sequence], clock_model,
+               max_num_seqs: int) -> list[Sequence]:
+        """The rows of ``decoding`` (running sequences with one token to compute, in admission order)
+        that decode in this step (module docstring); the others keep their slot and wait a step."""
+        self._step += 1
+        self.held = 0
+        shares = self.shares
+        if not shares.fair or self.cost == 0 or shares.plain and not self._left:
+            return decoding
+        present = self._tenants()
+        if len(present) < 2 or not decoding:
+            return self._mark(decoding)
+        weight = shares.weight
+        total = sum(weight(t) for t in present)
+        light = {t for t, n in present.items() if n < max_num_seqs * weight(t) / total}
+        rows: dict[str, list[Sequence]] = defaultdict(list)
+        for seq in decoding:
+            rows[seq.tenancy.tenant].append(seq)
+        heavy = [t for t in rows if t not in light]
+        if not light or not heavy:
+            return self._mark(decoding)
+        num_heavy = sum(len(rows[t]) for t in heavy)
+        coef = clock_model.coef if clock_model is not None else None
+        if coef is None:  # no step has run yet: nothing to weigh the rows by
+            return self._mark(decoding)
+        heavy_rows = [s for t in heavy for s in rows[t]]
+        c0, a, b = coef
+        d = a + b * sum(s.num_tokens for s in heavy_rows) / num_heavy  # a decode row attends its context
+        if num_heavy * d <= c0:  # the step is mostly its fixed part: fewer rows would save little time
+            keep = num_heavy
+        elif self._first_token_due(light, running):
+            keep = math.ceil(num_heavy / MAX_ROUNDS)
+        else:
+            keep = max(math.ceil(num_heavy * MIN_KEPT), self._rows_kept(len(decoding), num_heavy, c0, d))
+        if keep >= num_heavy:
+            return self._mark(decoding)
+        kept = {s.seq_id for t in rows if t in light for s in rows[t]}
+        for tenant, n in self._split(keep, heavy, rows).items():
+            order = sorted(rows[tenant], key=lambda s: self._served.get(s.seq_id, -1))
+            kept.update(s.seq_id for s in order[:n])
+        chosen = [s for s in decoding if s.seq_id in kept]
+        self.held = len(decoding) - len(chosen)
+        return self._mark(chosen)
+
+    def _first_token_due(self, light: set[str], running: list[Sequence]) -> bool:
+        """Whether a light tenant lingers, or has a request waiting for its first step that its
+        running cap (``max_running``) does not hold back."""
+        queued, cap = self.shares.queued, self.shares.max_running
+        if any(t in self._left for t in light):
+            return True
+        waiting = [t for t in light if t in queued]
+        if not waiting or cap is None:
+            return bool(waiting)
+        held = Counter(s.tenancy.tenant for s in running)
+        return any(held[t] < cap for t in waiting)
+
+    def _rows_kept(self, num_rows: int, num_heavy: int, c0: float, d: float) -> int:  # (d > 0)
+        """How many heavy rows run: the fewest rows ``n`` of the step whose decode tokens per second
+        ``n / (c0 + n d)`` stay within ``cost`` of all ``num_rows`` rows', less the light rows."""
+        eps = self.cost
+        # n / (c0 + n d) >= (1 - eps) R / (c0 + R d)  <=>  n >= (1 - eps) R c0 / (c0 + eps R d)
+        denominator = c0 + eps * num_rows * d
+        need = num_rows if denominator <= 0 else math.ceil((1 - eps) * num_rows * c0 / denominator - 1e-9)
+        return max(need - (num_rows - num_heavy), 1)
+
+    def _split(self, keep: int, heavy: list[str], rows: dict[str, list[Sequence]]) -> dict[str, int]:
+        """``keep`` rows between the heavy tenants: one at a time to the tenant with the fewest per
+        unit of weight (the smaller counter first among equals), none beyond a tenant's rows."""
+        weight, counters = self.shares.weight, self.shares.counters
+        taken = dict.fromkeys(heavy, 0)
+        for _ in range(keep):
+            open_ = [t for t in heavy if taken[t] < len(rows[t])]
+            if not open_:
+                break
+            t = min(open_, key=lambda t: (taken[t] / weight(t), counters.get(t, 0.0)))
+            taken[t] += 1
+        return taken
+
+    def _mark(self, chosen: list[Sequence]) -> list[Sequence]:
+        served, step = self._served, self._step
+        for seq in chosen:
+            served[seq.seq_id] = step
+        if len(served) > 4 * len(chosen) + 256:  # forget sequences not seen for a while
+            for seq_id in [i for i, s in served.items() if step - s > 4 * MAX_ROUNDS]:
+                del served[seq_id]
+        return chosen
