@@ -124,7 +124,7 @@ class GGUFWeight:
         """Up to how many rows a product in ``dtype`` computes each row alike whatever rows are
         beside it: below ``PANEL_FROM_ROWS`` where every part is in the block kernels (bfloat16 with
         vector dots built: the activations are quantized per row and the tiles sum each row in one
-        order, tests/kernels/cpu/test_kquant.py), else ``MAX_FUSED_ROWS`` (the row kernel's)."""
+        order, tests/kernels/cpu/kquant/test_kquant.py), else ``MAX_FUSED_ROWS`` (the row kernel's)."""
         if (dtype != torch.float32 and kquant_kernels().isa != 0
                 and all(isinstance(p, GGUFTensor) for _, p in self.parts)):
             return PANEL_FROM_ROWS - 1
