@@ -35,47 +35,13 @@
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
 
-import xxhash
-
+from kvserve.engine.kv_cache.blocks import CLEARED, REMOVED, STORED, Block, block_hash, salt_root  # noqa: F401
 from kvserve.engine.kv_cache.groups import NULL_BLOCK, Hits, first_live_block, peak_blocks
 from kvserve.engine.kv_cache.state_slots import StateSlots
 from kvserve.engine.model_input import blocks_for
 from kvserve.engine.sequence import Sequence
-
-
-def block_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
-    """xxhash64 chained over the previous block's hash and this block's token ids."""
-    h = xxhash.xxh64()
-    if prev_hash is not None:
-        h.update(prev_hash.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return h.intdigest()
-
-
-# the kinds of KV-cache event tuples: (STORED, hash, parent_hash, token_ids), (REMOVED, hash), (CLEARED,);
-# with KV cache groups STORED adds (group, its window or None) and REMOVED (group,)
-STORED, REMOVED, CLEARED = 0, 1, 2
-
-
-def salt_root(salt: str | None) -> int | None:
-    """The hash a salted sequence's first block chains from (None: unsalted, the shared cache)."""
-    if salt is None:
-        return None
-    return xxhash.xxh64(b"kvserve cache_salt\0" + salt.encode("utf-8", "surrogatepass")).intdigest()
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
-    parent_hash: int | None = None  # the previous block's hash when this one was published
-    group: int = 0  # the KV cache group whose layers hold it (the one that last took it)
 
 
 class BlockManager:

@@ -26,47 +26,12 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from functools import cached_property
 
 from kvserve.engine.core.block_manager import BlockManager
-from kvserve.engine.core.step_time import StepTimeModel, attended_pairs
+from kvserve.engine.core.step_time import ScheduledSeq, SchedulerOutput, StepTimeModel, attended_pairs  # noqa: F401
 from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvserve.engine.tenancy.admission import AdmissionChecks
 from kvserve.engine.tenancy.shares import TenantShares
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int  # tokens whose KV is computed in this step (the drafts included)
-    drafts: list[int] = field(default_factory=list)  # draft tokens verified after the last token
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the sequence's last token, so its logits give a new token."""
-        return self.seq.num_computed_tokens + self.num_tokens - len(self.drafts) == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    state_copies: list[list[int]] = field(default_factory=list)  # [from row, to row]: kv_cache/state_slots.py
-
-    @property
-    def attended_pairs(self) -> int:
-        """Query-key pairs the step attends (read before ``postprocess`` advances the counts)."""
-        return sum(attended_pairs(s.seq.num_computed_tokens, s.num_tokens) for s in self.scheduled)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @cached_property
-    def sampling_seqs(self) -> list[Sequence]:
-        """The sequences this step gives a new token, in batch order (read once scheduling is done)."""
-        return [s.seq for s in self.scheduled if s.samples]
 
 
 class Scheduler(AdmissionChecks):

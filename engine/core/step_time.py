@@ -1,4 +1,5 @@
-"""How long a step will take, learned from the steps that ran: the scheduler's time bound.
+"""A step as the scheduler plans it (``SchedulerOutput``: each sequence's tokens and drafts), and
+how long a step will take, learned from the steps that ran: the scheduler's time bound.
 
 A token budget alone does not bound a step's time: a chunk late in a long prompt attends to
 every key before it, so 512 tokens at position 8,000 cost several times what they cost at
@@ -24,6 +25,10 @@ Plain Python, no torch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from kvserve.engine.sequence import Sequence
 
 MIN_STEPS = 8  # steps seen before the three-part fit (before it: seconds per token alone)
 MIN_PREFILL_CHUNK = 32  # prefill tokens a step may always take: waiting prompts always progress
@@ -157,3 +162,36 @@ def _solve(m: list[list[float]], y: list[float]) -> list[float] | None:
     for i in reversed(range(n)):
         x[i] = (a[i][n] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
     return x
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens whose KV is computed in this step (the drafts included)
+    drafts: list[int] = field(default_factory=list)  # draft tokens verified after the last token
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the sequence's last token, so its logits give a new token."""
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.drafts) == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    state_copies: list[list[int]] = field(default_factory=list)  # [from row, to row]: kv_cache/state_slots.py
+
+    @property
+    def attended_pairs(self) -> int:
+        """Query-key pairs the step attends (read before ``postprocess`` advances the counts)."""
+        return sum(attended_pairs(s.seq.num_computed_tokens, s.num_tokens) for s in self.scheduled)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @cached_property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences this step gives a new token, in batch order (read once scheduling is done)."""
+        return [s.seq for s in self.scheduled if s.samples]
