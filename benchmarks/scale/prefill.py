@@ -22,32 +22,35 @@ from kvserve.benchmarks.scale.kernels import random_weight
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 2048, 8192, 32, 32, 4096
 Q4_K, Q6_K = 12, 14
-PARTS = {"attn_q": (Q4_K, HEADS), "attn_k": (Q4_K, KV_HEADS), "attn_v": (Q6_K, KV_HEADS),
-         "attn_output": (Q4_K, HEADS), "ffn_gate": (Q4_K, 0), "ffn_up": (Q4_K, 0), "ffn_down": (Q6_K, 0)}
+# each projection's type and its rows: per query head ("q"), per key-value head ("kv"), else MLP
+PARTS = {"attn_q": (Q4_K, "q"), "attn_k": (Q4_K, "kv"), "attn_v": (Q6_K, "kv"), "attn_output": (Q4_K, "q"),
+         "ffn_gate": (Q4_K, None), "ffn_up": (Q4_K, None), "ffn_down": (Q6_K, None)}
 
 
-def write_model(path: Path, layers: int, context: int) -> None:
-    """A llama GGUF file of SmolLM2-1.7B's layer shape, ``layers`` layers, Q4_K_M's types."""
+def write_model(path: Path, layers: int, context: int, hidden: int = HIDDEN, inter: int = INTER,
+                heads: int = HEADS, kv_heads: int = KV_HEADS, vocab: int = VOCAB) -> None:
+    """A llama GGUF file in llama-quantize's Q4_K_M types (Q6_K v, down and the tied table, Q4_K
+    elsewhere, float32 norms), random valid blocks: SmolLM2-1.7B's layer shape unless told."""
     from gguf import GGUFWriter
 
-    head_dim = HIDDEN // HEADS
+    head_dim = hidden // heads
     writer = GGUFWriter(str(path), "llama")
     for add, value in ((writer.add_block_count, layers), (writer.add_context_length, context),
-                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, INTER),
-                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
+                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, inter),
+                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
                        (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 10000.0),
-                       (writer.add_vocab_size, VOCAB)):
+                       (writer.add_vocab_size, vocab)):
         add(value)
-    writer.add_tensor("token_embd.weight", random_weight(Q6_K, VOCAB, HIDDEN, 0).numpy(), raw_dtype=Q6_K)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    writer.add_tensor("token_embd.weight", random_weight(Q6_K, vocab, hidden, 0).numpy(), raw_dtype=Q6_K)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
-        for j, (part, (qtype, heads)) in enumerate(PARTS.items()):
-            rows, cols = (heads * head_dim, HIDDEN) if heads else ((HIDDEN, INTER) if part == "ffn_down"
-                                                                   else (INTER, HIDDEN))
-            data = random_weight(qtype, rows, cols, 1 + 10 * i + j).numpy()
+        for j, (part, (qtype, per_head)) in enumerate(PARTS.items()):
+            rows = (heads if per_head == "q" else kv_heads) * head_dim if per_head else (
+                hidden if part == "ffn_down" else inter)
+            data = random_weight(qtype, rows, inter if part == "ffn_down" else hidden, 1 + 10 * i + j).numpy()
             writer.add_tensor(f"blk.{i}.{part}.weight", data, raw_dtype=qtype)
         for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(HIDDEN, np.float32))
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config
 
 from kvserve.benchmarks.instruments.procfs import alive
+from kvserve.benchmarks.scale.prefill import write_model
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.distributed.channels import PayloadTooLargeError
@@ -40,6 +41,7 @@ from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_loader.checkpoint import random_weights
 from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.tokenizer.load import load_tokenizer
+from kvserve.kernels.cpu.kquant import kquant_kernels
 
 BLOCK = 16
 STEPS = 32
@@ -345,3 +347,37 @@ def test_default_model_at_tp3_gives_the_run_of_tp1():
     prompts = [tokenizer.encode(t) for t in
                ("The three primary colors are", "def fibonacci(n):", "Paris is the capital of")]
     assert_tp_matches_one_process(config, 3, prompts)
+
+
+@pytest.mark.skipif(kquant_kernels() is None, reason="the CPU kernels are not built here")
+def test_a_q4_k_m_gguf_file_at_tp2_gives_the_run_of_tp1(tmp_path):
+    """GGUF K-quant blocks split as stored: q/k/v/gate/up by rows, o/down by whole 256-value blocks of
+    their inputs (512 / 2 and 1,536 / 2), each rank multiplying its shard where it lies in the file.
+    float32 (dequantized panels): TP=1's run. bfloat16 (the block dots on int8 activations): the same
+    tokens up to the first near-tie, every step's logits no further from TP=1's than bfloat16's own
+    rounding puts TP=1 from float32 serving (random weights make logits of ~200: ties at bf16 ulps)."""
+    path = tmp_path / "model-Q4_K_M.gguf"
+    write_model(path, 2, 256, hidden=512, inter=1536, heads=8, kv_heads=4, vocab=4096)
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=256)
+    runs = {}
+    for dtype, tp in (("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)):
+        executor = create_executor(config.replace(dtype=dtype, tensor_parallel_size=tp))
+        try:
+            runs[dtype, tp] = greedy(executor, PROMPTS, JOINS)
+        finally:
+            executor.shutdown()
+    assert_same_run(runs["float32", 2], runs["float32", 1], tol=1e-3)
+    noise = (runs["bfloat16", 1][1][0].float() - runs["float32", 1][1][0]).abs().max()
+    (tokens, logits), (ref_tokens, ref_logits) = runs["bfloat16", 2], runs["bfloat16", 1]
+    compared = 0
+    for i, join in enumerate(JOINS):
+        for step in range(join, STEPS):
+            row = sum(j <= step for j in JOINS[:i])
+            got, want = logits[step][row].float(), ref_logits[step][row].float()
+            assert (got - want).abs().max() <= noise, (i, step)
+            compared += 1
+            if tokens[i][step - join] != ref_tokens[i][step - join]:
+                top = want.topk(2).values
+                assert top[0] - top[1] <= 2 * noise, (i, step)  # a near-tie: the runs part here
+                break
+    assert compared >= STEPS  # measured: 48 of 93 rows before the runs part

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader
 
 from kvserve.benchmarks.scale.kernels import random_weight
+from kvserve.benchmarks.scale.prefill import write_model
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.layers import gguf_linear
 from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, PANEL_ROWS, GGUFTensor, GGUFWeight
@@ -30,39 +30,10 @@ from kvserve.kernels.cpu.kquant import kquant_kernels
 pytestmark = pytest.mark.skipif(kquant_kernels() is None, reason="the CPU kernels are not built here")
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 512, 1536, 8, 4, 3, 4096
-# llama-quantize's Q4_K_M: Q6_K for v and down (in these layers) and the tied table, Q4_K elsewhere
-TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
-         "ffn_up": T.Q4_K, "ffn_down": T.Q6_K}
-
-
-def random_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
-    return random_weight(int(qtype), rows, cols, seed).numpy()
-
-
 def write_q4_k_m(path) -> None:
-    head_dim = HIDDEN // HEADS
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
-              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
-    writer = GGUFWriter(str(path), "llama")
-    for add, value in ((writer.add_block_count, LAYERS), (writer.add_context_length, 256),
-                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, INTER),
-                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
-                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 10000.0),
-                       (writer.add_vocab_size, VOCAB)):
-        add(value)
-    writer.add_tensor("token_embd.weight", random_blocks(T.Q6_K, VOCAB, HIDDEN, 0), raw_dtype=T.Q6_K)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    for i in range(LAYERS):
-        for j, (part, qtype) in enumerate(TYPES.items()):
-            data = random_blocks(qtype, *shapes[part], seed=1 + 10 * i + j)
-            writer.add_tensor(f"blk.{i}.{part}.weight", data, raw_dtype=qtype)
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(HIDDEN, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    """llama-quantize's Q4_K_M types: Q6_K for v and down (in these layers) and the tied table, Q4_K
+    elsewhere (benchmarks/scale/prefill.py writes it)."""
+    write_model(path, LAYERS, 256, HIDDEN, INTER, HEADS, KV_HEADS, VOCAB)
 
 
 def reached_tensors(value, seen: set[int], out: list[torch.Tensor]) -> None:
