@@ -136,6 +136,7 @@ class TensorParallelExecutor:
         # Stats report the state cache's bytes over all ranks, each holding 1 / tp_size of them
         self.num_state_slots: int = runner.num_state_slots
         self.num_state_snapshots: int = runner.num_state_snapshots
+        self.state_cache_bytes_per_rank: int = runner.state_cache_bytes
         self.state_cache_bytes: int = runner.state_cache_bytes * self.tp_size
         self.weight_formats: list[str] = runner.weight_formats
         self._rank_exact_rows = runner.exact_rows()  # every rank's shards have rank 0's formats

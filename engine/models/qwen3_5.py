@@ -118,9 +118,9 @@ class GatedDeltaNet(nn.Module):
         split across ranks each by head."""
         full_key, full_value = config.linear_num_key_heads * self.k_dim, value_dim_of(config)
         heads = config.linear_num_value_heads
-        return MergedColumnParallelLinear(config.hidden_size, [2 * full_key + full_value, full_value, heads, heads],
-                                          False, parallel, sections=[[full_key, full_key, full_value],
-                                                                     [full_value], [heads], [heads]])
+        sections = [[full_key, full_key, full_value], [full_value], [heads], [heads]]
+        return MergedColumnParallelLinear(config.hidden_size, [sum(pieces) for pieces in sections], False,
+                                          parallel, sections=sections)
 
     def bind_state(self, conv_states: torch.Tensor, recurrent_states: torch.Tensor) -> None:
         self.conv_states, self.recurrent_states = conv_states, recurrent_states
@@ -334,4 +334,5 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):  # its head, tying, forward and logi
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """This rank's (its heads of the linear layers: ``state_shapes(config, tp_size)``)."""
         layer = self.state_layers()[0]
-        return ((layer.conv_size, layer.conv1d.weight.shape[-1] - 1), (layer.num_v_heads, layer.k_dim, layer.v_dim))
+        window = layer.conv1d.weight.shape[-1] - 1
+        return ((layer.conv_size, window), (layer.num_v_heads, layer.k_dim, layer.v_dim))

@@ -29,8 +29,8 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
         """in_proj_qkvz | in_proj_ba, one GEMM. Both are grouped by key head, so a contiguous
         range of rows is whole key heads with their value heads: each splits across ranks as is."""
         key_size, value_size = config.linear_num_key_heads * self.k_dim, value_dim_of(config)
-        return MergedColumnParallelLinear(config.hidden_size, [2 * key_size + 2 * value_size,
-                                                               2 * config.linear_num_value_heads], False, parallel)
+        sizes = [2 * key_size + 2 * value_size, 2 * config.linear_num_value_heads]
+        return MergedColumnParallelLinear(config.hidden_size, sizes, False, parallel)
 
     def project(self, hidden: torch.Tensor):
         tokens, heads, per = hidden.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
