@@ -32,6 +32,12 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return {name: scaled_hybrid_model(name, root / name) for name in ("qwen3.5-tiny", "qwen3-next-tiny")}
 
 
+@pytest.fixture(scope="module")
+def want(model_dirs) -> list[list[int]]:
+    """Transformers' greedy tokens of PROMPTS on the Qwen3.5 checkpoint."""
+    return hf_greedy(model_dirs["qwen3.5-tiny"], PROMPTS)
+
+
 def hf_greedy(path: str, prompts) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -91,10 +97,8 @@ def test_logits_at_tp2_equal_tp1_and_each_rank_holds_half_the_state(model_dirs, 
     assert channels == (2 * key_size + value_size) // 2
 
 
-def test_qwen3_5_at_tp2_gives_transformers_tokens_alone_batched_and_forked(model_dirs):
-    path = model_dirs["qwen3.5-tiny"]
-    want = hf_greedy(path, PROMPTS)
-    llm = tp2(path)
+def test_qwen3_5_at_tp2_gives_transformers_tokens_alone_batched_and_forked(model_dirs, want):
+    llm = tp2(model_dirs["qwen3.5-tiny"])
     try:
         assert greedy_tokens(llm, PROMPTS) == want
         assert [greedy_tokens(llm, [p])[0] for p in PROMPTS[:2]] == want[:2]
@@ -106,12 +110,10 @@ def test_qwen3_5_at_tp2_gives_transformers_tokens_alone_batched_and_forked(model
         llm.shutdown()
 
 
-def test_qwen3_5_at_tp2_chunked_and_preempted_gives_transformers_tokens(model_dirs):
+def test_qwen3_5_at_tp2_chunked_and_preempted_gives_transformers_tokens(model_dirs, want):
     """37-token steps (chunks across the conv window and the rule's blocks), 40 blocks of 16 for
     four prompts of up to 312 tokens: the later admitted are preempted and rebuild their state."""
-    path = model_dirs["qwen3.5-tiny"]
-    want = hf_greedy(path, PROMPTS)
-    llm = tp2(path, num_kv_blocks=40, max_num_batched_tokens=37, max_num_seqs=4)
+    llm = tp2(model_dirs["qwen3.5-tiny"], num_kv_blocks=40, max_num_batched_tokens=37, max_num_seqs=4)
     try:
         assert greedy_tokens(llm, PROMPTS) == want
         assert llm.stats().num_preemptions > 0
