@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from kvserve.engine import LLM
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
@@ -9,6 +12,7 @@ from kvserve.engine.layers.cpu_matmul import compute_rows_alike
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.spec_decode.policy import StepCosts
 from kvserve.engine.spec_decode.speculator import Speculator
+from kvserve.testing.random_model import make_config, write_model_dir
 
 # a step-cost table under which drafting up to 8 rows is nearly free: tests of speculation then do
 # not depend on what the start-up measurement gave on a busy machine
@@ -51,3 +55,21 @@ def sequence_step(ids: list[int], start: int, tables: list[list[int]], block: in
     return ModelInput(input_ids=ids, positions=list(range(start, end)), query_lens=[len(ids)],
                       context_lens=[end], block_tables=[tables[0]], slot_mapping=slots[0],
                       logits_indices=list(range(len(ids))) if all_logits else [len(ids) - 1], **extra)
+
+
+# a hybrid's linear layers' projections, times this: N(0, 0.02) weights leave their output too small
+# to matter, the tokens would not depend on the recurrent state
+LINEAR_SCALE = {"in_proj_qkv": 20.0, "in_proj_z": 20.0, "in_proj_qkvz": 20.0, "out_proj": 20.0,
+                "conv1d": 20.0}
+
+
+def scaled_hybrid_model(name: str, out_dir) -> str:
+    """A tiny random Qwen3.5 / Qwen3-Next checkpoint (float32) whose linear layers steer the tokens."""
+    path = write_model_dir(make_config(name), out_dir, dtype=torch.float32)
+    weights = load_file(str(path / "model.safetensors"))
+    for key in weights:
+        for part, scale in LINEAR_SCALE.items():
+            if f"linear_attn.{part}." in key:
+                weights[key] = weights[key] * scale
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)

@@ -36,7 +36,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.distributed import channels
 from kvserve.engine.distributed.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.engine.executor.worker import WorkerProcesses, WorkerSpec, pin_device
-from kvserve.engine.kv_cache.state_slots import refuse_on_linear_attention
+from kvserve.engine.kv_cache.state_slots import refuse_linear_heads, refuse_on_linear_attention
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_loader.loader import load_hf_config, resolve_device
 from kvserve.engine.model_loader.source import resolve_model
@@ -82,6 +82,7 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
     if nnodes > 1 and config.master_port is None:
         raise ValueError("master_port must be set when nnodes > 1, so that the other machines can join")
     refuse_on_linear_attention(config, hf_config)  # before any process starts
+    refuse_linear_heads(tp, hf_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     try:  # the layers' own rules, checked before any process starts
@@ -131,7 +132,12 @@ class TensorParallelExecutor:
         self.device: torch.device = runner.device
         self.attention_backend_name: str = runner.attention_backend_name
         self.kv_groups = runner.kv_groups  # the KV cache groups the block manager keeps blocks for
-        self.num_state_slots = self.num_state_snapshots = self.state_cache_bytes = 0  # hybrids: refused
+        # hybrids: every rank has the same slots (the same share of the heads, the same budget);
+        # Stats report the state cache's bytes over all ranks, each holding 1 / tp_size of them
+        self.num_state_slots: int = runner.num_state_slots
+        self.num_state_snapshots: int = runner.num_state_snapshots
+        self.state_cache_bytes_per_rank: int = runner.state_cache_bytes
+        self.state_cache_bytes: int = runner.state_cache_bytes * self.tp_size
         self.weight_formats: list[str] = runner.weight_formats
         self._rank_exact_rows = runner.exact_rows()  # every rank's shards have rank 0's formats
 

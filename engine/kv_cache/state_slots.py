@@ -101,8 +101,7 @@ def has_linear_attention(hf_config) -> bool:
 
 def refuse_on_linear_attention(config: EngineConfig, hf_config) -> None:
     """What the engine cannot do yet for a model with linear-attention layers, refused at start by
-    name: speculation (verifying drafts needs the state after each kept prefix) and tensor
-    parallelism (the linear layers' heads are not split across ranks)."""
+    name: speculation (verifying drafts needs the state after each kept prefix)."""
     if not has_linear_attention(hf_config):
         return
     name = (getattr(hf_config, "architectures", None) or ["this model"])[0]
@@ -110,10 +109,19 @@ def refuse_on_linear_attention(config: EngineConfig, hf_config) -> None:
         raise ValueError(f"speculative={config.speculative!r} is not supported for {name}: verifying "
                          "drafts through its linear-attention layers needs their state at every kept "
                          "position, which kvserve does not keep yet; serve it with speculative='off'")
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} is not supported for {name}: "
-                         "its linear-attention (Gated DeltaNet) layers do not split across ranks yet; use "
-                         "tensor_parallel_size=1")
+
+
+def refuse_linear_heads(tp_size: int, hf_config) -> None:
+    """Before any process starts: a tensor-parallel size that does not divide the linear-attention
+    layers' key heads (each rank takes whole key heads with their value heads)."""
+    if not has_linear_attention(hf_config) or tp_size == 1:
+        return
+    key_heads, value_heads = hf_config.linear_num_key_heads, hf_config.linear_num_value_heads
+    if key_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not fit the model's linear-attention heads "
+                         f"(linear_num_key_heads={key_heads}, linear_num_value_heads={value_heads}): each "
+                         f"rank takes whole key heads with their value heads, so linear_num_key_heads "
+                         f"must be divisible by tensor_parallel_size")
 
 
 def state_stats(slots: StateSlots | None, executor) -> dict:

@@ -2,7 +2,8 @@
 
 - ``ColumnParallelLinear``: the output features are split across ranks; no communication.
 - ``MergedColumnParallelLinear``: several column layers stored as one matrix (gate|up), each
-  part split across ranks, so one matmul serves them all.
+  part split across ranks, so one matmul serves them all; a part may itself be pieces that split
+  across ranks each on its own (``sections``: Qwen3.5's ``in_proj_qkv``, q | k | v by head).
 - ``QKVParallelLinear``: q|k|v in one matrix, split by query heads and by KV heads (KV heads are
   replicated when there are fewer of them than ranks).
 - ``RowParallelLinear``: the input features are split; partial sums are all-reduced.
@@ -29,6 +30,19 @@ from kvserve.kernels.cpu.bindings import load_kernels
 
 def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def rank_pieces(loaded: torch.Tensor, pieces: list[int], parallel: ParallelContext) -> torch.Tensor:
+    """The rank's rows of ``loaded``, whose rows are ``pieces`` (sizes) that split across ranks
+    each on its own (a conv weight of q | k | v channels), concatenated in their order."""
+    if sum(pieces) != loaded.shape[0]:
+        raise ValueError(f"checkpoint tensor of {loaded.shape[0]} rows does not fit pieces of {pieces} rows")
+    parts, start = [], 0
+    for piece in pieces:
+        size = divide(piece, parallel.size, "output features")
+        parts.append(loaded.narrow(0, start + parallel.rank * size, size))
+        start += piece
+    return torch.cat(parts)
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -105,12 +119,19 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(LinearBase):
-    """Column layers of ``output_sizes`` stacked in one matrix; ``shard_id`` is the part's index."""
+    """Column layers of ``output_sizes`` stacked in one matrix; ``shard_id`` is the part's index.
+    ``sections`` (per part, the sizes of its pieces; default one piece) says which parts are pieces
+    that each split across ranks on their own: a rank's rows of such a part are its rows of each
+    piece, in order."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, sections: list[list[int]] | None = None):
         parallel = parallel or ParallelContext()
-        self.part_sizes = [divide(size, parallel.size, "output features") for size in output_sizes]
+        self.sections = sections or [[size] for size in output_sizes]
+        if [sum(pieces) for pieces in self.sections] != list(output_sizes):
+            raise ValueError(f"sections {self.sections} do not add up to the parts {list(output_sizes)}")
+        self.part_sizes = [sum(divide(piece, parallel.size, "output features") for piece in pieces)
+                           for pieces in self.sections]
         super().__init__(input_size, sum(self.part_sizes), bias, parallel)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -133,10 +154,12 @@ class MergedColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         if shard_id is None:
             raise ValueError("a merged linear layer needs the shard id of the loaded part")
-        size = self.part_sizes[shard_id]
-        offset = sum(self.part_sizes[:shard_id])
-        part = loaded.narrow(0, self.parallel.rank * size, size)
-        self._load(param, param.data.narrow(0, offset, size), part)
+        offset, start = sum(self.part_sizes[:shard_id]), 0
+        for piece in self.sections[shard_id]:  # one piece unless the part has sections
+            size = piece // self.parallel.size
+            part = loaded.narrow(0, start + self.parallel.rank * size, size)
+            self._load(param, param.data.narrow(0, offset, size), part)
+            offset, start = offset + size, start + piece
 
 
 class QKVParallelLinear(LinearBase):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvserve.engine.distributed.parallel import ParallelContext
+from kvserve.engine.distributed.parallel import ParallelContext, divide
 from kvserve.engine.layers.attention.backend import Attention, AttentionBackend, AttentionMetadata
 from kvserve.engine.layers.embed_head import VocabParallelEmbedding
 from kvserve.engine.layers.gated_delta import (
@@ -32,7 +32,13 @@ from kvserve.engine.layers.gated_delta import (
     delta_rule_chunked,
     delta_rule_recurrent,
 )
-from kvserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvserve.engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    copy_weight,
+    rank_pieces,
+)
 from kvserve.engine.layers.norm import GemmaRMSNorm
 from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from kvserve.engine.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of
@@ -42,53 +48,79 @@ from kvserve.engine.models.registry import register_model
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-def state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per sequence and linear layer: the conv window [channels, K - 1] and the recurrent state
-    [value heads, key dim, value dim]."""
-    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + value_dim_of(config)
+def state_shapes(config, tp_size: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per sequence and linear layer, on one of ``tp_size`` ranks: the conv window [channels,
+    K - 1] and the recurrent state [value heads, key dim, value dim] of the rank's heads."""
+    key_heads = divide(config.linear_num_key_heads, tp_size, "linear_num_key_heads")
+    value_heads = config.linear_num_value_heads // tp_size
+    channels = 2 * key_heads * config.linear_key_head_dim + value_heads * config.linear_value_head_dim
     return ((channels, config.linear_conv_kernel_dim - 1),
-            (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
+            (value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
 
 
 def value_dim_of(config) -> int:
     return config.linear_num_value_heads * config.linear_value_head_dim
 
 
-class CausalConv1d(nn.Module):
-    """Holds the depthwise kernel as the checkpoint stores it: [channels, 1, K]."""
+def _load_rank_pieces(pieces: list[int], parallel: ParallelContext):
+    """A weight loader copying the rank's rows of ``pieces`` (``rank_pieces``) into the parameter."""
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        copy_weight(param.data, rank_pieces(loaded, pieces, parallel))
+    return load
 
-    def __init__(self, channels: int, kernel: int):
+
+class CausalConv1d(nn.Module):
+    """Holds the depthwise kernel as the checkpoint stores it: [channels, 1, K], this rank's
+    channels (``pieces``: q | k | v, each split across ranks by head)."""
+
+    def __init__(self, pieces: list[int], kernel: int, parallel: ParallelContext):
         super().__init__()
+        channels = sum(pieces) // parallel.size
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel), requires_grad=False)
+        self.weight.weight_loader = _load_rank_pieces(pieces, parallel)
 
 
 class GatedDeltaNet(nn.Module):
+    """Under tensor parallelism each rank holds ``1 / size`` of the key heads and the value heads
+    that go with them (value head j reads key head j // (value heads / key heads), so contiguous
+    ranges stay aligned): its rows of the in-projections and conv channels, its A_log and dt_bias,
+    its heads' state; the gated norm is per head, so rank-local; ``out_proj`` is row-parallel, its
+    partial sums all-reduced as attention's ``o_proj``."""
+
     def __init__(self, config, parallel: ParallelContext):
         super().__init__()
-        if parallel.size > 1:
-            raise ValueError("Qwen3.5's Gated DeltaNet layers do not run with tensor parallelism yet "
-                             "(tensor_parallel_size must be 1)")
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
-                             f"linear_num_key_heads ({self.num_k_heads})")
+        num_k_heads, num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({num_k_heads})")
+        self.num_k_heads = divide(num_k_heads, parallel.size, "linear_num_key_heads")
+        self.num_v_heads = num_v_heads // parallel.size
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        key_size, value_size = self.num_k_heads * self.k_dim, value_dim_of(config)
+        key_size, value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_size = 2 * key_size + value_size
         self.splits = [self.conv_size, value_size, self.num_v_heads, self.num_v_heads]
         self.in_proj = self.make_in_proj(config, parallel)
-        self.conv1d = CausalConv1d(self.conv_size, config.linear_conv_kernel_dim)
+        full_key = num_k_heads * self.k_dim
+        self.conv1d = CausalConv1d([full_key, full_key, value_dim_of(config)], config.linear_conv_kernel_dim,
+                                   parallel)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=torch.float32), requires_grad=False)
+        for param in (self.dt_bias, self.A_log):  # by value head
+            param.weight_loader = _load_rank_pieces([num_v_heads], parallel)
         self.norm_weight = nn.Parameter(torch.ones(self.v_dim), requires_grad=False)
         self.eps = config.rms_norm_eps
-        self.out_proj = RowParallelLinear(value_size, config.hidden_size, False, parallel)
+        self.out_proj = RowParallelLinear(value_dim_of(config), config.hidden_size, False, parallel)
         self.conv_states = torch.empty(0)  # [slots, channels, K - 1], bound by the runner
         self.recurrent_states = torch.empty(0)  # [slots, value heads, key dim, value dim], float32
 
     def make_in_proj(self, config, parallel: ParallelContext) -> MergedColumnParallelLinear:
-        """in_proj_qkv | in_proj_z | in_proj_b | in_proj_a, one GEMM."""
-        return MergedColumnParallelLinear(config.hidden_size, self.splits, False, parallel)
+        """in_proj_qkv | in_proj_z | in_proj_b | in_proj_a, one GEMM; in_proj_qkv's q, k and v
+        split across ranks each by head."""
+        full_key, full_value = config.linear_num_key_heads * self.k_dim, value_dim_of(config)
+        heads = config.linear_num_value_heads
+        sections = [[full_key, full_key, full_value], [full_value], [heads], [heads]]
+        return MergedColumnParallelLinear(config.hidden_size, [sum(pieces) for pieces in sections], False,
+                                          parallel, sections=sections)
 
     def bind_state(self, conv_states: torch.Tensor, recurrent_states: torch.Tensor) -> None:
         self.conv_states, self.recurrent_states = conv_states, recurrent_states
@@ -300,4 +332,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):  # its head, tying, forward and logi
         return [layer.linear_attn for layer in self.model.layers if layer.layer_type == LINEAR]
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return state_shapes(self.config)
+        """This rank's (its heads of the linear layers: ``state_shapes(config, tp_size)``)."""
+        layer = self.state_layers()[0]
+        window = layer.conv1d.weight.shape[-1] - 1
+        return ((layer.conv_size, window), (layer.num_v_heads, layer.k_dim, layer.v_dim))

@@ -3,7 +3,8 @@
 are mixtures of experts with a sigmoid-gated shared expert (Qwen2-MoE's, ``qwen3_moe.QwenMoeMlps``),
 and whose linear layers project per key head: ``in_proj_qkvz`` holds, for each key head, its q, k,
 then the v and z of its value heads; ``in_proj_ba`` its value heads' b then a. ``project`` regroups
-them into Qwen3.5's order (q | k | v of all heads), which the conv weights follow.
+them into Qwen3.5's order (q | k | v of all heads), which the conv weights follow. Under tensor
+parallelism a rank's rows of both are its key heads' groups (a contiguous range), regrouped the same.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from kvserve.engine.models.registry import register_model
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):
     def make_in_proj(self, config, parallel) -> MergedColumnParallelLinear:
-        """in_proj_qkvz | in_proj_ba, one GEMM."""
-        key_size, value_size = self.num_k_heads * self.k_dim, value_dim_of(config)
-        return MergedColumnParallelLinear(config.hidden_size, [2 * key_size + 2 * value_size,
-                                                               2 * self.num_v_heads], False, parallel)
+        """in_proj_qkvz | in_proj_ba, one GEMM. Both are grouped by key head, so a contiguous
+        range of rows is whole key heads with their value heads: each splits across ranks as is."""
+        key_size, value_size = config.linear_num_key_heads * self.k_dim, value_dim_of(config)
+        sizes = [2 * key_size + 2 * value_size, 2 * config.linear_num_value_heads]
+        return MergedColumnParallelLinear(config.hidden_size, sizes, False, parallel)
 
     def project(self, hidden: torch.Tensor):
         tokens, heads, per = hidden.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads

@@ -16,6 +16,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_loader import gguf_file
 from kvserve.engine.runner.model_runner import ModelRunner
@@ -255,10 +256,12 @@ def test_an_architecture_not_read_is_refused_by_name(tmp_path, arch, reason):
         gguf_file.hf_config_kwargs(gguf_file.GGUFFile(str(tmp_path / "m.gguf")))
 
 
-def hybrid_logits_and_greedy(path: str, steps: int = 6) -> tuple[torch.Tensor, list[int]]:
-    """As ``logits_and_greedy``, for a model with a state cache (one KV group, state slot 0)."""
-    runner = ModelRunner(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=56,
-                                      block_size=BLOCK, enforce_eager=True, max_num_seqs=2))
+def hybrid_logits_and_greedy(path: str, steps: int = 6, tp: int = 1) -> tuple[torch.Tensor, list[int]]:
+    """As ``logits_and_greedy``, for a model with a state cache (one KV group, state slot 0), on
+    ``tp`` ranks."""
+    runner = create_executor(EngineConfig(model=path, dtype="float32", device="cpu", num_kv_blocks=56,
+                                          block_size=BLOCK, enforce_eager=True, max_num_seqs=2,
+                                          tensor_parallel_size=tp))
 
     try:
         logits = runner.execute_model(sequence_step(IDS, 0, TABLES[:1], BLOCK, state_slots=[0]))
@@ -274,7 +277,8 @@ def hybrid_logits_and_greedy(path: str, steps: int = 6) -> tuple[torch.Tensor, l
 
 def test_qwen35_gguf_gives_the_checkpoints_logits_and_tokens(tmp_path):
     """llama.cpp's ``qwen35``: more value heads than key heads (so the converter's head reorder is
-    exercised), the linear layers' weights scaled up so that their state steers the tokens."""
+    exercised), the linear layers' weights scaled up so that their state steers the tokens; at TP=1
+    and TP=2."""
     config = make_config("qwen3.5-tiny")
     model_dir = write_model_dir(config, tmp_path / "hf", dtype=torch.float32)
     weights = {name: t * 20.0 if ".linear_attn." in name and "norm" not in name and "A_log" not in name else t
@@ -291,3 +295,8 @@ def test_qwen35_gguf_gives_the_checkpoints_logits_and_tokens(tmp_path):
     got_logits, got_tokens = hybrid_logits_and_greedy(str(tmp_path / "qwen35.gguf"))
     torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
     assert got_tokens == want_tokens
+    # at TP=2 (one key head and its two value heads per rank; the linear layers' tensors, read as
+    # floats, split by head as the safetensors ones do)
+    tp_logits, tp_tokens = hybrid_logits_and_greedy(str(tmp_path / "qwen35.gguf"), tp=2)
+    torch.testing.assert_close(tp_logits, want_logits, atol=1e-4, rtol=1e-4)
+    assert tp_tokens == want_tokens
