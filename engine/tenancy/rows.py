@@ -17,7 +17,7 @@ rows of a step are shared too:
   step, as on a GPU): fewer rows would cost their tokens and save little time. Else:
 - while a light tenant's first token is due (a request of it waits for its first step, or it
   lingers), the step is held to ``DUE_STEP_FACTOR`` times the light work's step alone (``c0``, its
-  decode rows, and its waiting prompts' first chunk, or ``MIN_PREFILL_CHUNK`` tokens while it only
+  decode rows, and its waiting prompts' first chunk, or ``LINGER_PROMPT`` tokens while it only
   lingers) by the model: the heavy tenants keep the decode rows that fit in the rest, at most
   ``1 / MAX_ROUNDS`` and at least ``1 / MAX_DUE_ROUNDS`` of them, and their prefill chunks (running
   or admitted) take only what time is left (``prefill_within``; none where nothing is). So the step in
@@ -43,12 +43,12 @@ import math
 import time
 from collections import Counter, defaultdict
 
-from kvserve.engine.core.step_time import MIN_PREFILL_CHUNK
 from kvserve.engine.sequence import Sequence
 
 MAX_ROUNDS = 4  # a heavy tenant's sequence decodes at least once every MAX_ROUNDS steps
 MAX_DUE_ROUNDS = 16  # ... and once every MAX_DUE_ROUNDS steps while a light tenant's first token is due
 DUE_STEP_FACTOR = 1.5  # a due step takes at most this times the light work's step alone (by the model)
+LINGER_PROMPT = 32  # prompt tokens a due step reserves while a light tenant lingers (its next request's)
 MIN_KEPT = 0.5  # of its rows, the least a heavy tenant keeps in a step no light tenant's first token needs
 MAX_ROW_COST = 0.5  # the largest ``cost`` accepted (half of the heavy tenants' throughput)
 MAX_LINGER_S = 60.0
@@ -157,7 +157,7 @@ class StepRows:
         alone = c0 + sum(a + b * s.num_tokens for s in light_rows)
         prompts = [w for w in waiting if w.tenancy.tenant in light and w.num_completion_tokens == 0]
         chunks = [(w.num_computed_tokens, w.num_tokens - w.num_computed_tokens) for w in prompts]
-        for position, n in chunks or [(0, MIN_PREFILL_CHUNK)]:
+        for position, n in chunks or [(0, LINGER_PROMPT)]:
             alone += a * n + b * (n * position + n * (n + 1) / 2)
         return (self.due_factor - 1.0) * alone
 

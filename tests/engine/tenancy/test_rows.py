@@ -17,10 +17,9 @@ import pytest
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
-from kvserve.engine.core.step_time import MIN_PREFILL_CHUNK
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence, SequenceStatus, Tenancy
-from kvserve.engine.tenancy.rows import DUE_STEP_FACTOR, MAX_ROUNDS, MIN_KEPT, StepRows
+from kvserve.engine.tenancy.rows import DUE_STEP_FACTOR, LINGER_PROMPT, MAX_ROUNDS, MIN_KEPT, StepRows
 from kvserve.engine.tenancy.shares import TenantShares
 
 BS, SEQS, PROMPT, TOKENS = 4, 16, 160, 120
@@ -224,10 +223,10 @@ def test_a_due_step_is_held_to_a_multiple_of_the_newcomers_step_alone():
     assert len(due) >= 10
     for dt, rows, state in due:
         # the step that admits the 24-token prompt; a lingering step reserves a 32-token chunk's time
-        bound = DUE_STEP_FACTOR * alone(24 if state == "waiting" else MIN_PREFILL_CHUNK)
+        bound = DUE_STEP_FACTOR * alone(24 if state == "waiting" else LINGER_PROMPT)
         assert dt <= bound + 1e-9 and rows < quarter, (dt, bound, rows, state)
     # the next requests arrive at the start of a lingering step, and are admitted in the one after
-    assert max(run.ttft[1:]) <= DUE_STEP_FACTOR * (alone(MIN_PREFILL_CHUNK) + alone(24)) + 1e-9, run.ttft
+    assert max(run.ttft[1:]) <= DUE_STEP_FACTOR * (alone(LINGER_PROMPT) + alone(24)) + 1e-9, run.ttft
     quarter_run = Run(machine=ROW_COSTLY)
     quarter_run.s.shares.rows.due_factor = 1e6  # unbounded: the flood keeps a quarter of its rows
     quarter_run.run()
