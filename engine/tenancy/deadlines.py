@@ -7,8 +7,8 @@ its own. The scheduler asks (``AdmissionChecks.check_admission``); plain Python,
   the step's token budget and, when they and it outnumber the free slots, the decode steps until enough
   running sequences end.
 - **finish** (``finish_time``): the start, its prompt's prefill, then its ``max_tokens`` decode steps
-  at the step time of the batch it joins: the running and waiting sequences and itself, at most
-  ``max_num_seqs`` rows, each row's context half-way through what it still has to generate. Under
+  at the step time of the batch it joins: the running and waiting sequences and its ``n`` choices, at
+  most ``max_num_seqs`` rows, each row's context half-way through what it still has to generate. Under
   overload every admitted request shares every step: without this check the server admits work that
   starts in time, and once the batch is large enough its steps are too slow for any of it to finish.
 - **the others' promise** (``hurts``): a request is refused when the rows it adds would slow the steps
@@ -106,12 +106,12 @@ def check_finish(seq: Sequence, start: float, waiting, running: list[Sequence], 
     now = clock()
     others = list(running) + list(waiting)
     step_without = decode_step(others, max_num_seqs, coef, remaining)
-    step_with = decode_step(others + [seq], max_num_seqs, coef, remaining)
+    step_with = decode_step(others + [seq] * seq.params.n, max_num_seqs, coef, remaining)  # its n choices
     if deadline is not None:
         left = deadline - now
         finish = finish_time(seq, start, step_with, coef, remaining)
         if finish > left:
-            rows = min(len(others) + 1, max_num_seqs)
+            rows = min(len(others) + seq.params.n, max_num_seqs)
             raise DeadlineUnreachable(
                 f"the request cannot finish before its deadline: {max(left, 0.0) * 1000:.0f} ms left, about "
                 f"{finish * 1000:.0f} ms to start and generate its {remaining(seq)} tokens at {rows} rows a "

@@ -17,7 +17,7 @@ rows of a step are shared too:
   step, as on a GPU): fewer rows would cost their tokens and save little time. Else:
 - while a light tenant's first token is due (a request of it waits for its first step, or it
   lingers), the step is held to ``DUE_STEP_FACTOR`` times the light work's step alone (``c0``, its
-  decode rows, and its waiting prompts' first chunk, or ``LINGER_PROMPT`` tokens while it only
+  decode rows, and its waiting prompts, or ``LINGER_PROMPT`` tokens while it only
   lingers) by the model: the heavy tenants keep the decode rows that fit in the rest, at most
   ``1 / MAX_ROUNDS`` and at least ``1 / MAX_DUE_ROUNDS`` of them, and their prefill chunks (running
   or admitted) take only what time is left (``prefill_within``; none where nothing is). So the step in

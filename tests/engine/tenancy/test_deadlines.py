@@ -60,6 +60,20 @@ def test_a_request_that_starts_in_time_but_cannot_finish_is_refused(now):
     s.check_admission(req(9, 200))  # no deadline: queued as before
 
 
+def test_a_requests_choices_each_add_a_row(now):
+    s = make(max_num_seqs=8)
+    for i in range(4):
+        s.add(req(i, 400))
+    run_step(s)
+    s.step_clock.coef = (0.01, 0.001, 0.0)
+    # 200 tokens: about 3.0 s at 5 rows (n=1), 3.6 s at 8 rows (n=4)
+    s.check_admission(req(9, 200, deadline=now[0] + 3.3))
+    four = Sequence("r9", list(PROMPT), SamplingParams(n=4, max_tokens=200, ignore_eos=True),
+                    Tenancy("load", 0, now[0] + 3.3))
+    with pytest.raises(DeadlineUnreachable, match="at 8 rows a step"):
+        s.check_admission(four)
+
+
 def test_a_request_whose_row_would_make_an_admitted_one_late_is_refused(now):
     s = make(max_num_seqs=8)
     # 100 tokens left at 4 rows (14 ms a step): 1.4 s; at 5 rows (15 ms): 1.5 s
