@@ -18,7 +18,7 @@ empty engine always admits its head: every request finishes.
 Between tenants (engine/tenancy/shares.py): which waiting sequence is next, which running one is
 preempted, which running one gives way to waiting work, by tokens served per tenant, priority
 and deadline, and which decode rows a step takes (engine/tenancy/rows.py); a request that cannot
-start before its deadline is refused at once.
+start or finish before its deadline is refused at once (engine/tenancy/deadlines.py).
 """
 
 from __future__ import annotations
