@@ -22,7 +22,10 @@ rows of a step are shared too:
   ``1 / MAX_ROUNDS`` and at least ``1 / MAX_DUE_ROUNDS`` of them, and their prefill chunks (running
   or admitted) take only what time is left (``prefill_within``; none where nothing is). So the step in
   flight when a light request comes and the step that admits it are each about ``DUE_STEP_FACTOR``
-  times its own step alone, and its first token comes within about twice that;
+  times its own step alone, and its first token comes within about twice that. After
+  ``MAX_DUE_ROUNDS - 1`` due steps in a row the next step is not held (cut as below instead), so a
+  heavy tenant's prompts progress while light tenants keep first tokens due (many of them, or one
+  lingering long);
 - while light tenants only decode, the heavy tenants' rows are cut to the fewest that keep the
   step's decode tokens per second within ``cost`` of a step with all rows (the fixed part is what
   shorter steps pay again), and never below ``MIN_KEPT`` of them (a bound where the model is off);
@@ -73,6 +76,7 @@ class StepRows:
         self.due_left: float | None = None  # seconds left for heavy prefill chunks in a due step
         self._heavy: set[str] = set()
         self.due_factor = DUE_STEP_FACTOR
+        self._due_streak = 0  # due steps in a row
 
     def depart(self, tenant: str) -> None:
         """``tenant``'s last sequence ended (``TenantShares.leave``): it lingers from now (only where
@@ -118,7 +122,11 @@ class StepRows:
         # a decode row attends its context
         d = a + b * sum(s.num_tokens for s in heavy_rows) / max(num_heavy, 1)
         keep = num_heavy
-        if self._first_token_due(light, running):
+        due = self._first_token_due(light, running)
+        self._due_streak = self._due_streak + 1 if due else 0
+        if self._due_streak >= MAX_DUE_ROUNDS:  # one step in MAX_DUE_ROUNDS is not held: heavy prompts
+            due, self._due_streak = False, 0     # progress while light tenants keep first tokens due
+        if due:
             light_rows = [s for t in rows if t in light for s in rows[t]]
             left = self._due_time(coef, light, light_rows, waiting)
             if num_heavy * d > c0:  # (else the step is mostly its fixed part: fewer rows save little)

@@ -19,7 +19,14 @@ from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence, SequenceStatus, Tenancy
-from kvserve.engine.tenancy.rows import DUE_STEP_FACTOR, LINGER_PROMPT, MAX_ROUNDS, MIN_KEPT, StepRows
+from kvserve.engine.tenancy.rows import (
+    DUE_STEP_FACTOR,
+    LINGER_PROMPT,
+    MAX_DUE_ROUNDS,
+    MAX_ROUNDS,
+    MIN_KEPT,
+    StepRows,
+)
 from kvserve.engine.tenancy.shares import TenantShares
 
 BS, SEQS, PROMPT, TOKENS = 4, 16, 160, 120
@@ -256,3 +263,25 @@ def test_a_heavy_tenants_prefill_chunk_shrinks_in_a_step_that_admits_a_newcomer(
     c0, a, b = coef
     step = sum(a * n + b * (n * p + n * (n + 1) / 2) for p, n in chunks.values()) + c0
     assert step <= DUE_STEP_FACTOR * (c0 + a * 24 + b * 24 * 25 / 2) + 1e-9, (chunks, step)
+
+
+def test_a_heavy_prompt_progresses_while_a_light_tenant_keeps_every_step_due():
+    shares = TenantShares("fair", row_cost=COST, linger=60.0)
+    s = Scheduler(BlockManager(4096, BS, True), 8, 512, 4096, [0], shares=shares)
+    now = [0.0]
+    shares.rows.clock = lambda: now[0]
+    for k in range(4):
+        s.add(Sequence(f"flood-{k}", list(range(1000 * k, 1000 * k + 2000)),
+                       SamplingParams(max_tokens=4, ignore_eos=True), Tenancy("flood")))
+    s.step_clock.coef = ROW_COSTLY
+    light = Sequence("light-0", [5, 6, 7], SamplingParams(max_tokens=1), Tenancy("light"))
+    shares.join(light)
+    shares.leave(light)  # it lingers for a minute: every step has its first token due
+    chunks = []
+    for _ in range(2 * MAX_DUE_ROUNDS):
+        out = s.schedule()
+        chunks.append(sum(x.num_tokens for x in out.scheduled))
+        s.postprocess(out, [7] * len(out.sampling_seqs))
+    held = [c for c in chunks if c < 512]
+    # one step in MAX_DUE_ROUNDS is not held
+    assert chunks.count(512) == 2 and len(held) == 2 * MAX_DUE_ROUNDS - 2, chunks
