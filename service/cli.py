@@ -98,8 +98,8 @@ HELP = {
     "prompt_lookup_min": "shortest suffix n-gram the prompt-lookup drafter matches",
     "prompt_lookup_max": "longest suffix n-gram the prompt-lookup drafter matches (tried first)",
     "scheduling_policy": "fair = tenants (--cache-salt-from) share the engine by tokens served, priority "
-                         "orders a tenant's work, a request that cannot start before its deadline is "
-                         "refused (DEADLINE_EXCEEDED); fcfs = arrival order, no deadline refusal "
+                         "orders a tenant's work, a request that cannot start or finish before its "
+                         "deadline is refused (DEADLINE_EXCEEDED); fcfs = arrival order, no deadline refusal "
                          "(docs/serving/tenants.md)",
     "max_running_per_tenant": "most sequences of one tenant running at once (choices count, as in "
                               "--max-num-seqs); more wait (default: no cap)",

@@ -18,7 +18,7 @@ empty engine always admits its head: every request finishes.
 Between tenants (engine/tenancy/shares.py): which waiting sequence is next, which running one is
 preempted, which running one gives way to waiting work, by tokens served per tenant, priority
 and deadline, and which decode rows a step takes (engine/tenancy/rows.py); a request that cannot
-start before its deadline is refused at once.
+start or finish before its deadline is refused at once (engine/tenancy/deadlines.py).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class Scheduler(AdmissionChecks):
         decoding, prefilling = [], []
         for seq in self.running:
             (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
-        decoding = self.shares.rows.select(decoding, self.running, self.step_clock, self.max_num_seqs)
+        decoding = self.shares.rows.select(decoding, self.running, self.step_clock, self.max_num_seqs,
+                                           self.waiting)
         scheduled: dict[int, ScheduledSeq] = {}
         running, bm = SequenceStatus.RUNNING, self.bm
         for seq in decoding + prefilling:
@@ -149,6 +150,8 @@ class Scheduler(AdmissionChecks):
                 and seq.params.seed is not None):
             remaining -= 1
         n = min(remaining, budget)
+        if n > 1:  # a heavy tenant's chunk in a step where a light tenant's first token is due
+            n = self.shares.rows.prefill_within(seq, position, n, self.step_clock)
         model = self.step_time
         if model is None or model.coef is None:
             return n

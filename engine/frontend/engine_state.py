@@ -19,7 +19,7 @@ class EngineUnavailable(Exception):
 
 
 class DeadlineUnmet(Exception):
-    """The request cannot start before its deadline (the core's step time model says so)."""
+    """The request cannot start or finish before its deadline (the core's step time model says so)."""
 
 
 class EngineState(str, enum.Enum):

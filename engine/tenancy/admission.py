@@ -1,12 +1,12 @@
 """The scheduler's checks of a request before it is queued: that it could ever run (``check_fits``:
 max_model_len, the whole KV cache, min_tokens), that its tenant may queue more and that it can start
-before its deadline (``check_admission``: engine/tenancy/shares.py), and how many tokens it may make.
-A base of ``Scheduler`` (engine/core/scheduler.py), which holds the state these read."""
+and finish before its deadline (``check_admission``: engine/tenancy/deadlines.py), and how many tokens
+it may make. A base of ``Scheduler`` (engine/core/scheduler.py), which holds the state these read."""
 
 from __future__ import annotations
 
 from kvserve.engine.sequence import Sequence
-from kvserve.engine.tenancy.shares import check_deadline, start_delay
+from kvserve.engine.tenancy.deadlines import check_deadline, check_finish, start_delay
 
 
 class AdmissionChecks:
@@ -23,17 +23,24 @@ class AdmissionChecks:
 
     def check_admission(self, seq: Sequence) -> None:
         """Refuse a request (not added yet) whose tenant has its cap of requests waiting
-        (``TenantLimit``), or that cannot start before its deadline by the step time model
-        (``DeadlineUnreachable``; the fair policy only: ``fcfs`` queues as before)."""
+        (``TenantLimit``), or that cannot start or finish before its deadline by the step time model,
+        or whose row would make an admitted request miss its own (``DeadlineUnreachable``:
+        engine/tenancy/deadlines.py; the fair policy only: ``fcfs`` queues as before)."""
         self.shares.check_queue(seq)
         if not self.shares.fair or seq.tenancy.deadline is None:
             return
         coef = self.step_clock.coef if self.step_clock else None
-        delay = 0.0 if coef is None else start_delay(
-            self.waiting, self.running, seq, self.max_num_seqs, self.max_num_batched_tokens, coef,
-            lambda r: self.max_new_tokens(r) - r.num_completion_tokens,
-            lambda r: self.shares.outranks(seq, r))
+        if coef is None:  # no step seen yet: only a deadline already past
+            check_deadline(seq, 0.0)
+            return
+
+        def remaining(r: Sequence) -> int:
+            return self.max_new_tokens(r) - r.num_completion_tokens
+
+        delay = start_delay(self.waiting, self.running, seq, self.max_num_seqs, self.max_num_batched_tokens,
+                            coef, remaining, lambda r: self.shares.outranks(seq, r))
         check_deadline(seq, delay)
+        check_finish(seq, delay, self.waiting, self.running, self.max_num_seqs, coef, remaining)
 
     def max_new_tokens(self, seq: Sequence) -> int:
         """``max_tokens``, or when it is unset as many as fit: up to max_model_len, and no more

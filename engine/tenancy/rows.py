@@ -16,14 +16,23 @@ rows of a step are shared too:
   (engine/core/step_time.py: ``c0 + rows * (a + b * context)``; ``c0`` is the weights read once per
   step, as on a GPU): fewer rows would cost their tokens and save little time. Else:
 - while a light tenant's first token is due (a request of it waits for its first step, or it
-  lingers), the heavy tenants keep ``1 / MAX_ROUNDS`` of their decode rows: the step in flight when
-  its request comes and the step that admits it are short;
+  lingers), the step is held to ``DUE_STEP_FACTOR`` times the light work's step alone (``c0``, its
+  decode rows, and its waiting prompts, or ``LINGER_PROMPT`` tokens while it only
+  lingers) by the model: the heavy tenants keep the decode rows that fit in the rest, at most
+  ``1 / MAX_ROUNDS`` and at least ``1 / MAX_DUE_ROUNDS`` of them, and their prefill chunks (running
+  or admitted) take only what time is left (``prefill_within``; none where nothing is). So the step in
+  flight when a light request comes and the step that admits it are each about ``DUE_STEP_FACTOR``
+  times its own step alone, and its first token comes within about twice that. After
+  ``MAX_DUE_ROUNDS - 1`` due steps in a row the next step is not held (cut as below instead), so a
+  heavy tenant's prompts progress while light tenants keep first tokens due (many of them, or one
+  lingering long);
 - while light tenants only decode, the heavy tenants' rows are cut to the fewest that keep the
   step's decode tokens per second within ``cost`` of a step with all rows (the fixed part is what
   shorter steps pay again), and never below ``MIN_KEPT`` of them (a bound where the model is off);
 - the rows kept are shared between heavy tenants by weight (the smaller counter first), and within
-  a tenant go to the sequences that waited longest for a token (round robin): every sequence still
-  gets a token every ``MAX_ROUNDS`` steps at worst, and keeps its slot;
+  a tenant go to the sequences that waited longest for a token (round robin): every sequence keeps
+  its slot, and gets a token every ``MAX_ROUNDS`` steps at worst outside the due steps (every
+  ``MAX_DUE_ROUNDS`` in them);
 - with one tenant (or none light, or none heavy, or the policy ``fcfs``, or ``cost`` 0) nothing is
   cut: a lone tenant's steps are unchanged.
 
@@ -40,6 +49,9 @@ from collections import Counter, defaultdict
 from kvserve.engine.sequence import Sequence
 
 MAX_ROUNDS = 4  # a heavy tenant's sequence decodes at least once every MAX_ROUNDS steps
+MAX_DUE_ROUNDS = 16  # ... and once every MAX_DUE_ROUNDS steps while a light tenant's first token is due
+DUE_STEP_FACTOR = 1.5  # a due step takes at most this times the light work's step alone (by the model)
+LINGER_PROMPT = 32  # prompt tokens a due step reserves while a light tenant lingers (its next request's)
 MIN_KEPT = 0.5  # of its rows, the least a heavy tenant keeps in a step no light tenant's first token needs
 MAX_ROW_COST = 0.5  # the largest ``cost`` accepted (half of the heavy tenants' throughput)
 MAX_LINGER_S = 60.0
@@ -61,6 +73,10 @@ class StepRows:
         self._served: dict[int, int] = {}  # seq_id -> the step it last decoded in
         self._left: dict[str, float] = {}  # tenant -> when its last sequence ended (within linger)
         self.held = 0  # decode rows held back in the last step
+        self.due_left: float | None = None  # seconds left for heavy prefill chunks in a due step
+        self._heavy: set[str] = set()
+        self.due_factor = DUE_STEP_FACTOR
+        self._due_streak = 0  # due steps in a row
 
     def depart(self, tenant: str) -> None:
         """``tenant``'s last sequence ended (``TenantShares.leave``): it lingers from now (only where
@@ -79,16 +95,17 @@ class StepRows:
         return present
 
     def select(self, decoding: list[Sequence], running: list[Sequence], clock_model,
-               max_num_seqs: int) -> list[Sequence]:
+               max_num_seqs: int, waiting=()) -> list[Sequence]:
         """The rows of ``decoding`` (running sequences with one token to compute, in admission order)
         that decode in this step (module docstring); the others keep their slot and wait a step."""
         self._step += 1
-        self.held = 0
+        self.held, self.due_left = 0, None
         shares = self.shares
         if not shares.fair or self.cost == 0 or shares.plain and not self._left:
             return decoding
         present = self._tenants()
-        if len(present) < 2 or not decoding:
+        coef = clock_model.coef if clock_model is not None else None
+        if len(present) < 2 or coef is None:  # (no step has run yet: nothing to weigh the rows by)
             return self._mark(decoding)
         weight = shares.weight
         total = sum(weight(t) for t in present)
@@ -96,21 +113,28 @@ class StepRows:
         rows: dict[str, list[Sequence]] = defaultdict(list)
         for seq in decoding:
             rows[seq.tenancy.tenant].append(seq)
+        if not light or len(light) == len(present):
+            return self._mark(decoding)
         heavy = [t for t in rows if t not in light]
-        if not light or not heavy:
-            return self._mark(decoding)
-        num_heavy = sum(len(rows[t]) for t in heavy)
-        coef = clock_model.coef if clock_model is not None else None
-        if coef is None:  # no step has run yet: nothing to weigh the rows by
-            return self._mark(decoding)
         heavy_rows = [s for t in heavy for s in rows[t]]
+        num_heavy = len(heavy_rows)
         c0, a, b = coef
-        d = a + b * sum(s.num_tokens for s in heavy_rows) / num_heavy  # a decode row attends its context
-        if num_heavy * d <= c0:  # the step is mostly its fixed part: fewer rows would save little time
-            keep = num_heavy
-        elif self._first_token_due(light, running):
-            keep = math.ceil(num_heavy / MAX_ROUNDS)
-        else:
+        # a decode row attends its context
+        d = a + b * sum(s.num_tokens for s in heavy_rows) / max(num_heavy, 1)
+        keep = num_heavy
+        due = self._first_token_due(light, running)
+        self._due_streak = self._due_streak + 1 if due else 0
+        if self._due_streak >= MAX_DUE_ROUNDS:  # one step in MAX_DUE_ROUNDS is not held: heavy prompts
+            due, self._due_streak = False, 0     # progress while light tenants keep first tokens due
+        if due:
+            light_rows = [s for t in rows if t in light for s in rows[t]]
+            left = self._due_time(coef, light, light_rows, waiting)
+            if num_heavy * d > c0:  # (else the step is mostly its fixed part: fewer rows save little)
+                fit = int(max(left, 0.0) / d)
+                keep = min(math.ceil(num_heavy / MAX_ROUNDS), max(fit, math.ceil(num_heavy / MAX_DUE_ROUNDS)))
+            self.due_left = max(left - keep * d, 0.0)
+            self._heavy = {t for t in present if t not in light}
+        elif num_heavy * d > c0:
             keep = max(math.ceil(num_heavy * MIN_KEPT), self._rows_kept(len(decoding), num_heavy, c0, d))
         if keep >= num_heavy:
             return self._mark(decoding)
@@ -133,6 +157,30 @@ class StepRows:
             return bool(waiting)
         held = Counter(s.tenancy.tenant for s in running)
         return any(held[t] < cap for t in waiting)
+
+    def _due_time(self, coef, light: set[str], light_rows: list[Sequence], waiting) -> float:
+        """Seconds of a due step left to the heavy tenants: ``DUE_STEP_FACTOR`` times the light work's
+        step alone, less that step."""
+        c0, a, b = coef
+        alone = c0 + sum(a + b * s.num_tokens for s in light_rows)
+        prompts = [w for w in waiting if w.tenancy.tenant in light and w.num_completion_tokens == 0]
+        chunks = [(w.num_computed_tokens, w.num_tokens - w.num_computed_tokens) for w in prompts]
+        for position, n in chunks or [(0, LINGER_PROMPT)]:
+            alone += a * n + b * (n * position + n * (n + 1) / 2)
+        return (self.due_factor - 1.0) * alone
+
+    def prefill_within(self, seq: Sequence, position: int, n: int, clock_model) -> int:
+        """Of ``n`` prompt tokens of ``seq`` from ``position``, those that fit a due step's time left
+        to a heavy tenant (all of them outside due steps, or for a light tenant's sequence)."""
+        if self.due_left is None or seq.tenancy.tenant not in self._heavy:
+            return n
+        _, a, b = clock_model.coef
+        lin, quad = a + b * (position + 0.5), b / 2  # a*n + b*(n*position + n*(n+1)/2) <= due_left
+        fit = (-lin + math.sqrt(lin * lin + 4 * quad * self.due_left)) / (2 * quad) if quad > 0 else (
+            self.due_left / lin if lin > 0 else n)
+        n = min(n, int(fit))
+        self.due_left -= a * n + b * (n * position + n * (n + 1) / 2)
+        return n
 
     def _rows_kept(self, num_rows: int, num_heavy: int, c0: float, d: float) -> int:  # (d > 0)
         """How many heavy rows run: the fewest rows ``n`` of the step whose decode tokens per second

@@ -1,5 +1,5 @@
 """Sharing the engine between tenants: which waiting sequence goes next, which running one gives
-way, and which requests are refused at once (the scheduler asks; plain Python, no torch).
+way, and a tenant's caps (the scheduler asks; plain Python, no torch; deadlines: deadlines.py).
 
 Under the ``fair`` policy every tenant with work in the scheduler (waiting or running) has a
 virtual token counter: the tokens computed for it (prefill chunks and decode tokens, counted when
@@ -27,7 +27,6 @@ for anyone: the scheduler as it was before tenants. Both policies apply the per-
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 
 from kvserve.engine.sequence import Sequence
@@ -177,47 +176,3 @@ class TenantShares:
             return r.priority > t.priority
         return self.counters.get(r.tenant, 0.0) > self.counters.get(t.tenant, 0.0)
 
-
-def start_delay(waiting, running: list[Sequence], seq: Sequence, max_num_seqs: int, budget: int,
-                coef: tuple[float, float, float], remaining, could_yield) -> float:
-    """A lower bound of the seconds before ``seq`` (of a tenant, not yet queued) can start, by the step
-    time model's ``coef`` (engine/core/step_time.py): the prompts ordered before it prefilled at
-    ``budget`` tokens a step, and, when they and it outnumber the free slots, the decode steps until
-    enough running sequences reach their ``remaining(seq)`` tokens (those that ``could_yield`` to it
-    free their slot at once)."""
-    c0, a, b = coef
-    tenant, order = seq.tenancy.tenant, _order(seq)
-    ahead = [w for w in waiting if w.tenancy.tenant == tenant and _order(w) <= order]
-    own = len(ahead)
-    taken: Counter[str] = Counter()  # another tenant's work interleaves: as many as ours, and one
-    for w in waiting:
-        other = w.tenancy.tenant
-        if other != tenant and taken[other] <= own:
-            taken[other] += 1
-            ahead.append(w)
-    tokens = sum(w.num_tokens - w.num_computed_tokens for w in ahead)
-    delay = a * tokens + c0 * math.ceil(tokens / budget)
-    staying = [r for r in running if not could_yield(r)]
-    short = len(ahead) + 1 - (max_num_seqs - len(staying))
-    if short > 0 and staying:
-        steps = sorted(remaining(r) for r in staying)[min(short, len(staying)) - 1]
-        positions = sum(r.num_tokens for r in running)
-        delay += steps * (c0 + a * len(running) + b * positions)
-    return delay
-
-
-def _order(seq: Sequence) -> tuple[int, float]:
-    t = seq.tenancy
-    return t.priority, math.inf if t.deadline is None else t.deadline
-
-
-def check_deadline(seq: Sequence, delay: float) -> None:
-    """Refuse ``seq`` when ``delay`` seconds from now pass its deadline."""
-    deadline = seq.tenancy.deadline
-    if deadline is None:
-        return
-    left = deadline - time.monotonic()
-    if left <= 0 or delay > left:
-        raise DeadlineUnreachable(
-            f"the request cannot start before its deadline: {max(left, 0.0) * 1000:.0f} ms left, about "
-            f"{delay * 1000:.0f} ms of work is ahead of it (step time model)")

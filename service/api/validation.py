@@ -84,7 +84,7 @@ class CacheSalting:
 
 def call_deadline(context) -> float | None:
     """The call's deadline on this process's ``time.monotonic()`` clock (None: the client set none);
-    the engine refuses a request that cannot start before it (engine/tenancy/shares.py)."""
+    the engine refuses a request that cannot start or finish before it (engine/tenancy/deadlines.py)."""
     left = context.time_remaining()
     return None if left is None else time.monotonic() + left
 

@@ -19,7 +19,14 @@ from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence, SequenceStatus, Tenancy
-from kvserve.engine.tenancy.rows import MAX_ROUNDS, MIN_KEPT, StepRows
+from kvserve.engine.tenancy.rows import (
+    DUE_STEP_FACTOR,
+    LINGER_PROMPT,
+    MAX_DUE_ROUNDS,
+    MAX_ROUNDS,
+    MIN_KEPT,
+    StepRows,
+)
 from kvserve.engine.tenancy.shares import TenantShares
 
 BS, SEQS, PROMPT, TOKENS = 4, 16, 160, 120
@@ -204,3 +211,77 @@ def test_without_the_rows_share_no_departed_tenant_is_kept(policy, cost):
         shares.join(seq)
         shares.leave(seq)
     assert shares.rows._left == {}
+
+
+ROW_COSTLY = (C0, A, 1e-4)  # each long-context row costs as much as the step's fixed part
+
+
+def alone(prompt):
+    """Seconds of a step holding only a ``prompt``-token prefill, on the ROW_COSTLY machine."""
+    c0, a, b = ROW_COSTLY
+    return c0 + a * prompt + b * prompt * (prompt + 1) / 2
+
+
+def test_a_due_step_is_held_to_a_multiple_of_the_newcomers_step_alone():
+    run = Run(machine=ROW_COSTLY).run()
+    quarter = math.ceil(SEQS / MAX_ROUNDS)
+    due = [(dt, rows, state) for dt, rows, decoding, state in run.steps
+           if state in ("waiting", "lingering") and decoding >= SEQS - 1]
+    assert len(due) >= 10
+    for dt, rows, state in due:
+        # the step that admits the 24-token prompt; a lingering step reserves a 32-token chunk's time
+        bound = DUE_STEP_FACTOR * alone(24 if state == "waiting" else LINGER_PROMPT)
+        assert dt <= bound + 1e-9 and rows < quarter, (dt, bound, rows, state)
+    # the next requests arrive at the start of a lingering step, and are admitted in the one after
+    assert max(run.ttft[1:]) <= DUE_STEP_FACTOR * (alone(LINGER_PROMPT) + alone(24)) + 1e-9, run.ttft
+    quarter_run = Run(machine=ROW_COSTLY)
+    quarter_run.s.shares.rows.due_factor = 1e6  # unbounded: the flood keeps a quarter of its rows
+    quarter_run.run()
+    assert max(run.ttft[1:]) < 0.6 * min(quarter_run.ttft[1:]), (run.ttft, quarter_run.ttft)
+    for seq in run.flood:  # every flood sequence still finishes
+        assert seq.num_completion_tokens == TOKENS
+
+
+def test_a_heavy_tenants_prefill_chunk_shrinks_in_a_step_that_admits_a_newcomer():
+    s = Scheduler(BlockManager(4096, BS, True), 8, 512, 4096, [0], shares=TenantShares("fair"))
+    coef = (C0, A, B)
+    for k in range(4):  # four long prompts fill the flood tenant's share: prefilled 512 tokens a step
+        s.add(Sequence(f"flood-{k}", list(range(1000 * k, 1000 * k + 2000)),
+                       SamplingParams(max_tokens=4, ignore_eos=True), Tenancy("flood")))
+    s.step_clock.coef = coef
+    out = s.schedule()
+    s.postprocess(out, [7] * len(out.sampling_seqs))
+    assert [x.num_tokens for x in out.scheduled] == [512]
+    newcomer = Sequence("interactive-0", [5, 6, 7, 8] * 6, SamplingParams(max_tokens=4, ignore_eos=True),
+                        Tenancy("interactive"))
+    s.add(newcomer)
+    out = s.schedule()
+    chunks = {x.seq.request_id: (x.seq.num_computed_tokens, x.num_tokens) for x in out.scheduled}
+    assert chunks["interactive-0"] == (0, 24)  # admitted in this very step
+    position, flood = chunks["flood-0"]
+    assert 0 < flood < 512
+    c0, a, b = coef
+    step = sum(a * n + b * (n * p + n * (n + 1) / 2) for p, n in chunks.values()) + c0
+    assert step <= DUE_STEP_FACTOR * (c0 + a * 24 + b * 24 * 25 / 2) + 1e-9, (chunks, step)
+
+
+def test_a_heavy_prompt_progresses_while_a_light_tenant_keeps_every_step_due():
+    shares = TenantShares("fair", row_cost=COST, linger=60.0)
+    s = Scheduler(BlockManager(4096, BS, True), 8, 512, 4096, [0], shares=shares)
+    now = [0.0]
+    shares.rows.clock = lambda: now[0]
+    for k in range(4):
+        s.add(Sequence(f"flood-{k}", list(range(1000 * k, 1000 * k + 2000)),
+                       SamplingParams(max_tokens=4, ignore_eos=True), Tenancy("flood")))
+    s.step_clock.coef = ROW_COSTLY
+    light = Sequence("light-0", [5, 6, 7], SamplingParams(max_tokens=1), Tenancy("light"))
+    shares.join(light)
+    shares.leave(light)  # it lingers for a minute: every step has its first token due
+    chunks = []
+    for _ in range(2 * MAX_DUE_ROUNDS):
+        out = s.schedule()
+        chunks.append(sum(x.num_tokens for x in out.scheduled))
+        s.postprocess(out, [7] * len(out.sampling_seqs))
+    held = [c for c in chunks if c < 512]
+    # one step in MAX_DUE_ROUNDS is not held
+    assert chunks.count(512) == 2 and len(held) == 2 * MAX_DUE_ROUNDS - 2, chunks

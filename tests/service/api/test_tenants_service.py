@@ -2,8 +2,9 @@
 ``--cache-salt-from header`` identity, real gRPC clients. A tenant flooding the engine with n=16
 streams it never reads cannot starve another tenant's short request; ``priority`` orders a
 tenant's own work and preempts its lower-priority streams; ``--max-queued-per-tenant`` refuses with
-RESOURCE_EXHAUSTED naming the limit; a request that cannot start before its deadline is refused at
-once with DEADLINE_EXCEEDED. Everything is asserted by order and counts, never by elapsed time.
+RESOURCE_EXHAUSTED naming the limit; a request that cannot start, or cannot finish, before its
+deadline is refused at once with DEADLINE_EXCEEDED. Everything is asserted by order and counts,
+never by elapsed time.
 """
 
 from __future__ import annotations
@@ -145,6 +146,18 @@ def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(stub
     # the server's refusal (its message), not the client's own expiry ("Deadline Exceeded")
     assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "cannot start before its deadline" in refused.value.details()
+
+
+def test_a_request_that_could_start_but_not_finish_before_its_deadline_is_refused_at_once(stub):
+    with flood(stub, "bulk"):
+        wait_for(stub, lambda s: s.num_running == SEQS, "the flood fills every slot")
+        # another tenant's request starts at once (a flood choice gives way), but 1,800 tokens in 16-row
+        # steps take far longer than a second: refused before it runs, not left to expire
+        with pytest.raises(grpc.RpcError) as refused:
+            short(stub, "hasty", timeout=1.0, tokens=LONG)
+        assert short(stub, "hasty").finish_reason == llm_pb2.LENGTH  # one that can finish runs
+    assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "cannot finish before its deadline" in refused.value.details()
 
 
 def test_the_server_names_weighted_tenants_by_the_identity_that_salts_their_cache():
