@@ -96,6 +96,7 @@ class Scheduler(AdmissionChecks):
             self._schedule_waiting(out, budget)
         if out.scheduled and self.bm.state_slots is not None:  # copied before the step's model runs
             out.state_copies = self.bm.state_slots.take_copies()
+            out.state_rollbacks = self.bm.state_slots.take_rollbacks()  # (before the copies)
         now = time.monotonic()
         for s in out.scheduled:
             if s.seq.times.first_scheduled is None:
@@ -318,8 +319,9 @@ class Scheduler(AdmissionChecks):
                 s.seq.num_computed_tokens += s.num_tokens
                 commit(s.seq)
         now = time.monotonic()
+        verified = {s.seq.seq_id: 1 + len(s.drafts) for s in out.scheduled if s.drafts}  # rows
         for seq, tokens in zip(sampling, sampled, strict=True):
-            reason = None
+            reason, start = None, seq.num_computed_tokens
             for token in [tokens] if isinstance(tokens, int) else tokens:
                 seq.token_ids.append(token)
                 reason = self._stop_reason(seq, token)
@@ -328,6 +330,8 @@ class Scheduler(AdmissionChecks):
             seq.num_computed_tokens = len(seq.token_ids) - 1  # the KV of every token but the newest
             commit(seq)
             self.bm.trim(seq, seq.num_tokens)  # blocks that held only rejected drafts
+            if seq.num_computed_tokens - start < verified.get(seq.seq_id, 0) and self.bm.state_slots:
+                self.bm.state_slots.rollback(seq, seq.num_computed_tokens - start)  # the state's side
             if seq.times.first_token is None:
                 seq.times.first_token = now
             if reason is not None:
