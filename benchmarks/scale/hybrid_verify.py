@@ -57,9 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 8], help="k: drafts per sequence")
     ap.add_argument("--slots", type=int, default=16, help="rows of the state cache")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, help="torch's (and the kernels') threads (default: torch's)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if max(args.batch) > args.slots:
         raise SystemExit(f"--slots ({args.slots}) must hold the largest --batch ({max(args.batch)})")
     layer = make_layer(args.shape, dtype, args.slots)
