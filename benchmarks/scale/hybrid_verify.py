@@ -6,7 +6,8 @@ each sequence's state at its accepted position, in one run
   state from before the step (one copy), step the k + 1 rows in place; when only j + 1 rows are
   kept, put the copy back and step those rows again;
 - per position (vLLM's way on GPUs, as the alternative): step the k + 1 rows in place and copy the
-  state after each row aside (k + 1 copies), then copy the kept one back into the slot.
+  state after each row aside (k + 1 copies, into rows allocated once), then copy the kept one back
+  into the slot.
 
 Both use the layer's decode step (the C kernel on the CPU), on ``--batch`` sequences of a state
 cache of ``--slots`` rows, k drafts each, for every k of ``--drafts`` and j accepted of none, half
@@ -33,12 +34,18 @@ def recompute(layer: GatedDeltaNet, rows, slots: list[int], kept: int) -> None:
         layer.roll_back([[s, kept] for s in slots])
 
 
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per-position rows, made once per shape
+
+
 def per_position(layer: GatedDeltaNet, rows, slots: list[int], kept: int) -> None:
     mixed, g, beta = rows
     per = len(mixed) // len(slots)
     index = torch.tensor(slots)
-    conv = layer.conv_states.new_empty(per, *layer.conv_states[index].shape)
-    recurrent = layer.recurrent_states.new_empty(per, *layer.recurrent_states[index].shape)
+    key = (per, len(slots), layer.conv_states.shape, layer.recurrent_states.shape)
+    if key not in _SCRATCH:  # (kept rows beside the slots, as a cache would hold them: not timed)
+        _SCRATCH[key] = (layer.conv_states.new_zeros(per, len(slots), *layer.conv_states.shape[1:]),
+                         layer.recurrent_states.new_zeros(per, len(slots), *layer.recurrent_states.shape[1:]))
+    conv, recurrent = _SCRATCH[key]
     for j in range(per):
         wave = torch.arange(len(slots)) * per + j
         layer._decode(mixed[wave], g[wave], beta[wave], slots)
