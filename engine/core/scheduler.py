@@ -330,8 +330,9 @@ class Scheduler(AdmissionChecks):
             seq.num_computed_tokens = len(seq.token_ids) - 1  # the KV of every token but the newest
             commit(seq)
             self.bm.trim(seq, seq.num_tokens)  # blocks that held only rejected drafts
-            if seq.num_computed_tokens - start < verified.get(seq.seq_id, 0) and self.bm.state_slots:
-                self.bm.state_slots.rollback(seq, seq.num_computed_tokens - start)  # the state's side
+            kept = seq.num_computed_tokens - start  # rows of this step whose tokens stay
+            if kept < verified.get(seq.seq_id, 0) and self.bm.state_slots is not None:
+                self.bm.state_slots.rollback(seq, kept)  # the recurrent state's side of the trim
             if seq.times.first_token is None:
                 seq.times.first_token = now
             if reason is not None:
