@@ -54,6 +54,8 @@ class ModelInput:
     # per sequence: its state slot, for models with a recurrent state (engine/runner/state_cache.py)
     state_slots: list[int] = field(default_factory=list)
     state_copies: list[list[int]] = field(default_factory=list)  # [from slot, to slot], before the step
+    # [slot, rows kept] of the last step's verifications that rejected drafts, before the copies
+    state_rollbacks: list[list[int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -197,11 +199,12 @@ def step_block_tables(inp: ModelInput) -> np.ndarray:
 
 
 def build_model_input(scheduled: list, block_size: int, tables: BlockTableWriter | None = None,
-                      state_copies: list[list[int]] | None = None) -> ModelInput:
+                      state_copies: list[list[int]] | None = None,
+                      state_rollbacks: list[list[int]] | None = None) -> ModelInput:
     """Lay out a scheduler step (``ScheduledSeq`` items, batch order) as one flat batch; with
     ``tables``, each sequence's row in the runners' block table and the blocks they lack instead
     of its whole block table."""
-    inp = ModelInput(state_copies=state_copies or [])
+    inp = ModelInput(state_copies=state_copies or [], state_rollbacks=state_rollbacks or [])
     input_ids, positions, slots, query_lens = inp.input_ids, inp.positions, inp.slot_mapping, inp.query_lens
     for s in scheduled:
         seq, n = s.seq, s.num_tokens
@@ -284,6 +287,8 @@ def _add_verification_rows(inp: ModelInput, s, block_size: int, tables: BlockTab
         inp.query_lens.append(1)
         inp.context_lens.append(pos + 1)
         inp.logits_indices.append(len(inp.input_ids) - 1)
+        if seq.state_slot is not None:  # every row on the one slot: the linear layers step them in turn
+            inp.state_slots.append(seq.state_slot)
         if row is None:
             inp.block_tables.append(list(table))
         else:

@@ -22,7 +22,7 @@ from kvserve.engine.config import (
 from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.ipc import CacheFlush, EngineStats, ModelFacts
-from kvserve.engine.core.requests import Choice, Request, choice_params
+from kvserve.engine.core.requests import Choice, Request, choice_output, choice_params
 from kvserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.kv_cache.state_slots import refuse_on_linear_attention, state_stats
@@ -34,7 +34,7 @@ from kvserve.engine.model_loader.source import resolve_model
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import PLAIN, FinishReason, Sequence, Tenancy
-from kvserve.engine.spec_decode.speculator import spec_usage, speculation_stats, speculator_for
+from kvserve.engine.spec_decode.speculator import speculation_stats, speculator_for
 from kvserve.engine.spec_decode.verify import sampling_rows
 from kvserve.engine.structured.grammar import StructuredOutput
 from kvserve.engine.tenancy.accounts import TenantAccounts
@@ -201,7 +201,7 @@ class LLMEngine:
         for c in req.choices:
             if not c.seq.is_finished:
                 self.scheduler.finish(c.seq, FinishReason.ABORT)
-                self._aborted.append(self._output(c, [], []))
+                self._aborted.append(choice_output(c, [], []))
         self._drop(req)
         self.counters["requests_aborted"] += 1
         return True
@@ -243,7 +243,7 @@ class LLMEngine:
         pairs = sched.attended_pairs if self.scheduler.step_clock else 0
         self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
         inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables,
-                                sched.state_copies)
+                                sched.state_copies, sched.state_rollbacks)
         model_started = time.perf_counter()
         logits = self.executor.execute_model(inp)
         if self.speculator is not None and inp.is_decode_only:  # what the policy's rows cost now
@@ -286,7 +286,7 @@ class LLMEngine:
 
     def _emit(self, choice: Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         seq = choice.seq
-        out = self._output(choice, tokens, logprobs)
+        out = choice_output(choice, tokens, logprobs)
         request = self.requests[seq.request_id]
         if request.text is not None and request.text.process(out) is RequestText.STOPPED:
             self.scheduler.finish(seq, FinishReason.STOP_STRING)  # ``out`` says so already
@@ -300,24 +300,6 @@ class LLMEngine:
         if not request.unfinished:
             self._drop(request)
             self.counters["requests_finished"] += 1
-
-    def _output(self, choice: Choice, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
-        seq = choice.seq
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=tokens,
-            new_text="",
-            new_logprobs=logprobs,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_completion_tokens,
-            cached_tokens=seq.num_cached_prompt_tokens or 0,
-            times=seq.times,
-            index=choice.index,
-            draft_tokens=spec_usage(seq)[0],
-            accepted_draft_tokens=spec_usage(seq)[1],
-        )
 
     # ---- state ----------------------------------------------------------------------------
     def num_waiting(self) -> int:

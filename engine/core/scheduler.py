@@ -96,6 +96,7 @@ class Scheduler(AdmissionChecks):
             self._schedule_waiting(out, budget)
         if out.scheduled and self.bm.state_slots is not None:  # copied before the step's model runs
             out.state_copies = self.bm.state_slots.take_copies()
+            out.state_rollbacks = self.bm.state_slots.take_rollbacks()  # (before the copies)
         now = time.monotonic()
         for s in out.scheduled:
             if s.seq.times.first_scheduled is None:
@@ -321,8 +322,9 @@ class Scheduler(AdmissionChecks):
                 s.seq.num_computed_tokens += s.num_tokens
                 commit(s.seq)
         now = time.monotonic()
+        verified = {s.seq.seq_id: 1 + len(s.drafts) for s in out.scheduled if s.drafts}  # rows
         for seq, tokens in zip(sampling, sampled, strict=True):
-            reason = None
+            reason, start = None, seq.num_computed_tokens
             for token in [tokens] if isinstance(tokens, int) else tokens:
                 seq.token_ids.append(token)
                 reason = self._stop_reason(seq, token)
@@ -331,6 +333,9 @@ class Scheduler(AdmissionChecks):
             seq.num_computed_tokens = len(seq.token_ids) - 1  # the KV of every token but the newest
             commit(seq)
             self.bm.trim(seq, seq.num_tokens)  # blocks that held only rejected drafts
+            kept = seq.num_computed_tokens - start  # rows of this step whose tokens stay
+            if kept < verified.get(seq.seq_id, 0) and self.bm.state_slots is not None:
+                self.bm.state_slots.rollback(seq, kept)  # the recurrent state's side of the trim
             if seq.times.first_token is None:
                 seq.times.first_token = now
             if reason is not None:

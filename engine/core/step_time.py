@@ -181,6 +181,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     state_copies: list[list[int]] = field(default_factory=list)  # [from row, to row]: kv_cache/state_slots.py
+    state_rollbacks: list[list[int]] = field(default_factory=list)  # [slot, rows kept]: the same
 
     @property
     def attended_pairs(self) -> int:

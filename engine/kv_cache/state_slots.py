@@ -13,6 +13,13 @@ hash chain of the blocks before it; snapshots are reused LRU-first. A later prom
 back to the longest cached prefix ending where a snapshot is (``find``), and its slot takes a copy
 (``restore``). Forked choices (n > 1) copy their parent's slot at the same point. The copies are
 queued here and run on the device before the next step's model (``take_copies``), in order.
+
+Speculation: a verification step runs a sequence's last token and its k drafts through the linear
+layers one row after another, so its slot then holds the state after all k + 1; when the step
+keeps only j + 1 of those rows (j drafts accepted), ``rollback`` queues (slot, j + 1) and the runner,
+before the next step's model and before any copy, puts back the state from before the
+verification and steps it through the kept rows again (engine/runner/state_cache.py). A slot given
+back drops its pending rollback, so snapshots and forks only ever copy committed states.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class StateSlots:
         self.num_slots, self.num_snapshots = num_slots, num_snapshots
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._copies: list[list[int]] = []  # [from, to]: states to copy before the next step
+        self._rollbacks: list[list[int]] = []  # [slot, rows kept]: verifications to cut back first
         # the rows after the slots: a block hash -> its snapshot's row, least recently used first
         self._snapshots: OrderedDict[int, int] = OrderedDict()
         self._free_rows = list(range(num_slots + num_snapshots - 1, num_slots - 1, -1))
@@ -53,8 +61,15 @@ class StateSlots:
     def release(self, seq) -> None:
         """Take back ``seq``'s slot, if it holds one."""
         if seq.state_slot is not None:
+            self._rollbacks = [r for r in self._rollbacks if r[0] != seq.state_slot]
             self._free.append(seq.state_slot)
             seq.state_slot = None
+
+    def rollback(self, seq, kept: int) -> None:
+        """``seq``'s last step verified drafts and kept only its first ``kept`` rows (its last token
+        and the drafts accepted): its slot goes back to the state after them before the next step."""
+        if seq.state_slot is not None:
+            self._rollbacks.append([seq.state_slot, kept])
 
     def copy(self, parent, child) -> None:
         """Have ``child``'s slot take ``parent``'s state before the next step runs (a fork)."""
@@ -88,6 +103,10 @@ class StateSlots:
         copies, self._copies = self._copies, []
         return copies
 
+    def take_rollbacks(self) -> list[list[int]]:
+        rollbacks, self._rollbacks = self._rollbacks, []
+        return rollbacks
+
     def check_integrity(self, holders) -> None:
         """Every slot is free or held by exactly one of ``holders`` (the sequences that hold one)."""
         held = [seq.state_slot for seq in holders if seq.state_slot is not None]
@@ -101,14 +120,16 @@ def has_linear_attention(hf_config) -> bool:
 
 def refuse_on_linear_attention(config: EngineConfig, hf_config) -> None:
     """What the engine cannot do yet for a model with linear-attention layers, refused at start by
-    name: speculation (verifying drafts needs the state after each kept prefix)."""
+    name: speculation under tensor parallelism (each is tested alone: a verification's rejected rows
+    roll back, ``rollback``; the linear heads split across ranks, ``refuse_linear_heads``)."""
     if not has_linear_attention(hf_config):
         return
     name = (getattr(hf_config, "architectures", None) or ["this model"])[0]
-    if config.speculative != "off":
-        raise ValueError(f"speculative={config.speculative!r} is not supported for {name}: verifying "
-                         "drafts through its linear-attention layers needs their state at every kept "
-                         "position, which kvserve does not keep yet; serve it with speculative='off'")
+    if config.speculative != "off" and config.tensor_parallel_size > 1:
+        raise ValueError(f"speculative={config.speculative!r} with tensor_parallel_size="
+                         f"{config.tensor_parallel_size} is not supported for {name}: the rollback of its "
+                         "linear-attention states is not tested across ranks; serve it with "
+                         "speculative='off' or tensor_parallel_size=1")
 
 
 def refuse_linear_heads(tp_size: int, hf_config) -> None:

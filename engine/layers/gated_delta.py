@@ -37,6 +37,19 @@ def cpu_kernels(mixed: torch.Tensor, num_k_heads: int, num_v_heads: int, k_dim: 
     return gated_delta_kernels()
 
 
+def row_waves(slots: list[int]) -> list[list[int]]:
+    """The rows of a step of one token per row, in waves that step each slot at most once: wave j
+    holds the j-th row of every slot that has one (a slot's rows in order)."""
+    waves: list[list[int]] = []
+    seen: dict[int, int] = {}
+    for row, slot in enumerate(slots):
+        j = seen[slot] = seen.get(slot, -1) + 1
+        if j == len(waves):
+            waves.append([])
+        waves[j].append(row)
+    return waves
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """SiLU(conv(x)) for ``x`` [T, C] after the inputs in ``state`` [C, K - 1] (zeros: none);
     ``state`` is updated in place to the last K - 1 inputs. ``weight``: [C, K]."""

@@ -7,7 +7,10 @@ full-attention layers, as ``layer_types`` lists them (three linear per full one 
   and ``out_proj`` close the layer. Each sequence keeps a conv window and a recurrent state in a
   *state slot*: the runner binds each layer to its rows of the state cache (``bind_state``) and
   gives each step's slots in ``AttentionMetadata.state_slots``. A chunk starting at position 0
-  begins from a zero state, so a slot needs no clearing between sequences.
+  begins from a zero state, so a slot needs no clearing between sequences. Rows of one token of
+  sequences under way (decodes, and a verification's rows: its last token then each draft, all on
+  one slot) run as decode steps, a slot's rows in turn; a verification keeps the state before it
+  and its rows' inputs, so that ``roll_back`` can step the state through the rows kept only.
 - Full attention: q and an output gate per head from ``q_proj``, QK-norm, rotary over the first
   ``partial_rotary_factor`` of each head, output multiplied by sigmoid(gate).
 - Norms are zero-centred (``x / rms(x) * (1 + w)``, Gemma's), but the gated one of the linear
@@ -31,6 +34,7 @@ from kvserve.engine.layers.gated_delta import (
     cpu_kernels,
     delta_rule_chunked,
     delta_rule_recurrent,
+    row_waves,
 )
 from kvserve.engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -112,6 +116,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(value_dim_of(config), config.hidden_size, False, parallel)
         self.conv_states = torch.empty(0)  # [slots, channels, K - 1], bound by the runner
         self.recurrent_states = torch.empty(0)  # [slots, value heads, key dim, value dim], float32
+        # the last step's verifications: (their slots, conv windows and states before the step,
+        # per slot its rows' mixed, g and beta), for ``roll_back``
+        self._verified: tuple | None = None
 
     def make_in_proj(self, config, parallel: ParallelContext) -> MergedColumnParallelLinear:
         """in_proj_qkv | in_proj_z | in_proj_b | in_proj_a, one GEMM; in_proj_qkv's q, k and v
@@ -133,11 +140,11 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.project(hidden)
         beta = b.sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        self._verified = None
         if meta.max_query_len == 1:
-            out = self._decode(mixed, g, beta, slots)
+            out = self._decode_rows(mixed, g, beta, slots)
         else:
-            out = torch.cat([self._sequence(mixed[s:e], g[s:e], beta[s:e], slot, fresh)
-                             for s, e, slot, fresh in self._spans(meta, slots)])
+            out = self._mixed_step(mixed, g, beta, meta, slots)
         out = self._gated_norm(out.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(hidden.shape[0], -1))
 
@@ -152,6 +159,61 @@ class GatedDeltaNet(nn.Module):
         for n, total, slot in zip(meta.query_lens_host, meta.seq_lens_host, slots, strict=True):
             yield start, start + n, slot, total == n
             start += n
+
+    def _mixed_step(self, mixed, g, beta, meta: AttentionMetadata, slots: list[int]) -> torch.Tensor:
+        """A step with chunks of several tokens: each chunk on its own (``_sequence``), the rows of
+        one token of sequences under way together (``_decode_rows``), as in a decode step."""
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32,
+                          device=mixed.device)
+        rows, row_slots = [], []
+        for s, e, slot, fresh in self._spans(meta, slots):
+            if e - s == 1 and not fresh:
+                rows.append(s)
+                row_slots.append(slot)
+            else:
+                out[s:e] = self._sequence(mixed[s:e], g[s:e], beta[s:e], slot, fresh)
+        if rows:
+            index = torch.tensor(rows, dtype=torch.long, device=mixed.device)
+            out[index] = self._decode_rows(mixed[index], g[index], beta[index], row_slots)
+        return out
+
+    def _decode_rows(self, mixed, g, beta, slots: list[int]) -> torch.Tensor:
+        """Rows of one token each; the rows of a slot that comes more than once (a verification's)
+        step it in turn, and its state before them and their inputs are kept (``roll_back``)."""
+        if len(set(slots)) == len(slots):
+            return self._decode(mixed, g, beta, slots)
+        waves = row_waves(slots)
+        verifying = sorted({slots[i] for i in waves[1]})
+        index = torch.tensor(verifying, dtype=torch.long, device=mixed.device)
+        inputs = {}
+        for slot in verifying:
+            rows = torch.tensor([i for i, s in enumerate(slots) if s == slot], device=mixed.device)
+            inputs[slot] = (mixed[rows], g[rows], beta[rows])
+        self._verified = (verifying, self.conv_states.index_select(0, index),
+                          self.recurrent_states.index_select(0, index), inputs)
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32,
+                          device=mixed.device)
+        for wave in waves:
+            rows = torch.tensor(wave, dtype=torch.long, device=mixed.device)
+            out[rows] = self._decode(mixed[rows], g[rows], beta[rows], [slots[i] for i in wave])
+        return out
+
+    def roll_back(self, rollbacks: list[list[int]]) -> None:
+        """Each [slot, kept] of the last step's verifications: the slot takes back its state from
+        before the step and steps through its first ``kept`` rows again, as decode steps (the
+        arithmetic of plain decoding: the state is the one plain decoding reaches)."""
+        if self._verified is None:
+            raise RuntimeError("a state rollback without a verification in the step before")
+        verifying, conv, recurrent, inputs = self._verified
+        self._verified = None
+        for slot, _ in rollbacks:
+            i = verifying.index(slot)
+            self.conv_states[slot] = conv[i]
+            self.recurrent_states[slot] = recurrent[i]
+        for j in range(max(kept for _, kept in rollbacks)):
+            wave = [slot for slot, kept in rollbacks if kept > j]
+            mixed, g, beta = (torch.stack([inputs[slot][part][j] for slot in wave]) for part in range(3))
+            self._decode(mixed, g, beta, wave)
 
     def _qkv(self, mixed: torch.Tensor):
         key_size = self.num_k_heads * self.k_dim

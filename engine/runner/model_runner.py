@@ -20,15 +20,12 @@ import logging
 import math
 import mmap
 import threading
-from dataclasses import dataclass
 
 import torch
 
 from kvserve.engine.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
 from kvserve.engine.distributed.parallel import ParallelContext
 from kvserve.engine.layers.attention.backend import (
-    AttentionBackend,
-    AttentionMetadata,
     create_attention_backend,
     to_device,
 )
@@ -43,7 +40,6 @@ from kvserve.engine.model_input import (
     ModelInput,
     block_table_width,
     blocks_for,
-    step_block_tables,
     synthetic_input,
 )
 from kvserve.engine.model_loader.loader import load_hf_config, load_weights, resolve_device, resolve_dtype
@@ -61,8 +57,9 @@ from kvserve.engine.runner.cuda_graphs import (
     decode_metadata,
     record_cuda_graph,
 )
-from kvserve.engine.runner.kv_groups import GroupTables, bind_groups, build_group_metadata, model_kv_groups
+from kvserve.engine.runner.kv_groups import GroupTables, bind_groups, model_kv_groups
 from kvserve.engine.runner.state_cache import create_state_cache
+from kvserve.engine.runner.step_inputs import prepare_inputs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, PackedWeight
@@ -74,28 +71,6 @@ GiB = 1 << 30
 # the warm-up's sampler pass turns every stage on, so that its buffers are at their largest
 WARM_UP_SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
                                   presence_penalty=0.1, frequency_penalty=0.1, logprobs=5, max_tokens=1)
-
-
-@dataclass
-class PreparedBatch:
-    input_ids: torch.Tensor  # int64 [num_tokens]
-    positions: torch.Tensor  # int64 [num_tokens]
-    logits_indices: torch.Tensor  # int64 [num_logits]
-    attn_metadata: AttentionMetadata
-
-
-def prepare_inputs(inp: ModelInput, backend: AttentionBackend, device: torch.device,
-                   group_views: list[ModelInput] | None = None) -> PreparedBatch:
-    """One step's ``ModelInput`` as device tensors plus the backend's attention metadata (of every
-    KV cache group: ``group_views`` is the step as the groups after the first see it)."""
-    assert len(inp.input_ids) == len(inp.positions) == len(inp.slot_mapping) == sum(inp.query_lens)
-    assert len(inp.query_lens) == len(inp.context_lens) == len(step_block_tables(inp))
-    return PreparedBatch(
-        input_ids=to_device(inp.input_ids, device),
-        positions=to_device(inp.positions, device),
-        logits_indices=to_device(inp.logits_indices, device),
-        attn_metadata=build_group_metadata(inp, group_views or [], backend, device),
-    )
 
 
 def flush_denormals(device: torch.device) -> None:
@@ -179,6 +154,8 @@ class ModelRunner:
         if self.rows_alike is not None:
             self.rows_alike.set(inp.is_decode_only)
         views = self.group_tables.views(inp, self.block_size)  # (first: the other groups' updates)
+        if inp.state_rollbacks:  # verifications that rejected drafts: their states cut back first
+            self.state_cache.roll_back(inp.state_rollbacks)
         if inp.state_copies:  # forked choices take their parent's state
             self.state_cache.copy(inp.state_copies)
         if inp.seq_rows:  # the step's block tables, cut from this runner's persistent array

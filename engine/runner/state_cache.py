@@ -64,6 +64,7 @@ class StateCache:
         self.recurrent = torch.zeros(len(layers), rows, *state_shape, dtype=torch.float32, device=device)
         for i, layer in enumerate(layers):
             layer.bind_state(self.conv[i], self.recurrent[i])
+        self.layers = layers
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +74,12 @@ class StateCache:
         for src, dst in copies:
             self.conv[:, dst] = self.conv[:, src]
             self.recurrent[:, dst] = self.recurrent[:, src]
+
+    def roll_back(self, rollbacks: list[list[int]]) -> None:
+        """[slot, rows kept] of the last step's verifications that rejected drafts: each slot's state
+        becomes the one after its kept rows (kv_cache/state_slots.py), in every linear layer."""
+        for layer in self.layers:
+            layer.roll_back(rollbacks)
 
     def step_slots(self, state_slots: list[int], num_seqs: int) -> list[int]:
         """The step's slots; an input with no request behind it (a warm-up) uses the first ones."""

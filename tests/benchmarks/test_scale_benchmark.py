@@ -83,3 +83,13 @@ def test_the_gated_delta_comparison_runs_on_the_tiny_shape(capsys):
                              "--prompt", "70", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 + 2 + 1 and all("x  (max diff" in line for line in lines[1:])
+
+
+def test_the_hybrid_verification_comparison_runs_on_the_tiny_shape(capsys):
+    """Both ways leave the same states (recompute, kvserve's, and per-position copies)."""
+    from kvserve.benchmarks.scale import hybrid_verify
+
+    assert hybrid_verify.main(["--shape", "qwen3.5-tiny", "--batch", "1", "3", "--drafts", "3",
+                               "--slots", "4", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 2 * 3 and all(line.endswith("(same states: True)") for line in lines[1:])

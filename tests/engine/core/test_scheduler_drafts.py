@@ -112,3 +112,27 @@ def test_no_drafts_in_a_step_that_prefills():
     out = s.schedule()
     scheduled = [(x.seq.request_id, x.num_tokens, x.drafts) for x in out.scheduled]
     assert scheduled == [("r1", 1, []), ("late", 9, [])]
+
+
+def test_a_verification_that_rejects_drafts_rolls_the_state_back_to_its_kept_rows():
+    """With state slots (a hybrid model): the verification's rows all carry the slot; kept 3 of 6
+    rows queues (slot, 3) for the next step, before its copies; all kept queues nothing; a sequence
+    that ends (or is preempted) before the next step drops its rollback with its slot."""
+    s = Scheduler(BlockManager(64, BS, False, state_slots=2), 8, 64, 256, [EOS])
+    seq = decoding(s, prompt=7)  # its prefill stopped at its checkpoint (4 tokens): one more step
+    s.postprocess(out := s.schedule(), [50] * len(out.sampling_seqs))
+    slot = seq.state_slot
+    seq.draft_token_ids = [60, 61, 62, 63, 64]
+    out = s.schedule()
+    assert build_model_input(out.scheduled, BS).state_slots == [slot] * 6
+    s.postprocess(out, [[60, 61, 99]])  # rows 50, 60, 61 kept
+    seq.draft_token_ids = [70, 71]
+    out = s.schedule()
+    assert out.state_rollbacks == [[slot, 3]]
+    s.postprocess(out, [[70, 71, 72]])  # all kept: the state after every row is the right one
+    assert s.schedule().state_rollbacks == []
+    other = decoding(s, prompt=3, first=30)  # (3 tokens: no full block before the last, no stop)
+    other.draft_token_ids = [80, 81]
+    out = s.schedule()
+    s.postprocess(out, [[EOS], [7]])  # seq's run ends the sequence; other's keeps 1 row of 3
+    assert seq.is_finished and s.bm.state_slots.take_rollbacks() == [[other.state_slot, 1]]

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from kvserve.engine import LLM, SamplingParams
+from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.layers import gated_delta
@@ -227,8 +228,12 @@ def test_a_burst_beyond_the_slots_waits_its_turn_and_every_slot_comes_back():
 
 
 def test_what_the_hybrid_lacks_is_refused_by_name(model_dir):
-    with pytest.raises(ValueError, match="speculative='ngram' is not supported for Qwen3_5ForCausalLM"):
-        LLM(model_dir, dtype="float32", device="cpu", speculative="ngram")
+    from kvserve.engine.executor.executor import check_tensor_parallel
+
+    config = EngineConfig(model=model_dir, tensor_parallel_size=2, speculative="ngram")
+    refusal = "speculative='ngram' with tensor_parallel_size=2 is not supported for Qwen3_5ForCausalLM"
+    with pytest.raises(ValueError, match=refusal):
+        check_tensor_parallel(config, make_config("qwen3.5-tiny"))
     with pytest.raises(ValueError, match="prefix caching needs state snapshots"):
         BlockManager(8, 4, enable_prefix_caching=True, state_slots=2)
 

@@ -13,7 +13,8 @@ from kvserve.engine.layers.attention.backend import create_attention_backend
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_loader.checkpoint import init_random_weights, random_weights
 from kvserve.engine.models import build_model
-from kvserve.engine.runner.model_runner import ModelRunner, prepare_inputs
+from kvserve.engine.runner.model_runner import ModelRunner
+from kvserve.engine.runner.step_inputs import prepare_inputs
 
 BLOCK = 16
 PROMPT = (
