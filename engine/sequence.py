@@ -80,6 +80,9 @@ class Sequence:
         # with a recurrent state: its prefill stops here once, where its state is kept (a snapshot
         # for prefix hits, copies for its other choices): the end of the prompt's last full block
         self.checkpoint_at: int | None = None
+        # and earlier stops whose states are kept as snapshots only: chat-turn boundaries
+        # (kv_cache/state_slots.py ``turn_checkpoints``), ascending, each before ``checkpoint_at``
+        self.turn_checkpoints: tuple[int, ...] = ()
         self.num_hashed_blocks = 0  # leading columns of the tables whose hashes are published
         self.block_hashes: list[int] = []  # the hash chain of the full blocks computed so far
         self.status = SequenceStatus.WAITING

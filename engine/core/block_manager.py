@@ -315,8 +315,9 @@ class BlockManager:
                         block.parent_hash = hashes[i - 1] if i else salt_root(seq.params.cache_salt)
                         self._publish(block)
             seq.num_hashed_blocks = full
-        at = seq.checkpoint_at  # with a recurrent state: keep it there (kv_cache/state_slots.py)
-        if self.state_slots is not None and self.enable_prefix_caching and at == seq.num_computed_tokens:
+        at = seq.num_computed_tokens  # a recurrent state is kept at checkpoints (kv_cache/state_slots.py)
+        if (self.state_slots is not None and self.enable_prefix_caching
+                and (at == seq.checkpoint_at or at in seq.turn_checkpoints)):
             self.state_slots.checkpoint(seq, self.hash_chain(seq, at // bs)[-1])
         if self.reserved:
             self.free_behind_windows(seq)

@@ -29,6 +29,7 @@ from collections import Counter, deque
 
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.step_time import ScheduledSeq, SchedulerOutput, StepTimeModel, attended_pairs  # noqa: F401
+from kvserve.engine.kv_cache.state_slots import turn_checkpoints
 from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvserve.engine.tenancy.admission import AdmissionChecks
 from kvserve.engine.tenancy.shares import TenantShares
@@ -76,6 +77,9 @@ class Scheduler(AdmissionChecks):
         self.check_fits(seq)
         if self.bm.state_slots is not None:  # (kv_cache/state_slots.py)
             seq.checkpoint_at = (seq.num_prompt_tokens - 1) // self.bm.block_size * self.bm.block_size or None
+            if self.bm.enable_prefix_caching and seq.checkpoint_at:
+                seq.turn_checkpoints = turn_checkpoints(seq.token_ids, self.eos_token_ids, self.bm.block_size,
+                                                        seq.checkpoint_at)
         self.waiting.append(seq)
         self.shares.join(seq)
         self.shares.enqueue(seq)
@@ -146,7 +150,8 @@ class Scheduler(AdmissionChecks):
         token is never cut; the first prefill chunk of a step keeps a minimum, so prompts always
         progress; later ones may get 0). Adds the chunk's predicted time to the step's."""
         if seq.checkpoint_at is not None and position < seq.checkpoint_at:  # its state is kept there
-            remaining = min(remaining, seq.checkpoint_at - position)
+            stop = next((at for at in seq.turn_checkpoints if at > position), seq.checkpoint_at)
+            remaining = min(remaining, stop - position)
         if (self.last_prompt_token_alone and remaining > 1 and seq.num_completion_tokens == 0
                 and seq.params.seed is not None):
             remaining -= 1

@@ -113,6 +113,20 @@ class StateSlots:
         assert sorted(held + self._free) == list(range(self.num_slots)), (held, self._free)
 
 
+def turn_checkpoints(ids: list[int], turn_ends, block_size: int, checkpoint: int) -> tuple[int, ...]:
+    """The chat-turn boundaries of a prompt (``ids``) before its own ``checkpoint`` where its state is
+    also kept as a snapshot, at the end of the last full block before each: after its first turn
+    (a system prompt other conversations share) and after its last whole turn but one (the history
+    a regenerated or branched reply shares). A turn ends after a token of ``turn_ends`` (the model's
+    end-of-generation ids: ``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ``</s>``), whether a
+    chat template rendered the prompt here or a gateway sent it as token ids. A prompt without
+    them (a plain completion) has none: its one checkpoint is its own."""
+    ends = [i + 1 for i, token in enumerate(ids) if token in turn_ends]
+    picked = {ends[0], ends[-2] if len(ends) > 1 else ends[0]} if ends else set()
+    aligned = {end // block_size * block_size for end in picked}
+    return tuple(sorted(at for at in aligned if 0 < at < checkpoint))
+
+
 def has_linear_attention(hf_config) -> bool:
     """Whether the config's layers include linear-attention ones (a recurrent state per sequence)."""
     return "linear_attention" in (getattr(hf_config, "layer_types", None) or [])

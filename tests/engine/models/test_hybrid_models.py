@@ -18,6 +18,7 @@ from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.kv_cache.state_slots import turn_checkpoints
 from kvserve.engine.layers import gated_delta
 from kvserve.engine.sequence import Sequence
 from kvserve.testing.engine import scaled_hybrid_model
@@ -170,6 +171,43 @@ def test_a_shared_64_token_prefix_hits_a_state_snapshot_and_gives_the_tokens_of_
         assert llm.stats().state_snapshots_cached == 0
     finally:
         llm.shutdown()
+
+
+def test_turn_checkpoints_are_the_first_turn_and_the_history_before_the_last_turn():
+    end = 2
+    assert turn_checkpoints([5] * 40, {end}, 16, 32) == ()  # a plain completion: its own checkpoint only
+    ids = [5] * 69 + [end] + [6] * 39 + [end] + [7] * 34 + [end] + [8] * 19 + [end] + [9] * 3
+    assert turn_checkpoints(ids, {end}, 16, 160) == (64, 144)  # turns end at 70, 110, 145, 165
+    assert turn_checkpoints(ids, {end}, 16, 144) == (64,)  # none at or past the prompt's own
+    assert turn_checkpoints([5] * 10 + [end] + [6] * 30, {end}, 16, 32) == ()  # the first block: none
+
+
+def test_chat_turn_boundaries_keep_snapshots_that_other_conversations_hit(model_dir):
+    """A system turn shared by another conversation, and a history shared by a branched one: the
+    first prompt keeps its state at both turn boundaries (the ends of their last full blocks, 64 and
+    144) besides its own checkpoint, and the others hit there with the tokens of a cold run."""
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK)
+    end = min(llm.engine.scheduler.eos_token_ids)
+
+    def turn(seed: int, n: int) -> list[int]:
+        return [(31 * i + seed) % 7000 + 9 for i in range(n - 1)] + [end]
+
+    system, user, reply, header = turn(1, 70), turn(2, 40), turn(3, 35), [11, 12, 13]
+    prompts = [system + user + reply + turn(4, 20) + header, system + turn(5, 30) + header,
+               system + user + reply + turn(6, 25) + header]
+    params = dataclasses.replace(GREEDY, max_tokens=4)
+    try:
+        got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        assert [o.cached_tokens for o in got] == [0, 64, 144]
+        assert llm.stats().state_snapshot_hits == 2
+        assert_slots_all_free(llm)
+    finally:
+        llm.shutdown()
+    cold = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, enable_prefix_caching=False)
+    try:
+        assert [list(o.token_ids) for o in got] == [greedy_tokens(cold, [p], params)[0] for p in prompts]
+    finally:
+        cold.shutdown()
 
 
 def test_an_aborted_request_gives_its_slot_back(model_dir):
