@@ -1,5 +1,5 @@
 """Speculative decoding on the linear-attention hybrids (Qwen3.5, Qwen3-Next), float32, tiny random
-checkpoints (``test_hybrid_models.scaled_model``): with n-gram drafts on, every request gives the
+checkpoints (``kvserve.testing.engine.scaled_hybrid_model``): with n-gram drafts on, every request gives the
 tokens it gives with them off (greedy and seeded; single, batched, chunked prefill, a prefix-cache
 hit, preemption), drafts are verified and partly rejected, and after a partly rejected verification
 the slot's conv window and recurrent state equal, bit for bit, those plain decoding reaches.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hybrid_models import BLOCK, assert_slots_all_free, scaled_model
+from test_hybrid_models import BLOCK, assert_slots_all_free
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.kv_cache.state_slots import StateSlots
@@ -18,6 +18,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.engine.spec_decode.policy import StepCosts
 from kvserve.engine.spec_decode.speculator import Speculator
 from kvserve.kernels.cpu.bindings import load_kernels
+from kvserve.testing.engine import scaled_hybrid_model
 
 # prompt bases: a prompt is base + (the model's greedy continuation of base, every fifth token
 # changed) + base; the tiny model's linear layers forget fast, so after the second base it continues
@@ -57,7 +58,7 @@ def echo_prompts(path: str, bases=BASES) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return scaled_model("qwen3.5-tiny", tmp_path_factory.mktemp("qwen3.5-spec"))
+    return scaled_hybrid_model("qwen3.5-tiny", tmp_path_factory.mktemp("qwen3.5-spec"))
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_a_prefix_cache_hit_under_speculation_gives_the_tokens_of_a_cold_run(mod
 
 
 def test_qwen3_next_speculation_gives_the_tokens_of_plain_decoding(tmp_path):
-    path = scaled_model("qwen3-next-tiny", tmp_path)
+    path = scaled_hybrid_model("qwen3-next-tiny", tmp_path)
     plain, spec, stats = on_and_off(path, echo_prompts(path, BASES[:3]), max_num_batched_tokens=64)
     assert spec == plain
     assert_partly_rejected(stats)
