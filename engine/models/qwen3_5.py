@@ -104,10 +104,10 @@ class GatedDeltaNet(nn.Module):
         if meta.max_query_len == 1:
             out = self._decode(mixed, g, beta, slots)
         else:
-            out = torch.cat([self._sequence(mixed[s:e], g[s:e], beta[s:e], slot, fresh)
-                             for s, e, slot, fresh in self._spans(meta, slots)])
-        out = self._gated_norm(out.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.v_dim))
-        return self.out_proj(out.reshape(hidden.shape[0], -1))
+            outs = [self._sequence(mixed[s:e], g[s:e], beta[s:e], slot, fresh)
+                    for s, e, slot, fresh in self._spans(meta, slots)]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.out_proj(self._normed(out, z, mixed))
 
     def project(self, hidden: torch.Tensor):
         """The conv channels (q | k | v), z, b and a of each token."""
@@ -169,6 +169,16 @@ class GatedDeltaNet(nn.Module):
         self.conv_states.index_copy_(0, index, conv_states)
         self.recurrent_states.index_copy_(0, index, states)
         return out
+
+    def _normed(self, out: torch.Tensor, z: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """The rule's output [T, H, dv] normed and gated by z [T, H dv], as [T, H dv] of z's dtype:
+        in C where the kernels take the step (one pass over the values), else ``_gated_norm``."""
+        kernels = self._kernels(mixed)
+        if (kernels is not None and out.dtype == torch.float32 and out.is_contiguous() and z.dim() == 2
+                and z.stride(-1) == 1 and self.norm_weight.dtype == z.dtype == mixed.dtype):
+            return kernels.gated_norm(out, z, self.norm_weight, self.eps)
+        out = self._gated_norm(out.to(z.dtype), z.reshape(-1, self.num_v_heads, self.v_dim))
+        return out.reshape(z.shape[0], -1)
 
     def _gated_norm(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's values (float32), times w, times SiLU(z)."""
