@@ -93,7 +93,8 @@ class GatedDeltaKernels:
                                     states.data_ptr(), out.data_ptr(), torch.get_num_threads()), "gdn_decode")
         return out
 
-    def gated_norm(self, rule: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def gated_norm(self, rule: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
         """``GatedDeltaNet._gated_norm`` of the rule's output: ``rule`` float32 [T, H, dv]
         contiguous, ``z`` [T, H * dv] of the model's dtype (last dimension contiguous), ``weight``
         [dv] of that dtype. Returns [T, H * dv] of z's dtype, contiguous."""
