@@ -217,8 +217,13 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        turned = apply_rotary(x[..., : self.rotary_dim].contiguous(), cos, sin)
-        return torch.cat((turned, x[..., self.rotary_dim :]), dim=-1)
+        """The first ``rotary_dim`` of each head of ``x`` (the norm's fresh output) rotated in place:
+        the CPU kernel rotates the strided view itself, the torch form's result is copied back."""
+        part = x[..., : self.rotary_dim]
+        turned = apply_rotary(part, cos, sin)
+        if turned is not part:
+            part.copy_(turned)
+        return x
 
 
 class Qwen3_5DecoderLayer(nn.Module):
