@@ -82,4 +82,19 @@ def test_the_gated_delta_comparison_runs_on_the_tiny_shape(capsys):
     assert gated_delta.main(["--shape", "qwen3.5-tiny", "--batch", "1", "3", "--slots", "4",
                              "--prompt", "70", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 + 2 + 1 and all("x  (max diff" in line for line in lines[1:])
+    assert len(lines) == 1 + 2 + 1 + 1 and all("x  (max diff" in line for line in lines[1:])
+    assert lines[-1].startswith("norm ")  # the gated norm, torch against C
+
+
+def test_the_hybrid_prefill_comparison_runs_on_the_tiny_shape(tmp_path, capsys):
+    from kvserve.benchmarks.scale import hybrid_prefill
+    from kvserve.engine.models.qwen3_5 import GatedDeltaNet
+    from kvserve.testing.random_model import write_random_model
+
+    model = write_random_model("qwen3.5-tiny", tmp_path / "m")
+    figures = hybrid_prefill.main(["--model", str(model), "--prompt", "40", "--chunks", "16", "40",
+                                   "--norm-ab", "--rounds", "1"])
+    assert [(a["chunk"], a["norm"]) for a in figures["arms"]] == [(16, "C"), (16, "torch"), (40, "C"),
+                                                                  (40, "torch")]
+    assert all(a["tok_s"] > 0 for a in figures["arms"]) and len(capsys.readouterr().out.splitlines()) == 4
+    assert GatedDeltaNet._normed is hybrid_prefill.NORMED  # the layer's own again
