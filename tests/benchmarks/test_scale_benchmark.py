@@ -30,6 +30,9 @@ def test_the_harness_takes_its_flags_for_llama_server_and_vllm(tmp_path):
     assert parsed.prompt_len == (64, 400)
     parsed = parse(scale.harness_args(args, tmp_path, [("vllm", "--vllm-model", tmp_path)]))
     assert parsed.systems == ["kvserve", "vllm"] and parsed.vllm_model == str(tmp_path)
+    args.max_step_time_ms, args.max_num_batched_tokens = 0.0, 1024  # kvserve's step bound and budget
+    parsed = parse(scale.harness_args(args, model, [("llama.cpp", "--llama-gguf", model)]))
+    assert parsed.kvserve_flags == "--max-step-time-ms=0.0" and parsed.max_num_batched_tokens == 1024
 
 
 def test_kvserve_may_serve_the_checkpoint_beside_llama_servers_gguf(tmp_path):
