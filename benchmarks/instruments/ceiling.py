@@ -51,14 +51,26 @@ def best_time(fn: Callable[[], object], device: torch.device, repeats: int = 5) 
     return best
 
 
-def projection_shapes(hf_config) -> list[tuple[int, int]]:
-    """(out_features, in_features) of one decoder layer's four projections, one rank, no TP."""
+def projection_shapes(hf_config, layer: int = 0) -> list[tuple[int, int]]:
+    """(out_features, in_features) of decoder layer ``layer``'s four projections, one rank, no TP.
+    In a linear-attention hybrid (``layer_types`` naming ``linear_attention``: Qwen3.5, Qwen3-Next)
+    a linear layer's are its in-projection (conv channels, z, b and a) and out-projection, and a
+    full-attention layer's q projection also gives the output gate (twice the heads)."""
     hidden = hf_config.hidden_size
+    inter = hf_config.intermediate_size
+    mlp = [(2 * inter, hidden), (hidden, inter)]
+    kinds = getattr(hf_config, "layer_types", None) or ()
+    if "linear_attention" in kinds:
+        values = hf_config.linear_num_value_heads * hf_config.linear_value_head_dim
+        if kinds[layer] == "linear_attention":
+            keys = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
+            return [(2 * keys + 2 * values + 2 * hf_config.linear_num_value_heads, hidden), (hidden, values),
+                    *mlp]
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q = hf_config.num_attention_heads * head_dim
     kv = hf_config.num_key_value_heads * head_dim
-    inter = hf_config.intermediate_size
-    return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
+    gated = 2 if "linear_attention" in kinds else 1
+    return [(gated * q + 2 * kv, hidden), (hidden, q), *mlp]
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -81,13 +93,12 @@ class MatmulCeiling:
                  plain: bool = False):
         self.device = torch.device(device)
         self.dtype = dtype
-        shapes = projection_shapes(hf_config)
-
         def make(*shape):  # (weight, its blocked copy or None)
             w = torch.randn(*shape, dtype=dtype, device=self.device) * 0.02
             return w, None if plain else pack_weight(w)
 
-        self.layers = [[make(*s) for s in shapes] for _ in range(hf_config.num_hidden_layers)]
+        self.layers = [[make(*s) for s in projection_shapes(hf_config, i)]
+                       for i in range(hf_config.num_hidden_layers)]
         self.lm_head = make(hf_config.vocab_size, hf_config.hidden_size)
         self.hidden = hf_config.hidden_size
         self._layers_s: dict[int, float] = {}
@@ -107,7 +118,7 @@ class MatmulCeiling:
     def measure_layers(self, rows: int) -> float:
         """``layers_time`` measured afresh: for a caller that interleaves it with its own timings."""
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype, device=self.device)
-                  for w, _ in self.layers[0]}
+                  for layer in self.layers for w, _ in layer}
 
         def run() -> None:
             for layer in self.layers:

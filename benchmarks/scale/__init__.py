@@ -27,7 +27,7 @@ SHAPES = ("smollm2-1.7b", "llama-3.2-1b", "llama-3.2-3b", "qwen3-1.7b", "gemma3-
 # the tiny shape checks the flow in seconds; its vocabulary is the bundled tokenizer's, as Gemma 3's is
 CUT_VOCABULARY = ("gemma3-1b", "qwen3.5-tiny")
 # kvserve's limits passed on when given (8k-token prompts at 16 streams need more than the defaults)
-ENGINE_LIMITS = ("max_model_len", "max_num_seqs", "kv_cache_memory")
+ENGINE_LIMITS = ("max_model_len", "max_num_seqs", "kv_cache_memory", "max_num_batched_tokens")
 
 
 def checkpoint(shape: str, work: Path) -> Path:
@@ -86,7 +86,9 @@ def harness_args(args: argparse.Namespace, ours: Path, peers: list[tuple[str, st
             "--output-len", args.output_len,
             "--dtype", "bfloat16", *(["--json", f"{args.json}.{'.'.join(names)}.json"] if args.json else []),
             *[f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_LIMITS
-              if getattr(args, name, None) is not None]]
+              if getattr(args, name, None) is not None],
+            *([f"--kvserve-flags=--max-step-time-ms={args.max_step_time_ms}"]
+              if getattr(args, "max_step_time_ms", None) is not None else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, help="kvserve's (default: the model's, capped at 8192)")
     ap.add_argument("--max-num-seqs", type=int, help="kvserve's sequences at once")
     ap.add_argument("--kv-cache-memory", type=float, help="kvserve's KV (and state) cache, GiB")
+    ap.add_argument("--max-step-time-ms", type=float,
+                    help="kvserve's step time bound (default: the CPU's 500 ms; 0: none)")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="kvserve's token budget of a step")
     ap.add_argument("--with-vllm", action="store_true", help="also the bf16 checkpoint: kvserve against vLLM")
     ap.add_argument("--json", help="results to <JSON>.<peers>.json "
                     "(llama.cpp; vllm; llama.cpp.vllm for one run of both)")

@@ -8,7 +8,9 @@ projection and before its gated norm:
 - decode: ``--batch`` sequences, one token each, on scattered rows of a state cache of
   ``--slots`` rows (torch: gathered, stepped, written back; C: in place), ms per step;
 - prefill: one fresh prompt of each ``--prompt`` length (torch: the chunked WY form; C: the
-  recurrent form in strips), tokens per second.
+  recurrent form in strips), tokens per second;
+- the gated norm after the rule (``GatedDeltaNet._normed``) on each ``--prompt`` length's rule
+  output (torch: ``_gated_norm``'s dozen passes; C: ``gdn_gated_norm``), tokens per second.
 
 The two paths alternate, ``--repeats`` times each; each figure is the fastest of its repeats, and
 the ratio torch / C is printed beside the largest difference between their outputs.
@@ -125,6 +127,19 @@ def main(argv: list[str] | None = None) -> int:
             figures["prefill"].append({"tokens": tokens, "torch_tok_s": tokens / t, "c_tok_s": tokens / c,
                                        "ratio": t / c})
             print(f"prefill {tokens:>5} tokens: torch {tokens / t:9.0f} tok/s  C {tokens / c:9.0f} tok/s  "
+                  f"C/torch {t / c:5.2f}x  (max diff {diff:.1e})", flush=True)
+        figures["gated_norm"] = []
+        for tokens in args.prompt:
+            gen = torch.Generator().manual_seed(tokens)
+            rule = torch.randn(tokens, layer.num_v_heads, layer.v_dim, generator=gen)
+            z = torch.randn(tokens, layer.num_v_heads * layer.v_dim, generator=gen).to(dtype)
+            mixed = torch.empty(tokens, layer.conv_size, dtype=dtype)  # _normed reads only its shape, dtype
+            norm = functools.partial(layer._normed, rule, z, mixed)
+            diff = difference(layer, norm, switch)
+            t, c = race(norm, switch, args.repeats)
+            figures["gated_norm"].append({"tokens": tokens, "torch_tok_s": tokens / t, "c_tok_s": tokens / c,
+                                          "ratio": t / c})
+            print(f"norm    {tokens:>5} tokens: torch {tokens / t:9.0f} tok/s  C {tokens / c:9.0f} tok/s  "
                   f"C/torch {t / c:5.2f}x  (max diff {diff:.1e})", flush=True)
     write_json(args.json, figures)
     return 0

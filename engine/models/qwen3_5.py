@@ -145,8 +145,7 @@ class GatedDeltaNet(nn.Module):
             out = self._decode_rows(mixed, g, beta, slots)
         else:
             out = self._mixed_step(mixed, g, beta, meta, slots)
-        out = self._gated_norm(out.to(hidden.dtype), z.reshape(-1, self.num_v_heads, self.v_dim))
-        return self.out_proj(out.reshape(hidden.shape[0], -1))
+        return self.out_proj(self._normed(out, z, mixed))
 
     def project(self, hidden: torch.Tensor):
         """The conv channels (q | k | v), z, b and a of each token."""
@@ -264,6 +263,16 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_states.index_copy_(0, index, states)
         return out
 
+    def _normed(self, out: torch.Tensor, z: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """The rule's output [T, H, dv] normed and gated by z [T, H dv], as [T, H dv] of z's dtype:
+        in C where the kernels take the step (one pass over the values), else ``_gated_norm``."""
+        kernels = self._kernels(mixed)
+        if (kernels is not None and out.dtype == torch.float32 and out.is_contiguous() and z.dim() == 2
+                and z.stride(-1) == 1 and self.norm_weight.dtype == z.dtype == mixed.dtype):
+            return kernels.gated_norm(out, z, self.norm_weight, self.eps)
+        out = self._gated_norm(out.to(z.dtype), z.reshape(-1, self.num_v_heads, self.v_dim))
+        return out.reshape(z.shape[0], -1)
+
     def _gated_norm(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's values (float32), times w, times SiLU(z)."""
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
@@ -301,8 +310,13 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        turned = apply_rotary(x[..., : self.rotary_dim].contiguous(), cos, sin)
-        return torch.cat((turned, x[..., self.rotary_dim :]), dim=-1)
+        """The first ``rotary_dim`` of each head of ``x`` (the norm's fresh output) rotated in place:
+        the CPU kernel rotates the strided view itself, the torch form's result is copied back."""
+        part = x[..., : self.rotary_dim]
+        turned = apply_rotary(part, cos, sin)
+        if turned is not part:
+            part.copy_(turned)
+        return x
 
 
 class Qwen3_5DecoderLayer(nn.Module):

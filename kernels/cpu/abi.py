@@ -59,6 +59,7 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "gdn_conv": [_P, _I64, _I32, _P, _P, _I32, _I32, _I32, _P, _I32],
     "gdn_prefill": [_P, _I64, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _P, _P, _I32],
     "gdn_decode": [_P, _I64, _I32, _P, _P, _I32, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _P, _P, _I32],
+    "gdn_gated_norm": [_P, _P, _I64, _P, _I32, _I32, _I32, _F32, _I32, _P, _I32],
 }
 
 

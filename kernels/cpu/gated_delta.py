@@ -9,6 +9,8 @@ torch forms elsewhere (and where these kernels refuse a shape).
   triangular solves).
 - ``decode``: one token of each sequence from the input projection: the convolution step and the
   rule, on the rows of the state cache in place (no gather and scatter of the slots' states).
+- ``gated_norm``: the layer's RMSNorm gated by SiLU(z) on the rule's float32 output, one pass
+  (torch's form ran a dozen over the prompt's values, as long as the in-projection's GEMM).
 """
 
 from __future__ import annotations
@@ -89,6 +91,18 @@ class GatedDeltaKernels:
                                     slots.data_ptr(), batch,
                                     g.data_ptr(), beta.data_ptr(), num_k_heads, heads, k_dim, v_dim,
                                     states.data_ptr(), out.data_ptr(), torch.get_num_threads()), "gdn_decode")
+        return out
+
+    def gated_norm(self, rule: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+        """``GatedDeltaNet._gated_norm`` of the rule's output: ``rule`` float32 [T, H, dv]
+        contiguous, ``z`` [T, H * dv] of the model's dtype (last dimension contiguous), ``weight``
+        [dv] of that dtype. Returns [T, H * dv] of z's dtype, contiguous."""
+        tokens, heads, v_dim = rule.shape
+        out = torch.empty(tokens, heads * v_dim, dtype=z.dtype)
+        _check(self._lib.gdn_gated_norm(rule.data_ptr(), z.data_ptr(), z.stride(0), weight.data_ptr(), tokens,
+                                        heads, v_dim, eps, DTYPES[z.dtype], out.data_ptr(),
+                                        torch.get_num_threads()), "gdn_gated_norm")
         return out
 
 

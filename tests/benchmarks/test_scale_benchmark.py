@@ -30,6 +30,9 @@ def test_the_harness_takes_its_flags_for_llama_server_and_vllm(tmp_path):
     assert parsed.prompt_len == (64, 400)
     parsed = parse(scale.harness_args(args, tmp_path, [("vllm", "--vllm-model", tmp_path)]))
     assert parsed.systems == ["kvserve", "vllm"] and parsed.vllm_model == str(tmp_path)
+    args.max_step_time_ms, args.max_num_batched_tokens = 0.0, 1024  # kvserve's step bound and budget
+    parsed = parse(scale.harness_args(args, model, [("llama.cpp", "--llama-gguf", model)]))
+    assert parsed.kvserve_flags == "--max-step-time-ms=0.0" and parsed.max_num_batched_tokens == 1024
 
 
 def test_kvserve_may_serve_the_checkpoint_beside_llama_servers_gguf(tmp_path):
@@ -82,7 +85,8 @@ def test_the_gated_delta_comparison_runs_on_the_tiny_shape(capsys):
     assert gated_delta.main(["--shape", "qwen3.5-tiny", "--batch", "1", "3", "--slots", "4",
                              "--prompt", "70", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 + 2 + 1 and all("x  (max diff" in line for line in lines[1:])
+    assert len(lines) == 1 + 2 + 1 + 1 and all("x  (max diff" in line for line in lines[1:])
+    assert lines[-1].startswith("norm ")  # the gated norm, torch against C
 
 
 def test_the_hybrid_verification_comparison_runs_on_the_tiny_shape(capsys):
@@ -93,3 +97,17 @@ def test_the_hybrid_verification_comparison_runs_on_the_tiny_shape(capsys):
                                "--slots", "4", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 + 2 * 3 and all(line.endswith("(same states: True)") for line in lines[1:])
+
+
+def test_the_hybrid_prefill_comparison_runs_on_the_tiny_shape(tmp_path, capsys):
+    from kvserve.benchmarks.scale import hybrid_prefill
+    from kvserve.engine.models.qwen3_5 import GatedDeltaNet
+    from kvserve.testing.random_model import write_random_model
+
+    model = write_random_model("qwen3.5-tiny", tmp_path / "m")
+    figures = hybrid_prefill.main(["--model", str(model), "--prompt", "40", "--chunks", "16", "40",
+                                   "--norm-ab", "--rounds", "1"])
+    assert [(a["chunk"], a["norm"]) for a in figures["arms"]] == [(16, "C"), (16, "torch"), (40, "C"),
+                                                                  (40, "torch")]
+    assert all(a["tok_s"] > 0 for a in figures["arms"]) and len(capsys.readouterr().out.splitlines()) == 4
+    assert GatedDeltaNet._normed is hybrid_prefill.NORMED  # the layer's own again

@@ -254,3 +254,49 @@ int gdn_decode(const void *mixed, int64_t row_stride, int dtype, const void *con
     }
     return 0;
 }
+
+/* v rounded to dtype in place (bfloat16: nearest even, as from_float; a NaN stays a quiet NaN) */
+static inline void round_row(float *restrict v, int n, int dtype) {
+    if (dtype != DTYPE_BF16) return;
+    for (int i = 0; i < n; ++i) {
+        bits32 x = {.f = v[i]};
+        const uint32_t rounded = ((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16) << 16;
+        x.u = (x.u & 0x7fffffffu) > 0x7f800000u ? (x.u | 0x400000u) & 0xffff0000u : rounded;
+        v[i] = x.f;
+    }
+}
+
+/* The layer's gated RMSNorm after the rule, each rounding where torch's form rounds
+ * (GatedDeltaNet._gated_norm): per token t and value head h, x = round(rule[t, h]) (the rule's
+ * float32 output in the model's dtype), n = round(x / rms(x)), out = round(round(w n) SiLU(z)).
+ * rule float32 [T, H, dv] contiguous; z [T] rows z_stride elements apart of dtype, [H, dv] each;
+ * w [dv] of dtype; out [T, H dv] of dtype, contiguous. Items: (token, head) rows. */
+int gdn_gated_norm(const float *rule, const void *z, int64_t z_stride, const void *w, int T, int H, int dv,
+                   float eps, int dtype, void *out, int num_threads) {
+    if (T < 0 || H < 1 || dv < 1 || dv > GDN_MAX_GROUP_VALUES) return 1;
+    const int elem = elem_size(dtype);
+    float wf[GDN_MAX_GROUP_VALUES];
+    to_float(w, dtype, wf, dv);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t row = 0; row < (int64_t)T * H; ++row) {
+        const int64_t t = row / H, h = row % H;
+        float x[GDN_MAX_GROUP_VALUES], g[GDN_MAX_GROUP_VALUES], lanes[16] = {0};
+        memcpy(x, rule + row * dv, sizeof(float) * (size_t)dv);
+        round_row(x, dv, dtype);
+        int i = 0;
+        for (; i + 16 <= dv; i += 16)
+            for (int l = 0; l < 16; ++l) lanes[l] += x[i + l] * x[i + l];
+        for (; i < dv; ++i) lanes[0] += x[i] * x[i];
+        float ss = 0.f;
+        for (int l = 0; l < 16; ++l) ss += lanes[l];
+        const float r = 1.f / sqrtf(ss / (float)dv + eps);
+        for (i = 0; i < dv; ++i) x[i] *= r;
+        round_row(x, dv, dtype);
+        for (i = 0; i < dv; ++i) x[i] *= wf[i];
+        round_row(x, dv, dtype);
+        to_float((const char *)z + (t * z_stride + h * dv) * elem, dtype, g, dv);
+        for (i = 0; i < dv; ++i) x[i] *= g[i] / (1.f + fast_exp(-g[i]));
+        from_float(x, 1.f, dtype, (char *)out + row * dv * elem, dv);
+    }
+    return 0;
+}

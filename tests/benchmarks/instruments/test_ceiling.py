@@ -52,3 +52,21 @@ def test_matmul_ceiling_measures_each_row_count_once_and_reads_the_ladder_betwee
     low, high = ceiling.decode_step_time(32), ceiling.decode_step_time(48)
     assert between == pytest.approx(low + (high - low) * (40 - 32) / (48 - 32))
     assert sorted(ceiling._layers_s) == sorted(ceiling._head_s) == [1, 32, 48]  # 40 itself never measured
+
+
+def test_hybrid_projection_shapes_are_transformers_own():
+    """A Qwen3.5 ceiling multiplies what each layer multiplies: the linear layers' in- and
+    out-projections (summed over transformers' in_proj_qkv/z/b/a), the full-attention layers' q with
+    its output gate; weights counted against a transformers model of the tiny shape."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from kvserve.testing.random_model import make_config
+
+    config = make_config("qwen3.5-tiny")
+    model = hf.Qwen3_5ForCausalLM(config)
+    for i, layer in enumerate(model.model.layers):
+        mixer = layer.linear_attn if config.layer_types[i] == "linear_attention" else layer.self_attn
+        linears = [m for m in [*mixer.modules(), *layer.mlp.modules()]
+                   if isinstance(m, torch.nn.Linear)]
+        want = sum(m.weight.numel() for m in linears)
+        assert sum(o * k for o, k in projection_shapes(config, i)) == want, i

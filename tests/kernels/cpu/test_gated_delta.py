@@ -153,3 +153,32 @@ def test_the_layer_runs_the_kernels_on_the_cpu_and_its_torch_forms_give_the_same
     tol = dict(atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(layer._sequence(mixed[:69], g[:69], beta[:69], 2, True), got, **tol)
     torch.testing.assert_close(layer._decode(mixed[69:], g[69:], beta[69:], [2]), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_norm_equals_the_layers_torch_form(dtype):
+    """gdn_gated_norm against GatedDeltaNet._gated_norm on the same rule output, z a strided view
+    of a wider projection (as the layer's split gives it), 37 tokens (odd, so the threads' rows
+    split unevenly): bfloat16 rounds where torch rounds, so they differ by at most one bfloat16 step
+    where the sum of squares or SiLU's exp rounded differently."""
+    from types import SimpleNamespace
+
+    from kvserve.engine.models.qwen3_5 import GatedDeltaNet
+
+    gen = torch.Generator().manual_seed(21)
+    rule = torch.randn(37, H, DV, generator=gen) * 3
+    wide = torch.randn(37, H * DV + 9, generator=gen).to(dtype)
+    z = wide[:, 5:5 + H * DV]
+    weight = (torch.randn(DV, generator=gen) * 0.5 + 1).to(dtype)
+    got = KERNELS.gated_norm(rule, z, weight, 1e-6)
+    layer = SimpleNamespace(norm_weight=weight, eps=1e-6)
+    want = GatedDeltaNet._gated_norm(layer, rule.to(dtype), z.reshape(37, H, DV)).reshape(37, -1)
+    assert got.dtype == dtype and got.shape == (37, H * DV)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    else:
+        step = want.float().abs().clamp_min(1e-3) * 2**-7  # one bfloat16 step
+        assert ((got.float() - want.float()).abs() <= step).all()
+        assert (got == want).float().mean() > 0.99  # and almost all the same bits
+    with pytest.raises(RuntimeError, match="shape it does not take"):
+        KERNELS.gated_norm(torch.zeros(2, H, 8192), torch.zeros(2, H * 8192), torch.zeros(8192), 1e-6)
