@@ -48,7 +48,7 @@ class KQuantKernels:
     def __init__(self, lib):
         self._lib = lib
         self.isa = lib.kq_isa()
-        self._gemm_types = (lib.kq_gemm_types(0), lib.kq_gemm_types(1), lib.kq_gemm_types(2))
+        self._gemm_types = tuple(lib.kq_gemm_types(which) for which in range(4))
         self._q4_0 = _code("GGML_Q4_0")
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +83,12 @@ class KQuantKernels:
         block dots (``matmul``) than by dequantized bfloat16 panels here (CPUs without AVX512-BF16,
         whose bfloat16 GEMM runs in float32)."""
         return bool(self._gemm_types[2] >> (ggml_type - self._q4_0) & 1)
+
+    def gemm_alike(self, ggml_type: int) -> bool:
+        """Whether ``gemm`` computes each row of ``ggml_type`` bit for bit as the block dots
+        (``matmul``) do (AVX512-VNNI's K-quants: one canonical order of sums), so that a product may
+        take either at any row count and every row is the same."""
+        return bool(self._gemm_types[3] >> (ggml_type - self._q4_0) & 1)
 
     def gemm(self, weight: torch.Tensor, ggml_type: int, k: int, act: torch.Tensor, out: torch.Tensor,
              bias: torch.Tensor | None = None) -> None:
