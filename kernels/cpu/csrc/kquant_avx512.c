@@ -107,17 +107,19 @@ static inline __m256 k_step(__m512i totals, int q6, __m256 d, __m256 dmin, __m25
     return _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), dmin, _mm256_mul_ps(_mm256_cvtepi32_ps(s), d)), ad, acc);
 }
 
-/* the 8 values of a float field of rows (or superblocks) `stride` bytes apart, 0 past n */
+/* the 8 floats at p, p + stride, ... (bytes), 0 past the first n */
 static inline __m256 gather8(const void *p, int64_t stride, int n) {
-    float f[8] = {0};
-    for (int u = 0; u < n; ++u) memcpy(&f[u], (const char *)p + u * stride, 4);
-    return _mm256_loadu_ps(f);
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)stride));
+    return _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), (__mmask8)((1u << n) - 1), idx, p, 1);
 }
 
-static inline __m256 halves8(const uint8_t *p, int64_t stride, int n) {
-    uint16_t h[8] = {0};
-    for (int u = 0; u < n; ++u) memcpy(&h[u], p + u * stride, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+/* the float16 in the high half of the 32-bit words at p, p + stride, ... (high: the word may
+ * start before the half, never end past it), 0 past the first n; low: the low halves */
+static inline __m256 halves8(const uint8_t *p, int64_t stride, int n, int high) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)stride));
+    __m256i words = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), (__mmask8)((1u << n) - 1), idx, p, 1);
+    if (high) words = _mm256_srli_epi32(words, 16);
+    return _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
 }
 
 /* Q4_K, and Q5_K where five, superblock i's units for R rows: a 32-byte chunk's low then high
@@ -218,7 +220,8 @@ KQ_ROWS_FN k_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k
         _mm256_storeu_ps(out, acc);
         return;
     }
-    float acc[KQ_ROWS] = {0};
+    __m128 acc[KQ_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
     for (int i0 = 0; i0 < nsb; i0 += 8) {
         const int n = nsb - i0 < 8 ? nsb - i0 : 8;
         __m512i unit[KQ_ROWS][8];
@@ -231,8 +234,10 @@ KQ_ROWS_FN k_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k
             if (q6) q6_units(blk, a + i0 + ii, row_blocks, R, &unit[0][ii], 8);
             else k45_units(blk, a + i0 + ii, row_blocks, R, type, &unit[0][ii], 8);
         }
+        /* d (and dmin) of the 8 superblocks: Q4_K/Q5_K's the two halves of their first word, Q6_K's
+         * the high half of the word at 206 (a word at 208 would end past the block) */
         const uint8_t *blk0 = w + (int64_t)bytes * i0;
-        const __m256 d = halves8(blk0 + (q6 ? 208 : 0), bytes, n), dmin = q6 ? d : halves8(blk0 + 2, bytes, n);
+        const __m256 d = halves8(blk0 + (q6 ? 206 : 0), bytes, n, q6), dmin = q6 ? d : halves8(blk0, bytes, n, 1);
         for (int r = 0; r < R; ++r) {
             float t[8], ad[8];
             const __m256 adv = gather8(&a[r * row_blocks + i0].d, ab, n);
@@ -242,11 +247,11 @@ KQ_ROWS_FN k_rows(const uint8_t *w, const kq_act_t *a, int64_t row_blocks, int k
             _mm256_storeu_ps(ad, q6 ? _mm256_mul_ps(adv, d) : adv);
             _mm256_storeu_ps(t, q6 ? _mm256_cvtepi32_ps(_mm256_add_epi32(s, m))
                                    : _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), dmin, _mm256_mul_ps(_mm256_cvtepi32_ps(s), d)));
-            for (int ii = 0; ii < n; ++ii)
-                acc[r] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(t[ii]), _mm_set_ss(ad[ii]), _mm_set_ss(acc[r])));
+            for (int ii = 0; ii < n; ++ii) /* lane 0 is the row's sum (the others: t's, unused) */
+                acc[r] = _mm_fmadd_ss(_mm_load_ss(&t[ii]), _mm_load_ss(&ad[ii]), acc[r]);
         }
     }
-    for (int r = 0; r < R; ++r) out[r] = acc[r];
+    for (int r = 0; r < R; ++r) out[r] = _mm_cvtss_f32(acc[r]);
 }
 
 KQ_ONE_AND_MANY(q8_0, q8_0_rows, KQ_ROWS)
