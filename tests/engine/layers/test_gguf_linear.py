@@ -13,8 +13,14 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.layers.gguf_linear import (GEMM_FROM_ROWS, PANEL_FROM_ROWS, GGUFTensor, GGUFWeight, gemm_from_rows,
-                                               gemm_takes)
+from kvserve.engine.layers.gguf_linear import (
+    GEMM_FROM_ROWS,
+    PANEL_FROM_ROWS,
+    GGUFTensor,
+    GGUFWeight,
+    gemm_from_rows,
+    gemm_takes,
+)
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.runner.model_runner import ModelRunner
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
@@ -214,7 +220,12 @@ def test_prefill_rows_take_the_int8_gemm_or_dequantized_panels_and_decode_rows_t
         want = x.double() @ dense.T
         taken = []
         real = type(kernels).gemm
-        type(kernels).gemm = lambda self, *a, **kw: (taken.append(rows), real(self, *a, **kw))[1]
+
+        def counted(self, *args, _taken=taken, _real=real, **kwargs):
+            _taken.append(True)
+            return _real(self, *args, **kwargs)
+
+        type(kernels).gemm = counted
         try:
             got = weight.linear(x).double()
         finally:

@@ -264,12 +264,13 @@ def test_a_decode_row_beside_a_prefill_chunk_in_the_gemm_gives_its_logits_alone(
     n = len(a)
     runner.execute_model(ModelInput(input_ids=a, positions=list(range(n)), query_lens=[n], context_lens=[n],
                                     block_tables=[[0]], slot_mapping=list(range(n)), logits_indices=[n - 1]))
-    alone = runner.execute_model(ModelInput(input_ids=[8], positions=[n], query_lens=[1], context_lens=[n + 1],
-                                            block_tables=[[0]], slot_mapping=[n], logits_indices=[0]))[0]
+    alone = runner.execute_model(ModelInput(input_ids=[8], positions=[n], query_lens=[1],
+                                            context_lens=[n + 1], block_tables=[[0]], slot_mapping=[n],
+                                            logits_indices=[0]))[0]
     both = runner.execute_model(ModelInput(
         input_ids=[8] + b, positions=[n] + list(range(len(b))), query_lens=[1, len(b)],
-        context_lens=[n + 1, len(b)], block_tables=[[0], [1, 2, 3]], slot_mapping=[n] + list(range(16, 16 + len(b))),
-        logits_indices=[0, len(b)]))
+        context_lens=[n + 1, len(b)], block_tables=[[0], [1, 2, 3]],
+        slot_mapping=[n] + list(range(16, 16 + len(b))), logits_indices=[0, len(b)]))
     runner.shutdown()
     assert both.shape[0] == 2
     if alike:
