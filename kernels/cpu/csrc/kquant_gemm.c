@@ -260,54 +260,19 @@ static inline int64_t k_super_bytes(int q6) {
     return (KQ_BLOCK / S) * ((int64_t)S * KG_LANES + 4 * KG_LANES) + (k_pairs(q6) + 2) * 4 * KG_LANES;
 }
 
-/* a 16-row panel superblock's values, rows in order (vals[r]: 256 bytes), into the panel's runs:
- * per sub-block of S values, D = S / 4 dwords a row; run c (64 bytes) takes dword c of each row.
- * One vector holds 16 / D rows' dwords of a sub-block, and each run is D masked permutes of them. */
-static inline void interleave_k(const uint8_t vals[KG_LANES][KQ_BLOCK], int S, uint8_t *P, int64_t sub) {
-    const int D = S / 4, per = KG_LANES / D; /* rows a vector */
-    __m512i idx[8];
-    for (int c = 0; c < D; ++c) {
-        int32_t t[16];
-        for (int r = 0; r < 16; ++r) t[r] = (r % per) * D + c;
-        idx[c] = _mm512_loadu_si512(t);
-    }
-    for (int s = 0; s < KQ_BLOCK / S; ++s) {
-        __m512i in[8];
-        for (int p = 0; p < D; ++p) {
-            if (D == 8) {
-                in[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(vals[2 * p] + S * s))),
-                                           _mm256_loadu_si256((const __m256i *)(vals[2 * p + 1] + S * s)), 1);
-            } else {
-                in[p] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(
-                    _mm_loadu_si128((const __m128i *)(vals[4 * p] + S * s))),
-                    _mm_loadu_si128((const __m128i *)(vals[4 * p + 1] + S * s)), 1),
-                    _mm_loadu_si128((const __m128i *)(vals[4 * p + 2] + S * s)), 2),
-                    _mm_loadu_si128((const __m128i *)(vals[4 * p + 3] + S * s)), 3);
-            }
-        }
-        uint8_t *B = P + s * sub;
-        for (int c = 0; c < D; ++c) {
-            __m512i run = _mm512_setzero_si512();
-            for (int p = 0; p < D; ++p)
-                run = _mm512_mask_permutexvar_epi32(run, (__mmask16)(((1u << per) - 1) << (p * per)), idx[c], in[p]);
-            _mm512_store_si512(B + 64 * c, run);
-        }
-    }
-}
-
 static void pack_panel_k(const uint8_t *w, int64_t row_bytes, int type, int n0, int n_out, int nsb, uint8_t *panel) {
     const int q6 = type == GGML_Q6_K, S = q6 ? 16 : 32, subs = KQ_BLOCK / S, pairs = k_pairs(q6);
     const int64_t sub = (int64_t)S * KG_LANES + 4 * KG_LANES;
-    uint8_t vals[KG_LANES][KQ_BLOCK] __attribute__((aligned(64)));
-    for (int64_t i = 0; i < nsb; ++i) {
-        uint8_t *P = panel + i * k_super_bytes(q6);
-        for (int r = 0; r < KG_LANES; ++r) {
+    for (int r = 0; r < KG_LANES; ++r) {
+        uint8_t v[KQ_BLOCK];
+        float scale[16], minimum[16];
+        for (int64_t i = 0; i < nsb; ++i) {
             int sc[16] = {0}, mn[8] = {0};
-            float d = 0.f, dmin = 0.f, scale[16], minimum[16];
-            memset(vals[r], 0, KQ_BLOCK);
+            float d = 0.f, dmin = 0.f;
+            memset(v, 0, sizeof v);
             if (n0 + r < n_out) {
                 const uint8_t *row = w + (int64_t)(n0 + r) * row_bytes;
-                unpack_superblock(row, type, i, vals[r], scale, minimum);
+                unpack_superblock(row, type, i, v, scale, minimum);
                 if (q6) {
                     const uint8_t *blk = row + 210 * i;
                     d = half_of(blk + 208);
@@ -318,7 +283,12 @@ static void pack_panel_k(const uint8_t *w, int64_t row_bytes, int type, int n0, 
                     for (int j = 0; j < 8; ++j) kq_scale_min(j, blk + 4, &sc[j], &mn[j]);
                 }
             }
-            for (int s = 0; s < subs; ++s) ((int32_t *)(P + s * sub + (int64_t)S * KG_LANES))[r] = sc[s];
+            uint8_t *P = panel + i * k_super_bytes(q6);
+            for (int s = 0; s < subs; ++s) {
+                uint8_t *B = P + s * sub;
+                for (int c = 0; c < S / 4; ++c) memcpy(B + (int64_t)c * 4 * KG_LANES + 4 * r, v + S * s + 4 * c, 4);
+                ((int32_t *)(B + (int64_t)S * KG_LANES))[r] = sc[s];
+            }
             int16_t *pairs16 = (int16_t *)(P + subs * sub);
             for (int q = 0; q < pairs; ++q) {
                 pairs16[2 * (q * KG_LANES + r)] = (int16_t)(q6 ? 32 * sc[2 * q] : mn[2 * q]);
@@ -328,7 +298,6 @@ static void pack_panel_k(const uint8_t *w, int64_t row_bytes, int type, int n0, 
             f[r] = d;
             f[KG_LANES + r] = dmin;
         }
-        interleave_k((const uint8_t(*)[KQ_BLOCK])vals, S, P, sub);
     }
 }
 
