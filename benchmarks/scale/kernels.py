@@ -124,12 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     n_out, k = (int(v) for v in args.shape.split("x"))
     kernels = kquant_kernels()
-    print(f"{n_out} x {k}, {torch.get_num_threads()} threads, dots: {kernels.isa or 'portable'}")
     from kvserve.engine.layers.gguf_linear import GEMM_FROM_ROWS
 
     peak = 2 * kernels.vnni_peak() / 1e9  # the int8 peak of this run: a tight vpdpbusd loop on every thread
-    if peak:
-        print(f"vpdpbusd peak, same run: {peak:.0f} GOP/s ({torch.get_num_threads()} threads)")
+    print(f"{n_out} x {k}, {torch.get_num_threads()} threads, dots: {kernels.isa or 'portable'}"
+          + (f", vpdpbusd peak this run {peak:.0f} GOP/s" if peak else ""))
     for name in args.types.split(","):
         ggml_type = NAMES[name]
         for rows in (int(r) for r in args.rows.split(",")):
