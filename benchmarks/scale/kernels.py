@@ -2,10 +2,12 @@
 same weights dequantized, in one run (``python -m kvserve.benchmarks.scale.kernels``): per format
 (Q4_K, Q6_K, Q8_0) and row count, milliseconds per product (activation quantization included),
 weight bytes per second and the ratio to ``cpu_matmul.linear`` on the dequantized bfloat16 weight
-(csrc/gemm.c's packed copy where it is built). From ``PANEL_FROM_ROWS`` rows it also times the two
-prefill paths of ``GGUFWeight.linear``: the int8 GEMM (csrc/kquant_gemm.c) and bfloat16 panels
+(csrc/gemm.c's packed copy where it is built). From ``GEMM_FROM_ROWS`` rows it also times the
+paths of ``GGUFWeight.linear``: the int8 GEMM (csrc/kquant_gemm.c), the dots and bfloat16 panels
 dequantized 256 rows at a time into the float GEMM, interleaved round by round (``--rounds``; the
-best round of each). Random valid blocks; run it on a quiet machine.
+best round of each), with the GEMM's int8 GOP/s against a tight vpdpbusd loop's in the same run
+and its parts (activation quantization, the panels' unpacking). Random valid blocks; run it on a
+quiet machine.
 """
 
 from __future__ import annotations
@@ -54,12 +56,14 @@ def best_of_interleaved(fns: dict, rounds: int) -> dict:
     return best
 
 
-def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: int, rounds: int) -> str:
-    """One line: a prefill chunk of ``rows`` rows by the int8 GEMM, by the few-row dots and by
+def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: int, rounds: int,
+                  peak: float = 0.0) -> str:
+    """One line: a product of ``rows`` rows by the int8 GEMM, by the few-row dots and by
     dequantized bfloat16 panels (what ``GGUFWeight.linear`` chooses between), milliseconds, best
-    of interleaved rounds."""
+    of interleaved rounds; the GEMM's int8 rate against ``peak`` (GOP/s of all threads: 2 per
+    multiply-add), and its parts: the activations' quantization, the panels' unpacking."""
     from kvserve.engine.layers.cpu_matmul import linear
-    from kvserve.engine.layers.gguf_linear import PANEL_ROWS, GGUFTensor
+    from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, PANEL_ROWS, GGUFTensor, gemm_from_rows
 
     weight = random_weight(ggml_type, n_out, k)
     x = torch.randn(rows, k).to(torch.bfloat16)
@@ -73,11 +77,23 @@ def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: 
 
     fns = {"panels": panels, "dots": lambda: kernels.matmul(weight, ggml_type, k, kernels.quantize(x), out)}
     if kernels.gemm_takes(ggml_type, preferred=False):
+        act = kernels.quantize(x)
         fns["gemm"] = lambda: kernels.gemm(weight, ggml_type, k, kernels.quantize(x), out)
+        # its parts: the activations' quantization, and the panels' unpacking (a 1-row product)
+        fns["quantize"] = lambda: kernels.quantize(x)
+        fns["unpack"] = lambda: kernels.gemm(weight, ggml_type, k, act[:1], out[:1])
     best = best_of_interleaved(fns, rounds)
     cells = ", ".join(f"{key} {t * 1e3:8.2f} ms" for key, t in best.items())
-    ratio = f": gemm {best['panels'] / best['gemm']:.2f}x the panels" if "gemm" in best else ""
-    chosen = "gemm" if kernels.gemm_takes(ggml_type) else "panels"
+    ratio = ""
+    if "gemm" in best:
+        ops = 2 * rows * n_out * k / best["gemm"] / 1e9
+        ratio = (f": gemm {best['panels'] / best['gemm']:.2f}x the panels, "
+                 f"{best['dots'] / best['gemm']:.2f}x the dots, {ops:.0f} int8 GOP/s"
+                 + (f" = {ops / peak:.0%} of the vpdpbusd peak" if peak else ""))
+    part = GGUFTensor(weight, ggml_type, (n_out, k))
+    gemm = kernels.gemm_takes(ggml_type) and k % 256 == 0 and rows >= gemm_from_rows(kernels, part)
+    dots = rows < PANEL_FROM_ROWS or kernels.dots_over_panels(ggml_type)
+    chosen = "gemm" if gemm else "dots" if dots else "panels"
     return f"{name} prefill rows {rows:4d}: {cells}{ratio} (linear takes {chosen})"
 
 
@@ -108,15 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     n_out, k = (int(v) for v in args.shape.split("x"))
     kernels = kquant_kernels()
-    print(f"{n_out} x {k}, {torch.get_num_threads()} threads, dots: {kernels.isa or 'portable'}")
-    from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS
+    from kvserve.engine.layers.gguf_linear import GEMM_FROM_ROWS
 
+    peak = 2 * kernels.vnni_peak() / 1e9  # the int8 peak of this run: a tight vpdpbusd loop on every thread
+    print(f"{n_out} x {k}, {torch.get_num_threads()} threads, dots: {kernels.isa or 'portable'}"
+          + (f", vpdpbusd peak this run {peak:.0f} GOP/s" if peak else ""))
     for name in args.types.split(","):
         ggml_type = NAMES[name]
         for rows in (int(r) for r in args.rows.split(",")):
             print(compare(kernels, name, ggml_type, n_out, k, rows, args.repeat), flush=True)
-            if rows >= PANEL_FROM_ROWS:
-                print(prefill_paths(kernels, name, ggml_type, n_out, k, rows, args.rounds), flush=True)
+            if rows >= GEMM_FROM_ROWS:
+                print(prefill_paths(kernels, name, ggml_type, n_out, k, rows, args.rounds, peak), flush=True)
     return 0
 
 

@@ -9,8 +9,9 @@ the file stores in another type arrives as floats and stays a dense part).
 
 In bfloat16 a product quantizes the activation rows once (per 256 values, int8, as llama.cpp
 does) and multiplies every part in its own format into its columns of the output: the few rows of
-a decode by the block dots, a prefill chunk (``PANEL_FROM_ROWS`` rows up) by the int8 GEMM where
-this CPU class takes it for the part's type (``gemm_takes``), else by dequantized bfloat16 panels
+a decode by the block dots, a prefill chunk (``PANEL_FROM_ROWS`` rows up; ``GEMM_FROM_ROWS`` for
+types whose GEMM rows are the dots' bits) by the int8 GEMM where this CPU class takes it for the
+part's type (``gemm_takes``), else by dequantized bfloat16 panels
 into the float GEMM where that GEMM has AVX512-BF16 and by the block dots where not
 (``dots_over_panels``). In float32, and at more rows
 than ``MAX_FUSED_ROWS`` on CPUs without AVX2 (the kernels' portable dots take fewer), it multiplies
@@ -37,10 +38,21 @@ PANEL_ROWS = 256  # output rows dequantized at a time where the float GEMM multi
 # dequantized panels into the float GEMM): the crossover with the block dots, measured at a 1.7B
 # projection (docs/design/gguf_kquants.md)
 PANEL_FROM_ROWS = 128
+# from this many rows a part whose type the int8 GEMM computes as the dots do, bit for bit
+# (``kernels.gemm_alike``: AVX512-VNNI's K-quants), takes the GEMM: the crossover measured at a
+# 1.7B projection (docs/design/gguf_kquants.md); the rows are alike on either side of it
+GEMM_FROM_ROWS = 32
 
 
 def ggml_name(ggml_type: int) -> str:
     return GGML_NAMES.get(ggml_type, f"ggml type {ggml_type}")
+
+
+def gemm_from_rows(kernels, part: GGUFTensor) -> int:
+    """From how many activation rows a product takes the int8 GEMM for ``part``, if it takes it:
+    ``GEMM_FROM_ROWS`` where its rows are the dots' bits, else ``PANEL_FROM_ROWS`` (a prefill
+    chunk: the rows then differ from the dots' in the order of their float sums)."""
+    return GEMM_FROM_ROWS if kernels.gemm_alike(part.ggml_type) else PANEL_FROM_ROWS
 
 
 def gemm_takes(kernels, part: GGUFTensor) -> bool:
@@ -116,17 +128,23 @@ class GGUFWeight:
                     out[:, cols] = float_linear(rows, weight, bias_cols, few_rows=MAX_FUSED_ROWS)
             elif rows.shape[0]:
                 act = kernels.quantize(rows) if act is None else act
-                multiply = kernels.gemm if prefill and gemm_takes(kernels, part) else kernels.matmul
+                gemm = gemm_takes(kernels, part) and rows.shape[0] >= gemm_from_rows(kernels, part)
+                multiply = kernels.gemm if gemm else kernels.matmul
                 multiply(part.data, part.ggml_type, self.k_in, act, out, b)
         return y.view(*x.shape[:-1], self.n_out)
 
-    def alike_rows(self, dtype: torch.dtype) -> int:
+    def alike_rows(self, dtype: torch.dtype) -> int | None:
         """Up to how many rows a product in ``dtype`` computes each row alike whatever rows are
-        beside it: below ``PANEL_FROM_ROWS`` where every part is in the block kernels (bfloat16 with
+        beside it (None: at any count). Where every part is in the block kernels (bfloat16 with
         vector dots built: the activations are quantized per row and the tiles sum each row in one
-        order, tests/kernels/cpu/kquant/test_kquant.py), else ``MAX_FUSED_ROWS`` (the row kernel's)."""
-        if (dtype != torch.float32 and kquant_kernels().isa != 0
+        order, tests/kernels/cpu/kquant/test_kquant.py): at any count where the int8 GEMM computes
+        every part's rows as the dots do (``gemm_alike``, widths it takes), else below
+        ``PANEL_FROM_ROWS``; otherwise ``MAX_FUSED_ROWS`` (the row kernel's)."""
+        kernels = kquant_kernels()
+        if (dtype != torch.float32 and kernels.isa != 0
                 and all(isinstance(p, GGUFTensor) for _, p in self.parts)):
+            if all(kernels.gemm_alike(p.ggml_type) and gemm_takes(kernels, p) for _, p in self.parts):
+                return None
             return PANEL_FROM_ROWS - 1
         return MAX_FUSED_ROWS
 

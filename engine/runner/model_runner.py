@@ -225,7 +225,8 @@ class ModelRunner:
         speculation's verification relies on): any (None) on a GPU, where speculation agrees up to
         near ties, and on the CPU where every projection and the LM head multiply in csrc/gemm.c
         (packed bfloat16: a row's sums run in one order at any count; no mixture of experts), as far
-        as the GGUF block kernels keep them alike (``GGUFWeight.alike_rows``); else MAX_FUSED_ROWS,
+        as the GGUF block kernels keep them alike (``GGUFWeight.alike_rows``: at any count where the
+        int8 GEMM's rows are the dots' bits); else MAX_FUSED_ROWS,
         the rows the fused decode step and the row kernel (``RowsAlike``) take."""
         if self.device.type != "cpu":
             return None
@@ -236,7 +237,8 @@ class ModelRunner:
         limits = []
         for m in linears:
             if isinstance(m.quantized, GGUFWeight):
-                limits.append(m.quantized.alike_rows(self.dtype))
+                alike = m.quantized.alike_rows(self.dtype)
+                limits += [] if alike is None else [alike]
             elif m.quantized is not None or not isinstance(m.packed, PackedWeight):
                 return MAX_FUSED_ROWS
         return min(limits, default=None)

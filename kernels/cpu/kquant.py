@@ -13,6 +13,7 @@ is ``matmul`` for a prefill chunk's many rows (csrc/kquant_gemm.c).
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -48,7 +49,7 @@ class KQuantKernels:
     def __init__(self, lib):
         self._lib = lib
         self.isa = lib.kq_isa()
-        self._gemm_types = (lib.kq_gemm_types(0), lib.kq_gemm_types(1), lib.kq_gemm_types(2))
+        self._gemm_types = tuple(lib.kq_gemm_types(which) for which in range(4))
         self._q4_0 = _code("GGML_Q4_0")
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,25 @@ class KQuantKernels:
         block dots (``matmul``) than by dequantized bfloat16 panels here (CPUs without AVX512-BF16,
         whose bfloat16 GEMM runs in float32)."""
         return bool(self._gemm_types[2] >> (ggml_type - self._q4_0) & 1)
+
+    def gemm_alike(self, ggml_type: int) -> bool:
+        """Whether ``gemm`` computes each row of ``ggml_type`` bit for bit as the block dots
+        (``matmul``) do (AVX512-VNNI's K-quants: one canonical order of sums), so that a product may
+        take either at any row count and every row is the same."""
+        return bool(self._gemm_types[3] >> (ggml_type - self._q4_0) & 1)
+
+    def vnni_peak(self, rounds: int = 3) -> float:
+        """int8 multiply-adds a second of a tight loop of independent vpdpbusd on every thread
+        (wall clock, the best of ``rounds``; 0 where the build has no AVX512-VNNI): the peak the
+        GEMM is held to, taken in the same run."""
+        n, threads, best = 1 << 21, torch.get_num_threads(), float("inf")
+        if self._lib.kq_vnni_peak(1000, threads) == -1:
+            return 0.0
+        for _ in range(rounds):
+            start = time.perf_counter()
+            self._lib.kq_vnni_peak(n, threads)
+            best = min(best, time.perf_counter() - start)
+        return threads * n * 12 * 64 / best
 
     def gemm(self, weight: torch.Tensor, ggml_type: int, k: int, act: torch.Tensor, out: torch.Tensor,
              bias: torch.Tensor | None = None) -> None:

@@ -41,6 +41,13 @@
  * type or width it does not take, the block dots beat dequantized panels into csrc/gemm.c except
  * where that GEMM has AVX512-BF16 (AVX2: Q8_0 17 ms against 48 at 256 rows). */
 #define KG_PREFERRED KG_TYPES
+/* the types whose rows kq_gemm computes bit for bit as the block dots do (kquant_avx512.c's
+ * canonical order): a product may take either path at any row count and each row is the same */
+#if KQ_ISA == 512
+#define KG_ALIKE (KG_BIT(GGML_Q4_K) | KG_BIT(GGML_Q5_K) | KG_BIT(GGML_Q6_K))
+#else
+#define KG_ALIKE 0u
+#endif
 #if KQ_ISA != 0 && !defined(__AVX512BF16__)
 #define KG_DOTS_OVER_PANELS 0x7fffu
 #else
@@ -48,10 +55,35 @@
 #endif
 
 /* 0: the types kq_gemm multiplies on this build; 1: those a prefill chunk should give it; 2: those
- * whose prefill chunks, where not given it, take the block dots rather than dequantized panels (a
- * bit per ggml type code t at 1 << (t - GGML_Q4_0)). Read by kernels/cpu/kquant.py. */
+ * whose prefill chunks, where not given it, take the block dots rather than dequantized panels; 3:
+ * those whose rows it computes as the dots do, bit for bit (KG_ALIKE) (a bit per ggml type code t
+ * at 1 << (t - GGML_Q4_0)). Read by kernels/cpu/kquant.py. */
 int kq_gemm_types(int which) {
-    return (int)(which == 2 ? KG_DOTS_OVER_PANELS : which == 1 ? KG_PREFERRED : KG_TYPES);
+    return (int)(which == 3 ? KG_ALIKE : which == 2 ? KG_DOTS_OVER_PANELS : which == 1 ? KG_PREFERRED : KG_TYPES);
+}
+
+/* A tight loop of n x 12 independent vpdpbusd (64 u8 x s8 multiply-adds each) on each of
+ * num_threads threads, on AVX512-VNNI: the benchmarks time it for the int8 peak in the same run as
+ * the GEMM (benchmarks/scale/kernels.py). Returns a lane of the sums (so the loop is kept); -1
+ * where the build has no VNNI. */
+int kq_vnni_peak(int n, int num_threads) {
+#if KQ_ISA == 512
+    int out = 0;
+#pragma omp parallel num_threads(num_threads) reduction(^ : out)
+    {
+        __m512i acc[12];
+        for (int j = 0; j < 12; ++j) acc[j] = _mm512_set1_epi32(j + omp_get_thread_num());
+        const __m512i u = _mm512_set1_epi8(1), s = _mm512_set1_epi8((char)n);
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < 12; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], u, s);
+        for (int j = 1; j < 12; ++j) acc[0] = _mm512_xor_si512(acc[0], acc[j]);
+        out ^= _mm_cvtsi128_si32(_mm512_castsi512_si128(acc[0]));
+    }
+    return out == -1 ? 0 : out;
+#else
+    (void)n, (void)num_threads;
+    return -1;
+#endif
 }
 
 #if KQ_ISA != 0 /* the panels and tiles of the vector builds */
@@ -215,6 +247,129 @@ KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int ns
 }
 #endif
 
+#if KQ_ISA == 512
+/* The K-quants on AVX512-VNNI compute each row in the dots' canonical order (csrc/kquant_avx512.c:
+ * per superblock the integers S_i and M_i, then the same float steps, superblocks in order), so a
+ * row's bits are the dots' whatever path or tile took it: KG_ALIKE. A panel's superblock here:
+ * per sub-block its values (as above) and its 16 rows' scales as int32; then the minimums (Q4_K/
+ * Q5_K: the pairs (m_2q, m_2q+1), Q6_K: (32 sc_2q, 32 sc_2q+1), int16 in each row's int32 lane),
+ * then the rows' d and dmin as floats. */
+static inline int k_pairs(int q6) { return q6 ? 8 : 4; }
+static inline int64_t k_super_bytes(int q6) {
+    const int S = q6 ? 16 : 32;
+    return (KQ_BLOCK / S) * ((int64_t)S * KG_LANES + 4 * KG_LANES) + (k_pairs(q6) + 2) * 4 * KG_LANES;
+}
+
+static void pack_panel_k(const uint8_t *w, int64_t row_bytes, int type, int n0, int n_out, int nsb, uint8_t *panel) {
+    const int q6 = type == GGML_Q6_K, S = q6 ? 16 : 32, subs = KQ_BLOCK / S, pairs = k_pairs(q6);
+    const int64_t sub = (int64_t)S * KG_LANES + 4 * KG_LANES;
+    for (int r = 0; r < KG_LANES; ++r) {
+        uint8_t v[KQ_BLOCK];
+        float scale[16], minimum[16];
+        for (int64_t i = 0; i < nsb; ++i) {
+            int sc[16] = {0}, mn[8] = {0};
+            float d = 0.f, dmin = 0.f;
+            memset(v, 0, sizeof v);
+            if (n0 + r < n_out) {
+                const uint8_t *row = w + (int64_t)(n0 + r) * row_bytes;
+                unpack_superblock(row, type, i, v, scale, minimum);
+                if (q6) {
+                    const uint8_t *blk = row + 210 * i;
+                    d = half_of(blk + 208);
+                    for (int g = 0; g < 16; ++g) sc[g] = ((const int8_t *)(blk + 192))[g];
+                } else {
+                    const uint8_t *blk = row + (type == GGML_Q5_K ? 176 : 144) * i;
+                    d = half_of(blk), dmin = half_of(blk + 2);
+                    for (int j = 0; j < 8; ++j) kq_scale_min(j, blk + 4, &sc[j], &mn[j]);
+                }
+            }
+            uint8_t *P = panel + i * k_super_bytes(q6);
+            for (int s = 0; s < subs; ++s) {
+                uint8_t *B = P + s * sub;
+                for (int c = 0; c < S / 4; ++c) memcpy(B + (int64_t)c * 4 * KG_LANES + 4 * r, v + S * s + 4 * c, 4);
+                ((int32_t *)(B + (int64_t)S * KG_LANES))[r] = sc[s];
+            }
+            int16_t *pairs16 = (int16_t *)(P + subs * sub);
+            for (int q = 0; q < pairs; ++q) {
+                pairs16[2 * (q * KG_LANES + r)] = (int16_t)(q6 ? 32 * sc[2 * q] : mn[2 * q]);
+                pairs16[2 * (q * KG_LANES + r) + 1] = (int16_t)(q6 ? 32 * sc[2 * q + 1] : mn[2 * q + 1]);
+            }
+            float *f = (float *)(P + subs * sub + (int64_t)pairs * 4 * KG_LANES);
+            f[r] = d;
+            f[KG_LANES + r] = dmin;
+        }
+    }
+}
+
+/* as tile, for a K-quant's panel (pack_panel_k); pb: per row and superblock the activation's
+ * minimum pairs (Q4_K/Q5_K: (bsum of sub-block 2q, of 2q + 1) as int16 in an int32, 4 a
+ * superblock; Q6_K reads its block sums, already pairs of int16) */
+KG_TILE_FN tile_k(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, const int R, const int q6,
+                  float *out) {
+    const int S = q6 ? 16 : 32, subs = KQ_BLOCK / S, pairs = k_pairs(q6);
+    const int64_t sub = (int64_t)S * KG_LANES + 4 * KG_LANES;
+    __m512 acc[KG_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < nsb; ++i) {
+        const uint8_t *P = panel + (int64_t)i * k_super_bytes(q6);
+        __m512i tot[KG_ROWS], part[KG_ROWS];
+        for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_si512();
+        for (int s = 0; s < subs; ++s) {
+            const uint8_t *B = P + s * sub;
+            for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
+            for (int c = 0; c < S / 4; ++c) {
+                const __m512i wv = _mm512_load_si512(B + 64 * c);
+                for (int r = 0; r < R; ++r) {
+                    int32_t x;
+                    memcpy(&x, a[(int64_t)r * nsb + i].qs + S * s + 4 * c, 4);
+                    part[r] = _mm512_dpbusd_epi32(part[r], wv, _mm512_set1_epi32(x));
+                }
+            }
+            const __m512i sc = _mm512_load_si512(B + (int64_t)S * KG_LANES);
+            for (int r = 0; r < R; ++r) tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(part[r], sc));
+        }
+        const uint8_t *Q = P + subs * sub;
+        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
+        for (int q = 0; q < pairs; ++q) {
+            const __m512i mv = _mm512_load_si512(Q + 64 * q);
+            for (int r = 0; r < R; ++r) {
+                int32_t x;
+                if (q6) memcpy(&x, a[(int64_t)r * nsb + i].bsums + 2 * q, 4);
+                else x = pb[((int64_t)r * nsb + i) * 4 + q];
+                part[r] = _mm512_dpwssd_epi32(part[r], mv, _mm512_set1_epi32(x));
+            }
+        }
+        const __m512 d = _mm512_load_ps((const float *)(Q + 64 * pairs));
+        const __m512 dmin = _mm512_load_ps((const float *)(Q + 64 * pairs) + KG_LANES);
+        for (int r = 0; r < R; ++r) {
+            const __m512 ad = _mm512_set1_ps(a[(int64_t)r * nsb + i].d);
+            if (q6) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(tot[r], part[r])), _mm512_mul_ps(ad, d), acc[r]);
+            } else {
+                const __m512 t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(part[r]), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(tot[r]), d));
+                acc[r] = _mm512_fmadd_ps(t, ad, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + KG_LANES * r, acc[r]);
+}
+
+static int tiles_k(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, int rows, int q6, float *out) {
+#define KG_AT(R)                                                                 \
+    if (rows >= (R)) {                                                           \
+        if (q6) tile_k(panel, a, pb, nsb, (R), 1, out);                          \
+        else tile_k(panel, a, pb, nsb, (R), 0, out);                             \
+        return (R);                                                              \
+    }
+    KG_AT(KG_ROWS)
+    KG_AT(4)
+    KG_AT(2)
+    KG_AT(1)
+#undef KG_AT
+    return 0;
+}
+#endif
+
 /* the rows taken (KG_ROWS, else 4, 2, 1 of the rows left), each count its own inlined tile */
 static int tiles(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, int rows, int S, float *out) {
 #define KG_AT(R)                                                                 \
@@ -247,14 +402,30 @@ int kq_gemm(const void *w, int64_t row_bytes, int type, int n_out, int k, const 
     return 1;
 #else
     const int nsb = k / KQ_BLOCK, S = sub_values(type), subs = KQ_BLOCK / S, elem = elem_size(dtype);
+    const int alike = (KG_ALIKE & KG_BIT(type)) != 0, q6 = type == GGML_Q6_K;
     const kq_act_t *A = (const kq_act_t *)act;
+    /* the activations' block sums: as floats (float panels), or Q4_K/Q5_K's int16 pairs (alike) */
     float *fb = malloc(sizeof(float) * ((size_t)rows * (size_t)nsb * (size_t)subs + 1));
     if (fb == NULL) return 2;
-    for (int64_t b = 0; b < (int64_t)rows * nsb; ++b)
+    int32_t *pb = (int32_t *)fb;
+    for (int64_t b = 0; b < (int64_t)rows * nsb; ++b) {
+        if (alike) {
+            for (int q = 0; q < 4 && !q6; ++q) {
+                const int16_t p[2] = {(int16_t)(A[b].bsums[4 * q] + A[b].bsums[4 * q + 1]),
+                                      (int16_t)(A[b].bsums[4 * q + 2] + A[b].bsums[4 * q + 3])};
+                memcpy(&pb[b * 4 + q], p, 4);
+            }
+            continue;
+        }
         for (int s = 0; s < subs; ++s)
             fb[b * subs + s] = S == 16 ? (float)A[b].bsums[s] : (float)(A[b].bsums[2 * s] + A[b].bsums[2 * s + 1]);
+    }
     const int panels = (n_out + KG_LANES - 1) / KG_LANES;
+#if KQ_ISA == 512
+    const size_t panel_bytes = (size_t)nsb * (size_t)(alike ? k_super_bytes(q6) : super_bytes(S));
+#else
     const size_t panel_bytes = (size_t)nsb * (size_t)super_bytes(S);
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -264,12 +435,21 @@ int kq_gemm(const void *w, int64_t row_bytes, int type, int n_out, int k, const 
         for (int p = 0; p < panels; ++p) {
             if (panel == NULL) continue;
             const int n0 = p * KG_LANES, lanes = n_out - n0 < KG_LANES ? n_out - n0 : KG_LANES;
-            pack_panel((const uint8_t *)w, row_bytes, type, n0, n_out, nsb, panel);
+#if KQ_ISA == 512
+            if (alike) pack_panel_k((const uint8_t *)w, row_bytes, type, n0, n_out, nsb, panel);
+            else
+#endif
+                pack_panel((const uint8_t *)w, row_bytes, type, n0, n_out, nsb, panel);
             float b[KG_LANES] = {0};
             if (bias != NULL) to_float((const char *)bias + (int64_t)n0 * elem, dtype, b, lanes);
             for (int m = 0; m < rows;) {
                 float out[KG_ROWS * KG_LANES];
-                const int done = tiles(panel, A + (int64_t)m * nsb, fb + (int64_t)m * nsb * subs, nsb, rows - m, S, out);
+                int done;
+#if KQ_ISA == 512
+                if (alike) done = tiles_k(panel, A + (int64_t)m * nsb, pb + (int64_t)m * nsb * 4, nsb, rows - m, q6, out);
+                else
+#endif
+                    done = tiles(panel, A + (int64_t)m * nsb, fb + (int64_t)m * nsb * subs, nsb, rows - m, S, out);
                 for (int r = 0; r < done; ++r) {
                     for (int l = 0; l < lanes; ++l) out[KG_LANES * r + l] += b[l];
                     from_float(out + KG_LANES * r, 1.f, dtype, (char *)y + ((int64_t)(m + r) * y_stride + n0) * elem, lanes);

@@ -13,7 +13,14 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, GGUFTensor, GGUFWeight, gemm_takes
+from kvserve.engine.layers.gguf_linear import (
+    GEMM_FROM_ROWS,
+    PANEL_FROM_ROWS,
+    GGUFTensor,
+    GGUFWeight,
+    gemm_from_rows,
+    gemm_takes,
+)
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.runner.model_runner import ModelRunner
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
@@ -194,10 +201,11 @@ def test_a_shard_that_splits_a_block_is_refused_with_the_block_size():
 def test_prefill_rows_take_the_int8_gemm_or_dequantized_panels_and_decode_rows_the_block_dots(qtype):
     """bfloat16 products of PANEL_FROM_ROWS rows or more take the int8 GEMM where this CPU class
     does for the type (csrc/kquant_gemm.c), else dequantize panels into the float GEMM (AVX512-BF16)
-    or take the int8 dots (other classes); fewer rows take the int8 dots (docs/design/gguf_kquants.md).
-    Against gguf's dequantize then a float64 matmul: the panels within bfloat16's rounding of the
-    products, the int8 paths within the activations' int8 rounding too. The GEMM's products are the
-    block dots' up to float sums."""
+    or take the int8 dots (other classes); fewer rows take the int8 dots (docs/design/gguf_kquants.md),
+    except that types whose GEMM rows are the dots' bits (``gemm_alike``) take the GEMM from
+    GEMM_FROM_ROWS. Against gguf's dequantize then a float64 matmul: the panels within bfloat16's
+    rounding of the products, the int8 paths within the activations' int8 rounding too. The GEMM's
+    products are the block dots' up to float sums, and bit for bit where alike."""
     rng = np.random.default_rng(int(qtype))
     n_out, k = 300, 512  # more output rows than one panel
     blocks = random_blocks(qtype, n_out, k, rng)
@@ -205,19 +213,35 @@ def test_prefill_rows_take_the_int8_gemm_or_dequantized_panels_and_decode_rows_t
     weight = GGUFWeight(((0, part),), n_out, k)
     dense = torch.from_numpy(dequantize(blocks, qtype).reshape(n_out, k)).double()
     kernels = kquant_kernels()
-    for rows in (PANEL_FROM_ROWS - 1, PANEL_FROM_ROWS):
+    alike = kernels.gemm_alike(int(qtype))
+    assert gemm_from_rows(kernels, part) == (GEMM_FROM_ROWS if alike else PANEL_FROM_ROWS)
+    for rows in (GEMM_FROM_ROWS - 1, GEMM_FROM_ROWS, PANEL_FROM_ROWS - 1, PANEL_FROM_ROWS):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         want = x.double() @ dense.T
-        got = weight.linear(x).double()
+        taken = []
+        real = type(kernels).gemm
+
+        def counted(self, *args, _taken=taken, _real=real, **kwargs):
+            _taken.append(True)
+            return _real(self, *args, **kwargs)
+
+        type(kernels).gemm = counted
+        try:
+            got = weight.linear(x).double()
+        finally:
+            type(kernels).gemm = real
         scale = (x.double().abs() @ dense.abs().T)  # the sum of |products| per output
         worst = ((got - want).abs() / scale.clamp_min(1e-12)).max().item()
         # the output's bfloat16 rounding (2^-9 of it) bounds the panels (measured up to 1.3e-3); the
         # int8 activations add more (measured 2.4e-3 to 3.2e-3), which this bound would refuse
-        gemm = rows >= PANEL_FROM_ROWS and gemm_takes(kernels, part)
+        gemm = rows >= gemm_from_rows(kernels, part) and gemm_takes(kernels, part)
+        assert bool(taken) == gemm, rows
         panels = rows >= PANEL_FROM_ROWS and not gemm and not kernels.dots_over_panels(int(qtype))
         assert worst < (2 ** -9 if panels else 2 ** -5), (rows, worst)
         if gemm:
-            dots = torch.empty(rows, n_out)
+            dots, same_dtype = torch.empty(rows, n_out), torch.empty(rows, n_out, dtype=torch.bfloat16)
             kernels.matmul(part.data, int(qtype), k, kernels.quantize(x), dots)
+            kernels.matmul(part.data, int(qtype), k, kernels.quantize(x), same_dtype)
+            assert torch.equal(got, same_dtype.double()) or not alike
             assert ((got - dots.double()).abs() <= 2 ** -8 * dots.double().abs() + 1e-5 * scale).all()
-    assert weight.alike_rows(torch.bfloat16) == PANEL_FROM_ROWS - 1
+    assert weight.alike_rows(torch.bfloat16) == (None if alike else PANEL_FROM_ROWS - 1)

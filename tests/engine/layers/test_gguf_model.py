@@ -214,4 +214,36 @@ def test_a_prefill_chunk_through_the_int8_gemm_gives_the_block_dots_logits(tmp_p
     if kernels.isa:  # q, k, o, gate, up in Q4_K and v, down in Q6_K, each layer
         assert sorted(set(taken)) == [int(T.Q4_K), int(T.Q6_K)] and len(taken) == 7 * LAYERS
         assert cosine(got, dots) > 0.9995
+        if kernels.gemm_alike(int(T.Q4_K)) and kernels.gemm_alike(int(T.Q6_K)):
+            assert torch.equal(got, dots)  # the GEMM's rows are the dots' bits
     assert cosine(got, exact) > 0.99
+
+
+def test_a_decode_row_beside_a_prefill_chunk_in_the_gemm_gives_its_logits_alone(tmp_path):
+    """What speculation's verification needs of a step (``ModelRunner.exact_rows``): a decode row's
+    logits the same bits whether it runs alone or in one step with another sequence's prefill
+    chunk of 40 rows, whose products take the int8 GEMM (``GEMM_FROM_ROWS``) where its K-quant rows
+    are the dots' bits; then the runner answers rows alike at any count (None)."""
+    path = tmp_path / "model-Q4_K_M.gguf"
+    write_q4_k_m(path)
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=8, enforce_eager=True))
+    kernels = kquant_kernels()
+    alike = kernels.isa != 0 and all(kernels.gemm_alike(int(t)) for t in (T.Q4_K, T.Q6_K))
+    assert runner.exact_rows() == (None if alike else PANEL_FROM_ROWS - 1)
+    a = [5, 17, 250, 3, 99, 42, 7, 11, 300, 12]
+    b = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    n = len(a)
+    runner.execute_model(ModelInput(input_ids=a, positions=list(range(n)), query_lens=[n], context_lens=[n],
+                                    block_tables=[[0]], slot_mapping=list(range(n)), logits_indices=[n - 1]))
+    alone = runner.execute_model(ModelInput(input_ids=[8], positions=[n], query_lens=[1],
+                                            context_lens=[n + 1], block_tables=[[0]], slot_mapping=[n],
+                                            logits_indices=[0]))[0]
+    both = runner.execute_model(ModelInput(
+        input_ids=[8] + b, positions=[n] + list(range(len(b))), query_lens=[1, len(b)],
+        context_lens=[n + 1, len(b)], block_tables=[[0], [1, 2, 3]],
+        slot_mapping=[n] + list(range(16, 16 + len(b))), logits_indices=[0, len(b)]))
+    runner.shutdown()
+    assert both.shape[0] == 2
+    if alike:
+        assert torch.equal(alone, both[0])
+    assert (alone - both[0]).abs().max() <= 1e-2 * alone.abs().max()

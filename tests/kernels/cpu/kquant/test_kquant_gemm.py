@@ -1,7 +1,8 @@
 """csrc/kquant_gemm.c, the int8 GEMM of GGUF block weights for prefill chunks
 (``KQuantKernels.gemm``): against the ``gguf`` package's dequantize followed by a float64 matmul,
 within the activations' int8 rounding (test_kquant.py's ``tolerance``), and against the block dots
-(the same quantized activations and integer sums: they differ only in the order of float sums).
+(the same quantized activations and integer sums: they differ only in the order of float sums, and
+not at all for the types the GEMM computes in the dots' canonical order, ``gemm_alike``).
 Random valid blocks and real widths; ``make test-isa`` runs it under each x86 class's build
 (AVX512-VNNI's vpdpbusd, AVX2's maddubs; the portable build has no GEMM and refuses)."""
 
@@ -60,6 +61,37 @@ def test_the_vector_builds_take_the_k_quants():
     want = {512: TYPES, 256: [t for t in TYPES if NAMES[t] != "Q8_0"], 0: []}[KQ.isa]
     assert want == TAKEN
     assert all(KQ.gemm_takes(t, preferred=False) for t in TYPES if KQ.gemm_takes(t))
+    # AVX512-VNNI's K-quants follow the dots' canonical order (kquant_avx512.c); AVX2 not yet
+    alike = {512: [t for t in TYPES if NAMES[t] in ("Q4_K", "Q5_K", "Q6_K")], 256: [], 0: []}[KQ.isa]
+    assert alike == [t for t in TYPES if KQ.gemm_alike(t)]
+
+
+ALIKE = [t for t in TAKEN if KQ.gemm_alike(t)]
+
+
+@pytest.mark.parametrize("ggml_type", ALIKE, ids=NAMES.get)
+@pytest.mark.parametrize("k", [256, 2048, 2304, 8192])
+def test_alike_types_give_the_dots_bits_at_every_row_count(ggml_type, k):
+    """Where ``gemm_alike``: every row of the GEMM (tiles of 8, 4, 2, 1 rows, a last panel of fewer
+    weight rows) equals the block dots' bits, at 1, 8, 4 and 2 rows a pass (19 = 8 + 8 + 2 + 1) and
+    one row at a time, in float32 and bfloat16 with a bias; widths of 1, 8, 9 and 32 superblocks
+    (the one-row dots take 8 superblocks at a time), activations of mixed magnitudes."""
+    n_out, rows = 37, 19
+    weight = random_blocks(ggml_type, n_out, k, seed=k + ggml_type)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-3, 3, rows).unsqueeze(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        bias = torch.randn(n_out, generator=gen).to(dtype) if dtype == torch.bfloat16 else None
+        xs = x.to(dtype)
+        act = KQ.quantize(xs)
+        got, many = torch.empty(rows, n_out, dtype=dtype), torch.empty(rows, n_out, dtype=dtype)
+        KQ.gemm(weight, ggml_type, k, act, got, bias)
+        KQ.matmul(weight, ggml_type, k, act, many, bias)
+        assert torch.equal(got, many)
+        for r in range(rows):
+            one = torch.empty(1, n_out, dtype=dtype)
+            KQ.matmul(weight, ggml_type, k, KQ.quantize(xs[r : r + 1]), one, bias)
+            assert torch.equal(one[0], got[r]), r
 
 
 @pytest.mark.parametrize("ggml_type", TAKEN, ids=NAMES.get)
