@@ -38,15 +38,15 @@ from kvserve.engine.layers.gated_delta import (
 )
 from kvserve.engine.layers.linear import (
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
     copy_weight,
     rank_pieces,
 )
 from kvserve.engine.layers.norm import GemmaRMSNorm
-from kvserve.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from kvserve.engine.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of
+from kvserve.engine.layers.rotary import RotaryEmbedding, rope_parameters
+from kvserve.engine.models.llama import LlamaForCausalLM, LlamaMLP
 from kvserve.engine.models.phi3 import rotary_dim_of
+from kvserve.engine.models.qwen3_5_attention import GatedAttention
 from kvserve.engine.models.registry import register_model
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -277,46 +277,6 @@ class GatedDeltaNet(nn.Module):
         """RMSNorm over each head's values (float32), times w, times SiLU(z)."""
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.norm_weight * normed.to(x.dtype) * F.silu(z.float())).to(x.dtype)
-
-
-class GatedAttention(nn.Module):
-    """Full attention with an output gate per head (the second half of each head of ``q_proj``)."""
-
-    def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
-        super().__init__()
-        self.head_dim = head_dim = head_dim_of(config)
-        # q_proj holds [q | gate] per head: as 2 x heads "heads" of head_dim its rows load unchanged
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, 2 * config.num_attention_heads,
-                                          config.num_key_value_heads, config.attention_bias, parallel)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=config.attention_bias, parallel=parallel)
-        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.rotary_dim = rotary_dim_of(config)
-        impl = backend.create_impl(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
-        self.attn = Attention(impl)
-
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        tokens, d = hidden.shape[0], self.head_dim
-        q_size, kv_size = 2 * self.num_heads * d, self.num_kv_heads * d
-        q_gate, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q_gate = q_gate.reshape(tokens, self.num_heads, 2 * d)
-        q, gate = self.q_norm(q_gate[..., :d].contiguous()), q_gate[..., d:]
-        k = self.k_norm(k.reshape(tokens, self.num_kv_heads, d))
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        out = self.attn(q, k, v.reshape(tokens, self.num_kv_heads, d), meta).reshape(tokens, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The first ``rotary_dim`` of each head of ``x`` (the norm's fresh output) rotated in place:
-        the CPU kernel rotates the strided view itself, the torch form's result is copied back."""
-        part = x[..., : self.rotary_dim]
-        turned = apply_rotary(part, cos, sin)
-        if turned is not part:
-            part.copy_(turned)
-        return x
 
 
 class Qwen3_5DecoderLayer(nn.Module):
