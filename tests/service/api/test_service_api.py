@@ -203,7 +203,11 @@ def test_deadline_aborts_the_request_and_frees_its_blocks(client, offline):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     after = wait_until_idle(client)
     assert after["kv_blocks_free"] == before["kv_blocks_free"]
-    assert after["requests_aborted"] - before["requests_aborted"] == 1
+    # the default (fair) policy refuses at once what its step time model says cannot finish in time
+    # (engine/tenancy/deadlines.py: nothing ran, nothing to abort); before the model has seen enough
+    # steps the request is admitted and the deadline aborts it
+    refused = "cannot finish before its deadline" in (err.value.details() or "")
+    assert after["requests_aborted"] - before["requests_aborted"] == (0 if refused else 1)
 
 
 def _invalid_cases(max_model_len: int) -> list[tuple[llm_pb2.GenerateRequest, str]]:
