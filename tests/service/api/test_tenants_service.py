@@ -30,7 +30,9 @@ HEADER = "x-team"
 SEQS = 16
 QUEUED = 3
 PROMPT = list(range(100, 228))  # 128 ids
-LONG = 1800  # tokens a flood choice may make: it outlives every test below
+# tokens a flood choice may make: it outlives every test below, and the work it leaves ahead of a
+# request (tens of seconds at any step time this model can reach) dwarfs the deadlines below
+LONG = 30000
 SHORT = {"max_tokens": 8, "ignore_eos": True, "temperature": 0.0}
 
 
@@ -38,11 +40,13 @@ SHORT = {"max_tokens": 8, "ignore_eos": True, "temperature": 0.0}
 def server(tmp_path_factory):
     import torch
 
-    from kvserve.testing.random_model import write_random_model
+    from kvserve.testing.random_model import make_config, write_model_dir
 
-    model = str(write_random_model("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny"), dtype=torch.float32))
-    flags = ("--model", model, "--dtype", "float32", "--num-kv-blocks", "4096", "--block-size", "16",
-             "--max-num-seqs", str(SEQS), "--max-queued-per-tenant", str(QUEUED),
+    config = make_config("qwen3-tiny")
+    config.max_position_embeddings = 32768  # room for LONG
+    model = str(write_model_dir(config, tmp_path_factory.mktemp("qwen3-tiny"), dtype=torch.float32))
+    flags = ("--model", model, "--dtype", "float32", "--max-model-len", "32768", "--num-kv-blocks", "4096",
+             "--block-size", "16", "--max-num-seqs", str(SEQS), "--max-queued-per-tenant", str(QUEUED),
              "--cache-salt-from", "header", "--cache-salt-header", HEADER, "--metrics-port", "0")
     with ServerProcess(*flags, env=TEST_SERVER_ENV) as server:
         yield server
@@ -79,7 +83,7 @@ def flood(stub, name: str | None, n: int = SEQS, priority: int = 0, settle: bool
     waited for until the engine is idle: floods entered later exit first, so only the first waits."""
     request = build_request(token_ids=PROMPT, max_tokens=LONG, ignore_eos=True, n=n, temperature=1.0)
     request.priority = priority
-    call = stub.Stream(request, metadata=team(name), timeout=600)
+    call = stub.Stream(request, metadata=team(name))  # no deadline: cancelled on exit
     try:
         yield call
     finally:
@@ -153,7 +157,7 @@ def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(stub
 def test_a_request_that_could_start_but_not_finish_before_its_deadline_is_refused_at_once(stub):
     with flood(stub, "bulk"):
         wait_for(stub, lambda s: s.num_running == SEQS, "the flood fills every slot")
-        # another tenant's request starts at once (a flood choice gives way), but 1,800 tokens in 16-row
+        # another tenant's request starts at once (a flood choice gives way), but 30,000 tokens in 16-row
         # steps take far longer than a second: refused before it runs, not left to expire
         with pytest.raises(grpc.RpcError) as refused:
             short(stub, "hasty", timeout=1.0, tokens=LONG)
