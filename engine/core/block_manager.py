@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvserve.engine.kv_cache.blocks import CLEARED, REMOVED, STORED, Block, block_hash, salt_root  # noqa: F401
+from kvserve.engine.kv_cache.blocks import CLEARED, REMOVED, STORED, Block, block_hash, salt_root
 from kvserve.engine.kv_cache.groups import NULL_BLOCK, Hits, first_live_block, peak_blocks
 from kvserve.engine.kv_cache.state_slots import StateSlots
 from kvserve.engine.model_input import blocks_for

@@ -23,7 +23,8 @@ from kvserve.engine.constraints import Constraint, constraint_of
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.ipc import CacheFlush, EngineStats, ModelFacts
 from kvserve.engine.core.requests import Choice, Request, choice_output, choice_params
-from kvserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.core.scheduler import Scheduler
+from kvserve.engine.core.step_time import SchedulerOutput
 from kvserve.engine.executor.executor import create_executor
 from kvserve.engine.kv_cache.state_slots import refuse_on_linear_attention, state_stats
 from kvserve.engine.layers.sampler import Sampler

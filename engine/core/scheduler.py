@@ -28,7 +28,7 @@ import time
 from collections import Counter, deque
 
 from kvserve.engine.core.block_manager import BlockManager
-from kvserve.engine.core.step_time import ScheduledSeq, SchedulerOutput, StepTimeModel, attended_pairs  # noqa: F401
+from kvserve.engine.core.step_time import ScheduledSeq, SchedulerOutput, StepTimeModel, attended_pairs
 from kvserve.engine.kv_cache.state_slots import turn_checkpoints
 from kvserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvserve.engine.tenancy.admission import AdmissionChecks

@@ -31,7 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvserve.engine.core.block_manager import CLEARED, REMOVED, STORED
+from kvserve.engine.kv_cache.blocks import CLEARED, REMOVED, STORED
 
 log = logging.getLogger("kvserve.engine.kv_events")
 

@@ -1,6 +1,7 @@
 """Block manager: hash chain, collision guard, reference counts, LRU reuse, the fully cached prompt."""
 
-from kvserve.engine.core.block_manager import CLEARED, REMOVED, STORED, BlockManager, block_hash
+from kvserve.engine.core.block_manager import BlockManager
+from kvserve.engine.kv_cache.blocks import CLEARED, REMOVED, STORED, block_hash
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
 

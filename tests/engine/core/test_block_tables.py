@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from kvserve.engine.core.scheduler import ScheduledSeq
+from kvserve.engine.core.step_time import ScheduledSeq
 from kvserve.engine.model_input import BlockTableArray, BlockTableWriter, ModelInput, build_model_input
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence

@@ -11,7 +11,6 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from kvserve.engine.core.block_manager import CLEARED, REMOVED, STORED, block_hash
 from kvserve.engine.frontend.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -22,6 +21,7 @@ from kvserve.engine.frontend.kv_events import (
     group_events,
     signed64,
 )
+from kvserve.engine.kv_cache.blocks import CLEARED, REMOVED, STORED, block_hash
 
 BS = 4
 H0 = block_hash(None, (1, 2, 3, 4))

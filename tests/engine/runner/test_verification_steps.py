@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.core.scheduler import ScheduledSeq
+from kvserve.engine.core.step_time import ScheduledSeq
 from kvserve.engine.model_input import BlockTableWriter, ModelInput, build_model_input
 from kvserve.engine.runner.model_runner import ModelRunner
 from kvserve.engine.sampling_params import SamplingParams

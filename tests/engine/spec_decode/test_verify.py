@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.engine.core.scheduler import ScheduledSeq
+from kvserve.engine.core.step_time import ScheduledSeq
 from kvserve.engine.layers.sampling_batch import SamplingBatch
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.sequence import Sequence
