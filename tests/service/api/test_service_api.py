@@ -199,7 +199,9 @@ def test_deadline_aborts_the_request_and_frees_its_blocks(client, offline):
     prompt = "Write a very long essay:"
     longest = offline.engine.config.max_model_len - len(offline.tokenizer.encode(prompt))
     with pytest.raises(grpc.RpcError) as err:
-        client.generate(prompt, max_tokens=longest, ignore_eos=True, timeout=0.2)
+        # 5 s: far below the decode of thousands of tokens, far above the server's refusal's round trip (at
+        # 0.2 s a refusal could come after the client's own expiry, which counts no abort)
+        client.generate(prompt, max_tokens=longest, ignore_eos=True, timeout=5.0)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     after = wait_until_idle(client)
     assert after["kv_blocks_free"] == before["kv_blocks_free"]
