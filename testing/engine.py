@@ -92,8 +92,9 @@ def hf_greedy(path: str, prompts, max_new_tokens: int = 12) -> list[list[int]]:
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     model.eval()
     with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                               do_sample=False)[0, len(p):].tolist() for p in prompts]
+        return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
+                               min_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
 
 
 def greedy_tokens(llm: LLM, prompts, params: SamplingParams = HYBRID_GREEDY) -> list[list[int]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-
 class StateSlots:
     def __init__(self, num_slots: int, num_snapshots: int = 0):
         if num_slots < 1:

@@ -11,6 +11,7 @@ drafts are both accepted and rejected, so the rollback really runs on both ranks
 from __future__ import annotations
 
 import pytest
+
 from kvserve.engine import LLM, SamplingParams
 from kvserve.testing.engine import (
     HYBRID_BLOCK,
