@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
-from kvserve.engine import LLM
+from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.layers.cpu_matmul import compute_rows_alike
@@ -23,7 +24,7 @@ def with_control_plane(llm: LLM, step_costs: StepCosts = FLAT_STEP_COSTS, **chan
     """Swap the engine's scheduler/block manager (and speculator) for ones built with other
     settings, over the same loaded model (loading costs seconds; these settings live only in the
     control plane; a runner that was built not speculating gets the switch one built speculating
-    has, ``compute_rows_alike``)."""
+    has, ``compute_rows_alike``; a hybrid's state slots as the executor holds them)."""
     eng = llm.engine
     cfg = eng.config.replace(**changes)
     eng.speculator = (None if cfg.speculative == "off"
@@ -33,8 +34,10 @@ def with_control_plane(llm: LLM, step_costs: StepCosts = FLAT_STEP_COSTS, **chan
         runner.rows_alike = compute_rows_alike(runner.model)
     blocks = min(cfg.num_kv_blocks or eng.executor.num_kv_blocks, eng.executor.num_kv_blocks)
     eng.config = cfg
-    eng.block_manager = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                     windows=eng.executor.kv_groups.windows)
+    eng.block_manager = BlockManager(
+        blocks, cfg.block_size, cfg.enable_prefix_caching, windows=eng.executor.kv_groups.windows,
+        state_slots=eng.executor.num_state_slots,
+        state_snapshots=eng.executor.num_state_snapshots if cfg.enable_prefix_caching else 0)
     eng.scheduler = Scheduler(
         eng.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, eng.eos_token_ids,
         last_prompt_token_alone=cfg.enable_prefix_caching,
@@ -73,3 +76,44 @@ def scaled_hybrid_model(name: str, out_dir) -> str:
                 weights[key] = weights[key] * scale
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return str(path)
+
+
+# the hybrids' parity tests (tests/engine/models/test_hybrid_*.py): blocks of 16 tokens, prompts of a
+# few hundred tokens (past several 64-token blocks of the chunked rule), 12 greedy tokens each
+HYBRID_BLOCK = 16
+HYBRID_PROMPTS = [[(37 * i + 11) % 9000 + 3 for i in range(300)], list(range(2000, 2200)),
+                  [(i * i) % 5000 + 7 for i in range(137)], [42] * 65]
+HYBRID_GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def hf_greedy(path: str, prompts, max_new_tokens: int = 12) -> list[list[int]]:
+    """Transformers' greedy tokens of each prompt alone (every tensor of the checkpoint read)."""
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.eval()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
+                               min_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def greedy_tokens(llm: LLM, prompts, params: SamplingParams = HYBRID_GREEDY) -> list[list[int]]:
+    return [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_slots_all_free(llm: LLM) -> None:
+    """Every state slot is back in the pool and the block manager's books balance."""
+    stats = llm.stats()
+    assert 0 < stats.state_slots_free == stats.state_slots_total
+    llm.engine.block_manager.check_integrity()
+
+
+def echo_prompts(llm: LLM, bases, max_tokens: int = 24) -> list[list[int]]:
+    """Prompts n-gram drafts are partly right on: base + (``llm``'s greedy continuation of base, every
+    fifth token changed) + base. A tiny model's linear layers forget fast, so after the second base it
+    continues as after the first, and drafts copied from the changed continuation are kept up to each
+    changed token: verifications accept some drafts and reject the rest."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    continuations = greedy_tokens(llm, bases, params)
+    changed = [[t + 1 if i % 5 == 4 else t for i, t in enumerate(c)] for c in continuations]
+    return [base + c + base for base, c in zip(bases, changed, strict=True)]

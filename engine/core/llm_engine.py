@@ -26,7 +26,7 @@ from kvserve.engine.core.requests import Choice, Request, choice_output, choice_
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.core.step_time import SchedulerOutput
 from kvserve.engine.executor.executor import create_executor
-from kvserve.engine.kv_cache.state_slots import refuse_on_linear_attention, state_stats
+from kvserve.engine.kv_cache.state_slots import state_stats
 from kvserve.engine.layers.sampler import Sampler
 from kvserve.engine.model_input import BlockTableWriter, block_table_width, build_model_input
 from kvserve.engine.model_loader.generation_defaults import sampling_defaults
@@ -65,7 +65,6 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = load_generation_eos(self.source, hf_config, self.tokenizer)
-        refuse_on_linear_attention(config, hf_config)
         self.executor = create_executor(config)
         self.vocab_size = self.executor.vocab_size
         self.model_name = self.source.name

@@ -36,7 +36,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.distributed import channels
 from kvserve.engine.distributed.parallel import ParallelContext, divide, kv_head_shard
 from kvserve.engine.executor.worker import WorkerProcesses, WorkerSpec, pin_device
-from kvserve.engine.kv_cache.state_slots import refuse_linear_heads, refuse_on_linear_attention
+from kvserve.engine.kv_cache.state_slots import refuse_linear_heads
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.model_loader.loader import load_hf_config, resolve_device
 from kvserve.engine.model_loader.source import resolve_model
@@ -81,7 +81,6 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
         raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of nnodes ({nnodes})")
     if nnodes > 1 and config.master_port is None:
         raise ValueError("master_port must be set when nnodes > 1, so that the other machines can join")
-    refuse_on_linear_attention(config, hf_config)  # before any process starts
     refuse_linear_heads(tp, hf_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvserve.engine.config import EngineConfig
-
 
 class StateSlots:
     def __init__(self, num_slots: int, num_snapshots: int = 0):
@@ -130,20 +128,6 @@ def turn_checkpoints(ids: list[int], turn_ends, block_size: int, checkpoint: int
 def has_linear_attention(hf_config) -> bool:
     """Whether the config's layers include linear-attention ones (a recurrent state per sequence)."""
     return "linear_attention" in (getattr(hf_config, "layer_types", None) or [])
-
-
-def refuse_on_linear_attention(config: EngineConfig, hf_config) -> None:
-    """What the engine cannot do yet for a model with linear-attention layers, refused at start by
-    name: speculation under tensor parallelism (each is tested alone: a verification's rejected rows
-    roll back, ``rollback``; the linear heads split across ranks, ``refuse_linear_heads``)."""
-    if not has_linear_attention(hf_config):
-        return
-    name = (getattr(hf_config, "architectures", None) or ["this model"])[0]
-    if config.speculative != "off" and config.tensor_parallel_size > 1:
-        raise ValueError(f"speculative={config.speculative!r} with tensor_parallel_size="
-                         f"{config.tensor_parallel_size} is not supported for {name}: the rollback of its "
-                         "linear-attention states is not tested across ranks; serve it with "
-                         "speculative='off' or tensor_parallel_size=1")
 
 
 def refuse_linear_heads(tp_size: int, hf_config) -> None:

@@ -12,55 +12,33 @@ import dataclasses
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.kv_cache.state_slots import turn_checkpoints
 from kvserve.engine.layers import gated_delta
 from kvserve.engine.sequence import Sequence
-from kvserve.testing.engine import scaled_hybrid_model
+from kvserve.testing.engine import (
+    HYBRID_BLOCK,
+    HYBRID_GREEDY,
+    HYBRID_PROMPTS,
+    assert_slots_all_free,
+    greedy_tokens,
+    hf_greedy,
+    scaled_hybrid_model,
+)
 from kvserve.testing.random_model import make_config
 
-BLOCK = 16
-# a few hundred tokens each, past several 64-token blocks of the chunked rule
-PROMPTS = [[(37 * i + 11) % 9000 + 3 for i in range(300)], list(range(2000, 2200)),
-           [(i * i) % 5000 + 7 for i in range(137)], [42] * 65]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     return scaled_hybrid_model("qwen3.5-tiny", tmp_path_factory.mktemp("qwen3.5"))
 
 
-def hf_greedy(path: str, prompts) -> list[list[int]]:
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]  # every tensor of ours was read
-    model.eval()
-    out = []
-    for prompt in prompts:
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
-                                 do_sample=False)
-        out.append(ids[0, len(prompt):].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def want(model_dir) -> list[list[int]]:
-    return hf_greedy(model_dir, PROMPTS)
-
-
-def greedy_tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def assert_slots_all_free(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats.state_slots_total > 0
-    assert stats.state_slots_free == stats.state_slots_total
-    llm.engine.block_manager.check_integrity()
+    return hf_greedy(model_dir, HYBRID_PROMPTS)
 
 
 def test_the_rule_in_chunks_of_any_size_matches_transformers_whole_sequence():
@@ -92,10 +70,10 @@ def test_the_rule_in_chunks_of_any_size_matches_transformers_whole_sequence():
 
 
 def test_greedy_tokens_equal_transformers_alone_and_batched(model_dir, want):
-    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK)
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK)
     try:
-        assert greedy_tokens(llm, PROMPTS) == want
-        assert [greedy_tokens(llm, [p])[0] for p in PROMPTS[:2]] == want[:2]
+        assert greedy_tokens(llm, HYBRID_PROMPTS) == want
+        assert [greedy_tokens(llm, [p])[0] for p in HYBRID_PROMPTS[:2]] == want[:2]
         assert_slots_all_free(llm)
     finally:
         llm.shutdown()
@@ -103,10 +81,10 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(model_dir, want):
 
 @pytest.mark.parametrize("chunk", [2, 37])  # inside the conv window (K - 1 = 3); across blocks
 def test_chunked_prefill_leaves_the_tokens_unchanged(model_dir, want, chunk):
-    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, max_num_batched_tokens=chunk,
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, max_num_batched_tokens=chunk,
               max_num_seqs=2)
     try:
-        prompts = PROMPTS if chunk > 2 else PROMPTS[2:]  # two-token steps: the shorter prompts
+        prompts = HYBRID_PROMPTS if chunk > 2 else HYBRID_PROMPTS[2:]  # two-token steps: the shorter prompts
         assert greedy_tokens(llm, prompts) == (want if chunk > 2 else want[2:])
         assert_slots_all_free(llm)
     finally:
@@ -115,10 +93,10 @@ def test_chunked_prefill_leaves_the_tokens_unchanged(model_dir, want, chunk):
 
 def test_preemption_rebuilds_the_state_and_leaves_the_tokens_unchanged(model_dir, want):
     # 40 blocks of 16 tokens for four prompts of up to 312 tokens: the later admitted are preempted
-    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=40,
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, num_kv_blocks=40,
               max_num_batched_tokens=64, max_num_seqs=4)
     try:
-        assert greedy_tokens(llm, PROMPTS) == want
+        assert greedy_tokens(llm, HYBRID_PROMPTS) == want
         assert llm.stats().num_preemptions > 0
         assert_slots_all_free(llm)
     finally:
@@ -129,15 +107,15 @@ def test_n_choices_fork_with_a_copy_of_the_state_and_give_the_tokens_of_separate
     """The choices share the prompt's full blocks and copy choice 0's state there (137 tokens: 128
     shared); greedy, each gives transformers' tokens; seeded, choice i gives what a request of
     seed + i alone gives."""
-    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK)
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3)
-        out = llm.generate([PROMPTS[2]], greedy, use_tqdm=False)
+        out = llm.generate([HYBRID_PROMPTS[2]], greedy, use_tqdm=False)
         assert [list(c.token_ids) for c in out[0].choices] == [want[2]] * 3
         assert [c.cached_tokens for c in out[0].choices[1:]] == [128, 128]
         seeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5)
-        out = llm.generate([PROMPTS[2]], dataclasses.replace(seeded, n=3), use_tqdm=False)
-        alone = [greedy_tokens(llm, [PROMPTS[2]], dataclasses.replace(seeded, seed=5 + i))[0]
+        out = llm.generate([HYBRID_PROMPTS[2]], dataclasses.replace(seeded, n=3), use_tqdm=False)
+        alone = [greedy_tokens(llm, [HYBRID_PROMPTS[2]], dataclasses.replace(seeded, seed=5 + i))[0]
                  for i in range(3)]
         assert [list(c.token_ids) for c in out[0].choices] == alone
         assert len({tuple(a) for a in alone}) > 1
@@ -152,16 +130,16 @@ def test_a_shared_64_token_prefix_hits_a_state_snapshot_and_gives_the_tokens_of_
     and computes only its own 23 tokens."""
     shared = [(11 * i + 5) % 7000 + 9 for i in range(64)]
     prompts = [shared + list(range(500, 510)), shared + list(range(900, 923))]
-    cold = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, enable_prefix_caching=False)
+    cold = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, enable_prefix_caching=False)
     try:
         want = [greedy_tokens(cold, [p])[0] for p in prompts]
         assert cold.stats().state_snapshots_total == 0
     finally:
         cold.shutdown()
-    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK)
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK)
     try:
-        first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0]
-        second = llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0]
+        first = llm.generate([prompts[0]], HYBRID_GREEDY, use_tqdm=False)[0]
+        second = llm.generate([prompts[1]], HYBRID_GREEDY, use_tqdm=False)[0]
         assert (first.cached_tokens, second.cached_tokens) == (0, 64)
         assert [list(first.token_ids), list(second.token_ids)] == want
         stats = llm.stats()
@@ -186,7 +164,7 @@ def test_chat_turn_boundaries_keep_snapshots_that_other_conversations_hit(model_
     """A system turn shared by another conversation, and a history shared by a branched one: the
     first prompt keeps its state at both turn boundaries (the ends of their last full blocks, 64 and
     144) besides its own checkpoint, and the others hit there with the tokens of a cold run."""
-    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK)
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK)
     end = min(llm.engine.scheduler.eos_token_ids)
 
     def turn(seed: int, n: int) -> list[int]:
@@ -195,7 +173,7 @@ def test_chat_turn_boundaries_keep_snapshots_that_other_conversations_hit(model_
     system, user, reply, header = turn(1, 70), turn(2, 40), turn(3, 35), [11, 12, 13]
     prompts = [system + user + reply + turn(4, 20) + header, system + turn(5, 30) + header,
                system + user + reply + turn(6, 25) + header]
-    params = dataclasses.replace(GREEDY, max_tokens=4)
+    params = dataclasses.replace(HYBRID_GREEDY, max_tokens=4)
     try:
         got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         assert [o.cached_tokens for o in got] == [0, 64, 144]
@@ -203,7 +181,7 @@ def test_chat_turn_boundaries_keep_snapshots_that_other_conversations_hit(model_
         assert_slots_all_free(llm)
     finally:
         llm.shutdown()
-    cold = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, enable_prefix_caching=False)
+    cold = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, enable_prefix_caching=False)
     try:
         assert [list(o.token_ids) for o in got] == [greedy_tokens(cold, [p], params)[0] for p in prompts]
     finally:
@@ -211,10 +189,10 @@ def test_chat_turn_boundaries_keep_snapshots_that_other_conversations_hit(model_
 
 
 def test_an_aborted_request_gives_its_slot_back(model_dir):
-    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, max_num_batched_tokens=64)
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, max_num_batched_tokens=64)
     try:
         engine = llm.engine
-        for i, prompt in enumerate(PROMPTS[:3]):
+        for i, prompt in enumerate(HYBRID_PROMPTS[:3]):
             engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40,
                                                                ignore_eos=True))
         for _ in range(4):
@@ -231,9 +209,9 @@ def test_an_aborted_request_gives_its_slot_back(model_dir):
 def test_qwen3_next_greedy_tokens_equal_transformers_batched_and_chunked(tmp_path):
     """Qwen3-Next: per-key-head projections regrouped, experts with a shared one."""
     path = scaled_hybrid_model("qwen3-next-tiny", tmp_path)
-    prompts = PROMPTS[1:3]
+    prompts = HYBRID_PROMPTS[1:3]
     want = hf_greedy(path, prompts)
-    llm = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, max_num_batched_tokens=37,
+    llm = LLM(path, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, max_num_batched_tokens=37,
               max_num_seqs=2)
     try:
         assert greedy_tokens(llm, prompts) == want
@@ -265,13 +243,7 @@ def test_a_burst_beyond_the_slots_waits_its_turn_and_every_slot_comes_back():
     assert bm.state_slots.num_free == 2 and all(s.state_slot is None for s in seqs)
 
 
-def test_what_the_hybrid_lacks_is_refused_by_name(model_dir):
-    from kvserve.engine.executor.executor import check_tensor_parallel
-
-    config = EngineConfig(model=model_dir, tensor_parallel_size=2, speculative="ngram")
-    refusal = "speculative='ngram' with tensor_parallel_size=2 is not supported for Qwen3_5ForCausalLM"
-    with pytest.raises(ValueError, match=refusal):
-        check_tensor_parallel(config, make_config("qwen3.5-tiny"))
+def test_prefix_caching_without_state_snapshots_is_refused():
     with pytest.raises(ValueError, match="prefix caching needs state snapshots"):
         BlockManager(8, 4, enable_prefix_caching=True, state_slots=2)
 
@@ -279,7 +251,7 @@ def test_what_the_hybrid_lacks_is_refused_by_name(model_dir):
 def test_the_state_slots_come_out_of_kv_cache_memory(model_dir):
     from kvserve.engine.runner.state_cache import slot_bytes
 
-    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, max_num_seqs=8,
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, max_num_seqs=8,
               kv_cache_memory=0.001)
     try:
         per_slot = slot_bytes(llm.engine.executor.model, torch.float32)
@@ -320,11 +292,11 @@ def test_a_hub_qwen3_5_checkpoint_serves_its_text_model_as_transformers_does(mod
     save_file(saved, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
     for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{model_dir}/{tokenizer_file}", tmp_path)
-    prompts = PROMPTS[:2]
+    prompts = HYBRID_PROMPTS[:2]
     with torch.no_grad():
         want = [hf_model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
                                   do_sample=False)[0, len(p):].tolist() for p in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=BLOCK)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=HYBRID_BLOCK)
     try:
         assert llm.engine.architecture == "Qwen3_5ForConditionalGeneration"
         assert greedy_tokens(llm, prompts) == want

@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hybrid_models import BLOCK, assert_slots_all_free
 
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.kv_cache.state_slots import StateSlots
 from kvserve.engine.layers.gated_delta import row_waves
 from kvserve.engine.sequence import Sequence
-from kvserve.engine.spec_decode.policy import StepCosts
 from kvserve.engine.spec_decode.speculator import Speculator
 from kvserve.kernels.cpu.bindings import load_kernels
-from kvserve.testing.engine import scaled_hybrid_model
+from kvserve.testing.engine import (
+    FLAT_STEP_COSTS,
+    HYBRID_BLOCK,
+    assert_slots_all_free,
+    echo_prompts,
+    greedy_tokens,
+    scaled_hybrid_model,
+)
 
-# prompt bases: a prompt is base + (the model's greedy continuation of base, every fifth token
-# changed) + base; the tiny model's linear layers forget fast, so after the second base it continues
-# as after the first, and the n-gram drafts (copies of the changed continuation) are kept up to
-# each changed token: verifications accept some drafts and reject the rest
+# the bases of the prompts (``testing.engine.echo_prompts``: verifications accept some drafts and
+# reject the rest)
 BASES = [[(37 * i + 11) % 9000 + 3 for i in range(40)], list(range(300, 330)),
          [(i * i) % 5000 + 7 for i in range(33)], [42] * 20 + [43, 44] * 10]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -31,29 +34,23 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, igno
 
 
 def speculating(path: str, **config) -> LLM:
-    """An engine with n-gram drafts whose step-cost table makes up to 8 rows nearly free (as
-    ``testing.engine.FLAT_STEP_COSTS``): the drafts do not depend on what the start-up measurement
+    """An engine with n-gram drafts whose step-cost table makes up to 8 rows nearly free
+    (``testing.engine.FLAT_STEP_COSTS``): the drafts do not depend on what the start-up measurement
     gave on a busy machine; no step-time bound, which would cut prefill chunks by wall time, and
     steps that prefill verify no drafts."""
-    llm = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, threads=1, speculative="ngram",
+    llm = LLM(path, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, threads=1, speculative="ngram",
               max_step_time_ms=0, **config)
-    costs = StepCosts({1: 1.0, 8: 1.05, 9: 4.0, 64: 20.0})
-    llm.engine.speculator = Speculator(llm.engine.config, costs, llm.engine.executor.exact_rows())
+    llm.engine.speculator = Speculator(llm.engine.config, FLAT_STEP_COSTS, llm.engine.executor.exact_rows())
     return llm
 
 
-def tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def echo_prompts(path: str, bases=BASES) -> list[list[int]]:
-    llm = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, threads=1)
+def echo(path: str, bases=BASES) -> list[list[int]]:
+    """``testing.engine.echo_prompts`` of ``bases`` on a plain engine of ``path``."""
+    llm = LLM(path, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, threads=1)
     try:
-        continuations = tokens(llm, bases)
+        return echo_prompts(llm, bases)
     finally:
         llm.shutdown()
-    changed = [[t + 1 if i % 5 == 4 else t for i, t in enumerate(c)] for c in continuations]
-    return [base + c + base for base, c in zip(bases, changed, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +60,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def prompts(model_dir) -> list[list[int]]:
-    return echo_prompts(model_dir)
+    return echo(model_dir)
 
 
 def on_and_off(path: str, prompts, params=GREEDY, together: bool = True, **config):
@@ -74,12 +71,12 @@ def on_and_off(path: str, prompts, params=GREEDY, together: bool = True, **confi
     out = []
     for mode in ("off", "ngram"):
         llm = (speculating(path, **config) if mode == "ngram"
-               else LLM(path, dtype="float32", device="cpu", block_size=BLOCK, threads=1, max_step_time_ms=0,
-                        **config))
+               else LLM(path, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, threads=1,
+                        max_step_time_ms=0, **config))
         try:
             at_once = together and mode == "ngram"
-            out.append(tokens(llm, prompts, params) if at_once
-                       else [tokens(llm, [p], params)[0] for p in prompts])
+            out.append(greedy_tokens(llm, prompts, params) if at_once
+                       else [greedy_tokens(llm, [p], params)[0] for p in prompts])
             stats = llm.stats()
             assert_slots_all_free(llm)
             assert stats.kv_blocks_free == stats.kv_blocks_total
@@ -123,10 +120,10 @@ def test_a_prefix_cache_hit_under_speculation_gives_the_tokens_of_a_cold_run(mod
     """The first prompt's prefill keeps the (committed) state at its checkpoint, 96 tokens; the
     second, its first 100 tokens, hits there and computes 4 tokens; both verify drafts."""
     pair = [prompts[0], prompts[0][:100]]
-    cold = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, threads=1,
+    cold = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, threads=1,
                enable_prefix_caching=False)
     try:
-        want = [tokens(cold, [p])[0] for p in pair]
+        want = [greedy_tokens(cold, [p], GREEDY)[0] for p in pair]
     finally:
         cold.shutdown()
     llm = speculating(model_dir)
@@ -144,7 +141,7 @@ def test_a_prefix_cache_hit_under_speculation_gives_the_tokens_of_a_cold_run(mod
 
 def test_qwen3_next_speculation_gives_the_tokens_of_plain_decoding(tmp_path):
     path = scaled_hybrid_model("qwen3-next-tiny", tmp_path)
-    plain, spec, stats = on_and_off(path, echo_prompts(path, BASES[:3]), max_num_batched_tokens=64)
+    plain, spec, stats = on_and_off(path, echo(path, BASES[:3]), max_num_batched_tokens=64)
     assert spec == plain
     assert_partly_rejected(stats)
 
@@ -163,7 +160,7 @@ def test_after_a_partly_rejected_verification_the_state_is_that_of_plain_decodin
     exact = load_kernels() is not None
     same = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     spec = speculating(model_dir)
-    plain = LLM(model_dir, dtype="float32", device="cpu", block_size=BLOCK, threads=1)
+    plain = LLM(model_dir, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, threads=1)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
         spec.engine.add_request("r", prompts[0], params)

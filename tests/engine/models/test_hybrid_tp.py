@@ -8,22 +8,28 @@ a size that does not divide the linear layers' key heads is refused by name befo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from kvserve.engine import LLM, SamplingParams
+from kvserve.engine import LLM
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.executor.executor import check_tensor_parallel, create_executor
 from kvserve.engine.models.qwen3_5 import state_shapes
-from kvserve.testing.engine import scaled_hybrid_model, sequence_step
+from kvserve.testing.engine import (
+    HYBRID_BLOCK,
+    HYBRID_GREEDY,
+    HYBRID_PROMPTS,
+    assert_slots_all_free,
+    greedy_tokens,
+    hf_greedy,
+    scaled_hybrid_model,
+    sequence_step,
+)
 from kvserve.testing.random_model import make_config
 
-BLOCK = 16
-PROMPTS = [[(37 * i + 11) % 9000 + 3 for i in range(300)], list(range(2000, 2200)),
-           [(i * i) % 5000 + 7 for i in range(137)], [42] * 65]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-IDS = PROMPTS[2][:70]
+IDS = HYBRID_PROMPTS[2][:70]
 
 
 @pytest.fixture(scope="module")
@@ -34,29 +40,12 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def want(model_dirs) -> list[list[int]]:
-    """Transformers' greedy tokens of PROMPTS on the Qwen3.5 checkpoint."""
-    return hf_greedy(model_dirs["qwen3.5-tiny"], PROMPTS)
-
-
-def hf_greedy(path: str, prompts) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
-                               do_sample=False)[0, len(p):].tolist() for p in prompts]
-
-
-def greedy_tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def assert_slots_all_free(llm: LLM) -> None:
-    stats = llm.stats()
-    assert 0 < stats.state_slots_free == stats.state_slots_total
-    llm.engine.block_manager.check_integrity()
+    """Transformers' greedy tokens of HYBRID_PROMPTS on the Qwen3.5 checkpoint."""
+    return hf_greedy(model_dirs["qwen3.5-tiny"], HYBRID_PROMPTS)
 
 
 def tp2(path: str, **kwargs) -> LLM:
-    return LLM(path, dtype="float32", device="cpu", block_size=BLOCK, tensor_parallel_size=2, **kwargs)
+    return LLM(path, dtype="float32", device="cpu", block_size=HYBRID_BLOCK, tensor_parallel_size=2, **kwargs)
 
 
 def prefill_then_decode(executor) -> torch.Tensor:
@@ -64,11 +53,11 @@ def prefill_then_decode(executor) -> torch.Tensor:
     and three decode steps, on state slot 1."""
     tables, rows = [[3, 1, 7, 0, 5]], []
     for start, end in ((0, 40), (40, 70)):
-        step = sequence_step(IDS[start:end], start, tables, BLOCK, state_slots=[1])
+        step = sequence_step(IDS[start:end], start, tables, HYBRID_BLOCK, state_slots=[1])
         rows.append(executor.execute_model(step))
     token = int(rows[-1][-1].argmax())
     for at in range(70, 73):
-        rows.append(executor.execute_model(sequence_step([token], at, tables, BLOCK, state_slots=[1])))
+        rows.append(executor.execute_model(sequence_step([token], at, tables, HYBRID_BLOCK, state_slots=[1])))
         token = int(rows[-1][-1].argmax())
     return torch.cat(rows).cpu()
 
@@ -76,7 +65,7 @@ def prefill_then_decode(executor) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3-next-tiny"])
 def test_logits_at_tp2_equal_tp1_and_each_rank_holds_half_the_state(model_dirs, name):
     config = EngineConfig(model=model_dirs[name], dtype="float32", device="cpu", num_kv_blocks=16,
-                          block_size=BLOCK, max_model_len=256, max_num_seqs=4)
+                          block_size=HYBRID_BLOCK, max_model_len=256, max_num_seqs=4)
     logits, state_bytes = {}, {}
     for tp in (1, 2):
         executor = create_executor(config.replace(tensor_parallel_size=tp))
@@ -100,10 +89,9 @@ def test_logits_at_tp2_equal_tp1_and_each_rank_holds_half_the_state(model_dirs, 
 def test_qwen3_5_at_tp2_gives_transformers_tokens_alone_batched_and_forked(model_dirs, want):
     llm = tp2(model_dirs["qwen3.5-tiny"])
     try:
-        assert greedy_tokens(llm, PROMPTS) == want
-        assert [greedy_tokens(llm, [p])[0] for p in PROMPTS[:2]] == want[:2]
-        forked = llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
-                                                           n=2), use_tqdm=False)[0]
+        assert greedy_tokens(llm, HYBRID_PROMPTS) == want
+        assert [greedy_tokens(llm, [p])[0] for p in HYBRID_PROMPTS[:2]] == want[:2]
+        forked = llm.generate([HYBRID_PROMPTS[2]], dataclasses.replace(HYBRID_GREEDY, n=2), use_tqdm=False)[0]
         assert [list(c.token_ids) for c in forked.choices] == [want[2]] * 2
         assert_slots_all_free(llm)
     finally:
@@ -115,7 +103,7 @@ def test_qwen3_5_at_tp2_chunked_and_preempted_gives_transformers_tokens(model_di
     four prompts of up to 312 tokens: the later admitted are preempted and rebuild their state."""
     llm = tp2(model_dirs["qwen3.5-tiny"], num_kv_blocks=40, max_num_batched_tokens=37, max_num_seqs=4)
     try:
-        assert greedy_tokens(llm, PROMPTS) == want
+        assert greedy_tokens(llm, HYBRID_PROMPTS) == want
         assert llm.stats().num_preemptions > 0
         assert_slots_all_free(llm)
     finally:
@@ -131,8 +119,8 @@ def test_a_prefix_hit_at_tp2_restores_every_ranks_snapshot(model_dirs):
     want = hf_greedy(path, prompts)
     llm = tp2(path)
     try:
-        first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0]
-        second = llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0]
+        first = llm.generate([prompts[0]], HYBRID_GREEDY, use_tqdm=False)[0]
+        second = llm.generate([prompts[1]], HYBRID_GREEDY, use_tqdm=False)[0]
         assert (first.cached_tokens, second.cached_tokens) == (0, 64)
         assert [list(first.token_ids), list(second.token_ids)] == want
         assert llm.stats().state_snapshot_hits == 1
@@ -145,10 +133,10 @@ def test_qwen3_next_at_tp2_gives_transformers_tokens_batched_and_chunked(model_d
     """Qwen3-Next: the per-key-head in_proj_qkvz / in_proj_ba split by key-head group, experts as
     the other mixtures split them."""
     path = model_dirs["qwen3-next-tiny"]
-    want = hf_greedy(path, PROMPTS[1:3])
+    want = hf_greedy(path, HYBRID_PROMPTS[1:3])
     llm = tp2(path, max_num_batched_tokens=37, max_num_seqs=2)
     try:
-        assert greedy_tokens(llm, PROMPTS[1:3]) == want
+        assert greedy_tokens(llm, HYBRID_PROMPTS[1:3]) == want
         assert_slots_all_free(llm)
     finally:
         llm.shutdown()
