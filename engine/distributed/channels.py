@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import socket
 import struct
 import sys
@@ -233,8 +234,9 @@ class ShmSender:
         self._doorbells = doorbells
         self._timeout_s = timeout_s
         self._offset = _HEADER.size + _SLOT.size * len(doorbells)
-        # CPython creates POSIX segments with mode 0o600: owner-only (tests check the mode)
-        self._shm = SharedMemory(name=f"kvserve-tp-{uuid.uuid4().hex[:16]}", create=True,
+        # CPython creates POSIX segments with mode 0o600: owner-only (tests check the mode); the
+        # leader's pid in the name tells whose a segment is (a leaked one, or another engine's)
+        self._shm = SharedMemory(name=f"kvserve-tp-{os.getpid()}-{uuid.uuid4().hex[:16]}", create=True,
                                  size=self._offset + max_payload)
         self._seq = 0
         self._closed = False

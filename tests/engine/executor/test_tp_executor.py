@@ -139,7 +139,8 @@ def _free_port() -> int:
 
 
 def shm_segments() -> set[str]:
-    return set(glob.glob("/dev/shm/kvserve-tp-*"))
+    """This process's tensor-parallel segments (other engines on the machine make their own)."""
+    return set(glob.glob(f"/dev/shm/kvserve-tp-{os.getpid()}-*"))
 
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [8]]
