@@ -123,17 +123,44 @@ static inline void scatter_runs(const uint8_t *vals, uint8_t *P, int S, int64_t 
 #endif
 }
 
+/* a Q4_K/Q5_K superblock's 8 scales and 8 minimums from its 12 scale bytes, in four word
+ * operations (kq_scale_min's values: sc[j], mn[j]) */
+static inline void k_scales_mins(const uint8_t *s12, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t u[3], o[4];
+    memcpy(u, s12, 12);
+    o[0] = u[0] & 0x3f3f3f3fu;
+    o[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    o[2] = u[1] & 0x3f3f3f3fu;
+    o[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, o, 8);
+    memcpy(mn, o + 2, 8);
+}
+
 static inline int sub_values(int type) { return type == GGML_Q6_K ? 16 : 32; }
 /* bytes of one sub-block in a float panel: its values, then KG_LANES float scales and minimums */
 static inline int64_t sub_bytes(int S) { return (int64_t)S * KG_LANES + 8 * KG_LANES; }
 static inline int64_t super_bytes(int S) { return (KQ_BLOCK / S) * sub_bytes(S); }
 
-/* a superblock's values of rows n0 .. n0 + KG_LANES - 1 (zeros past n_out) into vals */
+/* the bytes of a superblock's 256 values in a row of the type */
+static inline int super_stored(int type) {
+    return type == GGML_Q8_0 ? 272 : type == GGML_Q6_K ? 210 : type == GGML_Q5_K ? 176 : 144;
+}
+
+/* superblock i's values of rows n0 .. n0 + KG_LANES - 1 (zeros past n_out) into vals; each row's
+ * superblock KG_AHEAD on prefetched (the rows are KG_LANES streams a prefetcher does not follow) */
+#define KG_AHEAD 2
 static inline void unpack_rows(const uint8_t *w, int64_t row_bytes, int type, int n0, int n_out, int64_t i,
-                               uint8_t *vals) {
+                               int nsb, uint8_t *vals) {
+    const int bytes = super_stored(type);
     for (int r = 0; r < KG_LANES; ++r) {
-        if (n0 + r < n_out) unpack_values(w + (int64_t)(n0 + r) * row_bytes, type, i, vals + KQ_BLOCK * r);
-        else memset(vals + KQ_BLOCK * r, 0, KQ_BLOCK);
+        if (n0 + r >= n_out) {
+            memset(vals + KQ_BLOCK * r, 0, KQ_BLOCK);
+            continue;
+        }
+        const uint8_t *row = w + (int64_t)(n0 + r) * row_bytes;
+        if (i + KG_AHEAD < nsb)
+            for (int at = 0; at < bytes; at += 64) _mm_prefetch((const char *)(row + (i + KG_AHEAD) * bytes + at), _MM_HINT_T0);
+        unpack_values(row, type, i, vals + KQ_BLOCK * r);
     }
 }
 
@@ -144,7 +171,7 @@ static void pack_panel(const uint8_t *w, int64_t row_bytes, int type, int n0, in
     uint8_t vals[KG_LANES * KQ_BLOCK] __attribute__((aligned(64)));
     for (int64_t i = 0; i < nsb; ++i) {
         uint8_t *P = panel + i * super_bytes(S);
-        unpack_rows(w, row_bytes, type, n0, n_out, i, vals);
+        unpack_rows(w, row_bytes, type, n0, n_out, i, nsb, vals);
         scatter_runs(vals, P, S, sub_bytes(S));
         for (int r = 0; r < KG_LANES; ++r) {
             float scale[16] = {0}, minimum[16] = {0};
@@ -164,11 +191,11 @@ static void pack_panel(const uint8_t *w, int64_t row_bytes, int type, int n0, in
                 }
             } else {
                 const uint8_t *blk = row + (type == GGML_Q5_K ? 176 : 144) * i;
+                uint8_t sc[8], m[8];
+                k_scales_mins(blk + 4, sc, m);
                 for (int j = 0; j < 8; ++j) {
-                    int sc, m;
-                    kq_scale_min(j, blk + 4, &sc, &m);
-                    scale[j] = half_of(blk) * (float)sc;
-                    minimum[j] = half_of(blk + 2) * (float)m;
+                    scale[j] = half_of(blk) * (float)sc[j];
+                    minimum[j] = half_of(blk + 2) * (float)m[j];
                 }
             }
             for (int s = 0; s < subs; ++s) {
@@ -197,7 +224,7 @@ static void pack_panel_k(const uint8_t *w, int64_t row_bytes, int type, int n0, 
     uint8_t vals[KG_LANES * KQ_BLOCK] __attribute__((aligned(64)));
     for (int64_t i = 0; i < nsb; ++i) {
         uint8_t *P = panel + i * k_super_bytes(q6);
-        unpack_rows(w, row_bytes, type, n0, n_out, i, vals);
+        unpack_rows(w, row_bytes, type, n0, n_out, i, nsb, vals);
         scatter_runs(vals, P, S, sub);
         int16_t *pairs16 = (int16_t *)(P + subs * sub);
         float *f = (float *)(P + subs * sub + (int64_t)pairs * 4 * KG_LANES);
@@ -212,8 +239,10 @@ static void pack_panel_k(const uint8_t *w, int64_t row_bytes, int type, int n0, 
                     for (int g = 0; g < 16; ++g) sc[g] = ((const int8_t *)(blk + 192))[g];
                 } else {
                     const uint8_t *blk = row + (type == GGML_Q5_K ? 176 : 144) * i;
+                    uint8_t sc8[8], mn8[8];
                     d = half_of(blk), dmin = half_of(blk + 2);
-                    for (int j = 0; j < 8; ++j) kq_scale_min(j, blk + 4, &sc[j], &mn[j]);
+                    k_scales_mins(blk + 4, sc8, mn8);
+                    for (int j = 0; j < 8; ++j) sc[j] = sc8[j], mn[j] = mn8[j];
                 }
             }
             for (int s = 0; s < subs; ++s) ((int32_t *)(P + s * sub + (int64_t)S * KG_LANES))[r] = sc[s];
