@@ -69,7 +69,8 @@ static inline void unpack_values(const uint8_t *w, int type, int64_t i, uint8_t 
 
 /* KG_LANES rows of 256 unpacked values (vals, 256 bytes apart) into a panel superblock's runs
  * (P: its start, sub: the bytes of a sub-block of S values, runs first) */
-static inline void scatter_runs(const uint8_t *vals, uint8_t *P, int S, int64_t sub) {
+static inline __attribute__((always_inline)) void scatter_s(const uint8_t *vals, uint8_t *P, const int S,
+                                                            int64_t sub) {
 #if KQ_ISA == 512
     for (int c = 0; c < 4; ++c) { /* values 64 c .. 64 c + 63: 16 int32 of each row */
         __m512i r[16], t[16];
@@ -136,6 +137,12 @@ static inline void k_scales_mins(const uint8_t *s12, uint8_t sc[8], uint8_t mn[8
     memcpy(mn, o + 2, 8);
 }
 
+/* scatter_s with S a constant in each instance (the runs' offsets folded) */
+static inline void scatter_runs(const uint8_t *vals, uint8_t *P, int S, int64_t sub) {
+    if (S == 16) scatter_s(vals, P, 16, sub);
+    else scatter_s(vals, P, 32, sub);
+}
+
 static inline int sub_values(int type) { return type == GGML_Q6_K ? 16 : 32; }
 /* bytes of one sub-block in a float panel: its values, then KG_LANES float scales and minimums */
 static inline int64_t sub_bytes(int S) { return (int64_t)S * KG_LANES + 8 * KG_LANES; }
@@ -148,7 +155,7 @@ static inline int super_stored(int type) {
 
 /* superblock i's values of rows n0 .. n0 + KG_LANES - 1 (zeros past n_out) into vals; each row's
  * superblock KG_AHEAD on prefetched (the rows are KG_LANES streams a prefetcher does not follow) */
-#define KG_AHEAD 2
+#define KG_AHEAD 4
 static inline void unpack_rows(const uint8_t *w, int64_t row_bytes, int type, int n0, int n_out, int64_t i,
                                int nsb, uint8_t *vals) {
     const int bytes = super_stored(type);
