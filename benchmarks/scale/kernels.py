@@ -6,14 +6,18 @@ weight bytes per second and the ratio to ``cpu_matmul.linear`` on the dequantize
 paths of ``GGUFWeight.linear``: the int8 GEMM (csrc/kquant_gemm.c), the dots and bfloat16 panels
 dequantized 256 rows at a time into the float GEMM, interleaved round by round (``--rounds``; the
 best round of each), with the GEMM's int8 GOP/s against a tight vpdpbusd loop's in the same run
-and its parts (activation quantization, the panels' unpacking). Random valid blocks; run it on a
-quiet machine.
+and its parts (activation quantization, the panels' unpacking). ``--clock thread --threads 1``
+times one thread's CPU time instead of the wall clock (the peak too), so that other processes'
+share of a loaded machine drops out; ``--against SO`` adds another build's GEMM (e.g. main's shared
+object from kernels/cpu/build.py's cache) to the same interleaved rounds. Random valid blocks; run
+it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,26 +46,28 @@ def timed(fn, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def best_of_interleaved(fns: dict, rounds: int) -> dict:
+def best_of_interleaved(fns: dict, rounds: int, clock=time.perf_counter) -> dict:
     """Each function's best time over ``rounds`` rounds, the functions taking turns every round (so
-    that the load of a shared machine falls on all of them alike)."""
+    that the load of a shared machine falls on all of them alike); ``clock``: the wall clock, or
+    ``time.thread_time`` (one thread's CPU time: other processes' share of the cores drops out)."""
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], clock() - start)
     return best
 
 
 def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: int, rounds: int,
-                  peak: float = 0.0) -> str:
+                  peak: float = 0.0, clock=time.perf_counter, against=None) -> str:
     """One line: a product of ``rows`` rows by the int8 GEMM, by the few-row dots and by
     dequantized bfloat16 panels (what ``GGUFWeight.linear`` chooses between), milliseconds, best
     of interleaved rounds; the GEMM's int8 rate against ``peak`` (GOP/s of all threads: 2 per
-    multiply-add), and its parts: the activations' quantization, the panels' unpacking."""
+    multiply-add), and its parts: the activations' quantization, the panels' unpacking; with
+    ``against`` (another build's kernels) that build's GEMM and unpacking in the same rounds."""
     from kvserve.engine.layers.cpu_matmul import linear
     from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, PANEL_ROWS, GGUFTensor, gemm_from_rows
 
@@ -82,14 +88,18 @@ def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: 
         # its parts: the activations' quantization, and the panels' unpacking (a 1-row product)
         fns["quantize"] = lambda: kernels.quantize(x)
         fns["unpack"] = lambda: kernels.gemm(weight, ggml_type, k, act[:1], out[:1])
-    best = best_of_interleaved(fns, rounds)
+        if against is not None:
+            fns["gemm_against"] = lambda: against.gemm(weight, ggml_type, k, against.quantize(x), out)
+            fns["unpack_against"] = lambda: against.gemm(weight, ggml_type, k, act[:1], out[:1])
+    best = best_of_interleaved(fns, rounds, clock)
     cells = ", ".join(f"{key} {t * 1e3:8.2f} ms" for key, t in best.items())
     ratio = ""
     if "gemm" in best:
         ops = 2 * rows * n_out * k / best["gemm"] / 1e9
         ratio = (f": gemm {best['panels'] / best['gemm']:.2f}x the panels, "
                  f"{best['dots'] / best['gemm']:.2f}x the dots, {ops:.0f} int8 GOP/s"
-                 + (f" = {ops / peak:.0%} of the vpdpbusd peak" if peak else ""))
+                 + (f" = {ops / peak:.0%} of the vpdpbusd peak" if peak else "")
+                 + (f", {best['gemm_against'] / best['gemm']:.2f}x the other build's" if against else ""))
     part = GGUFTensor(weight, ggml_type, (n_out, k))
     gemm = kernels.gemm_takes(ggml_type) and k % 256 == 0 and rows >= gemm_from_rows(kernels, part)
     dots = rows < PANEL_FROM_ROWS or kernels.dots_over_panels(ggml_type)
@@ -121,12 +131,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the prefill paths")
     ap.add_argument("--types", default=",".join(NAMES), help="formats, comma-separated")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="the prefill paths' clock: wall, or one thread's CPU time (needs --threads 1)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as torch has them)")
+    ap.add_argument("--against", default=None,
+                    help="another build's shared object (from kernels/cpu/build.py): its GEMM, same rounds")
     args = ap.parse_args(argv)
     n_out, k = (int(v) for v in args.shape.split("x"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "thread" and torch.get_num_threads() != 1:
+        ap.error("--clock thread times one thread: give --threads 1")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     kernels = kquant_kernels()
+    against = None
+    if args.against:
+        from kvserve.kernels.cpu.bindings import CpuKernels
+        from kvserve.kernels.cpu.kquant import KQuantKernels
+
+        against = KQuantKernels(CpuKernels(Path(args.against))._lib)
     from kvserve.engine.layers.gguf_linear import GEMM_FROM_ROWS
 
-    peak = 2 * kernels.vnni_peak() / 1e9  # the int8 peak of this run: a tight vpdpbusd loop on every thread
+    peak = 2 * kernels.vnni_peak(clock=clock) / 1e9  # this run's int8 peak: a tight vpdpbusd loop a thread
     print(f"{n_out} x {k}, {torch.get_num_threads()} threads, dots: {kernels.isa or 'portable'}"
           + (f", vpdpbusd peak this run {peak:.0f} GOP/s" if peak else ""))
     for name in args.types.split(","):
@@ -134,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (int(r) for r in args.rows.split(",")):
             print(compare(kernels, name, ggml_type, n_out, k, rows, args.repeat), flush=True)
             if rows >= GEMM_FROM_ROWS:
-                print(prefill_paths(kernels, name, ggml_type, n_out, k, rows, args.rounds, peak), flush=True)
+                print(prefill_paths(kernels, name, ggml_type, n_out, k, rows, args.rounds, peak,
+                                    clock, against), flush=True)
     return 0
 
 

@@ -41,7 +41,7 @@ PANEL_FROM_ROWS = 128
 # from this many rows a part whose type the int8 GEMM computes as the dots do, bit for bit
 # (``kernels.gemm_alike``: AVX512-VNNI's K-quants), takes the GEMM: the crossover measured at a
 # 1.7B projection (docs/design/gguf_kquants.md); the rows are alike on either side of it
-GEMM_FROM_ROWS = 32
+GEMM_FROM_ROWS = 16
 
 
 def ggml_name(ggml_type: int) -> str:

@@ -66,6 +66,33 @@ def test_the_kernel_comparison_runs_on_a_small_shape(capsys):
     assert len(lines) == 1 + len(kernels.NAMES) * 2 and all("x" in line for line in lines[1:])
 
 
+def test_the_kernel_comparison_times_one_threads_cpu_against_another_build(capsys):
+    """``--clock thread --threads 1 --against SO``: the peak-relative A/B of two builds' GEMM in one
+    run (here the build against itself); the thread clock refuses more than one thread."""
+    import pytest
+    import torch
+
+    from kvserve.benchmarks.scale import kernels
+    from kvserve.kernels.cpu.bindings import build, compiler
+    from kvserve.kernels.cpu.kquant import kquant_kernels
+
+    kq = kquant_kernels()
+    if kq is None:
+        pytest.skip("the CPU kernels are not built here (no compiler)")
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit):
+            kernels.main(["--clock", "thread", "--threads", "2"])
+        argv = ["--shape", "32x256", "--rows", "16", "--repeat", "1", "--rounds", "1", "--types", "Q4_K",
+                "--clock", "thread", "--threads", "1", "--against", str(build(compiler()))]
+        assert kernels.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    if kq.gemm_takes(12, preferred=False):
+        assert "gemm_against" in out and "x the other build's" in out
+
+
 def test_a_hybrids_long_prompts_pass_kvserves_limits_on(tmp_path, monkeypatch):
     """Qwen3.5 at 8k-token prompts and 16 streams: kvserve's limits reach its server's flags."""
     args = argparse.Namespace(peers_dir=tmp_path, concurrency="1,16", num_requests=16, json=None,

@@ -86,88 +86,8 @@ int kq_vnni_peak(int n, int num_threads) {
 #endif
 }
 
-#if KQ_ISA != 0 /* the panels and tiles of the vector builds */
-static inline int sub_values(int type) { return type == GGML_Q6_K ? 16 : 32; }
-/* bytes of one sub-block in a panel: its values, then KG_LANES float scales and minimums */
-static inline int64_t sub_bytes(int S) { return (int64_t)S * KG_LANES + 8 * KG_LANES; }
-static inline int64_t super_bytes(int S) { return (KQ_BLOCK / S) * sub_bytes(S); }
-
-static inline float half_of(const uint8_t *p) { return kq_half(p); }
-
-/* superblock i (256 values) of a weight row as unsigned bytes and, per sub-block of S values, a
- * scale and a minimum: value = scale v - minimum (Q8_0's signed values offset by 128, Q4_0's 8
- * and Q6_K's 32 stored as minimums) */
-static void unpack_superblock(const uint8_t *w, int type, int64_t i, uint8_t v[KQ_BLOCK], float *scale,
-                              float *minimum) {
-    if (type == GGML_Q4_0 || type == GGML_Q8_0) {
-        for (int b = 0; b < 8; ++b) {
-            const int q8 = type == GGML_Q8_0;
-            const uint8_t *blk = w + (i * 8 + b) * (q8 ? 34 : 18);
-            const float d = half_of(blk);
-            for (int l = 0; l < 32; ++l)
-                v[32 * b + l] = q8 ? (uint8_t)(blk[2 + l] ^ 0x80) : (uint8_t)((blk[2 + l % 16] >> (4 * (l / 16))) & 15);
-            scale[b] = d;
-            minimum[b] = (q8 ? 128.f : 8.f) * d;
-        }
-    } else if (type == GGML_Q6_K) {
-        const uint8_t *blk = w + 210 * i;
-        const float d = half_of(blk + 208);
-        for (int n = 0; n < 2; ++n) {
-            const uint8_t *L = blk + 64 * n, *H = blk + 128 + 32 * n;
-            uint8_t *o = v + 128 * n;
-            for (int l = 0; l < 32; ++l) {
-                o[l] = (uint8_t)((L[l] & 15) | ((H[l] & 3) << 4));
-                o[l + 32] = (uint8_t)((L[l + 32] & 15) | (((H[l] >> 2) & 3) << 4));
-                o[l + 64] = (uint8_t)((L[l] >> 4) | (((H[l] >> 4) & 3) << 4));
-                o[l + 96] = (uint8_t)((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4));
-            }
-        }
-        for (int g = 0; g < 16; ++g) {
-            scale[g] = d * (float)((const int8_t *)(blk + 192))[g];
-            minimum[g] = 32.f * scale[g];
-        }
-    } else { /* Q4_K, Q5_K */
-        const int five = type == GGML_Q5_K;
-        const uint8_t *blk = w + (five ? 176 : 144) * i, *qs = blk + (five ? 48 : 16);
-        const float d = half_of(blk), dmin = half_of(blk + 2);
-        for (int j = 0; j < 8; ++j) {
-            int sc, m;
-            kq_scale_min(j, blk + 4, &sc, &m);
-            for (int l = 0; l < 32; ++l)
-                v[32 * j + l] = (uint8_t)(((qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15) |
-                                          (five ? ((blk[16 + l] >> j) & 1) << 4 : 0));
-            scale[j] = d * (float)sc;
-            minimum[j] = dmin * (float)m;
-        }
-    }
-}
-
-/* rows n0 .. n0 + KG_LANES - 1 of the weight (zeros past n_out) into panel: per superblock, per
- * sub-block s, S / 4 runs of KG_LANES x 4 bytes (run c: values S s + 4c .. + 3 of each row), then
- * the rows' scales and minimums as floats */
-static void pack_panel(const uint8_t *w, int64_t row_bytes, int type, int n0, int n_out, int nsb, uint8_t *panel) {
-    const int S = sub_values(type), subs = KQ_BLOCK / S;
-    for (int r = 0; r < KG_LANES; ++r) {
-        uint8_t v[KQ_BLOCK];
-        float scale[16], minimum[16];
-        for (int64_t i = 0; i < nsb; ++i) {
-            if (n0 + r < n_out) {
-                unpack_superblock(w + (int64_t)(n0 + r) * row_bytes, type, i, v, scale, minimum);
-            } else {
-                memset(v, 0, sizeof v);
-                for (int s = 0; s < subs; ++s) scale[s] = minimum[s] = 0.f;
-            }
-            uint8_t *P = panel + i * super_bytes(S);
-            for (int s = 0; s < subs; ++s) {
-                uint8_t *B = P + s * sub_bytes(S);
-                for (int c = 0; c < S / 4; ++c) memcpy(B + (int64_t)c * 4 * KG_LANES + 4 * r, v + S * s + 4 * c, 4);
-                float *f = (float *)(B + (int64_t)S * KG_LANES);
-                f[r] = scale[s];
-                f[KG_LANES + r] = minimum[s];
-            }
-        }
-    }
-}
+#if KQ_ISA != 0 /* the panels (csrc/kquant_panel.h) and tiles of the vector builds */
+#include "kquant_panel.h"
 
 /* out[r][l] = the product of activation row r (blocks at a + r nsb, block sums as floats at
  * fb + r nsb subs) with the panel's row l, for R rows (a constant where inlined: every row's
@@ -250,57 +170,7 @@ KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int ns
 #if KQ_ISA == 512
 /* The K-quants on AVX512-VNNI compute each row in the dots' canonical order (csrc/kquant_avx512.c:
  * per superblock the integers S_i and M_i, then the same float steps, superblocks in order), so a
- * row's bits are the dots' whatever path or tile took it: KG_ALIKE. A panel's superblock here:
- * per sub-block its values (as above) and its 16 rows' scales as int32; then the minimums (Q4_K/
- * Q5_K: the pairs (m_2q, m_2q+1), Q6_K: (32 sc_2q, 32 sc_2q+1), int16 in each row's int32 lane),
- * then the rows' d and dmin as floats. */
-static inline int k_pairs(int q6) { return q6 ? 8 : 4; }
-static inline int64_t k_super_bytes(int q6) {
-    const int S = q6 ? 16 : 32;
-    return (KQ_BLOCK / S) * ((int64_t)S * KG_LANES + 4 * KG_LANES) + (k_pairs(q6) + 2) * 4 * KG_LANES;
-}
-
-static void pack_panel_k(const uint8_t *w, int64_t row_bytes, int type, int n0, int n_out, int nsb, uint8_t *panel) {
-    const int q6 = type == GGML_Q6_K, S = q6 ? 16 : 32, subs = KQ_BLOCK / S, pairs = k_pairs(q6);
-    const int64_t sub = (int64_t)S * KG_LANES + 4 * KG_LANES;
-    for (int r = 0; r < KG_LANES; ++r) {
-        uint8_t v[KQ_BLOCK];
-        float scale[16], minimum[16];
-        for (int64_t i = 0; i < nsb; ++i) {
-            int sc[16] = {0}, mn[8] = {0};
-            float d = 0.f, dmin = 0.f;
-            memset(v, 0, sizeof v);
-            if (n0 + r < n_out) {
-                const uint8_t *row = w + (int64_t)(n0 + r) * row_bytes;
-                unpack_superblock(row, type, i, v, scale, minimum);
-                if (q6) {
-                    const uint8_t *blk = row + 210 * i;
-                    d = half_of(blk + 208);
-                    for (int g = 0; g < 16; ++g) sc[g] = ((const int8_t *)(blk + 192))[g];
-                } else {
-                    const uint8_t *blk = row + (type == GGML_Q5_K ? 176 : 144) * i;
-                    d = half_of(blk), dmin = half_of(blk + 2);
-                    for (int j = 0; j < 8; ++j) kq_scale_min(j, blk + 4, &sc[j], &mn[j]);
-                }
-            }
-            uint8_t *P = panel + i * k_super_bytes(q6);
-            for (int s = 0; s < subs; ++s) {
-                uint8_t *B = P + s * sub;
-                for (int c = 0; c < S / 4; ++c) memcpy(B + (int64_t)c * 4 * KG_LANES + 4 * r, v + S * s + 4 * c, 4);
-                ((int32_t *)(B + (int64_t)S * KG_LANES))[r] = sc[s];
-            }
-            int16_t *pairs16 = (int16_t *)(P + subs * sub);
-            for (int q = 0; q < pairs; ++q) {
-                pairs16[2 * (q * KG_LANES + r)] = (int16_t)(q6 ? 32 * sc[2 * q] : mn[2 * q]);
-                pairs16[2 * (q * KG_LANES + r) + 1] = (int16_t)(q6 ? 32 * sc[2 * q + 1] : mn[2 * q + 1]);
-            }
-            float *f = (float *)(P + subs * sub + (int64_t)pairs * 4 * KG_LANES);
-            f[r] = d;
-            f[KG_LANES + r] = dmin;
-        }
-    }
-}
-
+ * row's bits are the dots' whatever path or tile took it: KG_ALIKE (panels: pack_panel_k). */
 /* as tile, for a K-quant's panel (pack_panel_k); pb: per row and superblock the activation's
  * minimum pairs (Q4_K/Q5_K: (bsum of sub-block 2q, of 2q + 1) as int16 in an int32, 4 a
  * superblock; Q6_K reads its block sums, already pairs of int16) */
