@@ -114,7 +114,9 @@ def test_priority_orders_a_tenants_work_and_preempts_its_lower_priority_streams(
     finished = []
 
     def generate(priority):
-        reply = short(stub, "prio", priority=priority)
+        # a deadline beyond the flood's whole run: the low-priority request waits for the streams to
+        # end, and deadline admission would refuse it if it could not start in time
+        reply = short(stub, "prio", priority=priority, timeout=3600)
         finished.append(priority)
         return reply
 
