@@ -130,3 +130,26 @@ class Flood:
         """Model seconds of a step holding only a ``prompt``-token prefill (the light work's step alone)."""
         c0, a, b = self.machine
         return c0 + a * prompt + b * prompt * (prompt + 1) / 2
+
+
+def table(thinks=(0.01, 0.1, 0.3, 0.6), lingers=(0.25, 1.0)) -> None:
+    """docs/performance/tenants.md's simulation table: per think time and linger, the interactive TTFT
+    p50, the first, the worst of the rest (and the step it arrived into), and the flood's tokens per
+    model second against fcfs over the same window (``python tests/engine/tenancy/flood_sim.py``)."""
+    print("| think, linger | p50 | first | worst of the rest (step in flight) | flood tok/s | fcfs | ratio |")
+    for think in thinks:
+        for linger in lingers:
+            run = Flood(think=think, linger=linger).run()
+            ttft = sorted(r.ttft for r in run.reqs)
+            start, end = run.window()
+            fair = run.flood_rate(start, end)
+            fcfs = Flood("fcfs", requests=0).run(until=end).flood_rate(start, end)
+            worst = max(run.reqs[1:], key=lambda r: r.ttft)
+            step = run.steps[worst.in_flight]
+            print(f"| {think} s, {linger} s | {ttft[len(ttft) // 2] * 1e3:.0f} ms "
+                  f"| {run.reqs[0].ttft * 1e3:.0f} ms | {worst.ttft * 1e3:.0f} ms ({step.kind}, "
+                  f"{step.seconds * 1e3:.0f} ms) | {fair:.0f} | {fcfs:.0f} | {fair / fcfs:.3f} |")
+
+
+if __name__ == "__main__":
+    table()
