@@ -27,11 +27,11 @@ rows of a step are shared too:
   running prefill, or a waiting sequence with a slot free), the next due step is a **progress step**:
   its heavy decode rows stay as in a due step, and the heavy prefill chunks may take as long as the
   heavy tenants' decode rows would all take (at least the step's fixed part, and at least
-  ``PROGRESS_CHUNK`` tokens), so their prompts progress while light tenants keep first tokens due
-  (many of them, or one lingering long), yet no step a light request can arrive into is longer than
-  a full step of the heavy decode rows (an unheld step could stretch to the scheduler's bound, 2 s on
-  a CPU). Without heavy prompt tokens to compute every due step is held: the heavy decode rows
-  progress by round robin anyway;
+  ``PROGRESS_CHUNK`` tokens where the scheduler's step bound allows), so their prompts progress
+  while light tenants keep first tokens due (many of them, or one lingering long), yet no step a
+  light request can arrive into is longer than a full step of the heavy decode rows (an unheld step
+  could stretch to the scheduler's bound, 2 s on a CPU). Without heavy prompt tokens to compute
+  every due step is held: the heavy decode rows progress by round robin anyway;
 - while light tenants only decode, the heavy tenants' rows are cut to the fewest that keep the
   step's decode tokens per second within ``cost`` of a step with all rows (the fixed part is what
   shorter steps pay again), and never below ``MIN_KEPT`` of them (a bound where the model is off);
