@@ -15,6 +15,7 @@ between steps), and its TTFT counts from its arrival. Recorded per step (``Step`
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from kvserve.engine.core.block_manager import BlockManager
@@ -54,8 +55,9 @@ class Request:
 class Flood:
     def __init__(self, policy="fair", requests=40, think=0.01, linger=0.25, cost=0.05, seqs=64, prompt=1024,
                  tokens=1024, light_tokens=16, blocks=8192, budget=2048, block_size=16, max_step_time=0.5,
-                 machine=MACHINE, first_at=0.5, warmup=30):
+                 machine=MACHINE, first_at=0.5, warmup=30, noise=0.0, seed=0):
         self.machine, self.think, self.first_at, self.warmup = machine, think, first_at, warmup
+        self.noise, self.random = noise, random.Random(seed)  # each step off by up to +-noise at random
         self.requests, self.light_tokens = requests, light_tokens
         self.shares = TenantShares(policy, row_cost=cost, linger=linger)
         self.s = Scheduler(BlockManager(blocks, block_size, True), seqs, budget, prompt + tokens + 64, [0],
@@ -93,7 +95,7 @@ class Flood:
             out = s.schedule()
             c0, a, b = self.machine
             pairs = out.attended_pairs  # (before postprocess advances the counts)
-            dt = c0 + a * out.num_tokens + b * pairs
+            dt = (c0 + a * out.num_tokens + b * pairs) * (1 + self.noise * (2 * self.random.random() - 1))
             kind = ("progress" if rows.progress else "held" if rows.due_left is not None
                     else "cut" if rows.held else "alone")
             flood = [x for x in out.scheduled if x.seq.tenancy.tenant == "flood"]
