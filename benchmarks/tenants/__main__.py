@@ -34,6 +34,7 @@ from kvserve.v1 import llm_pb2, llm_pb2_grpc
 
 HEADER = "x-tenant-id"
 SHORT_PROMPT = [9707, 11, 1246, 525, 498, 30] * 4  # 24 ids, valid in any vocabulary of 10k+
+LARGEST = 5  # the interactive TTFTs under the flood listed with their request's number (0: the first)
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,12 +83,21 @@ def flood_request(args, salt: int) -> llm_pb2.GenerateRequest:
 
 def ttft(stub, tenant: str, args, timeout: float = 600) -> float:
     """Seconds to the first streamed token of one short request (read to its end)."""
+    return timed(stub, tenant, args, timeout)[0]
+
+
+def timed(stub, tenant: str, args, timeout: float = 600) -> tuple[float, float]:
+    """The client's seconds to the first streamed token of one short request (read to its end), and the
+    server's (its ``Timing.ttft_ms``: from the call's arrival to the engine's first token, so the gap
+    between the two is the time outside the engine: the client, gRPC and the front-end)."""
     request = build_request(token_ids=SHORT_PROMPT, max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
-    start, first = time.perf_counter(), None
+    start, first, server = time.perf_counter(), None, float("nan")
     for msg in stub.Stream(request, metadata=meta(tenant), timeout=timeout):
         if first is None and msg.token_ids:
             first = time.perf_counter() - start
-    return first
+        if msg.HasField("timing"):
+            server = msg.timing.ttft_ms / 1000
+    return first, server
 
 
 def p(values: list[float], q: float) -> float:
@@ -99,13 +109,17 @@ def interactive(stub, args, seconds: float = 0.0) -> dict:
     """TTFTs of ``--requests`` short requests one after another, and more until ``seconds`` passed
     (the window over which the server's generated tokens per second are counted)."""
     before, start = stats(stub), time.perf_counter()
-    times = []
+    times, server = [], []
     while len(times) < args.requests or time.perf_counter() - start < seconds:
-        times.append(ttft(stub, "interactive", args))
+        client, engine = timed(stub, "interactive", args)
+        times.append(client)
+        server.append(engine)
     after, elapsed = stats(stub), time.perf_counter() - start
     tokens = after.generation_tokens_total - before.generation_tokens_total
+    largest = sorted(range(len(times)), key=lambda i: -times[i])[:LARGEST]
     return {"p50": p(times, 0.5), "p99": p(times, 0.99), "first": times[0], "n": len(times),
-            "next_max": max(times[1:], default=times[0]), "tok_s": tokens / elapsed}
+            "next_max": max(times[1:], default=times[0]), "tok_s": tokens / elapsed,
+            "largest": [(i, times[i], server[i]) for i in largest]}
 
 
 def wait_running(stub, count: int) -> None:
@@ -215,6 +229,9 @@ def main() -> int:
             print(f"{name:8} {a['p50'] * 1e3:13.0f}ms {a['p99'] * 1e3:13.0f}ms {f['p50'] * 1e3:8.0f}ms "
                   f"{f['p99'] * 1e3:8.0f}ms {f['p99'] / a['p99']:10.2f} {f['tok_s']:12.1f} "
                   f"{f['first'] * 1e3:6.0f}ms {f['next_max'] * 1e3:10.0f}ms {f['n']:9d}")
+        for name, r in (("fair", fair), ("fcfs", fcfs)):  # one outlier or many; in the engine or outside
+            listed = ", ".join(f"#{i} {t * 1e3:.0f}ms ({e * 1e3:.0f})" for i, t, e in r["flood"]["largest"])
+            print(f"{name} largest TTFTs under the flood (#request client TTFT (server's)): {listed}")
         ratio = fair["flood"]["tok_s"] / fcfs["flood"]["tok_s"]
         print(f"throughput fair / fcfs under the flood: {ratio:.3f}")
     if "weights" in runs:

@@ -23,9 +23,15 @@ rows of a step are shared too:
   or admitted) take only what time is left (``prefill_within``; none where nothing is). So the step in
   flight when a light request comes and the step that admits it are each about ``DUE_STEP_FACTOR``
   times its own step alone, and its first token comes within about twice that. After
-  ``MAX_DUE_ROUNDS - 1`` due steps in a row the next step is not held (cut as below instead), so a
-  heavy tenant's prompts progress while light tenants keep first tokens due (many of them, or one
-  lingering long);
+  ``MAX_DUE_ROUNDS - 1`` due steps in a row, where a heavy tenant has prompt tokens to compute (a
+  running prefill, or a waiting sequence with a slot free), the next due step is a **progress step**:
+  its heavy decode rows stay as in a due step, and the heavy prefill chunks may take as long as the
+  heavy tenants' decode rows would all take (at least the step's fixed part, and at least
+  ``PROGRESS_CHUNK`` tokens where the scheduler's step bound allows), so their prompts progress
+  while light tenants keep first tokens due (many of them, or one lingering long), yet no step a
+  light request can arrive into is longer than a full step of the heavy decode rows (an unheld step
+  could stretch to the scheduler's bound, 2 s on a CPU). Without heavy prompt tokens to compute
+  every due step is held: the heavy decode rows progress by round robin anyway;
 - while light tenants only decode, the heavy tenants' rows are cut to the fewest that keep the
   step's decode tokens per second within ``cost`` of a step with all rows (the fixed part is what
   shorter steps pay again), and never below ``MIN_KEPT`` of them (a bound where the model is off);
@@ -53,6 +59,7 @@ MAX_DUE_ROUNDS = 16  # ... and once every MAX_DUE_ROUNDS steps while a light ten
 DUE_STEP_FACTOR = 1.5  # a due step takes at most this times the light work's step alone (by the model)
 LINGER_PROMPT = 32  # prompt tokens a due step reserves while a light tenant lingers (its next request's)
 MIN_KEPT = 0.5  # of its rows, the least a heavy tenant keeps in a step no light tenant's first token needs
+PROGRESS_CHUNK = 32  # prompt tokens a progress step always gives its first heavy chunk (as the scheduler)
 MAX_ROW_COST = 0.5  # the largest ``cost`` accepted (half of the heavy tenants' throughput)
 MAX_LINGER_S = 60.0
 
@@ -77,6 +84,8 @@ class StepRows:
         self._heavy: set[str] = set()
         self.due_factor = DUE_STEP_FACTOR
         self._due_streak = 0  # due steps in a row
+        self.progress = False  # the last step was a progress step (module docstring)
+        self._floor = False  # its first heavy prefill chunk keeps PROGRESS_CHUNK tokens
 
     def depart(self, tenant: str) -> None:
         """``tenant``'s last sequence ended (``TenantShares.leave``): it lingers from now (only where
@@ -99,7 +108,7 @@ class StepRows:
         """The rows of ``decoding`` (running sequences with one token to compute, in admission order)
         that decode in this step (module docstring); the others keep their slot and wait a step."""
         self._step += 1
-        self.held, self.due_left = 0, None
+        self.held, self.due_left, self.progress, self._floor = 0, None, False, False
         shares = self.shares
         if not shares.fair or self.cost == 0 or shares.plain and not self._left:
             return decoding
@@ -124,15 +133,18 @@ class StepRows:
         keep = num_heavy
         due = self._first_token_due(light, running)
         self._due_streak = self._due_streak + 1 if due else 0
-        if self._due_streak >= MAX_DUE_ROUNDS:  # one step in MAX_DUE_ROUNDS is not held: heavy prompts
-            due, self._due_streak = False, 0     # progress while light tenants keep first tokens due
+        if self._due_streak >= MAX_DUE_ROUNDS:  # one due step in MAX_DUE_ROUNDS lets heavy prompts
+            self._due_streak = 0                 # progress, if any wait (else every due step is held)
+            self.progress = self._floor = self._heavy_prompts(light, running, waiting, max_num_seqs)
         if due:
             light_rows = [s for t in rows if t in light for s in rows[t]]
             left = self._due_time(coef, light, light_rows, waiting)
             if num_heavy * d > c0:  # (else the step is mostly its fixed part: fewer rows save little)
                 fit = int(max(left, 0.0) / d)
                 keep = min(math.ceil(num_heavy / MAX_ROUNDS), max(fit, math.ceil(num_heavy / MAX_DUE_ROUNDS)))
-            self.due_left = max(left - keep * d, 0.0)
+            # a progress step's heavy part may take what all the heavy decode rows would
+            heavy_time = max(left, c0 + num_heavy * d) if self.progress else left
+            self.due_left = max(heavy_time - keep * d, 0.0)
             self._heavy = {t for t in present if t not in light}
         elif num_heavy * d > c0:
             keep = max(math.ceil(num_heavy * MIN_KEPT), self._rows_kept(len(decoding), num_heavy, c0, d))
@@ -158,6 +170,13 @@ class StepRows:
         held = Counter(s.tenancy.tenant for s in running)
         return any(held[t] < cap for t in waiting)
 
+    def _heavy_prompts(self, light: set[str], running: list[Sequence], waiting, max_num_seqs: int) -> bool:
+        """Whether a heavy tenant has prompt tokens to compute: a running sequence still prefilling,
+        or a waiting one where a slot is free for it."""
+        if any(s.tenancy.tenant not in light and s.num_tokens - s.num_computed_tokens > 1 for s in running):
+            return True
+        return len(running) < max_num_seqs and any(w.tenancy.tenant not in light for w in waiting)
+
     def _due_time(self, coef, light: set[str], light_rows: list[Sequence], waiting) -> float:
         """Seconds of a due step left to the heavy tenants: ``DUE_STEP_FACTOR`` times the light work's
         step alone, less that step."""
@@ -178,8 +197,9 @@ class StepRows:
         lin, quad = a + b * (position + 0.5), b / 2  # a*n + b*(n*position + n*(n+1)/2) <= due_left
         fit = (-lin + math.sqrt(lin * lin + 4 * quad * self.due_left)) / (2 * quad) if quad > 0 else (
             self.due_left / lin if lin > 0 else n)
-        n = min(n, int(fit))
-        self.due_left -= a * n + b * (n * position + n * (n + 1) / 2)
+        n = min(n, max(int(fit), PROGRESS_CHUNK if self._floor else 0))
+        self._floor = False
+        self.due_left = max(self.due_left - (a * n + b * (n * position + n * (n + 1) / 2)), 0.0)
         return n
 
     def _rows_kept(self, num_rows: int, num_heavy: int, c0: float, d: float) -> int:  # (d > 0)
