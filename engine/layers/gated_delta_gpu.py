@@ -23,7 +23,7 @@ Triton kernels for the gated delta rule, causal-conv1d's CUDA kernels for the co
 Used on CUDA when fla-core is importable (``takes``); else the torch forms run, as on other
 devices. The tests run the recurrent kernel under Triton's interpreter against the torch forms;
 the chunked kernels do not run there (``chunk_delta_h``'s kernel fails in the interpreter), so
-their test needs a GPU.
+their test needs a GPU, and the full compile table compiles them (benchmarks/gpu_compile).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def rule_chunked(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """T tokens of one sequence in fla-core's chunked form: q, k [T, Hk, Dk], v [T, H, Dv],
     g, beta [T, H]; ``state`` [H, Dk, Dv] float32, updated in place. Returns [T, H, Dv] float32."""
     out, final = _rules().chunk_gated_delta_rule(
-        q.float()[None], k.float()[None], v.float()[None], g.float()[None], beta.float()[None],
+        q.float()[None], k.float()[None], v.float()[None], g=g.float()[None], beta=beta.float()[None],
         initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     state.copy_(final[0])
@@ -84,7 +84,7 @@ def rule_recurrent(q, k, v, g, beta, states: torch.Tensor) -> torch.Tensor:
     v [B, T, H, Dv], g, beta [B, T, H]; ``states`` [B, H, Dk, Dv] float32, updated in place.
     Returns [B, T, H, Dv] float32."""
     out, final = _rules().fused_recurrent_gated_delta_rule(
-        q.float(), k.float(), v.float(), g.float(), beta.float(),
+        q.float(), k.float(), v.float(), g=g.float(), beta=beta.float(),  # by name: gk, gv come between
         initial_state=states, output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     states.copy_(final)
