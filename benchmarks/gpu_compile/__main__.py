@@ -9,6 +9,7 @@ triton cannot compile for CUDA at all). No GPU is needed.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -71,8 +72,11 @@ def run(table: str, targets: list[str], kernel: str = "", jobs: int = 1) -> list
     work = [(case, TARGETS[t]) for case in cases for t in targets]
     if jobs <= 1:
         return [_compile(w) for w in work]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(_compile, work))
+    # spawned, not forked: a fork of this process after fla-core's host code ran (torch's threads)
+    # hung in its workers
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        # (compile_case itself: a spawned worker finds no __main__._compile)
+        return list(pool.map(compile_case, [case for case, _ in work], [target for _, target in work]))
 
 
 def main(argv: list[str] | None = None) -> int:
