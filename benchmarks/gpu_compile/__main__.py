@@ -1,6 +1,7 @@
 """python -m kvserve.benchmarks.gpu_compile [--table quick|full] [--targets sm_80,sm_89,sm_90] [--jobs N]
 
-Compiles the table's kernels for each target, prints one row per (kernel, shape, target) and
+Compiles the table's kernels for each target (the full table: fla-core's gated delta rule kernels
+too, as its host code launches them: fla_kernels.py), prints one row per (kernel, shape, target) and
 exits 1 on a compile error, a spill, or shared memory over the target's limit (2 when this
 triton cannot compile for CUDA at all). No GPU is needed.
 """
@@ -8,11 +9,13 @@ triton cannot compile for CUDA at all). No GPU is needed.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from kvserve.benchmarks.gpu_compile.compile import Result, compile_case, nvidia_bin
+from kvserve.benchmarks.gpu_compile.fla_kernels import fla_cases, fla_installed
 from kvserve.benchmarks.gpu_compile.shapes import full_table, quick_table
 from kvserve.benchmarks.gpu_compile.targets import TARGETS
 
@@ -41,12 +44,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def row(r: Result) -> tuple[str, ...]:
     c = r.case
     status = "; ".join(r.problems()) or "ok"
+    roofline = "-" if c.recorded >= 0 else f"{r.roofline_us:.1f}"  # none for fla-core's kernels
     if r.error:
         return (c.kernel, c.shape, c.dtype, r.target.name, str(c.launch.num_warps), str(c.launch.num_stages),
-                "-", "-", "-", "-", f"{r.roofline_us:.1f}", status)  # fmt: skip
+                "-", "-", "-", "-", roofline, status)  # fmt: skip
     return (c.kernel, c.shape, c.dtype, r.target.name, str(c.launch.num_warps), str(c.launch.num_stages),
-            str(r.regs), str(r.spills), str(r.smem), str(r.warps_per_sm), f"{r.roofline_us:.1f}",
-            status)  # fmt: skip
+            str(r.regs), str(r.spills), str(r.smem), str(r.warps_per_sm), roofline, status)  # fmt: skip
 
 
 def markdown(rows: list[tuple[str, ...]]) -> str:
@@ -62,12 +65,18 @@ def run(table: str, targets: list[str], kernel: str = "", jobs: int = 1) -> list
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         raise SystemExit(f"unknown targets {unknown}; known: {', '.join(TARGETS)}")
-    cases = [c for c in (quick_table() if table == "quick" else full_table()) if kernel in c.kernel]
+    cases = quick_table() if table == "quick" else full_table()
+    if table == "full":  # fla-core's gated delta rule kernels (the hybrids' GPU path)
+        cases += fla_cases()
+    cases = [c for c in cases if kernel in c.kernel]
     work = [(case, TARGETS[t]) for case in cases for t in targets]
     if jobs <= 1:
         return [_compile(w) for w in work]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(_compile, work))
+    # spawned, not forked: a fork of this process after fla-core's host code ran (torch's threads)
+    # hung in its workers
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        # (compile_case itself: a spawned worker finds no __main__._compile)
+        return list(pool.map(compile_case, [case for case, _ in work], [target for _, target in work]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         nvidia_bin()
     except (ImportError, RuntimeError) as e:
         print(f"cannot compile for CUDA: {e}", file=sys.stderr)
+        return 2
+    if args.table == "full" and not fla_installed():
+        print("the full table compiles fla-core's kernels and needs fla-core: pip install .[gpu] "
+              "(or .[dev])", file=sys.stderr)
         return 2
     results = run(args.table, [t for t in args.targets.split(",") if t], args.kernel, args.jobs)
     print(markdown([row(r) for r in results]))

@@ -116,12 +116,17 @@ def compile_case(case: Case, target: Target) -> Result:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = kernel_fn(case.kernel)
     try:
-        sig, consts, attrs = signature(fn, case)
+        if case.recorded >= 0:  # one of fla-core's launches, as its host code made it
+            from kvserve.benchmarks.gpu_compile.fla_kernels import recorded_source
+
+            fn, sig, consts, attrs, options = recorded_source(case, target)
+        else:
+            fn = kernel_fn(case.kernel)
+            sig, consts, attrs = signature(fn, case)
+            options = case.launch.options()
         compiled = triton.compile(ASTSource(fn, sig, consts, attrs),
-                                  target=GPUTarget("cuda", target.capability, 32),
-                                  options=case.launch.options())  # fmt: skip
+                                  target=GPUTarget("cuda", target.capability, 32), options=options)
     except Exception as e:  # noqa: BLE001 - any compiler failure is a row of the report
         return Result(case, target, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     usage = resource_usage(compiled.asm["cubin"], case.kernel)

@@ -63,6 +63,7 @@ class Case:
     bytes_moved: float
     flops: float
     pointers: dict[str, str] = field(default_factory=dict)  # pointer argument -> element type
+    recorded: int = -1  # fla-core's kernels: the index of the launch fla_kernels.record found
 
 
 def _attention_pointers(dtype: str) -> dict[str, str]:

@@ -11,6 +11,8 @@ full-attention layers, as ``layer_types`` lists them (three linear per full one 
   sequences under way (decodes, and a verification's rows: its last token then each draft, all on
   one slot) run as decode steps, a slot's rows in turn; a verification keeps the state before it
   and its rows' inputs, so that ``roll_back`` can step the state through the rows kept only.
+  On CUDA with fla-core the rule runs its kernels (``layers/gated_delta_gpu.py``); a captured
+  decode graph gives the slots as a static device tensor (``AttentionMetadata.state_index``).
 - Full attention: q and an output gate per head from ``q_proj``, QK-norm, rotary over the first
   ``partial_rotary_factor`` of each head, output multiplied by sigmoid(gate).
 - Norms are zero-centred (``x / rms(x) * (1 + w)``, Gemma's), but the gated one of the linear
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.engine.distributed.parallel import ParallelContext, divide
+from kvserve.engine.layers import gated_delta_gpu as gpu_rules
 from kvserve.engine.layers.attention.backend import Attention, AttentionBackend, AttentionMetadata
 from kvserve.engine.layers.embed_head import VocabParallelEmbedding
 from kvserve.engine.layers.gated_delta import (
@@ -134,14 +137,16 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         slots = meta.state_slots
-        if slots is None or len(slots) != meta.num_seqs:
+        if meta.state_index is None and (slots is None or len(slots) != meta.num_seqs):
             raise RuntimeError("a Gated DeltaNet layer needs one state slot per sequence of the step "
                                "(AttentionMetadata.state_slots)")
         mixed, z, b, a = self.project(hidden)
         beta = b.sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         self._verified = None
-        if meta.max_query_len == 1:
+        if meta.state_index is not None:  # a decode step of a captured graph: its static slot index
+            out = self._decode(mixed, g, beta, meta.state_index)
+        elif meta.max_query_len == 1:
             out = self._decode_rows(mixed, g, beta, slots)
         else:
             out = self._mixed_step(mixed, g, beta, meta, slots)
@@ -232,6 +237,8 @@ class GatedDeltaNet(nn.Module):
         if kernels is not None:
             rows = kernels.conv(mixed, self.conv1d.weight[:, 0], conv_state)
             return kernels.prefill(rows, g, beta, state, self.num_k_heads, self.k_dim)
+        if gpu_rules.takes(mixed):  # CUDA with fla-core: its kernels (layers/gated_delta_gpu.py)
+            return gpu_rules.prefill(mixed, self.conv1d.weight[:, 0], conv_state, state, g, beta, self._qkv)
         mixed = causal_conv(mixed, self.conv1d.weight[:, 0], conv_state)
         q, k, v = self._qkv(mixed)
         if mixed.shape[0] == 1:
@@ -245,15 +252,20 @@ class GatedDeltaNet(nn.Module):
             return None
         return cpu_kernels(mixed, self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim)
 
-    def _decode(self, mixed, g, beta, slots: list[int]) -> torch.Tensor:
-        """One token of each sequence: on the CPU the C step on the slots' rows in place; else
+    def _decode(self, mixed, g, beta, slots: list[int] | torch.Tensor) -> torch.Tensor:
+        """One token of each sequence at distinct ``slots`` (a list, or an index tensor on the device):
+        on the CPU the C step on the slots' rows in place; with fla-core on CUDA its kernels; else
         their states gathered, stepped and written back."""
-        index = torch.tensor(slots, dtype=torch.long, device=mixed.device)
+        index = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.long,
+                                                                          device=mixed.device)
         weight = self.conv1d.weight[:, 0]
         kernels = self._kernels(mixed)
         if kernels is not None:
             return kernels.decode(mixed, weight, self.conv_states, self.recurrent_states, index, g, beta,
                                   self.num_k_heads, self.k_dim)
+        if gpu_rules.takes(mixed):
+            return gpu_rules.decode(mixed, weight, self.conv_states, self.recurrent_states, index, g, beta,
+                                    self._qkv)
         conv_states = self.conv_states.index_select(0, index)
         states = self.recurrent_states.index_select(0, index)
         mixed = causal_conv_step(mixed, weight, conv_states)

@@ -12,6 +12,12 @@ path reads device tensors alone (Triton, flash-attn); the torch backend plans ea
 host, which a graph cannot see. Only ``record_cuda_graph`` needs CUDA; sizes, buckets, padding
 and the runner's bookkeeping are plain tensor code that the tests run on the CPU with a recorder
 that replays by re-running the captured body.
+
+Models with a recurrent state (the hybrids' Gated DeltaNet layers) step their state slots in
+place: the step's slot numbers are one more static buffer (``state_slots``, read by the layers as
+``AttentionMetadata.state_index``), and padded rows step the state cache's scratch row, which no
+sequence holds. A step whose rows share a slot (a speculative verification: its rows step the
+slot in turn and keep the state for a rollback) runs eagerly.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class DecodeInputs:
     slot_mapping: torch.Tensor  # [B] int64: where its K/V goes; -1 writes nothing
     seq_lens: torch.Tensor  # [B] int32: keys to attend to, this token included
     block_tables: torch.Tensor  # [B, width] int32
+    state_slots: torch.Tensor | None = None  # [B] int64: each row's state slot (models with a state)
 
     @property
     def batch_size(self) -> int:
@@ -77,25 +84,30 @@ class DecodeInputs:
 
     def rows(self, n: int) -> DecodeInputs:
         """Views of the first ``n`` rows (the same storage)."""
-        return DecodeInputs(**{f.name: getattr(self, f.name)[:n] for f in fields(self)})
+        return DecodeInputs(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[:n]
+                               for f in fields(self)})
 
 
-def decode_inputs(inp: ModelInput, pin: bool) -> DecodeInputs:
+def decode_inputs(inp: ModelInput, pin: bool, state_slots: list[int] | None = None) -> DecodeInputs:
     """A decode step's rows as host tensors (in pinned memory when ``pin``, so that
     ``copy_padded`` can copy them to the device without blocking); the block tables are the step's
-    array (``model_input.step_block_tables``)."""
+    array (``model_input.step_block_tables``); ``state_slots``: the rows' state slots, if any."""
     tables = torch.from_numpy(step_block_tables(inp))
+    slots = None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, pin_memory=pin)
     return DecodeInputs(
         input_ids=torch.tensor(inp.input_ids, dtype=torch.int64, pin_memory=pin),
         positions=torch.tensor(inp.positions, dtype=torch.int64, pin_memory=pin),
         slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, pin_memory=pin),
         seq_lens=torch.tensor(inp.context_lens, dtype=torch.int32, pin_memory=pin),
         block_tables=tables.pin_memory() if pin else tables,
+        state_slots=slots,
     )
 
 
-def allocate_static_inputs(max_batch: int, width: int, device: torch.device | str) -> DecodeInputs:
-    """Buffers that captured graphs read from, every row holding the padding values."""
+def allocate_static_inputs(max_batch: int, width: int, device: torch.device | str,
+                           state_pad_row: int | None = None) -> DecodeInputs:
+    """Buffers that captured graphs read from, every row holding the padding values; with
+    ``state_pad_row`` (the state cache's scratch row) a buffer of state slots too."""
     device = torch.device(device)
     buffers = DecodeInputs(
         input_ids=torch.empty(max_batch, dtype=torch.int64, device=device),
@@ -106,13 +118,20 @@ def allocate_static_inputs(max_batch: int, width: int, device: torch.device | st
     )
     for name, value in PAD_VALUES.items():
         getattr(buffers, name).fill_(value)
+    if state_pad_row is not None:
+        buffers.state_slots = torch.full((max_batch,), state_pad_row, dtype=torch.int64, device=device)
     return buffers
 
 
-def copy_padded(static: DecodeInputs, inputs: DecodeInputs, bucket: int) -> DecodeInputs:
-    """Copy ``inputs`` into the first rows of ``static``, pad the rest of ``bucket`` rows,
-    and return views of those ``bucket`` rows."""
+def copy_padded(static: DecodeInputs, inputs: DecodeInputs, bucket: int,
+                state_pad_row: int | None = None) -> DecodeInputs:
+    """Copy ``inputs`` into the first rows of ``static``, pad the rest of ``bucket`` rows (state
+    slots with ``state_pad_row``), and return views of those ``bucket`` rows."""
     batch, width = inputs.batch_size, inputs.block_tables.shape[1]
+    if (static.state_slots is None) != (inputs.state_slots is None):
+        raise ValueError("the step's state slots and the graphs' state slot buffer come together: "
+                         f"{'no' if inputs.state_slots is None else 'a'} step slots, "
+                         f"{'no' if static.state_slots is None else 'a'} buffer")
     if not batch <= bucket <= static.batch_size:
         raise ValueError(f"batch {batch} does not fit bucket {bucket} ({static.batch_size} buffer rows)")
     if width > static.block_tables.shape[1]:
@@ -129,6 +148,9 @@ def copy_padded(static: DecodeInputs, inputs: DecodeInputs, bucket: int) -> Deco
             dst[:batch, width:].fill_(pad)
         else:
             dst[:batch].copy_(src, non_blocking=True)
+    if static.state_slots is not None:
+        padded.state_slots[:batch].copy_(inputs.state_slots, non_blocking=True)
+        padded.state_slots[batch:].fill_(state_pad_row)
     return padded
 
 
@@ -148,6 +170,7 @@ def decode_metadata(inputs: DecodeInputs, block_size: int) -> AttentionMetadata:
         num_decode_tokens=batch,
         query_lens_host=[1] * batch,
         seq_lens_host=[0] * batch,
+        state_index=inputs.state_slots,
     )
 
 
@@ -187,6 +210,7 @@ class CudaGraphRunner:
         block_size: int,
         device: torch.device | str,
         record: Recorder = record_cuda_graph,
+        state_pad_row: int | None = None,
     ) -> None:
         device = torch.device(device)
         if record is record_cuda_graph and device.type != "cuda":
@@ -195,7 +219,8 @@ class CudaGraphRunner:
         self.build_metadata = build_metadata
         self.sizes = capture_sizes(max_num_seqs)
         width = block_table_width(max_model_len, block_size)
-        self.static = allocate_static_inputs(self.sizes[-1], width, device)
+        self.state_pad_row = state_pad_row  # the state cache's scratch row, for models with a state
+        self.static = allocate_static_inputs(self.sizes[-1], width, device, state_pad_row)
         self.record = record
         self.graphs: dict[int, Graph] = {}
         self.captured: list[int] = []  # sizes with a graph, ascending
@@ -235,12 +260,14 @@ class CudaGraphRunner:
 
     def fits(self, inp: ModelInput) -> bool:
         """Whether a graph can run this step: decode-only (every query length 1), a captured size
-        holds it, and no block table is wider than the captured width (else it runs eagerly)."""
+        holds it, no block table is wider than the captured width and, with state slots, no two
+        rows share a slot (a verification's rows; else it runs eagerly)."""
         return (
             inp.num_seqs > 0
             and inp.is_decode_only
             and self.can_replay(inp.num_seqs)
             and step_block_tables(inp).shape[1] <= self.static.block_tables.shape[1]
+            and (self.state_pad_row is None or len(set(inp.state_slots)) == len(inp.state_slots))
         )
 
     def replay(self, inputs: DecodeInputs) -> torch.Tensor:
@@ -249,7 +276,7 @@ class CudaGraphRunner:
         bucket = bucket_for(inputs.batch_size, self.captured)
         if bucket is None:
             raise ValueError(f"no captured graph holds a batch of {inputs.batch_size}; run it eagerly")
-        copy_padded(self.static, inputs, bucket)
+        copy_padded(self.static, inputs, bucket, self.state_pad_row)
         self.graphs[bucket].replay()
         return self.hidden[: inputs.batch_size]
 

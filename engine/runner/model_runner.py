@@ -139,7 +139,11 @@ class ModelRunner:
         self.block_tables = BlockTableArray(config.max_num_seqs, width)  # changed by each step's updates
         self.group_tables = GroupTables(self.kv_groups, config.max_num_seqs, width)  # the other groups'
         # before the KV blocks: it takes from their memory
-        self.state_cache = create_state_cache(self.model, self.config, self.dtype, self.device)
+        # (with a scratch row that decode graphs pad batches with)
+        graphs = decode_graphs_enabled(config.enforce_eager, self.backend.name, self.device,
+                                       test_recorder=record_graph is not None)
+        self.state_cache = create_state_cache(self.model, self.config, self.dtype, self.device,
+                                              scratch_row=graphs)
         self.num_kv_blocks = self.parallel.min_over_ranks(self._count_kv_blocks(record_graph))
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.graphs = self._new_graph_runner(record_graph)
@@ -161,7 +165,9 @@ class ModelRunner:
         if inp.seq_rows:  # the step's block tables, cut from this runner's persistent array
             inp.block_table_array = self.block_tables.take(inp, self.block_size)
         if self.graphs is not None and self.graphs.fits(inp):
-            hidden = self.graphs.replay(decode_inputs(inp, pin=self.device.type == "cuda"))
+            slots = None if self.state_cache is None else self.state_cache.step_slots(inp.state_slots,
+                                                                                      inp.num_seqs)
+            hidden = self.graphs.replay(decode_inputs(inp, pin=self.device.type == "cuda", state_slots=slots))
             logits_indices = to_device(inp.logits_indices, self.device)
         else:
             batch = prepare_inputs(inp, self.backend, self.device, views)
@@ -191,13 +197,13 @@ class ModelRunner:
         if not decode_graphs_enabled(self.config.enforce_eager, self.backend.name, self.device,
                                      test_recorder=record_graph is not None):
             return None
-        if self.kv_groups.num_groups > 1 or self.state_cache is not None:  # graphs hold one group's
-            log.info("KV cache groups %s%s: decode steps run eagerly", self.kv_groups.windows,
-                     " and state slots" if self.state_cache is not None else "")
+        if self.kv_groups.num_groups > 1:  # graphs hold one group's tables
+            log.info("KV cache groups %s: decode steps run eagerly", self.kv_groups.windows)
             return None
         return CudaGraphRunner(
             self.model, lambda inputs: decode_metadata(inputs, self.block_size), self.config.max_num_seqs,
             self.max_model_len, self.block_size, self.device, record=record_graph or record_cuda_graph,
+            state_pad_row=None if self.state_cache is None else self.state_cache.pad_row,
         )  # fmt: skip
 
     def _pick_device(self) -> torch.device:

@@ -54,12 +54,15 @@ def count_state_slots(model, dtype: torch.dtype, max_num_seqs: int, budget: int 
 
 class StateCache:
     def __init__(self, model, num_slots: int, dtype: torch.dtype, device: torch.device,
-                 num_snapshots: int = 0):
-        """Rows 0..num_slots-1: the slots; the ``num_snapshots`` rows after them: snapshots."""
+                 num_snapshots: int = 0, scratch_row: bool = False):
+        """Rows 0..num_slots-1: the slots; the ``num_snapshots`` rows after them: snapshots; with
+        ``scratch_row`` one more, last, that no sequence holds: the rows a decode graph pads a
+        batch with step it (``pad_row``)."""
         conv_shape, state_shape = model.state_shapes()
         layers = model.state_layers()
         self.num_slots, self.num_snapshots = num_slots, num_snapshots
-        rows = num_slots + num_snapshots
+        rows = num_slots + num_snapshots + int(scratch_row)
+        self.pad_row = rows - 1 if scratch_row else None
         self.conv = torch.zeros(len(layers), rows, *conv_shape, dtype=dtype, device=device)
         self.recurrent = torch.zeros(len(layers), rows, *state_shape, dtype=torch.float32, device=device)
         for i, layer in enumerate(layers):
@@ -91,14 +94,15 @@ class StateCache:
         return list(range(num_seqs))
 
 
-def create_state_cache(model, config, dtype: torch.dtype, device: torch.device) -> StateCache | None:
+def create_state_cache(model, config, dtype: torch.dtype, device: torch.device,
+                       scratch_row: bool = False) -> StateCache | None:
     """The linear layers' state slots (and snapshot rows with prefix caching) for ``config`` (an
-    EngineConfig); None for other models. The CPU's ``kv_cache_memory`` budgets them unless
-    ``num_kv_blocks`` is set."""
+    EngineConfig), and a scratch row for decode graphs' padding when ``scratch_row``; None for
+    other models. The CPU's ``kv_cache_memory`` budgets them unless ``num_kv_blocks`` is set."""
     if not has_recurrent_state(model):
         return None
     cpu_budget = device.type == "cpu" and config.num_kv_blocks is None
     budget = int(config.kv_cache_memory * (1 << 30)) if cpu_budget else None
     snapshots = config.enable_prefix_caching
     slots = count_state_slots(model, dtype, config.max_num_seqs, budget, snapshots)
-    return StateCache(model, slots, dtype, device, slots if snapshots else 0)
+    return StateCache(model, slots, dtype, device, slots if snapshots else 0, scratch_row)

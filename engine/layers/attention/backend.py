@@ -74,6 +74,9 @@ class AttentionMetadata:
     group_metadata: list[AttentionMetadata] | None = None
     # models with a recurrent state (engine/runner/state_cache.py): each sequence's state slot
     state_slots: list[int] | None = None
+    # the same slots as a device tensor, distinct per row, where a captured decode graph reads them
+    # (its static buffer: padded rows hold the state cache's scratch row); None: use state_slots
+    state_index: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -2,6 +2,7 @@
 compiled for sm_80, sm_89 and sm_90 without a GPU, spill-free and within shared memory; the
 configurations it compiles are the launchers' own; its verdicts and occupancy arithmetic."""
 
+import json
 import os
 import subprocess
 import sys
@@ -86,3 +87,36 @@ def test_spills_shared_memory_and_compile_errors_fail_and_occupancy_counts_the_t
     assert sm90.ctas_per_sm(regs=32, smem=100 << 10, num_warps=4) == 2  # shared memory binds
     assert sm89.ctas_per_sm(regs=32, smem=0, num_warps=8) == 6  # 48 warps per SM on sm_89
     assert roofline_us(4.8e6, 0) == pytest.approx(1.0) and roofline_us(0, 989e6) == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="this triton build has no NVIDIA backend")
+def test_fla_cores_launches_are_recorded_from_its_host_code_and_compile(tmp_path):
+    """The full table's fla-core rows: its host code's launches for the layer's two calls (every
+    chunked-form kernel, the fused recurrent one), recorded without compiling or launching, and one
+    compiled for sm_80 without spills. In a fresh process: the interpreter compiles nothing."""
+    pytest.importorskip("fla.ops.gated_delta_rule", reason="needs fla-core: pip install .[gpu]")
+    script = (
+        "import json\n"
+        "from kvserve.benchmarks.gpu_compile.compile import compile_case\n"
+        "from kvserve.benchmarks.gpu_compile.fla_kernels import fla_cases\n"
+        "from kvserve.benchmarks.gpu_compile.targets import TARGETS\n"
+        "cases = fla_cases()\n"
+        "print('kernels', json.dumps(sorted({c.kernel for c in cases})))\n"
+        "print('shapes', json.dumps(sorted({c.shape for c in cases})))\n"
+        "case = next(c for c in cases if c.kernel.startswith('fused_recurrent'))\n"
+        "r = compile_case(case, TARGETS['sm_80'])\n"
+        "print('compiled', r.regs > 0, r.problems())\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    assert json.loads(lines["kernels"]) == [
+        "chunk_fwd_kernel_o", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+        "chunk_gated_delta_rule_fwd_kkt_solve_kernel", "chunk_local_cumsum_scalar_kernel",
+        "fused_recurrent_gated_delta_rule_fwd_kernel", "l2norm_fwd_kernel", "recompute_w_u_fwd_kernel",
+    ]  # fmt: skip
+    assert json.loads(lines["shapes"]) == ["Qwen3-Next-80B decode B64", "Qwen3-Next-80B prefill T2048",
+                                     "Qwen3.5-2B decode B64", "Qwen3.5-2B prefill T2048"]
+    assert lines["compiled"] == "True []"
