@@ -2,8 +2,9 @@
 
 Compiles the table's kernels for each target (the full table: fla-core's gated delta rule kernels
 too, as its host code launches them: fla_kernels.py), prints one row per (kernel, shape, target) and
-exits 1 on a compile error, a spill, or shared memory over the target's limit (2 when this
-triton cannot compile for CUDA at all). No GPU is needed.
+exits 1 on a compile error, a spill, or shared memory over the target's limit (for fla-core's
+autotuned kernels: where no configuration of a kernel is clean; 2 when this triton cannot compile
+for CUDA at all). No GPU is needed.
 """
 
 from __future__ import annotations
@@ -99,8 +100,22 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args.table, [t for t in args.targets.split(",") if t], args.kernel, args.jobs)
     print(markdown([row(r) for r in results]))
     bad = [r for r in results if r.problems()]
-    print(f"\n{len(results)} compiles, {len(bad)} with problems", file=sys.stderr)
-    return 1 if bad else 0
+    failed = failures(results)
+    print(f"\n{len(results)} compiles, {len(bad)} with problems, {len(bad) - len(failed)} of them autotune "
+          f"configurations of fla-core's beside a clean one", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def failures(results: list[Result]) -> list[Result]:
+    """The results that fail the table: every problem of the engine's own kernels (each launches one
+    configuration), and of fla-core's autotuned kernels (``recorded``) only those of a kernel, shape
+    and target without a single clean configuration. An autotuner skips a configuration that does
+    not fit (shared memory) and times the rest: a spilling one costs speed, not results, and the
+    GPU check's timings show which it picked (docs/performance/gpu_compile.md)."""
+    clean = {(r.case.kernel, r.case.shape, r.target.name) for r in results
+             if r.case.recorded >= 0 and not r.problems()}
+    return [r for r in results if r.problems()
+            and not (r.case.recorded >= 0 and (r.case.kernel, r.case.shape, r.target.name) in clean)]
 
 
 if __name__ == "__main__":

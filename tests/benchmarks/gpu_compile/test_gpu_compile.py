@@ -120,3 +120,29 @@ def test_fla_cores_launches_are_recorded_from_its_host_code_and_compile(tmp_path
     assert json.loads(lines["shapes"]) == ["Qwen3-Next-80B decode B64", "Qwen3-Next-80B prefill T2048",
                                      "Qwen3.5-2B decode B64", "Qwen3.5-2B prefill T2048"]
     assert lines["compiled"] == "True []"
+
+
+def test_an_autotuned_fla_kernel_fails_the_table_only_without_a_clean_configuration():
+    """The engine's own kernels fail the table on any problem; fla-core's autotuned ones (recorded
+    launches) only where no configuration of the kernel at that shape and target is clean."""
+    from kvserve.benchmarks.gpu_compile.__main__ import failures
+    from kvserve.benchmarks.gpu_compile.fla_kernels import RecordedLaunch
+    from kvserve.benchmarks.gpu_compile.shapes import Case
+
+    def fla(kernel, warps, index):
+        return Case(kernel, "Qwen3.5-2B prefill T2048", "fp32", RecordedLaunch((), warps, 2), 0.0, 0.0,
+                    recorded=index)
+
+    sm80, sm89 = TARGETS["sm_80"], TARGETS["sm_89"]
+    own = quick_table()[0]
+    spill_1w, clean_4w, lone = fla("kkt_solve", 1, 0), fla("kkt_solve", 4, 1), fla("kernel_h", 2, 2)
+    results = [
+        Result(own, sm80, regs=255, stack=8),  # the engine's own kernel spills: fails
+        Result(spill_1w, sm80, regs=255, stack=744),  # beside a clean configuration: passes
+        Result(clean_4w, sm80, regs=128),
+        Result(spill_1w, sm89, regs=255, stack=744),  # on sm_89 its sibling does not fit: both fail
+        Result(clean_4w, sm89, regs=128, smem=sm89.max_smem_per_block + 1),
+        Result(lone, sm80, regs=255, local=16),  # the only configuration of its kernel: fails
+    ]
+    assert failures(results) == [results[0], results[3], results[4], results[5]]
+    assert failures([results[1], results[2]]) == []
