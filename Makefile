@@ -46,8 +46,20 @@ test-isa: $(STAMP)
 # Every Triton kernel compiled for sm_80, sm_89 and sm_90 at every shape of the compile table, no GPU
 # needed; fails on a compile error, a register spill or too much shared memory
 # (docs/performance/gpu_compile.md). `make test` compiles its quick subset.
-gpu-compile: $(STAMP)
-	$(PY) -m kvserve.benchmarks.gpu_compile --table full
+# A venv of its own: with fla-core installed, transformers' Qwen3.5 / Qwen3-Next take its Triton
+# kernels on any device, so the parity tests' CPU references cannot run in the same venv.
+GC_VENV  := .venv-gpu-compile
+GC_STAMP := $(GC_VENV)/.stamp-install
+
+$(GC_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(GC_VENV)
+	$(GC_VENV)/bin/pip install --quiet --upgrade pip
+	$(GC_VENV)/bin/pip install --quiet torch==2.13.0
+	$(GC_VENV)/bin/pip install --quiet -e . 'triton>=3.2' 'fla-core>=0.6.0,<0.7'
+	touch $(GC_STAMP)
+
+gpu-compile: $(GC_STAMP)
+	$(GC_VENV)/bin/python -m kvserve.benchmarks.gpu_compile --table full
 
 shell: $(STAMP)
 	@echo "kvserve shell: .venv/bin is first on PATH (kvserve, grpcurl, python); exit to leave"
@@ -102,4 +114,4 @@ bench-scale: $(STAMP)
 	$(PY) -m kvserve.benchmarks.scale --shape $(BENCH_SHAPE) --quant $(BENCH_QUANT) --peers-dir $(KVSERVE_PEERS_DIR)
 
 clean:
-	rm -rf $(VENV) *.egg-info build dist .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(GC_VENV) *.egg-info build dist .pytest_cache .ruff_cache

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.table == "full" and not fla_installed():
         print("the full table compiles fla-core's kernels and needs fla-core: pip install .[gpu] "
-              "(or .[dev])", file=sys.stderr)
+              "(`make gpu-compile` makes a venv with it: .venv-gpu-compile)", file=sys.stderr)
         return 2
     results = run(args.table, [t for t in args.targets.split(",") if t], args.kernel, args.jobs)
     print(markdown([row(r) for r in results]))
