@@ -21,7 +21,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from kvserve.benchmarks.scale.prefill import write_model
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS
+from kvserve.engine.layers.gguf_linear import GEMM_FROM_ROWS, PANEL_FROM_ROWS
+from kvserve.engine.spec_decode.policy import StepCosts
 from kvserve.kernels.cpu.kquant import kquant_kernels
 from kvserve.testing.engine import with_control_plane
 
@@ -34,9 +35,15 @@ PROMPTS = [
     "the three tests, the three tests, the three tests, the",
     "a b c d, a b c d, a b c d, a b c d, a b",
     "no more rows here",
+    "red green blue, red green blue, red green",
+    "to be or not to be, to be or not",
     # longer than PANEL_FROM_ROWS tokens: its prefill chunk takes the int8 GEMM
     "one two three four five six seven eight nine ten " * 11,
 ]
+# drafting is nearly free up to 64 rows, whatever a busy machine measured at start-up: batched
+# verification steps then reach GEMM_FROM_ROWS rows (AVX512-VNNI: the GEMM, where a plain step of
+# one row per sequence takes the dots)
+CHEAP_ROWS = StepCosts({1: 1.0, 64: 1.05})
 PARAMS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
 
 
@@ -71,7 +78,7 @@ def llm(tmp_path_factory, monkeypatch_module):
 
     path = tmp_path_factory.mktemp("gguf") / "model-Q4_K_M.gguf"
     monkeypatch_module.setattr(GGUFWriter, "write_header_to_file", with_tokenizer)
-    write_model(path, 2, 1024, hidden=256, inter=512, heads=4, kv_heads=2, vocab=VOCAB)
+    write_model(path, 2, 1024, hidden=1024, inter=2048, heads=8, kv_heads=4, vocab=VOCAB)
     monkeypatch_module.undo()
     # one thread: the rows' bits do not depend on the thread count, and one does not wait on a busy machine
     llm = LLM(str(path), dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=192, threads=1)
@@ -99,10 +106,22 @@ def test_ngram_speculation_gives_plain_greedy_tokens_on_a_k_quant_model(llm, tog
     assert formats["qkv_proj"] == "Q4_K,Q6_K" and formats["down_proj"] == "Q6_K", formats
     with_control_plane(llm, speculative="off")
     plain = tokens(llm, PROMPTS, together)
-    with_control_plane(llm, speculative="ngram")
+    with_control_plane(llm, CHEAP_ROWS, speculative="ngram", num_speculative_tokens=8,
+                       prompt_lookup_min=1)
+    verified: list[int] = []  # the rows of each step that verified drafts
+    runs = llm.engine.speculator.runs
+
+    def counted(scheduled, row_tokens):
+        if any(s.drafts for s in scheduled):
+            verified.append(len(row_tokens))
+        return runs(scheduled, row_tokens)
+
+    llm.engine.speculator.runs = counted
     spec = tokens(llm, PROMPTS, together)
     stats = llm.stats()
     assert spec == plain
+    if together:
+        assert max(verified) >= GEMM_FROM_ROWS, verified
     # drafts were verified, some kept and some refused: both verification outcomes were exercised
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert stats.kv_blocks_free == stats.kv_blocks_total
