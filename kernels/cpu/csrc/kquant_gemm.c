@@ -27,8 +27,9 @@
 #include <immintrin.h>
 #define KG_LANES 8
 #define KG_ROWS 4
-/* maddubs sums two u8 x s8 products into int16: Q8_0's values offset to 0..255 would saturate */
-#define KG_TYPES (KG_BIT(GGML_Q4_0) | KG_BIT(GGML_Q4_K) | KG_BIT(GGML_Q5_K) | KG_BIT(GGML_Q6_K))
+/* maddubs sums two u8 x s8 products into int16: Q8_0's values offset to 0..255 would saturate, so
+ * its tile multiplies the signed values by sign (tile's q8) */
+#define KG_TYPES (KG_BIT(GGML_Q4_0) | KG_BIT(GGML_Q8_0) | KG_BIT(GGML_Q4_K) | KG_BIT(GGML_Q5_K) | KG_BIT(GGML_Q6_K))
 #else
 #define KG_LANES 1
 #define KG_ROWS 1
@@ -39,7 +40,7 @@
  * (measured: docs/design/gguf_kquants.md): every type it has, on every class (AVX512-BF16's
  * bfloat16 panels included: 1.2-1.5x slower at 256 rows, 2-6x without BF16 or AVX-512). For a
  * type or width it does not take, the block dots beat dequantized panels into csrc/gemm.c except
- * where that GEMM has AVX512-BF16 (AVX2: Q8_0 17 ms against 48 at 256 rows). */
+ * where that GEMM has AVX512-BF16 (AVX2 Q8_0, before this GEMM took it: 17 ms against 48 at 256 rows). */
 #define KG_PREFERRED KG_TYPES
 /* the types whose rows kq_gemm computes bit for bit as the block dots do (kquant_avx512.c's
  * canonical order): a product may take either path at any row count and each row is the same */
@@ -95,7 +96,8 @@ int kq_vnni_peak(int n, int num_threads) {
 #define KG_TILE_FN static inline __attribute__((always_inline)) void
 #if KQ_ISA == 512
 KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, const int R, const int S,
-                float *out) {
+                const int q8, float *out) {
+    (void)q8; /* vpdpbusd takes Q8_0's offset bytes: u8 x s8 into int32, no int16 to saturate */
     const int subs = KQ_BLOCK / S;
     __m512 acc[KG_ROWS], t[KG_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -127,11 +129,13 @@ KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int ns
 }
 #elif KQ_ISA == 256
 /* maddubs of two 4-value runs summed in int16 (values at most 63: 2 x 2 x 63 x 127 < 32768),
- * then madd by ones into the int32 lanes */
+ * then madd by ones into the int32 lanes. q8 (Q8_0, bytes offset to 0..255): the bytes back to the
+ * signed values w, maddubs of |w| by the activation signed as w (w x, a pair at most 2 x 128 x 127
+ * < 32768), each run into int32 alone, and no minimum (the sums are of w, not of w + 128) */
 KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, const int R, const int S,
-                float *out) {
+                const int q8, float *out) {
     const int subs = KQ_BLOCK / S;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[KG_ROWS], t[KG_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int i = 0; i < nsb; ++i) {
@@ -142,13 +146,22 @@ KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int ns
             __m256i sums[KG_ROWS];
             for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
             for (int c = 0; c < S / 4; c += 2) {
-                const __m256i w0 = _mm256_load_si256((const __m256i *)(B + 32 * c));
-                const __m256i w1 = _mm256_load_si256((const __m256i *)(B + 32 * c + 32));
+                __m256i w0 = _mm256_load_si256((const __m256i *)(B + 32 * c));
+                __m256i w1 = _mm256_load_si256((const __m256i *)(B + 32 * c + 32));
+                const __m256i s0 = _mm256_xor_si256(w0, flip), s1 = _mm256_xor_si256(w1, flip);
+                if (q8) w0 = _mm256_abs_epi8(s0), w1 = _mm256_abs_epi8(s1);
                 for (int r = 0; r < R; ++r) {
                     const int8_t *x = a[(int64_t)r * nsb + i].qs + S * s + 4 * c;
                     int32_t x0, x1;
                     memcpy(&x0, x, 4);
                     memcpy(&x1, x + 4, 4);
+                    if (q8) {
+                        const __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_sign_epi8(_mm256_set1_epi32(x0), s0));
+                        const __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_sign_epi8(_mm256_set1_epi32(x1), s1));
+                        sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
+                                                                             _mm256_madd_epi16(p1, ones)));
+                        continue;
+                    }
                     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
                                                        _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
                     sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(p, ones));
@@ -158,7 +171,7 @@ KG_TILE_FN tile(const uint8_t *panel, const kq_act_t *a, const float *fb, int ns
             const __m256 mn = _mm256_load_ps((const float *)(B + S * KG_LANES) + KG_LANES);
             for (int r = 0; r < R; ++r) {
                 t[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), sc, t[r]);
-                t[r] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(fb[((int64_t)r * nsb + i) * subs + s]), t[r]);
+                if (!q8) t[r] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(fb[((int64_t)r * nsb + i) * subs + s]), t[r]);
             }
         }
         for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(t[r], _mm256_set1_ps(a[(int64_t)r * nsb + i].d), acc[r]);
@@ -241,11 +254,13 @@ static int tiles_k(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, i
 #endif
 
 /* the rows taken (KG_ROWS, else 4, 2, 1 of the rows left), each count its own inlined tile */
-static int tiles(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, int rows, int S, float *out) {
+static int tiles(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, int rows, int S, int q8,
+                 float *out) {
 #define KG_AT(R)                                                                 \
     if (rows >= (R)) {                                                           \
-        if (S == 16) tile(panel, a, fb, nsb, (R), 16, out);                      \
-        else tile(panel, a, fb, nsb, (R), 32, out);                              \
+        if (S == 16) tile(panel, a, fb, nsb, (R), 16, 0, out);                   \
+        else if (q8 && KQ_ISA == 256) tile(panel, a, fb, nsb, (R), 32, 1, out);  \
+        else tile(panel, a, fb, nsb, (R), 32, 0, out);                           \
         return (R);                                                              \
     }
     KG_AT(KG_ROWS)
@@ -319,7 +334,8 @@ int kq_gemm(const void *w, int64_t row_bytes, int type, int n_out, int k, const 
                 if (alike) done = tiles_k(panel, A + (int64_t)m * nsb, pb + (int64_t)m * nsb * 4, nsb, rows - m, q6, out);
                 else
 #endif
-                    done = tiles(panel, A + (int64_t)m * nsb, fb + (int64_t)m * nsb * subs, nsb, rows - m, S, out);
+                    done = tiles(panel, A + (int64_t)m * nsb, fb + (int64_t)m * nsb * subs, nsb, rows - m, S,
+                                 type == GGML_Q8_0, out);
                 for (int r = 0; r < done; ++r) {
                     for (int l = 0; l < lanes; ++l) out[KG_LANES * r + l] += b[l];
                     from_float(out + KG_LANES * r, 1.f, dtype, (char *)y + ((int64_t)(m + r) * y_stride + n0) * elem, lanes);

@@ -22,6 +22,7 @@ EXACTNESS_TESTS = ["tests/engine/core/test_speculation.py", "tests/engine/layers
                    "tests/kernels/cpu/test_gemm.py", "tests/kernels/cpu/kquant/test_kquant.py",
                    "tests/kernels/cpu/kquant/test_kquant_gemm.py", "tests/engine/layers/test_gguf_linear.py",
                    "tests/engine/layers/test_gguf_model.py",
+                   "tests/engine/spec_decode/test_gguf_speculation.py",
                    "tests/engine/layers/attention/test_attention_variants.py",
                    "tests/kernels/cpu/test_attention_window_tiles.py",
                    "tests/kernels/cpu/test_gated_delta.py"]
