@@ -18,7 +18,7 @@ import torch
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.runner.model_runner import ModelRunner
 from kvserve.testing.engine import scaled_hybrid_model
-from kvserve.testing.graph_recorder import BLOCK, Recorder, triton_runner_config
+from kvserve.testing.graph_recorder import Recorder, Seq, step, triton_runner_config
 
 pytest.importorskip("triton", reason="triton is not installed (the dev and gpu extras bring it)")
 
@@ -31,32 +31,6 @@ def model_dir(tmp_path_factory) -> str:
     return scaled_hybrid_model("qwen3.5-tiny", tmp_path_factory.mktemp("qwen3.5-graphs"))
 
 
-class Seq:
-    """A sequence with its own blocks (4 per sequence, from block 1 on), its slot, its length."""
-
-    def __init__(self, index: int, prompt_len: int):
-        self.blocks = list(range(1 + 4 * index, 5 + 4 * index))
-        self.slot = SLOTS[index]
-        self.prompt = [(7 * index + 3 * j) % 10240 for j in range(prompt_len)]
-        self.len = 0
-
-
-def step(seqs: list[Seq], new_ids: list[list[int]]) -> ModelInput:
-    inp = ModelInput()
-    for seq, ids in zip(seqs, new_ids, strict=True):
-        positions = range(seq.len, seq.len + len(ids))
-        seq.len += len(ids)
-        inp.input_ids += ids
-        inp.positions += positions
-        inp.slot_mapping += [seq.blocks[p // BLOCK] * BLOCK + p % BLOCK for p in positions]
-        inp.query_lens.append(len(ids))
-        inp.context_lens.append(seq.len)
-        inp.block_tables.append(seq.blocks[: -(-seq.len // BLOCK)])
-        inp.state_slots.append(seq.slot)
-        inp.logits_indices.append(len(inp.input_ids) - 1)
-    return inp
-
-
 @pytest.fixture(scope="module")
 def runners(model_dir):
     """(graphed, eager) runners, five slots each (scratch row besides for the graphed one), every
@@ -65,7 +39,7 @@ def runners(model_dir):
     graphed = ModelRunner(triton_runner_config(model_dir, 24, **config), record_graph=Recorder())
     eager = ModelRunner(triton_runner_config(model_dir, 24, enforce_eager=True, **config),
                         record_graph=Recorder())
-    seqs = [Seq(i, n) for i, n in enumerate(PROMPT_LENS)]
+    seqs = [Seq(i, n, SLOTS[i]) for i, n in enumerate(PROMPT_LENS)]
     prefill = step(seqs, [s.prompt for s in seqs])
     for runner in (graphed, eager):
         runner.execute_model(prefill)

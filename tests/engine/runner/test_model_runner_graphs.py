@@ -18,7 +18,7 @@ from kvserve.engine.layers.attention.backend import create_attention_backend, re
 from kvserve.engine.model_input import ModelInput
 from kvserve.engine.runner.cuda_graphs import decode_graphs_enabled
 from kvserve.engine.runner.model_runner import ModelRunner
-from kvserve.testing.graph_recorder import BLOCK, MAX_NUM_SEQS, Recorder, triton_runner_config
+from kvserve.testing.graph_recorder import BLOCK, MAX_NUM_SEQS, Recorder, Seq, step, triton_runner_config
 
 pytest.importorskip("triton", reason="triton is not installed (the dev and gpu extras bring it)")
 
@@ -43,32 +43,6 @@ def runners(model_dir):
     yield graphed, eager, seqs
     graphed.shutdown()
     eager.shutdown()
-
-
-class Seq:
-    """A sequence with its own blocks (4 per sequence, from block 1 on) and its tokens so far."""
-
-    def __init__(self, index: int, prompt_len: int):
-        self.blocks = list(range(1 + 4 * index, 5 + 4 * index))
-        self.prompt = [(7 * index + 3 * j) % 10240 for j in range(prompt_len)]
-        self.len = 0
-
-
-def step(seqs: list[Seq], new_ids: list[list[int]], logits_for: list[bool] | None = None) -> ModelInput:
-    """One step in which ``seqs[i]`` computes ``new_ids[i]``; logits for the rows ``logits_for`` marks."""
-    inp = ModelInput()
-    for i, (seq, ids) in enumerate(zip(seqs, new_ids, strict=True)):
-        positions = range(seq.len, seq.len + len(ids))
-        seq.len += len(ids)
-        inp.input_ids += ids
-        inp.positions += positions
-        inp.slot_mapping += [seq.blocks[p // BLOCK] * BLOCK + p % BLOCK for p in positions]
-        inp.query_lens.append(len(ids))
-        inp.context_lens.append(seq.len)
-        inp.block_tables.append(seq.blocks[: -(-seq.len // BLOCK)])
-        if logits_for is None or logits_for[i]:
-            inp.logits_indices.append(len(inp.input_ids) - 1)
-    return inp
 
 
 def replays(runner: ModelRunner) -> dict[int, int]:
