@@ -27,9 +27,23 @@ def stat(pid: int) -> ProcStat | None:
 
 
 def alive(pid: int) -> bool:
-    """``pid`` runs (a zombie has exited: only its exit status is left, for its parent to reap)."""
-    s = stat(pid)
-    return s is not None and s.state != "Z"
+    """``pid`` runs: some thread of it has not exited. A zombie has exited (only its exit status is
+    left, for its parent to reap), but a killed process whose main thread already shows "Z" while
+    its other threads are still on their way out has not: it still holds its files (a pipe to it
+    still takes writes), and its parent cannot reap it yet (``waitpid`` says it runs)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # that thread is gone
+        if state not in ("Z", "X"):
+            return True
+    return False
 
 
 def children(pid: int) -> list[int]:
