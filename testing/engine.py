@@ -66,9 +66,10 @@ LINEAR_SCALE = {"in_proj_qkv": 20.0, "in_proj_z": 20.0, "in_proj_qkvz": 20.0, "o
                 "conv1d": 20.0}
 
 
-def scaled_hybrid_model(name: str, out_dir) -> str:
-    """A tiny random Qwen3.5 / Qwen3-Next checkpoint (float32) whose linear layers steer the tokens."""
-    path = write_model_dir(make_config(name), out_dir, dtype=torch.float32)
+def scaled_hybrid_model(name: str, out_dir, **overrides) -> str:
+    """A tiny random Qwen3.5 / Qwen3-Next checkpoint (float32) whose linear layers steer the tokens
+    (``overrides``: of the config's fields)."""
+    path = write_model_dir(make_config(name, **overrides), out_dir, dtype=torch.float32)
     weights = load_file(str(path / "model.safetensors"))
     for key in weights:
         for part, scale in LINEAR_SCALE.items():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.cpu.abi import DTYPES
 from kvserve.kernels.cpu.gated_delta import GatedDeltaKernels, gated_delta_kernels
 
 CHUNK = 64  # tokens per block of the chunked form
@@ -35,6 +36,23 @@ def cpu_kernels(mixed: torch.Tensor, num_k_heads: int, num_v_heads: int, k_dim: 
     if not GatedDeltaKernels.takes(mixed, num_k_heads, num_v_heads, k_dim, v_dim):
         return None
     return gated_delta_kernels()
+
+
+def gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+          kernels: GatedDeltaKernels | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) of each token [T, H] from the projection's b and a [T, H]: beta = sigmoid(b),
+    g = -exp(A_log) softplus(a + dt_bias) in float32. In C (``kernels.gates``, float32 beta holding
+    the dtype's rounding) where ``kernels`` are given and b, a lie side by side in one row (the
+    in-projection's last columns), as the fused decode step computes them; else torch's ops."""
+    elem = b.element_size()
+    if (kernels is not None and b.dim() == 2 and b.dtype == a.dtype and b.dtype in DTYPES
+            and b.stride(-1) == 1 and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr() + b.shape[1] * elem
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a_log.dtype == dt_bias.dtype == torch.float32):
+        ba = b.as_strided((b.shape[0], 2 * b.shape[1]), b.stride())
+        return kernels.gates(ba, a_log.contiguous(), dt_bias.contiguous())
+    return -a_log.exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
 def row_waves(slots: list[int]) -> list[list[int]]:

@@ -37,6 +37,7 @@ from kvserve.engine.layers.gated_delta import (
     cpu_kernels,
     delta_rule_chunked,
     delta_rule_recurrent,
+    gates,
     row_waves,
 )
 from kvserve.engine.layers.linear import (
@@ -47,6 +48,7 @@ from kvserve.engine.layers.linear import (
 )
 from kvserve.engine.layers.norm import GemmaRMSNorm
 from kvserve.engine.layers.rotary import RotaryEmbedding, rope_parameters
+from kvserve.engine.models.decode_row_hybrid import HybridDecodeRow
 from kvserve.engine.models.llama import LlamaForCausalLM, LlamaMLP
 from kvserve.engine.models.phi3 import rotary_dim_of
 from kvserve.engine.models.qwen3_5_attention import GatedAttention
@@ -93,6 +95,8 @@ class GatedDeltaNet(nn.Module):
     ranges stay aligned): its rows of the in-projections and conv channels, its A_log and dt_bias,
     its heads' state; the gated norm is per head, so rank-local; ``out_proj`` is row-parallel, its
     partial sums all-reduced as attention's ``o_proj``."""
+
+    in_decode_row = True  # its decode: csrc/decode_row.c decode_row_hybrid (models/decode_row_hybrid.py)
 
     def __init__(self, config, parallel: ParallelContext):
         super().__init__()
@@ -141,8 +145,7 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("a Gated DeltaNet layer needs one state slot per sequence of the step "
                                "(AttentionMetadata.state_slots)")
         mixed, z, b, a = self.project(hidden)
-        beta = b.sigmoid()
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = gates(b, a, self.A_log, self.dt_bias, self._kernels(mixed))
         self._verified = None
         if meta.state_index is not None:  # a decode step of a captured graph: its static slot index
             out = self._decode(mixed, g, beta, meta.state_index)
@@ -293,6 +296,7 @@ class GatedDeltaNet(nn.Module):
 
 class Qwen3_5DecoderLayer(nn.Module):
     linear_class = GatedDeltaNet
+    in_decode_row = True
 
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext, layer_idx: int):
         super().__init__()
@@ -332,15 +336,24 @@ class Qwen3_5Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(rotary_dim_of(config), config.max_position_embeddings,
                                           rope_parameters(config))
+        self._decode_row = False  # not decided yet (``decode_row``)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if (row := self.decode_row()) is not None and (out := row(hidden, positions, meta)):
+            return self.norm(*out)[0]  # a decode step through every layer in one kernel call
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)
         return self.norm(hidden, residual)[0]
+
+    def decode_row(self):
+        """The fused one-token step (``models/decode_row_hybrid.py``), or None; decided once."""
+        if self._decode_row is False:
+            self._decode_row = HybridDecodeRow(self) if HybridDecodeRow.fits(self) else None
+        return self._decode_row
 
 
 @register_model

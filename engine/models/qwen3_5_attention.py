@@ -14,10 +14,14 @@ from kvserve.engine.layers.norm import GemmaRMSNorm
 from kvserve.engine.layers.rotary import apply_rotary
 from kvserve.engine.models.llama import head_dim_of
 from kvserve.engine.models.phi3 import rotary_dim_of
+from kvserve.kernels.cpu.abi import DTYPES
+from kvserve.kernels.cpu.gated_delta import gated_delta_kernels
 
 
 class GatedAttention(nn.Module):
     """Full attention with an output gate per head (the second half of each head of ``q_proj``)."""
+
+    in_decode_row = True  # its decode: csrc/decode_row.c decode_row_hybrid (models/decode_row_hybrid.py)
 
     def __init__(self, config, backend: AttentionBackend, parallel: ParallelContext):
         super().__init__()
@@ -43,8 +47,18 @@ class GatedAttention(nn.Module):
         q, gate = self.q_norm(q_gate[..., :d].contiguous()), q_gate[..., d:]
         k = self.k_norm(k.reshape(tokens, self.num_kv_heads, d))
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        out = self.attn(q, k, v.reshape(tokens, self.num_kv_heads, d), meta).reshape(tokens, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
+        out = self.attn(q, k, v.reshape(tokens, self.num_kv_heads, d), meta)
+        return self.o_proj(self._gated(out.reshape(tokens, self.num_heads, d), gate))
+
+    @staticmethod
+    def _gated(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """out * sigmoid(gate) as [T, heads D]: on the CPU in C, in place in the attention's fresh
+        output (csrc/gated_delta.c ``sigmoid_gate_row``, which the fused decode step runs too)."""
+        tokens = out.shape[0]
+        if (out.is_cpu and out.dtype in DTYPES and out.is_contiguous() and gate.stride(-1) == 1
+                and (kernels := gated_delta_kernels()) is not None):
+            return kernels.sigmoid_gate(out, gate).reshape(tokens, -1)
+        return out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The first ``rotary_dim`` of each head of ``x`` (the norm's fresh output) rotated in place:

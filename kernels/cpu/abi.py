@@ -61,6 +61,9 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "gdn_prefill": [_P, _I64, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _P, _P, _I32],
     "gdn_decode": [_P, _I64, _I32, _P, _P, _I32, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _P, _P, _I32],
     "gdn_gated_norm": [_P, _P, _I64, _P, _I32, _I32, _I32, _F32, _I32, _P, _I32],
+    "gdn_gates": [_P, _I64, _I32, _P, _P, _I32, _I32, _P, _P],
+    "sigmoid_gate": [_P, _I64, _P, _I64, _I64, _I32, _I32, _I32, _I32],
+    "decode_row_hybrid": [_P, _I32, _P, _P, _P, _I32],
 }
 
 
@@ -112,6 +115,25 @@ class RowStep(ctypes.Structure):
                 ("scale", _F32), ("num_blocks", _I64), ("block_size", _I32), ("num_groups", _I32),
                 ("tables", _P), ("table_stride", _P), ("ctx", _P), ("slots", _P), ("num_rope", _I32),
                 ("cos", _P), ("sin", _P)]
+
+
+class HybridLayer(ctypes.Structure):
+    """csrc/decode_row.c ``hyb_layer_t``: a hybrid's layer (Qwen3.5), Gated DeltaNet (``linear``) or
+    gated full attention: its norms, projections, conv weight, state rows and gates' parameters, or
+    its KV cache, QK-norm weights and group."""
+
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("mix", Linear), ("out", Linear), ("gate_up", Linear),
+                ("down", Linear), ("linear", _I32), ("conv_w", _P), ("conv_states", _P), ("states", _P),
+                ("A_log", _P), ("dt_bias", _P), ("gated_norm", _P), ("k_cache", _P), ("v_cache", _P),
+                ("q_norm", _P), ("k_norm", _P), ("group", _I32)]
+
+
+class HybridStep(ctypes.Structure):
+    """csrc/decode_row.c ``hyb_step_t``: ``RowStep`` and the Gated DeltaNet layers' shapes, the
+    rotary's width and each row's state slot."""
+
+    _fields_ = [("row", RowStep), ("Hk", _I32), ("H", _I32), ("dk", _I32), ("dv", _I32), ("K", _I32),
+                ("rot_dim", _I32), ("state_slots", _P), ("num_state_slots", _I64)]
 
 
 def cache_row_width(head_dim: int, int8: bool) -> int:

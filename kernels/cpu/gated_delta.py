@@ -11,10 +11,15 @@ torch forms elsewhere (and where these kernels refuse a shape).
   rule, on the rows of the state cache in place (no gather and scatter of the slots' states).
 - ``gated_norm``: the layer's RMSNorm gated by SiLU(z) on the rule's float32 output, one pass
   (torch's form ran a dozen over the prompt's values, as long as the in-projection's GEMM).
+- ``gates``: beta and the decay g of each token and value head from the projection's b and a (one
+  call where torch ran eight small ops a layer); ``sigmoid_gate``: the full-attention layers' output
+  gate. The fused decode step (csrc/decode_row.c ``decode_row_hybrid``) runs the same C for both,
+  so that its steps and the per-op path's give the same bits.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -104,6 +109,43 @@ class GatedDeltaKernels:
                                         heads, v_dim, eps, DTYPES[z.dtype], out.data_ptr(),
                                         torch.get_num_threads()), "gdn_gated_norm")
         return out
+
+
+    def gates(self, ba: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta), float32 [T, H] each, of ``ba`` [T, 2H] (b then a, last dimension contiguous, of
+        the model's dtype): beta = sigmoid(b) rounded to that dtype, g = -exp(A_log) softplus(a +
+        dt_bias); ``a_log``, ``dt_bias`` float32 [H] contiguous."""
+        tokens, heads = ba.shape[0], ba.shape[1] // 2
+        g = torch.empty(tokens, heads, dtype=torch.float32)
+        beta = torch.empty(tokens, heads, dtype=torch.float32)
+        _check(self._lib.gdn_gates(ba.data_ptr(), ba.stride(0), DTYPES[ba.dtype], a_log.data_ptr(),
+                                   dt_bias.data_ptr(), tokens, heads, g.data_ptr(), beta.data_ptr()),
+               "gdn_gates")
+        return g, beta
+
+    def sigmoid_gate(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``out * sigmoid(gate)`` in place, each rounded to the dtype as torch rounds: ``out``
+        [T, heads, D] contiguous, ``gate`` [T, heads, D] of its dtype, last dimension contiguous."""
+        tokens, heads, width = out.shape
+        _check(self._lib.sigmoid_gate(out.data_ptr(), out.stride(0), gate.data_ptr(), gate.stride(0),
+                                      gate.stride(1), tokens, heads, width, DTYPES[out.dtype]),
+               "sigmoid_gate")
+        return out
+
+
+    def decode_row_hybrid(self, layers: ctypes.Array, step, hidden: torch.Tensor,
+                          residual: torch.Tensor) -> bool:
+        """One token per row through every layer of a hybrid (csrc/decode_row.c ``decode_row_hybrid``;
+        ``layers``: an array of ``abi.HybridLayer``, ``step`` an ``abi.HybridStep``): ``hidden``
+        [rows, H] in, the last layer's output out; ``residual`` out. False where it refused the step
+        (nothing was done)."""
+        status = self._lib.decode_row_hybrid(ctypes.addressof(layers), len(layers), ctypes.byref(step),
+                                             hidden.data_ptr(), residual.data_ptr(), torch.get_num_threads())
+        if status == 1:
+            return False
+        _check(status, "decode_row_hybrid")
+        return True
 
 
 @functools.cache

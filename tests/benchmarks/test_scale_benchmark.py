@@ -138,3 +138,24 @@ def test_the_hybrid_prefill_comparison_runs_on_the_tiny_shape(tmp_path, capsys):
                                                                   (40, "torch")]
     assert all(a["tok_s"] > 0 for a in figures["arms"]) and len(capsys.readouterr().out.splitlines()) == 4
     assert GatedDeltaNet._normed is hybrid_prefill.NORMED  # the layer's own again
+
+
+def test_the_hybrid_decode_breakdown_and_ab_run_on_the_tiny_shape(tmp_path, capsys):
+    from kvserve.benchmarks.scale import hybrid_decode
+    from kvserve.engine.models.qwen3_5 import GatedDeltaNet
+    from kvserve.kernels.cpu.bindings import load_kernels
+    from kvserve.testing.random_model import make_config, write_model_dir
+
+    # 8 value heads: every projection packs for gemm.c, so the fused step runs on every x86 build
+    model = write_model_dir(make_config("qwen3.5-tiny", linear_num_value_heads=8), tmp_path / "m")
+    kernels = load_kernels()
+    fused = kernels is not None and kernels.fused_rows
+    r = hybrid_decode.main(["--model", str(model), "--context", "40", "--steps", "2", "--rounds", "1",
+                            "--breakdown", *(["--ab"] if fused else [])])
+    ms = r["breakdown"]["ms"]
+    assert ms["step (mean)"] > 0 and ms["gdn in_proj"] > 0 and ms["lm_head"] > 0 and ms["sampler"] > 0
+    assert ms["gdn conv+rule (C)"] > 0 and r["breakdown"]["alone_ms"]["full qkv_proj"] > 0
+    assert GatedDeltaNet._decode.__qualname__ == "GatedDeltaNet._decode"  # the layer's own again
+    if fused:
+        assert r["ab"]["fused"] > 0 and r["ab"]["per_op"] > 0
+    assert capsys.readouterr().out.startswith("decode step, one stream")

@@ -156,6 +156,17 @@ void gelu_tanh_mul_row(const void *gate, const void *up, void *out, int width, i
 
 /* Attention (attention.c), shared with the fused decode row. */
 
+/* gated_delta.c: the pieces of a hybrid's layers (Qwen3.5) that the fused step (decode_row.c
+ * decode_row_hybrid) shares with the per-op path's entry points, so both give the same bits */
+#define GDN_MAX_HEADS 256
+int gdn_decode_takes(int Hk, int H, int dk, int dv, int K);
+void gdn_gate_values(const void *b, const void *a, int dtype, const float *A_log, const float *dt_bias, int h0,
+                     int n, float *g, float *beta);
+void gdn_decode_item(const char *in, const void *conv_w, char *window, int K, int dtype, const float *g,
+                     const float *beta, int Hk, int H, int dk, int dv, int hk, float *S, float *out);
+void gdn_gated_norm_row(const float *rule, const void *z, const void *w, int dv, float eps, int dtype, void *out);
+void sigmoid_gate_row(void *x, const void *gate, int n, int dtype);
+
 /* A sliding window of window keys (0: none) over a query that sees ctx keys: its block table from
  * the block of the window's first key on (blocks before it may be freed), the keys left in *ctx,
  * and in *skip those of that block before the window (fewer than a block: attend_one skips them). */

@@ -17,6 +17,9 @@
  * Each layer reads its own KV cache group's block tables and slots (several groups: window and
  * full layers, engine/kv_cache/groups.py).
  *
+ * decode_row_hybrid (at the end) does the same for a hybrid's layers (Qwen3.5: Gated DeltaNet and
+ * gated full attention), with csrc/gated_delta.c's item and row functions.
+ *
  * Built and loaded by kernels/cpu_kernels.py; engine/models/decode_row.py decides when it runs. On
  * x86 CPUs without AVX-512 it takes the steps whose projections all go through gemm.c (its AVX2
  * build: bfloat16 weights with their packed copies), or all through linear_avx2.c's row kernel
@@ -301,6 +304,211 @@ int decode_row(const row_layer_t *layers, int num_layers, const row_step_t *st, 
                          1);
                 team_barrier(&sync);
             }
+        }
+    }
+    free(mem);
+    return 0;
+#endif
+}
+
+/* A hybrid's layer (Qwen3.5, engine/models/qwen3_5.py; engine/models/decode_row_hybrid.py fills
+ * it): a Gated DeltaNet layer or a gated full-attention layer, each with Qwen3.5's norms (Gemma's,
+ * weights holding 1 + w) and a SiLU MLP. */
+typedef struct {
+    const void *input_norm, *post_norm; /* [hidden] of norm_dtype */
+    lin_t mix, out, gate_up, down;       /* mix: the in-projection (conv channels | z | b | a) or q|gate, k, v */
+    int linear;                          /* 1: Gated DeltaNet, 0: gated full attention */
+    const void *conv_w;                  /* Gated DeltaNet: [C][K] of dtype */
+    void *conv_states;                   /* [state slots][C][K - 1] of dtype, rows state_slots[r] in place */
+    float *states;                       /* [state slots][H][dk][dv], rows state_slots[r] in place */
+    const float *A_log, *dt_bias;        /* [H] */
+    const void *gated_norm;              /* [dv] of dtype */
+    void *k_cache, *v_cache;             /* full attention: as row_layer_t's */
+    const void *q_norm, *k_norm;         /* [head_dim] of norm_dtype */
+    int group;
+} hyb_layer_t;
+
+typedef struct {
+    row_step_t row;          /* the attention's shapes, caches and rotary table (one), the MLP's, dtypes */
+    int Hk, H, dk, dv, K;    /* the Gated DeltaNet layers' key heads, value heads, head dims, conv kernel */
+    int rot_dim;             /* the first rot_dim of each q and k head turn */
+    const int64_t *state_slots; /* [rows]: each row's state slot, distinct */
+    int64_t num_state_slots;
+} hyb_step_t;
+
+/* Whether every projection of the hybrid's layers goes through gemm.c (1), or, failing that, all through
+ * the row kernel (2); 0: neither. */
+static int hybrid_projections(const hyb_layer_t *layers, int n, int dtype) {
+    int gemm = 1, rows = 1;
+    for (int l = 0; l < n; ++l) {
+        const lin_t *P[4] = {&layers[l].mix, &layers[l].out, &layers[l].gate_up, &layers[l].down};
+        for (int i = 0; i < 4; ++i) {
+            gemm = gemm && gemm_takes(P[i], dtype);
+            rows = rows && linear_takes(P[i]);
+        }
+        gemm = gemm && layers[l].gate_up.n_out % (2 * GEMM_VEC) == 0;
+    }
+    return gemm ? 1 : (rows ? 2 : 0);
+}
+
+/* decode_row for a hybrid (Qwen3.5): the same stages for the full-attention layers, with QK-norm over
+ * the q half of each q|gate head, the partial rotary, and the attention's output gated by
+ * sigmoid(gate) (sigmoid_gate_row); a Gated DeltaNet layer's mixer as GatedDeltaNet.forward's decode
+ * (gates, conv step and rule: gdn_gate_values, gdn_decode_item, items of (row, key head); the gated
+ * norm: gdn_gated_norm_row, items of (row, value head)). The kernels are the per-op path's. */
+int decode_row_hybrid(const hyb_layer_t *layers, int num_layers, const hyb_step_t *hs, void *hidden,
+                      void *residual, int num_threads) {
+#if !HAVE_FUSED_STEP
+    (void)layers, (void)num_layers, (void)hs, (void)hidden, (void)residual, (void)num_threads;
+    return 1;
+#else
+    const row_step_t *st = &hs->row;
+    const int R = st->rows, Hd = st->hidden, D = st->head_dim, heads = st->heads, kvh = st->kv_heads;
+    const int I = st->inter, dtype = st->dtype, elem = elem_size(dtype);
+    const int Hk = hs->Hk, H = hs->H, dk = hs->dk, dv = hs->dv, K = hs->K;
+    if (R < 1 || kvh < 1 || heads % kvh || D > MAX_HEAD_DIM || D % 2 || heads / kvh > MAX_GROUP ||
+        !kv_cache_takes(dtype, st->cache_dtype) || st->num_rope != 1 || hs->rot_dim < 2 || hs->rot_dim % 2 ||
+        hs->rot_dim > D || !gdn_decode_takes(Hk, H, dk, dv, K) || H > GDN_MAX_HEADS)
+        return 1;
+    const int group = heads / kvh, qkv_n = (2 * heads + 2 * kvh) * D, conv_n = 2 * Hk * dk + H * dv;
+    const int mix_n = conv_n + H * dv + 2 * H;
+    for (int l = 0; l < num_layers; ++l) {
+        const hyb_layer_t *L = layers + l;
+        const int n = L->linear ? mix_n : qkv_n, out_k = L->linear ? H * dv : heads * D;
+        if (L->mix.n_out != n || L->mix.k_in != Hd || L->out.n_out != Hd || L->out.k_in != out_k ||
+            L->gate_up.n_out != 2 * I || L->gate_up.k_in != Hd || L->down.n_out != Hd || L->down.k_in != I ||
+            L->group < 0 || L->group >= st->num_groups)
+            return 1;
+    }
+    const int kind = hybrid_projections(layers, num_layers, dtype), gemm = kind == 1;
+    if (kind == 0 || (!gemm && R > MAX_FUSED_ROWS)) return 1;
+    const int64_t cache_slots = st->num_blocks * st->block_size;
+    int max_ctx = 1;
+    for (int r = 0; r < R; ++r) {
+        if (st->ctx[r] < 1 || hs->state_slots[r] < 0 || hs->state_slots[r] >= hs->num_state_slots) return 1;
+        for (int q = 0; q < r; ++q)
+            if (hs->state_slots[q] == hs->state_slots[r]) return 1; /* a slot steps once per call */
+        for (int g = 0; g < st->num_groups; ++g)
+            if (st->slots[g][r] < 0 || st->slots[g][r] >= cache_slots) return 1;
+        max_ctx = st->ctx[r] > max_ctx ? st->ctx[r] : max_ctx;
+    }
+    const int mix_w = mix_n > qkv_n ? mix_n : qkv_n, att_w = H * dv > heads * D ? H * dv : heads * D;
+    int widest = Hd > att_w ? Hd : att_w;
+    widest = widest > I ? widest : I;
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const size_t att_floats = attend_scratch_floats(group, D, st->block_size, max_ctx);
+    /* per row in dtype: x, the in-projection, the mixer's output, gate|up and the activation; as
+     * floats: the rule's output, the projections' input (row kernel only), each thread's attention scratch */
+    const size_t typed = (size_t)R * ((size_t)Hd + mix_w + att_w + 3 * (size_t)I);
+    const size_t rule_floats = (size_t)R * H * dv, as_floats = gemm ? 0 : (size_t)R * widest;
+    char *mem = malloc(typed * elem + sizeof(float) * (rule_floats + as_floats + att_floats * threads) + 64);
+    if (!mem) return 2;
+    char *x = mem, *mix = x + (size_t)R * Hd * elem, *att = mix + (size_t)R * mix_w * elem;
+    char *gu = att + (size_t)R * att_w * elem, *act = gu + (size_t)R * 2 * I * elem;
+    float *rule = (float *)(((uintptr_t)(act + (size_t)R * I * elem) + 63) & ~(uintptr_t)63);
+    float *xf = rule + rule_floats, *att_scratch = xf + as_floats;
+    const int64_t window_bytes = (int64_t)conv_n * (K - 1) * elem, state_floats = (int64_t)H * dk * dv;
+    team_barrier_t sync = {0, 0, 0, 0};
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = att_scratch + att_floats * (size_t)omp_get_thread_num();
+#pragma omp single
+        sync.size = omp_get_num_threads();
+        for (int l = 0; l < num_layers; ++l) {
+            const hyb_layer_t *L = layers + l;
+            const int n = L->linear ? mix_n : qkv_n;
+#pragma omp single nowait
+            {
+                if (l == 0) { /* the first norm has no residual yet: it is the embedding */
+                    memcpy(residual, hidden, (size_t)R * Hd * elem);
+                    rms_norm(hidden, Hd, 0, NULL, 0, L->input_norm, st->norm_dtype, x, Hd, 0, R, 1, Hd, st->eps, dtype, 1);
+                } else {
+                    rms_norm(hidden, Hd, 0, residual, Hd, L->input_norm, st->norm_dtype, x, Hd, 0, R, 1, Hd, st->eps,
+                             dtype, 1);
+                }
+                if (!gemm) to_float(x, dtype, xf, R * Hd);
+            }
+            team_barrier(&sync);
+            project(&L->mix, R, xf, x, mix, dtype, gemm, 0);
+            team_barrier(&sync);
+            if (L->linear) {
+                const int rep = H / Hk;
+#pragma omp for schedule(static) nowait
+                for (int item = 0; item < R * Hk; ++item) {
+                    const int r = item / Hk, hk = item % Hk;
+                    const char *row = mix + (size_t)r * n * elem, *b = row + (size_t)(conv_n + H * dv) * elem;
+                    float g[GDN_MAX_HEADS], beta[GDN_MAX_HEADS];
+                    gdn_gate_values(b, b + (size_t)H * elem, dtype, L->A_log, L->dt_bias, hk * rep, rep, g, beta);
+                    gdn_decode_item(row, L->conv_w, (char *)L->conv_states + hs->state_slots[r] * window_bytes, K, dtype,
+                                    g, beta, Hk, H, dk, dv, hk, L->states + hs->state_slots[r] * state_floats,
+                                    rule + (size_t)r * H * dv);
+                }
+                team_barrier(&sync);
+#pragma omp for schedule(static) nowait
+                for (int item = 0; item < R * H; ++item) {
+                    const int r = item / H, h = item % H;
+                    gdn_gated_norm_row(rule + (size_t)item * dv, mix + ((size_t)r * n + conv_n + (size_t)h * dv) * elem,
+                                       L->gated_norm, dv, st->eps, dtype, att + (size_t)item * dv * elem);
+                }
+                team_barrier(&sync);
+            } else {
+#pragma omp single nowait
+                {
+                    char *k = mix + (size_t)2 * heads * D * elem, *v = k + (size_t)kvh * D * elem;
+                    /* q: the first half of each q|gate head; normed in place, then q and k turn */
+                    rms_norm(mix, qkv_n, 2 * D, NULL, 0, L->q_norm, st->norm_dtype, mix, qkv_n, 2 * D, R, heads, D,
+                             st->eps, dtype, 1);
+                    rms_norm(k, qkv_n, D, NULL, 0, L->k_norm, st->norm_dtype, k, qkv_n, D, R, kvh, D, st->eps, dtype, 1);
+                    rotary(mix, qkv_n, 2 * D, R, heads, hs->rot_dim, st->cos[0], st->sin[0], hs->rot_dim, dtype, 1);
+                    rotary(k, qkv_n, D, R, kvh, hs->rot_dim, st->cos[0], st->sin[0], hs->rot_dim, dtype, 1);
+                    store_kv(k, qkv_n, D, v, qkv_n, D, st->slots[L->group], R, kvh, D, L->k_cache, L->v_cache,
+                             cache_slots, dtype, st->cache_dtype);
+                }
+                team_barrier(&sync);
+#pragma omp for schedule(dynamic, 1) nowait
+                for (int item = 0; item < R * kvh; ++item) {
+                    const int r = item / kvh, h = item % kvh;
+                    int ctx = st->ctx[r], skip;
+                    const int32_t *table = window_view(st->tables[L->group] + r * st->table_stride[L->group], 0,
+                                                       st->block_size, &ctx, &skip);
+                    attend_one(L->k_cache, L->v_cache, st->num_blocks, st->block_size, table, ctx, skip, h,
+                               mix + ((size_t)r * qkv_n + (size_t)h * group * 2 * D) * elem, (int64_t)2 * D * elem,
+                               st->scale, group, D, dtype, st->cache_dtype, mine,
+                               att + ((size_t)r * heads + (size_t)h * group) * D * elem, (int64_t)D * elem, 0.f, NULL);
+                }
+                team_barrier(&sync);
+#pragma omp single nowait
+                for (int r = 0; r < R; ++r)
+                    for (int h = 0; h < heads; ++h)
+                        sigmoid_gate_row(att + ((size_t)r * heads + h) * D * elem,
+                                         mix + ((size_t)r * qkv_n + (size_t)h * 2 * D + D) * elem, D, dtype);
+                team_barrier(&sync);
+            }
+            if (!gemm) {
+#pragma omp single nowait
+                to_float(att, dtype, xf, R * L->out.k_in); /* the row kernel's input */
+                team_barrier(&sync);
+            }
+            project(&L->out, R, xf, att, hidden, dtype, gemm, 0);
+            team_barrier(&sync);
+#pragma omp single nowait
+            {
+                rms_norm(hidden, Hd, 0, residual, Hd, L->post_norm, st->norm_dtype, x, Hd, 0, R, 1, Hd, st->eps, dtype, 1);
+                if (!gemm) to_float(x, dtype, xf, R * Hd);
+            }
+            team_barrier(&sync);
+            project(&L->gate_up, R, xf, x, gemm ? act : gu, dtype, gemm, gemm);
+            team_barrier(&sync);
+            if (!gemm) {
+#pragma omp single nowait
+                {
+                    silu_and_mul(gu, 2 * I, act, I, R, I, dtype, 1);
+                    to_float(act, dtype, xf, R * I);
+                }
+                team_barrier(&sync);
+            }
+            project(&L->down, R, xf, act, hidden, dtype, gemm, 0);
+            team_barrier(&sync);
         }
     }
     free(mem);

@@ -17,7 +17,11 @@
  * - gdn_decode: one token of each of B sequences from the input projection: items (sequence, key
  *   head): the convolution step of the head's channels over the sequence's window (conv_states
  *   row slots[b], moved on in place), SiLU, rounded to the model's dtype as torch's step is, then
- *   the rule for its value heads on states row slots[b] in place.
+ *   the rule for its value heads on states row slots[b] in place (gdn_decode_item).
+ * - gdn_gates: beta and g of each token from the projection's b and a (gdn_gate_values);
+ *   gdn_gated_norm: the gated RMSNorm after the rule (gdn_gated_norm_row); sigmoid_gate: the
+ *   full-attention layers' output gate (sigmoid_gate_row). The row and item functions are what the
+ *   fused decode step (decode_row.c decode_row_hybrid) runs too, so both paths give the same bits.
  *
  * Paths: AVX-512 (one zmm a strip), AVX2 with FMA (two ymm), else the portable loops. */
 #include <math.h>
@@ -223,34 +227,80 @@ static void conv_step(const char *in, char *window, const char *w, int64_t c0, i
     }
 }
 
+/* The gates of value heads h0 .. h0 + n - 1 of one token, from its projection's b and a (H values
+ * each, of dtype): beta = sigmoid(b) rounded to dtype (torch's b.sigmoid()), g = -exp(A_log)
+ * softplus(a + dt_bias) in float32 (softplus: a + dt_bias itself above 20, as torch's). Written at
+ * g[h], beta[h]. The per-op path (gdn_gates) and the fused step (decode_row.c) both come here. */
+void gdn_gate_values(const void *b, const void *a, int dtype, const float *A_log, const float *dt_bias, int h0,
+                     int n, float *g, float *beta) {
+    const int elem = elem_size(dtype);
+    for (int h = h0; h < h0 + n; ++h) {
+        float bv, av;
+        to_float((const char *)b + (int64_t)h * elem, dtype, &bv, 1);
+        to_float((const char *)a + (int64_t)h * elem, dtype, &av, 1);
+        beta[h] = round_to(1.f / (1.f + expf(-bv)), dtype);
+        const float x = av + dt_bias[h];
+        g[h] = -expf(A_log[h]) * (x > 20.f ? x : log1pf(expf(x)));
+    }
+}
+
+/* gdn_gate_values of T tokens: ba [T] rows row_stride elements apart of dtype, each b (H values) then
+ * a (H); g, beta float32 [T, H]. */
+int gdn_gates(const void *ba, int64_t row_stride, int dtype, const float *A_log, const float *dt_bias, int T, int H,
+              float *g, float *beta) {
+    if (T < 0 || H < 1) return 1;
+    const int elem = elem_size(dtype);
+    for (int t = 0; t < T; ++t) {
+        const char *row = (const char *)ba + (int64_t)t * row_stride * elem;
+        gdn_gate_values(row, row + (int64_t)H * elem, dtype, A_log, dt_bias, 0, H, g + (int64_t)t * H,
+                        beta + (int64_t)t * H);
+    }
+    return 0;
+}
+
+int gdn_decode_takes(int Hk, int H, int dk, int dv, int K) {
+    return gdn_shape_ok(Hk, H, dk, dv) && K >= 2 && K <= 16 && H / Hk * dv <= GDN_MAX_GROUP_VALUES;
+}
+
+/* Key head hk of one token (gdn_decode's work item): in, the token's row of the projection (the
+ * conv channels first, C = 2 Hk dk + H dv, of dtype); window, its sequence's [C, K - 1] inputs
+ * (moved on in place); S, its states [H, dk, dv] (in place); g, beta: [H] (the head's value heads
+ * read); out: the token's [H, dv] (the head's value heads written). */
+void gdn_decode_item(const char *in, const void *conv_w, char *window, int K, int dtype, const float *g,
+                     const float *beta, int Hk, int H, int dk, int dv, int hk, float *S, float *out) {
+    const int rep = H / Hk;
+    float q[GDN_MAX_KEY_DIM], k[GDN_MAX_KEY_DIM], v[GDN_MAX_GROUP_VALUES];
+    conv_step(in, window, conv_w, (int64_t)hk * dk, dk, K, dtype, q);
+    conv_step(in, window, conv_w, (int64_t)(Hk + hk) * dk, dk, K, dtype, k);
+    conv_step(in, window, conv_w, (int64_t)2 * Hk * dk + (int64_t)hk * rep * dv, rep * dv, K, dtype, v);
+    const float kq = normalise(q, k, dk);
+    for (int h = hk * rep; h < (hk + 1) * rep; ++h) {
+        float *Sh = S + (int64_t)h * dk * dv, *o = out + (int64_t)h * dv;
+        const float decay = expf(g[h]), bt = beta[h];
+        for (int j = 0; j < dv; j += GDN_STRIP)
+            strip_step(Sh + j, dv, dk, k, q, kq, v + (h - hk * rep) * dv + j, decay, bt, o + j);
+    }
+}
+
 /* One token of each of B sequences. mixed: [B] rows row_stride elements apart of dtype, the conv
  * channels before the convolution (C = 2 Hk dk + H dv); conv_w [C, K] of dtype; conv_states
  * [slots, C, K - 1] of dtype and states float32 [slots, H, dk, dv], rows slots[b] read and
  * written in place; g, beta float32 [B, H]; out float32 [B, H, dv]. A work item is one key head
- * of one sequence: the channels of its q, k and its value heads' v are its own (their windows
- * too), so the items need no barrier. */
+ * of one sequence (gdn_decode_item): the channels of its q, k and its value heads' v are its own
+ * (their windows too), so the items need no barrier. */
 int gdn_decode(const void *mixed, int64_t row_stride, int dtype, const void *conv_w, void *conv_states, int K,
                const int64_t *slots, int B, const float *g, const float *beta, int Hk, int H, int dk, int dv,
                float *states, float *out, int num_threads) {
-    if (!gdn_shape_ok(Hk, H, dk, dv) || K < 2 || K > 16 || B < 1 || H / Hk * dv > GDN_MAX_GROUP_VALUES) return 1;
+    if (!gdn_decode_takes(Hk, H, dk, dv, K) || B < 1) return 1;
     const int64_t width = (int64_t)2 * Hk * dk + (int64_t)H * dv;
-    const int rep = H / Hk, strips = dv / GDN_STRIP, elem = elem_size(dtype);
+    const int elem = elem_size(dtype);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int item = 0; item < B * Hk; ++item) {
-        const int b = item / Hk, hk = item % Hk;
-        const char *in = (const char *)mixed + b * row_stride * elem;
-        char *window = (char *)conv_states + slots[b] * width * (K - 1) * elem;
-        float q[GDN_MAX_KEY_DIM], k[GDN_MAX_KEY_DIM], v[GDN_MAX_GROUP_VALUES];
-        conv_step(in, window, conv_w, (int64_t)hk * dk, dk, K, dtype, q);
-        conv_step(in, window, conv_w, (int64_t)(Hk + hk) * dk, dk, K, dtype, k);
-        conv_step(in, window, conv_w, (int64_t)2 * Hk * dk + (int64_t)hk * rep * dv, rep * dv, K, dtype, v);
-        const float kq = normalise(q, k, dk);
-        for (int h = hk * rep; h < (hk + 1) * rep; ++h) {
-            float *S = states + (slots[b] * H + h) * (int64_t)dk * dv, *o = out + ((int64_t)b * H + h) * dv;
-            const float decay = expf(g[(int64_t)b * H + h]), bt = beta[(int64_t)b * H + h];
-            for (int j = 0; j < strips * GDN_STRIP; j += GDN_STRIP)
-                strip_step(S + j, dv, dk, k, q, kq, v + (h - hk * rep) * dv + j, decay, bt, o + j);
-        }
+        const int b = item / Hk;
+        gdn_decode_item((const char *)mixed + b * row_stride * elem, conv_w,
+                        (char *)conv_states + slots[b] * width * (K - 1) * elem, K, dtype, g + (int64_t)b * H,
+                        beta + (int64_t)b * H, Hk, H, dk, dv, item % Hk, states + slots[b] * (int64_t)H * dk * dv,
+                        out + (int64_t)b * H * dv);
     }
     return 0;
 }
@@ -266,37 +316,71 @@ static inline void round_row(float *restrict v, int n, int dtype) {
     }
 }
 
-/* The layer's gated RMSNorm after the rule, each rounding where torch's form rounds
- * (GatedDeltaNet._gated_norm): per token t and value head h, x = round(rule[t, h]) (the rule's
- * float32 output in the model's dtype), n = round(x / rms(x)), out = round(round(w n) SiLU(z)).
- * rule float32 [T, H, dv] contiguous; z [T] rows z_stride elements apart of dtype, [H, dv] each;
- * w [dv] of dtype; out [T, H dv] of dtype, contiguous. Items: (token, head) rows. */
+/* The layer's gated RMSNorm after the rule for one (token, value head) row, each rounding where
+ * torch's form rounds (GatedDeltaNet._gated_norm): x = round(rule) (the rule's float32 output in the
+ * model's dtype), n = round(x / rms(x)), out = round(round(w n) SiLU(z)). rule: dv floats; z, w,
+ * out: dv values of dtype. The per-op path (gdn_gated_norm) and the fused step both come here. */
+void gdn_gated_norm_row(const float *rule, const void *z, const void *w, int dv, float eps, int dtype, void *out) {
+    float x[GDN_MAX_GROUP_VALUES], g[GDN_MAX_GROUP_VALUES], wf[GDN_MAX_GROUP_VALUES], lanes[16] = {0};
+    memcpy(x, rule, sizeof(float) * (size_t)dv);
+    round_row(x, dv, dtype);
+    int i = 0;
+    for (; i + 16 <= dv; i += 16)
+        for (int l = 0; l < 16; ++l) lanes[l] += x[i + l] * x[i + l];
+    for (; i < dv; ++i) lanes[0] += x[i] * x[i];
+    float ss = 0.f;
+    for (int l = 0; l < 16; ++l) ss += lanes[l];
+    const float r = 1.f / sqrtf(ss / (float)dv + eps);
+    for (i = 0; i < dv; ++i) x[i] *= r;
+    round_row(x, dv, dtype);
+    to_float(w, dtype, wf, dv);
+    for (i = 0; i < dv; ++i) x[i] *= wf[i];
+    round_row(x, dv, dtype);
+    to_float(z, dtype, g, dv);
+    for (i = 0; i < dv; ++i) x[i] *= g[i] / (1.f + fast_exp(-g[i]));
+    from_float(x, 1.f, dtype, out, dv);
+}
+
+/* gdn_gated_norm_row over T tokens and H value heads: rule float32 [T, H, dv] contiguous; z [T] rows
+ * z_stride elements apart of dtype, [H, dv] each; w [dv] of dtype; out [T, H dv] of dtype,
+ * contiguous. Items: (token, head) rows. */
 int gdn_gated_norm(const float *rule, const void *z, int64_t z_stride, const void *w, int T, int H, int dv,
                    float eps, int dtype, void *out, int num_threads) {
     if (T < 0 || H < 1 || dv < 1 || dv > GDN_MAX_GROUP_VALUES) return 1;
     const int elem = elem_size(dtype);
-    float wf[GDN_MAX_GROUP_VALUES];
-    to_float(w, dtype, wf, dv);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t row = 0; row < (int64_t)T * H; ++row) {
         const int64_t t = row / H, h = row % H;
-        float x[GDN_MAX_GROUP_VALUES], g[GDN_MAX_GROUP_VALUES], lanes[16] = {0};
-        memcpy(x, rule + row * dv, sizeof(float) * (size_t)dv);
-        round_row(x, dv, dtype);
-        int i = 0;
-        for (; i + 16 <= dv; i += 16)
-            for (int l = 0; l < 16; ++l) lanes[l] += x[i + l] * x[i + l];
-        for (; i < dv; ++i) lanes[0] += x[i] * x[i];
-        float ss = 0.f;
-        for (int l = 0; l < 16; ++l) ss += lanes[l];
-        const float r = 1.f / sqrtf(ss / (float)dv + eps);
-        for (i = 0; i < dv; ++i) x[i] *= r;
-        round_row(x, dv, dtype);
-        for (i = 0; i < dv; ++i) x[i] *= wf[i];
-        round_row(x, dv, dtype);
-        to_float((const char *)z + (t * z_stride + h * dv) * elem, dtype, g, dv);
-        for (i = 0; i < dv; ++i) x[i] *= g[i] / (1.f + fast_exp(-g[i]));
-        from_float(x, 1.f, dtype, (char *)out + row * dv * elem, dv);
+        gdn_gated_norm_row(rule + row * dv, (const char *)z + (t * z_stride + h * dv) * elem, w, dv, eps, dtype,
+                           (char *)out + row * dv * elem);
     }
+    return 0;
+}
+
+/* The gated attention's output gate (engine/models/qwen3_5_attention.py), in place: x = round(x
+ * round(sigmoid(gate))), as torch's `out * torch.sigmoid(gate)` of the model's dtype rounds. x: n
+ * values of dtype; gate: n values of dtype. */
+void sigmoid_gate_row(void *x, const void *gate, int n, int dtype) {
+    float xf[GDN_MAX_GROUP_VALUES], gf[GDN_MAX_GROUP_VALUES];
+    for (int i0 = 0; i0 < n; i0 += GDN_MAX_GROUP_VALUES) {
+        const int m = n - i0 < GDN_MAX_GROUP_VALUES ? n - i0 : GDN_MAX_GROUP_VALUES;
+        char *xp = (char *)x + (int64_t)i0 * elem_size(dtype);
+        to_float(xp, dtype, xf, m);
+        to_float((const char *)gate + (int64_t)i0 * elem_size(dtype), dtype, gf, m);
+        for (int i = 0; i < m; ++i) xf[i] *= round_to(1.f / (1.f + expf(-gf[i])), dtype);
+        from_float(xf, 1.f, dtype, xp, m);
+    }
+}
+
+/* sigmoid_gate_row for rows tokens x heads: x [rows] rows x_stride elements apart, heads of width
+ * contiguous; gate [rows] rows gate_stride apart, heads gate_head apart. */
+int sigmoid_gate(void *x, int64_t x_stride, const void *gate, int64_t gate_stride, int64_t gate_head, int rows,
+                 int heads, int width, int dtype) {
+    if (rows < 0 || heads < 1 || width < 1) return 1;
+    const int elem = elem_size(dtype);
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h)
+            sigmoid_gate_row((char *)x + (r * x_stride + h * width) * elem,
+                             (const char *)gate + (r * gate_stride + h * gate_head) * elem, width, dtype);
     return 0;
 }

@@ -182,3 +182,42 @@ def test_the_gated_norm_equals_the_layers_torch_form(dtype):
         assert (got == want).float().mean() > 0.99  # and almost all the same bits
     with pytest.raises(RuntimeError, match="shape it does not take"):
         KERNELS.gated_norm(torch.zeros(2, H, 8192), torch.zeros(2, H * 8192), torch.zeros(8192), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gates_equal_the_torch_ops_they_replace(dtype):
+    """gdn_gates against torch's beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), b and a
+    side by side in a wider projection's rows (as the layer's split leaves them), a + dt_bias above
+    softplus's threshold of 20 too: within float32 rounding (bfloat16 beta: one bfloat16 step)."""
+    gen = torch.Generator().manual_seed(31)
+    wide = (torch.randn(9, 7 + 2 * H, generator=gen) * 6).to(dtype)
+    wide[0, 7 + H:] = 30  # softplus's threshold
+    b, a = wide[:, 7:7 + H], wide[:, 7 + H:]
+    a_log, dt_bias = torch.randn(H, generator=gen), torch.randn(H, generator=gen)
+    g, beta = gated_delta.gates(b, a, a_log, dt_bias, KERNELS)
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == (9, H)
+    want_g, want_beta = gated_delta.gates(b, a, a_log, dt_bias, None)  # the torch ops
+    torch.testing.assert_close(g, want_g, atol=1e-6, rtol=1e-5)
+    assert torch.equal(beta.to(dtype).float(), beta)  # rounded to the model's dtype, as torch's
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(beta, want_beta.float(), atol=tol, rtol=0)
+    # b and a not side by side: the torch ops
+    b, a = b.contiguous(), a.contiguous()
+    got, want = gated_delta.gates(b, a, a_log, dt_bias, KERNELS), gated_delta.gates(b, a, a_log, dt_bias, None)
+    assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_output_gate_equals_torchs(dtype):
+    """sigmoid_gate against torch's out * sigmoid(gate) of the model's dtype, the gate the second
+    half of each head of a q|gate projection (strided): within one rounding of the sigmoid."""
+    gen = torch.Generator().manual_seed(41)
+    out = (torch.randn(5, 3, 64, generator=gen) * 2).to(dtype)
+    gate = (torch.randn(5, 3, 128, generator=gen) * 4).to(dtype)[..., 64:]
+    want = out * torch.sigmoid(gate)
+    got = KERNELS.sigmoid_gate(out.clone(), gate)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    else:
+        step = want.float().abs().clamp_min(1e-3) * 2**-7
+        assert ((got.float() - want.float()).abs() <= 2 * step).all()
