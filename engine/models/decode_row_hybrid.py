@@ -7,7 +7,7 @@ between them; the fused step keeps one OpenMP team for the step and runs the sam
 same roundings: the projections through csrc/gemm.c's packed copies or linear.c's row kernel, the
 gates, conv step and rule (``gdn_gate_values``, ``gdn_decode_item``) and the gated norm of
 csrc/gated_delta.c, the attention's output gate (``sigmoid_gate_row``, which the per-op path runs
-too). tests/engine/models/test_decode_row_hybrid.py pins its tokens and logits to the per-op path's.
+too). tests/kernels/cpu/test_decode_row_hybrid.py pins its tokens and logits to the per-op path's.
 
 It runs where ``refusal`` finds nothing (x86 kernels, one rank, the CPU, every layer Qwen3.5's own
 with a SiLU MLP, the Gated DeltaNet shapes csrc/gated_delta.c takes, its state and weights in the

@@ -203,7 +203,8 @@ def test_the_gates_equal_the_torch_ops_they_replace(dtype):
     torch.testing.assert_close(beta, want_beta.float(), atol=tol, rtol=0)
     # b and a not side by side: the torch ops
     b, a = b.contiguous(), a.contiguous()
-    got, want = gated_delta.gates(b, a, a_log, dt_bias, KERNELS), gated_delta.gates(b, a, a_log, dt_bias, None)
+    got = gated_delta.gates(b, a, a_log, dt_bias, KERNELS)
+    want = gated_delta.gates(b, a, a_log, dt_bias, None)
     assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(got, want, strict=True))
 
 

@@ -19,7 +19,7 @@ from kvserve.testing.process import CLASSES, class_env, run_pytest, runs_here
 
 EXACTNESS_TESTS = ["tests/engine/core/test_speculation.py", "tests/engine/layers/test_packed_weights.py",
                    "tests/engine/models/test_decode_row.py", "tests/engine/models/test_decode_row_groups.py",
-                   "tests/engine/models/test_decode_row_hybrid.py",
+                   "tests/kernels/cpu/test_decode_row_hybrid.py",
                    "tests/kernels/cpu/test_gemm.py", "tests/kernels/cpu/kquant/test_kquant.py",
                    "tests/kernels/cpu/kquant/test_kquant_gemm.py", "tests/engine/layers/test_gguf_linear.py",
                    "tests/engine/layers/test_gguf_model.py",
