@@ -58,11 +58,15 @@ def _generate(llm: LLM, fused: bool, together: bool = False) -> list[tuple[list[
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize(("model", "dtype"),
-                         [("tiny", "float32"), ("tiny", "bfloat16"), ("packs", "bfloat16")])
-def test_fused_hybrid_step_gives_the_per_op_paths_tokens_and_logprobs(model_dirs, model, dtype, monkeypatch):
+@pytest.mark.parametrize(("model", "dtype", "quantization"),
+                         [("tiny", "float32", None), ("tiny", "bfloat16", None), ("packs", "bfloat16", None),
+                          ("packs", "bfloat16", "int8")])
+def test_fused_hybrid_step_gives_the_per_op_paths_tokens_and_logprobs(model_dirs, model, dtype, quantization,
+                                                                      monkeypatch):
+    """(int8 weights: the row kernel's int8 path, AVX-512 builds; packed bfloat16: gemm.c's tiles.)"""
+    options = {"quantization": quantization} if quantization else {}
     llm = LLM(model_dirs[model], dtype=dtype, max_num_seqs=len(PROMPTS), num_kv_blocks=64,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **options)
     try:
         net = llm.engine.executor.model
         packed = all(isinstance(m.packed, PackedWeight)
