@@ -109,6 +109,22 @@ def assert_slots_all_free(llm: LLM) -> None:
     llm.engine.block_manager.check_integrity()
 
 
+# bases of ``echo_prompts`` (base + changed continuation + base: 84 to 104 tokens) and the greedy
+# parameters their speculation tests decode with
+ECHO_BASES = [[(37 * i + 11) % 9000 + 3 for i in range(40)], list(range(300, 330)),
+              [(i * i) % 5000 + 7 for i in range(33)], [42] * 20 + [43, 44] * 10]
+ECHO_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def assert_partly_rejected(stats, before=None) -> None:
+    """Verifications (since ``before``'s stats) kept some drafts and rolled the others back."""
+    drafted, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+    if before is not None:
+        drafted -= before.spec_decode_num_draft_tokens
+        accepted -= before.spec_decode_num_accepted_tokens
+    assert 0 < accepted < drafted
+
+
 def echo_prompts(llm: LLM, bases, max_tokens: int = 24) -> list[list[int]]:
     """Prompts n-gram drafts are partly right on: base + (``llm``'s greedy continuation of base, every
     fifth token changed) + base. A tiny model's linear layers forget fast, so after the second base it

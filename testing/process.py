@@ -24,8 +24,13 @@ _HEALTH_PORT = re.compile(r"health checks \(.*\) on (\S+):(\d+)")
 
 
 def log_file(prefix: str) -> Path:
-    """A new, empty file for a child process's output (kept after the run, for a failing test)."""
-    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    """A new, empty file for a child process's output (kept after the run, for a failing test): in
+    ``$KVSERVE_CHILD_LOG_DIR`` where set (the test suite's session directory, which pytest prunes),
+    else the system's temporary directory."""
+    folder = os.environ.get("KVSERVE_CHILD_LOG_DIR") or None
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log", dir=folder)
     os.close(fd)
     return Path(path)
 

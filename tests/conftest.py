@@ -13,6 +13,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def child_logs(tmp_path_factory):
+    """The servers' and gateways' logs go under this session's temporary directory (pytest keeps
+    the last three sessions'), not one file a server loose in /tmp."""
+    os.environ["KVSERVE_CHILD_LOG_DIR"] = str(tmp_path_factory.mktemp("child-logs"))
+
+
 @pytest.fixture(scope="session")
 def default_source():
     """Where the bundled default model (SmolLM2-135M-Instruct GGUF) lives."""

@@ -1,4 +1,5 @@
-"""benchmarks/instruments/procfs.py: a process's descendants, their CPU time, and a zombie counted as gone."""
+"""benchmarks/instruments/procfs.py: a process's descendants, their CPU time, a zombie counted as gone and a
+process whose main thread is a zombie counted as alive while another thread runs."""
 
 from __future__ import annotations
 
@@ -48,6 +49,34 @@ def test_tree_holds_children_and_grandchildren_and_a_zombie_is_not_alive():
     child.wait()
     child.stdout.close()
     assert stat(child.pid) is None and not alive(child.pid)
+
+
+# a child whose main thread ends (pthread_exit) while a second thread sleeps on: its main thread
+# shows "Z" in /proc/PID/stat, yet the process runs and holds its files
+LEADER_GONE = ("import ctypes, threading, time\n"
+               "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+               "print('up', flush=True)\n"
+               "ctypes.CDLL(None).pthread_exit(None)\n")
+
+
+def test_a_process_whose_main_thread_shows_z_is_alive_while_another_thread_runs():
+    """A killed multi-threaded process shows "Z" for its main thread before its other threads are
+    gone; until they are, a pipe to it still takes writes and its parent cannot reap it. Counting it
+    dead then let the structured-output test send a compile to a dying compiler."""
+    child = subprocess.Popen([sys.executable, "-c", LEADER_GONE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"
+        deadline = time.monotonic() + 30
+        while stat(child.pid).state != "Z":
+            assert time.monotonic() < deadline, stat(child.pid)
+            time.sleep(0.01)
+        assert child.poll() is None  # not reapable: it runs
+        assert alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    assert not alive(child.pid)
 
 
 def test_scheduled_cpu_counts_a_busy_process_and_not_a_sleeping_one():

@@ -17,19 +17,18 @@ from kvserve.engine.sequence import Sequence
 from kvserve.engine.spec_decode.speculator import Speculator
 from kvserve.kernels.cpu.bindings import load_kernels
 from kvserve.testing.engine import (
+    ECHO_BASES,
+    ECHO_GREEDY,
     FLAT_STEP_COSTS,
     HYBRID_BLOCK,
+    assert_partly_rejected,
     assert_slots_all_free,
     echo_prompts,
     greedy_tokens,
     scaled_hybrid_model,
 )
 
-# the bases of the prompts (``testing.engine.echo_prompts``: verifications accept some drafts and
-# reject the rest)
-BASES = [[(37 * i + 11) % 9000 + 3 for i in range(40)], list(range(300, 330)),
-         [(i * i) % 5000 + 7 for i in range(33)], [42] * 20 + [43, 44] * 10]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+BASES, GREEDY = ECHO_BASES, ECHO_GREEDY
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
 
 
@@ -83,10 +82,6 @@ def on_and_off(path: str, prompts, params=GREEDY, together: bool = True, **confi
         finally:
             llm.shutdown()
     return out[0], out[1], stats
-
-
-def assert_partly_rejected(stats) -> None:
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
