@@ -135,10 +135,15 @@ def interactive(stub, args, seconds: float = 0.0, label: str = "interactive") ->
             "window": (start, start + elapsed)}
 
 
-def wait_running(stub, count: int) -> None:
+def wait_running(stub, count: int, calls=()) -> None:
+    """Until ``count`` sequences run; an error naming the call's status if one of ``calls`` ended first
+    (refused, e.g. by deadline-aware admission on a busy machine whose step times are far off)."""
     for _ in range(6000):
         if stats(stub).num_running >= count:
             return
+        for call in calls:
+            if call.done():
+                raise RuntimeError(f"a flood call ended before the flood ran: {call.code()} {call.details()}")
         time.sleep(0.1)
     raise RuntimeError(f"the flood never reached {count} running sequences")
 
@@ -155,7 +160,7 @@ def flood_run(args, policy: str, trace_dir: str) -> dict:
         calls = [stub.Stream(flood_request(args, i), metadata=meta("flood"), timeout=3600)
                  for i in range(args.flood_calls)]
         try:
-            wait_running(stub, min(args.max_num_seqs, args.flood_calls * args.flood_n))
+            wait_running(stub, min(args.max_num_seqs, args.flood_calls * args.flood_n), calls)
             loaded = interactive(stub, args, args.window)
         finally:
             for c in calls:

@@ -242,9 +242,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        pairs = sched.attended_pairs if self.scheduler.step_clock else 0
+        pairs, decode = (sched.attended_pairs, sched.decode_pairs) if self.scheduler.step_clock else (0, 0)
         if self.trace is not None:
-            self.trace.planned(sched, self.scheduler, pairs)
+            self.trace.planned(sched, self.scheduler, pairs, decode)
         self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
         inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables,
                                 sched.state_copies, sched.state_rollbacks)
@@ -276,7 +276,7 @@ class LLMEngine:
             first_row += count
         seconds = time.perf_counter() - started
         if self.scheduler.step_clock:
-            self.scheduler.step_clock.observe(sched.num_tokens, pairs, seconds)
+            self.scheduler.step_clock.observe(sched.num_tokens, pairs, seconds, decode)
         if self.trace is not None:
             self.trace.ran(sched, seconds)
         return outputs

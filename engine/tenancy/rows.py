@@ -119,7 +119,8 @@ class StepRows:
         if not shares.fair or self.cost == 0 or shares.plain and not self._left:
             return decoding
         present = self._tenants()
-        coef = clock_model.coef if clock_model is not None else None
+        # decode rows priced at a decode row's pair cost (StepTimeModel.row_coef)
+        coef = clock_model.row_coef if clock_model is not None else None
         self.kind = "lone"
         if len(present) < 2 or coef is None:  # (no step has run yet: nothing to weigh the rows by)
             return self._mark(decoding)

@@ -49,7 +49,7 @@ class StepTrace:
             self._gc += time.perf_counter() - self._gc_started
             self._gc_started = None
 
-    def planned(self, out, scheduler, pairs: int) -> None:
+    def planned(self, out, scheduler, pairs: int, decode_pairs: int) -> None:
         """What the scheduler chose for the step about to run (before the model runs)."""
         rows, clock = scheduler.shares.rows, scheduler.step_clock
         tenants: dict[str, dict[str, int]] = {}
@@ -68,8 +68,10 @@ class StepTrace:
         for seq in scheduler.waiting:
             of(seq)["waiting"] += 1
         coef = clock.coef if clock is not None else None
-        self._plan = {"kind": rows.kind, "linger": rows.lingering(), "coef": coef, "tokens": out.num_tokens,
-                      "pairs": pairs, "predicted": clock.predict(out.num_tokens, pairs) if coef else None,
+        predicted = clock.predict(out.num_tokens, pairs, decode_pairs) if coef else None
+        self._plan = {"kind": rows.kind, "linger": rows.lingering(), "coef": coef,
+                      "decode_pair": clock.row_coef[2] if coef else None, "tokens": out.num_tokens,
+                      "pairs": pairs, "decode_pairs": decode_pairs, "predicted": predicted,
                       "tenants": tenants, "preempted": len(out.preempted)}
 
     def ran(self, out, seconds: float) -> None:
