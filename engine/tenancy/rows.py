@@ -13,8 +13,9 @@ rows of a step are shared too:
   request a round trip after the last one ended: that request should not arrive into a long step);
   the others are **heavy**. Every decode row of a light tenant runs;
 - nothing is cut where the heavy rows take less than the step's fixed part by the step time model
-  (engine/core/step_time.py: ``c0 + rows * (a + b * context)``; ``c0`` is the weights read once per
-  step, as on a GPU): fewer rows would cost their tokens and save little time. Else:
+  (engine/core/step_time.py's ``row_coef``: ``c0 + rows * (a + b * context)``, ``b`` a decode row's
+  pair; ``c0`` is the weights read once per step, as on a GPU): fewer rows would cost their tokens and
+  save little time. Else:
 - while a light tenant's first token is due (a request of it waits for its first step, or it
   lingers), the step is held to ``DUE_STEP_FACTOR`` times the light work's step alone (``c0``, its
   decode rows, and its waiting prompts, or ``LINGER_PROMPT`` tokens while it only
