@@ -68,6 +68,8 @@ class EngineConfig:
     # over theirs are cut to keep their tokens per second within this fraction of full steps (0: off)
     tenant_row_cost: float = 0.05
     tenant_linger_ms: float = 250.0
+    # a JSON line per step and per first token appended to this file (engine/tenancy/step_trace.py); None: off
+    step_trace: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)

@@ -113,6 +113,9 @@ HELP = {
                        "time model (at least half); in [0, 0.5], 0 = no cut (docs/serving/tenants.md)",
     "tenant_linger_ms": "fair policy: a tenant counts as present this long after its last request ended "
                         "(its next one should not land in a long step); in [0, 60000]",
+    "step_trace": "append a JSON line per engine step (its kind, rows and prefill tokens per tenant, "
+                  "predicted and actual seconds) and per first token to this file: which steps a request "
+                  "waited on (docs/serving/tenants.md; default: none)",
 }
 
 

@@ -4,7 +4,9 @@
   ``--flood-prompt``-token prompts that it never reads; tenant "interactive" sends ``--requests``
   short requests one after another (and more until ``--window`` seconds passed). Reported: the
   interactive TTFT p50/p99 alone and under the flood, with ``--scheduling-policy fair`` and
-  ``fcfs``, and the server's total generated tokens per second over that window (Stats).
+  ``fcfs``, and the server's total generated tokens per second over that window (Stats); from the
+  server's step trace (``--step-trace``, benchmarks/tenants/trace.py), the steps each of the five
+  largest TTFTs under the flood waited on, and the window's steps by kind.
 - **weights**: tenants "a" and "b" (``--tenant-weights a=3,b=1``) each keep ``--flood-calls``
   Stream calls of n=``--flood-n`` busy (read, and sent again as they end) for ``--window`` seconds;
   reported: each tenant's share of the generated tokens (target 0.75 / 0.25).
@@ -21,13 +23,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from kvserve.benchmarks.tenants.trace import Trace, by_kind, waited_on
 from kvserve.clients.messages import build_request
 from kvserve.testing.process import ServerProcess
 from kvserve.v1 import llm_pb2, llm_pb2_grpc
@@ -52,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=8.0, help="overload arrivals per second")
     p.add_argument("--deadline", type=float, default=5.0, help="overload requests' gRPC deadline, seconds")
     p.add_argument("--runs", default="flood,weights,overload", help="which runs, comma separated")
+    p.add_argument("--policies", default="fair,fcfs", help="the flood run's policies, comma separated")
+    p.add_argument("--trace-dir", default=None, help="keep the flood runs' step traces here (POLICY.jsonl; "
+                   "default: a temporary directory, removed)")
     p.add_argument("--server-flags", default="", help="more `kvserve serve` flags for every server, e.g. "
                    "\"--tenant-row-cost 0.2 --tenant-linger-ms 500\" (docs/serving/tenants.md)")
     return p.parse_args()
@@ -78,26 +86,28 @@ def long_prompt(args, salt: int) -> list[int]:
 
 def flood_request(args, salt: int) -> llm_pb2.GenerateRequest:
     return build_request(token_ids=long_prompt(args, salt), max_tokens=args.flood_tokens, ignore_eos=True,
-                         n=args.flood_n, temperature=1.0)
+                         n=args.flood_n, temperature=1.0, request_id=f"flood-{salt}")
 
 
 def ttft(stub, tenant: str, args, timeout: float = 600) -> float:
     """Seconds to the first streamed token of one short request (read to its end)."""
-    return timed(stub, tenant, args, timeout)[0]
+    return timed(stub, tenant, args, timeout, f"{tenant}-warm")[0]
 
 
-def timed(stub, tenant: str, args, timeout: float = 600) -> tuple[float, float]:
-    """The client's seconds to the first streamed token of one short request (read to its end), and the
+def timed(stub, tenant: str, args, timeout: float = 600, request_id: str = "") -> tuple[float, float, float]:
+    """The client's seconds to the first streamed token of one short request (read to its end), the
     server's (its ``Timing.ttft_ms``: from the call's arrival to the engine's first token, so the gap
-    between the two is the time outside the engine: the client, gRPC and the front-end)."""
-    request = build_request(token_ids=SHORT_PROMPT, max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
-    start, first, server = time.perf_counter(), None, float("nan")
+    between the two is the time outside the engine: the client, gRPC and the front-end), and when it was
+    sent (``time.monotonic()``, the server's step trace's clock on this machine)."""
+    request = build_request(token_ids=SHORT_PROMPT, max_tokens=args.tokens, ignore_eos=True, temperature=0.0,
+                            request_id=request_id)
+    start, first, server = time.monotonic(), None, float("nan")
     for msg in stub.Stream(request, metadata=meta(tenant), timeout=timeout):
         if first is None and msg.token_ids:
-            first = time.perf_counter() - start
+            first = time.monotonic() - start
         if msg.HasField("timing"):
             server = msg.timing.ttft_ms / 1000
-    return first, server
+    return first, server, start
 
 
 def p(values: list[float], q: float) -> float:
@@ -105,45 +115,57 @@ def p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def interactive(stub, args, seconds: float = 0.0) -> dict:
+def interactive(stub, args, seconds: float = 0.0, label: str = "interactive") -> dict:
     """TTFTs of ``--requests`` short requests one after another, and more until ``seconds`` passed
-    (the window over which the server's generated tokens per second are counted)."""
-    before, start = stats(stub), time.perf_counter()
-    times, server = [], []
-    while len(times) < args.requests or time.perf_counter() - start < seconds:
-        client, engine = timed(stub, "interactive", args)
+    (the window over which the server's generated tokens per second are counted); request ids
+    ``LABEL-0``, ``LABEL-1``..."""
+    before, start = stats(stub), time.monotonic()
+    times, server, sent = [], [], []
+    while len(times) < args.requests or time.monotonic() - start < seconds:
+        client, engine, at = timed(stub, "interactive", args, request_id=f"{label}-{len(times)}")
         times.append(client)
         server.append(engine)
-    after, elapsed = stats(stub), time.perf_counter() - start
+        sent.append(at)
+    after, elapsed = stats(stub), time.monotonic() - start
     tokens = after.generation_tokens_total - before.generation_tokens_total
     largest = sorted(range(len(times)), key=lambda i: -times[i])[:LARGEST]
     return {"p50": p(times, 0.5), "p99": p(times, 0.99), "first": times[0], "n": len(times),
             "next_max": max(times[1:], default=times[0]), "tok_s": tokens / elapsed,
-            "largest": [(i, times[i], server[i]) for i in largest]}
+            "largest": [(i, times[i], server[i], sent[i]) for i in largest],
+            "window": (start, start + elapsed)}
 
 
-def wait_running(stub, count: int) -> None:
+def wait_running(stub, count: int, calls=()) -> None:
+    """Until ``count`` sequences run; an error naming the call's status if one of ``calls`` ended first
+    (refused, e.g. by deadline-aware admission on a busy machine whose step times are far off)."""
     for _ in range(6000):
         if stats(stub).num_running >= count:
             return
+        for call in calls:
+            if call.done():
+                raise RuntimeError(f"a flood call ended before the flood ran: {call.code()} {call.details()}")
         time.sleep(0.1)
     raise RuntimeError(f"the flood never reached {count} running sequences")
 
 
-def flood_run(args, policy: str) -> dict:
-    with server(args, "--scheduling-policy", policy) as srv, grpc.insecure_channel(srv.target) as ch:
+def flood_run(args, policy: str, trace_dir: str) -> dict:
+    trace = os.path.join(trace_dir, f"{policy}.jsonl")
+    if os.path.exists(trace):
+        os.remove(trace)  # (the server appends)
+    with server(args, "--scheduling-policy", policy, "--step-trace", trace) as srv, \
+            grpc.insecure_channel(srv.target) as ch:
         stub = llm_pb2_grpc.LLMServiceStub(ch)
         ttft(stub, "interactive", args)  # warm
-        alone = interactive(stub, args)
+        alone = interactive(stub, args, label="interactive-alone")
         calls = [stub.Stream(flood_request(args, i), metadata=meta("flood"), timeout=3600)
                  for i in range(args.flood_calls)]
         try:
-            wait_running(stub, min(args.max_num_seqs, args.flood_calls * args.flood_n))
+            wait_running(stub, min(args.max_num_seqs, args.flood_calls * args.flood_n), calls)
             loaded = interactive(stub, args, args.window)
         finally:
             for c in calls:
                 c.cancel()
-    return {"alone": alone, "flood": loaded}
+    return {"alone": alone, "flood": loaded, "trace": Trace(trace)}
 
 
 def weights_run(args) -> dict[str, int]:
@@ -212,28 +234,47 @@ def overload_run(args, policy: str) -> dict:
     return {**outcomes, "goodput": outcomes["ok"] / elapsed}
 
 
+def print_flood(args, trace_dir: str) -> None:
+    policies = args.policies.split(",")
+    if not policies or set(policies) - {"fair", "fcfs"}:
+        raise SystemExit(f"--policies: fair, fcfs; got {args.policies!r}")
+    results = {policy: flood_run(args, policy, trace_dir) for policy in policies}
+    print(f"\ntwo tenants: {args.flood_calls} never-read calls x n={args.flood_n}, "
+          f"{args.flood_prompt}-token prompts, against {args.requests} interactive requests")
+    print(f"{'policy':8} {'ttft p50 alone':>15} {'ttft p99 alone':>15} {'p50 flood':>10} "
+          f"{'p99 flood':>10} {'p99 ratio':>10} {'tok/s flood':>12} {'first':>8} {'max of rest':>12} "
+          f"{'requests':>9}")
+    for name, r in results.items():
+        a, f = r["alone"], r["flood"]
+        print(f"{name:8} {a['p50'] * 1e3:13.0f}ms {a['p99'] * 1e3:13.0f}ms {f['p50'] * 1e3:8.0f}ms "
+              f"{f['p99'] * 1e3:8.0f}ms {f['p99'] / a['p99']:10.2f} {f['tok_s']:12.1f} "
+              f"{f['first'] * 1e3:6.0f}ms {f['next_max'] * 1e3:10.0f}ms {f['n']:9d}")
+    for name, r in results.items():  # one outlier or many; in the engine or outside; which steps
+        f, trace = r["flood"], r["trace"]
+        listed = ", ".join(f"#{i} {t * 1e3:.0f}ms ({e * 1e3:.0f})" for i, t, e, _ in f["largest"])
+        print(f"\n{name} largest TTFTs under the flood (#request client TTFT (server's)): {listed}")
+        for i, t, _, sent in f["largest"]:
+            print(f" #{i} {t * 1e3:.0f}ms, the steps from its send to its first token:")
+            print("\n".join(waited_on(trace, f"interactive-{i}", sent, sent + t)))
+        print(f"{name} steps under the flood by kind (first send to last end):")
+        print("\n".join(by_kind(trace, *f["window"])))
+    if {"fair", "fcfs"} <= results.keys():
+        ratio = results["fair"]["flood"]["tok_s"] / results["fcfs"]["flood"]["tok_s"]
+        print(f"throughput fair / fcfs under the flood: {ratio:.3f}")
+
+
 def main() -> int:
     args = parse_args()
     runs = set(args.runs.split(","))
     if runs - {"flood", "weights", "overload"}:
         raise SystemExit(f"--runs: flood, weights, overload; got {args.runs!r}")
     if "flood" in runs:
-        fair, fcfs = flood_run(args, "fair"), flood_run(args, "fcfs")
-        print(f"\ntwo tenants: {args.flood_calls} never-read calls x n={args.flood_n}, "
-              f"{args.flood_prompt}-token prompts, against {args.requests} interactive requests")
-        print(f"{'policy':8} {'ttft p50 alone':>15} {'ttft p99 alone':>15} {'p50 flood':>10} "
-              f"{'p99 flood':>10} {'p99 ratio':>10} {'tok/s flood':>12} {'first':>8} {'max of rest':>12} "
-              f"{'requests':>9}")
-        for name, r in (("fair", fair), ("fcfs", fcfs)):
-            a, f = r["alone"], r["flood"]
-            print(f"{name:8} {a['p50'] * 1e3:13.0f}ms {a['p99'] * 1e3:13.0f}ms {f['p50'] * 1e3:8.0f}ms "
-                  f"{f['p99'] * 1e3:8.0f}ms {f['p99'] / a['p99']:10.2f} {f['tok_s']:12.1f} "
-                  f"{f['first'] * 1e3:6.0f}ms {f['next_max'] * 1e3:10.0f}ms {f['n']:9d}")
-        for name, r in (("fair", fair), ("fcfs", fcfs)):  # one outlier or many; in the engine or outside
-            listed = ", ".join(f"#{i} {t * 1e3:.0f}ms ({e * 1e3:.0f})" for i, t, e in r["flood"]["largest"])
-            print(f"{name} largest TTFTs under the flood (#request client TTFT (server's)): {listed}")
-        ratio = fair["flood"]["tok_s"] / fcfs["flood"]["tok_s"]
-        print(f"throughput fair / fcfs under the flood: {ratio:.3f}")
+        if args.trace_dir is None:
+            with tempfile.TemporaryDirectory() as trace_dir:
+                print_flood(args, trace_dir)
+        else:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            print_flood(args, args.trace_dir)
     if "weights" in runs:
         tokens = weights_run(args)
         total = sum(tokens.values()) or 1

@@ -40,6 +40,7 @@ from kvserve.engine.spec_decode.verify import sampling_rows
 from kvserve.engine.structured.grammar import StructuredOutput
 from kvserve.engine.tenancy.accounts import TenantAccounts
 from kvserve.engine.tenancy.shares import TenantShares
+from kvserve.engine.tenancy.step_trace import StepTrace
 from kvserve.engine.tokenizer.detokenizer import RequestText
 from kvserve.engine.tokenizer.load import load_tokenizer
 from kvserve.engine.tokenizer.prompts import PromptEncoder
@@ -100,6 +101,7 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._rejected: list[tuple[str, BaseException]] = []
         self.started = time.monotonic()
+        self.trace = StepTrace(config.step_trace) if config.step_trace else None  # --step-trace
         self.tenants = TenantAccounts()  # per-tenant series of /metrics
         self.counters = dict.fromkeys(
             ("requests_finished", "requests_aborted", "prompt_tokens_total", "generation_tokens_total"), 0
@@ -240,7 +242,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        pairs = sched.attended_pairs if self.scheduler.step_clock else 0
+        pairs, decode = (sched.attended_pairs, sched.decode_pairs) if self.scheduler.step_clock else (0, 0)
+        if self.trace is not None:
+            self.trace.planned(sched, self.scheduler, pairs, decode)
         self.block_tables.retain(seq.seq_id for seq in self.scheduler.running)
         inp = build_model_input(sched.scheduled, self.config.block_size, self.block_tables,
                                 sched.state_copies, sched.state_rollbacks)
@@ -270,8 +274,11 @@ class LLMEngine:
             lps = [lp for lp in sampled.logprobs[first_row : first_row + kept] if lp is not None]
             outputs.append(self._emit(self._choices[seq.seq_id], seq.token_ids[start:], lps))
             first_row += count
+        seconds = time.perf_counter() - started
         if self.scheduler.step_clock:
-            self.scheduler.step_clock.observe(sched.num_tokens, pairs, time.perf_counter() - started)
+            self.scheduler.step_clock.observe(sched.num_tokens, pairs, seconds, decode)
+        if self.trace is not None:
+            self.trace.ran(sched, seconds)
         return outputs
 
     def _fork_prefilled(self, sched: SchedulerOutput) -> None:
@@ -377,5 +384,7 @@ class LLMEngine:
         return str(self.executor.dtype).removeprefix("torch.")
 
     def shutdown(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         self.structured.shutdown()
         self.executor.shutdown()

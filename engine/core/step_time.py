@@ -12,6 +12,15 @@ every key up to its own position):
 
     seconds ~= c0 + a * tokens + b * pairs
 
+The pairs of decode rows are fitted apart from those of prefill chunks: a decode row reads its
+whole context's keys and values for one query (bound by memory), a chunk reuses each key for many
+queries, so on a CPU a decode row's pair cost several times a chunk's. With one ``b`` for both, a
+fit over a flood's prefill steps and then its decode steps priced its decode rows low and put their
+cost into ``c0`` (docs/performance/tenants.md: every held step then kept the whole flood). ``coef``
+is ``(c0, a, b)`` with a prefill pair's ``b`` (how prefill chunks are sized), ``row_coef`` the same
+with a decode pair's (how decode rows are priced); each stands in for the other until its kind of
+pair has been seen.
+
 fitted by least squares over the recent steps (older ones weigh less, so the fit follows the
 machine's speed), after every step the engine runs. The scheduler asks it how many prefill
 tokens still fit under ``max_step_time`` at a given position. Until ``MIN_STEPS`` steps have been
@@ -40,12 +49,14 @@ MIN_PREFILL_CHUNK = 32  # prefill tokens a step may always take: waiting prompts
 DECODE_SHARE = 0.1
 MAX_STRETCH = 4.0
 DECAY = 0.97  # weight of a step relative to the next one (an effective window of ~33 steps)
-_TOKEN_UNIT = 1e3  # features scaled to similar magnitudes for the 3x3 solve
+_TOKEN_UNIT = 1e3  # features scaled to similar magnitudes for the 4x4 solve
 _PAIR_UNIT = 1e6
-# the feature subsets tried: all three, else the best-fitting smaller model; before MIN_STEPS only
-# seconds per token (features: 0 the fixed part, 1 tokens, 2 attended pairs)
-FULL_FIT = ((0, 1, 2), (1, 2), (0, 1), (1,), (2,))
+# the feature subsets tried: all four, else the best-fitting smaller model; before MIN_STEPS only
+# seconds per token (features: 0 the fixed part, 1 tokens, 2 prefill pairs, 3 decode pairs)
+FULL_FIT = ((0, 1, 2, 3), (0, 1, 3), (0, 1, 2), (1, 2, 3), (0, 2, 3), (1, 3), (1, 2), (0, 1), (0, 3),
+            (1,), (3,), (2,))
 PER_TOKEN_FIT = ((1,),)
+FEATURES = 4
 
 
 def attended_pairs(position: int, num_tokens: int) -> int:
@@ -59,25 +70,41 @@ class StepTimeModel:
         if max_step_time <= 0:
             raise ValueError(f"max_step_time must be > 0 seconds, got {max_step_time}")
         self.max_step_time = max_step_time
-        self._sxx = [[0.0] * 3 for _ in range(3)]
-        self._sxy = [0.0] * 3
+        self._sxx = [[0.0] * FEATURES for _ in range(FEATURES)]
+        self._sxy = [0.0] * FEATURES
         self.steps_seen = 0
-        self.coef: tuple[float, float, float] | None = None  # (c0 s, a s/token, b s/pair)
+        self.coef: tuple[float, float, float] | None = None  # (c0 s, a s/token, b s/prefill pair)
+        self._rows: tuple[tuple, float] | None = None  # (the coef fitted with it, s/decode pair)
 
     # ---- learning ----------------------------------------------------------------------------
-    def observe(self, tokens: int, pairs: int, seconds: float) -> None:
-        """One step that ran: its tokens, its attended pairs, its wall time."""
-        x = (1.0, tokens / _TOKEN_UNIT, pairs / _PAIR_UNIT)
+    def observe(self, tokens: int, pairs: int, seconds: float, decode_pairs: int = 0) -> None:
+        """One step that ran: its tokens, its attended pairs (``decode_pairs`` of them by decode rows:
+        ``SchedulerOutput.decode_pairs``), its wall time."""
+        x = (1.0, tokens / _TOKEN_UNIT, (pairs - decode_pairs) / _PAIR_UNIT, decode_pairs / _PAIR_UNIT)
         sxx, sxy = self._sxx, self._sxy
-        for i in range(3):
+        for i in range(FEATURES):
             sxy[i] = sxy[i] * DECAY + x[i] * seconds
             row = sxx[i]
-            for j in range(3):
+            for j in range(FEATURES):
                 row[j] = row[j] * DECAY + x[i] * x[j]
         self.steps_seen += 1
-        self.coef = self._fit(FULL_FIT if self.steps_seen >= MIN_STEPS else PER_TOKEN_FIT)
+        fit = self._fit(FULL_FIT if self.steps_seen >= MIN_STEPS else PER_TOKEN_FIT)
+        if fit is None:
+            self.coef, self._rows = None, None
+            return
+        c0, a, prefill, decode = fit  # a kind of pair not seen (or fitted at 0) costs as the other
+        self.coef = (c0, a, prefill or decode)
+        self._rows = (self.coef, decode or prefill)
 
-    def _fit(self, subsets: tuple[tuple[int, ...], ...]) -> tuple[float, float, float] | None:
+    @property
+    def row_coef(self) -> tuple[float, float, float] | None:
+        """``(c0, a, b)`` with ``b`` the cost of a decode row's pair: what pricing decode rows needs
+        (``coef`` where it was set by hand, or before a fit)."""
+        if self.coef is None or self._rows is None or self._rows[0] is not self.coef:
+            return self.coef
+        return self.coef[0], self.coef[1], self._rows[1]
+
+    def _fit(self, subsets: tuple[tuple[int, ...], ...]) -> tuple[float, float, float, float] | None:
         """Non-negative least squares over the features: of ``subsets``, the fit with the smallest
         residual among those whose coefficients are all >= 0 (a small ridge keeps steps that never
         varied a feature solvable)."""
@@ -86,7 +113,7 @@ class StepTimeModel:
             sol = _solve([[self._sxx[i][j] for j in keep] for i in keep], [self._sxy[i] for i in keep])
             if sol is None or min(sol) < 0:
                 continue
-            full = [0.0, 0.0, 0.0]
+            full = [0.0] * FEATURES
             for i, v in zip(keep, sol, strict=True):
                 full[i] = v
             err = self._residual(full)
@@ -94,19 +121,21 @@ class StepTimeModel:
                 best, best_err = full, err
         if best is None:
             return None
-        return best[0], best[1] / _TOKEN_UNIT, best[2] / _PAIR_UNIT
+        return best[0], best[1] / _TOKEN_UNIT, best[2] / _PAIR_UNIT, best[3] / _PAIR_UNIT
 
     def _residual(self, w: list[float]) -> float:
         # sum of weighted squared errors minus the constant sum of y^2: w'Sxx w - 2 w'Sxy
-        quad = sum(w[i] * self._sxx[i][j] * w[j] for i in range(3) for j in range(3))
-        return quad - 2 * sum(w[i] * self._sxy[i] for i in range(3))
+        quad = sum(w[i] * self._sxx[i][j] * w[j] for i in range(FEATURES) for j in range(FEATURES))
+        return quad - 2 * sum(w[i] * self._sxy[i] for i in range(FEATURES))
 
     # ---- asking ------------------------------------------------------------------------------
-    def predict(self, tokens: int, pairs: int) -> float | None:
+    def predict(self, tokens: int, pairs: int, decode_pairs: int = 0) -> float | None:
+        """Seconds of a step of ``tokens`` and ``pairs`` attended pairs, ``decode_pairs`` of them by
+        decode rows."""
         if self.coef is None:
             return None
         c0, a, b = self.coef
-        return c0 + a * tokens + b * pairs
+        return c0 + a * tokens + b * (pairs - decode_pairs) + self.row_coef[2] * decode_pairs
 
     def step_limit(self, decode_spent: float) -> float:
         """The bound of a step whose decodes (and fixed part) are predicted to take
@@ -187,6 +216,13 @@ class SchedulerOutput:
     def attended_pairs(self) -> int:
         """Query-key pairs the step attends (read before ``postprocess`` advances the counts)."""
         return sum(attended_pairs(s.seq.num_computed_tokens, s.num_tokens) for s in self.scheduled)
+
+    @property
+    def decode_pairs(self) -> int:
+        """Of ``attended_pairs``, those of decode rows (with their drafts), which cost more a pair
+        than a prefill chunk's (StepTimeModel)."""
+        return sum(attended_pairs(s.seq.num_computed_tokens, s.num_tokens) for s in self.scheduled
+                   if s.seq.num_tokens - s.seq.num_computed_tokens == 1)
 
     @property
     def num_tokens(self) -> int:

@@ -29,7 +29,8 @@ class AdmissionChecks:
         self.shares.check_queue(seq)
         if not self.shares.fair or seq.tenancy.deadline is None:
             return
-        coef = self.step_clock.coef if self.step_clock else None
+        # steps of decode rows, priced at a decode row's pair cost (StepTimeModel.row_coef)
+        coef = self.step_clock.row_coef if self.step_clock else None
         if coef is None:  # no step seen yet: only a deadline already past
             check_deadline(seq, 0.0)
             return

@@ -13,8 +13,9 @@ rows of a step are shared too:
   request a round trip after the last one ended: that request should not arrive into a long step);
   the others are **heavy**. Every decode row of a light tenant runs;
 - nothing is cut where the heavy rows take less than the step's fixed part by the step time model
-  (engine/core/step_time.py: ``c0 + rows * (a + b * context)``; ``c0`` is the weights read once per
-  step, as on a GPU): fewer rows would cost their tokens and save little time. Else:
+  (engine/core/step_time.py's ``row_coef``: ``c0 + rows * (a + b * context)``, ``b`` a decode row's
+  pair; ``c0`` is the weights read once per step, as on a GPU): fewer rows would cost their tokens and
+  save little time. Else:
 - while a light tenant's first token is due (a request of it waits for its first step, or it
   lingers), the step is held to ``DUE_STEP_FACTOR`` times the light work's step alone (``c0``, its
   decode rows, and its waiting prompts, or ``LINGER_PROMPT`` tokens while it only
@@ -86,6 +87,7 @@ class StepRows:
         self._due_streak = 0  # due steps in a row
         self.progress = False  # the last step was a progress step (module docstring)
         self._floor = False  # its first heavy prefill chunk keeps PROGRESS_CHUNK tokens
+        self.kind = "unshared"  # the last step's, for the step trace (engine/tenancy/step_trace.py)
 
     def depart(self, tenant: str) -> None:
         """``tenant``'s last sequence ended (``TenantShares.leave``): it lingers from now (only where
@@ -103,17 +105,24 @@ class StepRows:
         present.update(active)
         return present
 
+    def lingering(self) -> dict[str, float]:
+        """Tenants that linger -> seconds since their last sequence ended."""
+        now = self.clock()
+        return {tenant: now - left for tenant, left in self._left.items()}
+
     def select(self, decoding: list[Sequence], running: list[Sequence], clock_model,
                max_num_seqs: int, waiting=()) -> list[Sequence]:
         """The rows of ``decoding`` (running sequences with one token to compute, in admission order)
         that decode in this step (module docstring); the others keep their slot and wait a step."""
         self._step += 1
         self.held, self.due_left, self.progress, self._floor = 0, None, False, False
-        shares = self.shares
+        self.kind, shares = "unshared", self.shares
         if not shares.fair or self.cost == 0 or shares.plain and not self._left:
             return decoding
         present = self._tenants()
-        coef = clock_model.coef if clock_model is not None else None
+        # decode rows priced at a decode row's pair cost (StepTimeModel.row_coef)
+        coef = clock_model.row_coef if clock_model is not None else None
+        self.kind = "lone"
         if len(present) < 2 or coef is None:  # (no step has run yet: nothing to weigh the rows by)
             return self._mark(decoding)
         weight = shares.weight
@@ -122,6 +131,7 @@ class StepRows:
         rows: dict[str, list[Sequence]] = defaultdict(list)
         for seq in decoding:
             rows[seq.tenancy.tenant].append(seq)
+        self.kind = "even"
         if not light or len(light) == len(present):
             return self._mark(decoding)
         heavy = [t for t in rows if t not in light]
@@ -148,6 +158,8 @@ class StepRows:
             self._heavy = {t for t in present if t not in light}
         elif num_heavy * d > c0:
             keep = max(math.ceil(num_heavy * MIN_KEPT), self._rows_kept(len(decoding), num_heavy, c0, d))
+        due_kind = "progress" if self.progress else "held"
+        self.kind = due_kind if due else "cut" if keep < num_heavy else "whole"
         if keep >= num_heavy:
             return self._mark(decoding)
         kept = {s.seq_id for t in rows if t in light for s in rows[t]}

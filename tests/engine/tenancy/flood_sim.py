@@ -55,8 +55,10 @@ class Request:
 class Flood:
     def __init__(self, policy="fair", requests=40, think=0.01, linger=0.25, cost=0.05, seqs=64, prompt=1024,
                  tokens=1024, light_tokens=16, blocks=8192, budget=2048, block_size=16, max_step_time=0.5,
-                 machine=MACHINE, first_at=0.5, warmup=30, noise=0.0, seed=0):
+                 machine=MACHINE, first_at=0.5, warmup=30, noise=0.0, seed=0, prefill_pair=None):
         self.machine, self.think, self.first_at, self.warmup = machine, think, first_at, warmup
+        # seconds a query-key pair of a prefill chunk costs (None: as a decode row's, the machine's b)
+        self.prefill_pair = prefill_pair
         self.noise, self.random = noise, random.Random(seed)  # each step off by up to +-noise at random
         self.requests, self.light_tokens = requests, light_tokens
         self.shares = TenantShares(policy, row_cost=cost, linger=linger)
@@ -93,9 +95,8 @@ class Flood:
             decoding = {q.seq_id for q in s.running
                         if q.tenancy.tenant == "flood" and q.num_tokens - q.num_computed_tokens == 1}
             out = s.schedule()
-            c0, a, b = self.machine
-            pairs = out.attended_pairs  # (before postprocess advances the counts)
-            dt = (c0 + a * out.num_tokens + b * pairs) * (1 + self.noise * (2 * self.random.random() - 1))
+            pairs, decode = out.attended_pairs, out.decode_pairs  # (before postprocess advances the counts)
+            dt = self.seconds(out) * (1 + self.noise * (2 * self.random.random() - 1))
             kind = ("progress" if rows.progress else "held" if rows.due_left is not None
                     else "cut" if rows.held else "alone")
             flood = [x for x in out.scheduled if x.seq.tenancy.tenant == "flood"]
@@ -107,7 +108,7 @@ class Flood:
                 current.admitted = len(self.steps) - 1
             self.now += dt
             s.postprocess(out, [7] * len(out.sampling_seqs))
-            s.step_clock.observe(out.num_tokens, pairs, dt)
+            s.step_clock.observe(out.num_tokens, pairs, dt, decode)
             self.flood_tokens.append(sum(q.tenancy.tenant == "flood" for q in out.sampling_seqs))
             if arrival is None and len(self.steps) > self.warmup and len(decoding) == len(self.flood):
                 arrival = self.now + self.first_at * dt  # into the next step, first_at of the way
@@ -117,6 +118,15 @@ class Flood:
                 current, arrival = None, self.now + self.think
         s.bm.check_integrity()
         return self
+
+    def seconds(self, out) -> float:
+        """Model seconds of the step ``out`` on the synthetic machine."""
+        c0, a, b = self.machine
+        pairs = out.attended_pairs
+        if self.prefill_pair is None:
+            return c0 + a * out.num_tokens + b * pairs
+        decode = out.decode_pairs
+        return c0 + a * out.num_tokens + b * decode + self.prefill_pair * (pairs - decode)
 
     def flood_rate(self, start: float, end: float) -> float:
         """Flood tokens per model second over the steps that started in [start, end)."""
