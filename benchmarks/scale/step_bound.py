@@ -29,11 +29,14 @@ from kvserve.benchmarks.instruments.engine_steps import Timed, patched
 from kvserve.benchmarks.serving.load import make_workload
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.core import step_time
+from kvserve.engine.core.block_manager import BlockManager
+from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.core.step_time import StepTimeModel, attended_pairs
 from kvserve.engine.layers.attention.backend import Attention
 from kvserve.engine.layers.embed_head import ParallelLMHead
 from kvserve.engine.layers.linear import LinearBase
 from kvserve.engine.layers.norm import RMSNorm
+from kvserve.engine.sequence import Sequence
 
 PARTS = ((LinearBase, "projections"), (Attention, "attention"), (RMSNorm, "norms"),
          (ParallelLMHead, "lm head"))
@@ -158,6 +161,43 @@ def summarize(steps, total, first, stamps, generated) -> dict:
     return out
 
 
+def simulate(machine: tuple[float, float, float], work, arm) -> dict:
+    """The same burst through the real scheduler on a synthetic machine (``c0 + a * tokens + b * pairs``
+    seconds a step, model seconds: no model, no wall clock), its step time model trained on that
+    machine first (a server's is, by the requests before): total seconds, steps, TTFT p50, gaps."""
+    c0, a, b = machine
+    bound, budget, share = arm
+    sched = Scheduler(BlockManager(8192, 16, False), len(work), budget, 4096, [0], max_step_time=bound / 1000)
+    for tokens, pos in [(1, 300), (64, 0), (200, 100), (1, 100)] * 10:
+        if sched.step_time:
+            pairs = attended_pairs(pos, tokens)
+            sched.step_time.observe(tokens, pairs, c0 + a * tokens + b * pairs)
+    seqs = [Sequence(f"sim-{i}", w.prompt, SamplingParams(max_tokens=w.max_tokens, ignore_eos=True))
+            for i, w in enumerate(work)]
+    for seq in seqs:
+        sched.add(seq)
+    now, steps, first, stamps, kept = 0.0, [], {}, defaultdict(list), step_time.FIXED_SHARE
+    step_time.FIXED_SHARE = share
+    try:
+        while sched.has_unfinished():
+            out = sched.schedule()
+            chunks = [x.num_tokens for x in out.scheduled if x.seq.num_completion_tokens == 0]
+            pairs = out.attended_pairs
+            seconds = c0 + a * out.num_tokens + b * pairs
+            sched.postprocess(out, [7] * len(out.sampling_seqs))
+            if sched.step_time:
+                sched.step_time.observe(out.num_tokens, pairs, seconds)
+            now += seconds
+            for seq in out.sampling_seqs:
+                first.setdefault(seq.seq_id, now)
+                stamps[seq.seq_id].append(now)
+            steps.append({"seconds": seconds, "chunks": chunks, "decode": len(out.scheduled) - len(chunks),
+                          "forward": seconds, "sampler": 0.0, "schedule": 0.0, "coef": None, "pairs": pairs})
+    finally:
+        step_time.FIXED_SHARE = kept
+    return summarize(steps, now, first, stamps, sum(len(v) for v in stamps.values()))
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.step_bound",
                                  description=__doc__.split("\n\n")[0])
@@ -173,11 +213,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--split", action="store_true", help="time the forward's parts (module hooks)")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--simulate", metavar="C0,A,B", help="no model: the arms through the scheduler on a "
+                    "synthetic machine of C0 s a step, A s a token and B s an attended pair (model seconds)")
     args = ap.parse_args(argv)
     lo, hi = (int(x) for x in args.prompt_len.split(":"))
     work = make_workload(SimpleNamespace(token_range=(1000, 30000), prompt_len=(lo, hi), shared_prefix=0.0,
                                          request_rate=None, num_requests=args.requests,
                                          output_len=(args.output_len, args.output_len)), seed=args.seed)
+    if args.simulate:
+        machine = tuple(float(x) for x in args.simulate.split(","))
+        if len(machine) != 3 or min(machine) < 0:
+            raise SystemExit(f"--simulate is C0,A,B, three seconds >= 0, got {args.simulate!r}")
+        results = {arm: [simulate(machine, work, arm)] for arm in args.arms}
+        for arm, (got,) in results.items():
+            print(f"arm {fmt(arm)} (model seconds): {line(got)}")
+        return results
     budget = max(b for _, b, _ in args.arms)
     llm = LLM(args.model, max_num_seqs=max(16, args.requests), max_num_batched_tokens=budget,
               max_step_time_ms=0, enable_prefix_caching=False)
