@@ -201,7 +201,7 @@ def simulate(machine: tuple[float, float, float], work, arm) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.step_bound",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a model file or directory (e.g. model-Q4_K_M.gguf)")
+    ap.add_argument("--model", help="a model file or directory (e.g. model-Q4_K_M.gguf; not with --simulate)")
     ap.add_argument("--arms", type=lambda t: [parse_arm(a) for a in t.split(",")],
                     default=[(500.0, 2048, 0.0), (500.0, 2048, step_time.FIXED_SHARE), (0.0, 2048, 0.0)],
                     help="BOUND_MS/BUDGET[/SHARE],...: 500/2048/0 is main's served default before the "
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
         for arm, (got,) in results.items():
             print(f"arm {fmt(arm)} (model seconds): {line(got)}")
         return results
+    if not args.model:
+        raise SystemExit("--model is required (or --simulate C0,A,B)")
     budget = max(b for _, b, _ in args.arms)
     llm = LLM(args.model, max_num_seqs=max(16, args.requests), max_num_batched_tokens=budget,
               max_step_time_ms=0, enable_prefix_caching=False)
