@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
                     default=[(500.0, 2048, 0.0), (500.0, 2048, step_time.FIXED_SHARE), (0.0, 2048, 0.0)],
                     help="BOUND_MS/BUDGET[/SHARE],...: 500/2048/0 is main's served default before the "
                     "fixed-part floor, 500/2048 today's")
+    ap.add_argument("--dtype", default="auto", help="the engine's (bfloat16 for an HF checkpoint)")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-len", default="64:400", metavar="LO:HI")
     ap.add_argument("--output-len", type=int, default=64)
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--model is required (or --simulate C0,A,B)")
     budget = max(b for _, b, _ in args.arms)
     llm = LLM(args.model, max_num_seqs=max(16, args.requests), max_num_batched_tokens=budget,
-              max_step_time_ms=0, enable_prefix_caching=False)
+              max_step_time_ms=0, enable_prefix_caching=False, dtype=args.dtype)
     eng, sched = llm.engine, llm.engine.scheduler
     params = {"temperature": 0.6, "ignore_eos": True}
     clock = PartClock(eng.executor.model) if args.split else None
