@@ -14,7 +14,9 @@ every key up to its own position):
 
 fitted by least squares over the recent steps (older ones weigh less, so the fit follows the
 machine's speed), after every step the engine runs. The scheduler asks it how many prefill
-tokens still fit under ``max_step_time`` at a given position. Until ``MIN_STEPS`` steps have been
+tokens still fit under ``max_step_time`` at a given position, and no fewer than make the fixed
+part a small share of a step that prefills (``chunk_floor``: a large model's fixed part is a
+large share of a short step). Until ``MIN_STEPS`` steps have been
 seen (too few to tell the three parts apart) it bounds with one part, seconds per token fitted
 through the origin: a step's fixed part is then charged to its tokens, which overstates what
 further tokens cost, so the first steps err on the short side. Without that, a burst that comes
