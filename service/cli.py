@@ -63,8 +63,9 @@ HELP = {
     "max_step_time_ms": "time bound of one step, the gap running streams see between tokens: prefill chunks "
                         "shrink so that a step's predicted time (a model fitted to the steps that ran) stays "
                         "under it; beside many running streams it stretches until their decodes are a tenth "
-                        "of a step that prefills (at most 4x); 0 = no bound; default: 500 on the CPU, none "
-                        "on a GPU",
+                        "of a step that prefills (at most 4x), and a step that prefills while prompts wait "
+                        "is at least 5x the fitted fixed part of a step (large models on the CPU: "
+                        "docs/performance/tuning.md); 0 = no bound; default: 500 on the CPU, none on a GPU",
     "max_model_len": "longest prompt + completion (default: the model's, capped at 8192)",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "GiB for the KV cache on CPU",

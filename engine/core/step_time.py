@@ -23,7 +23,9 @@ pair has been seen.
 
 fitted by least squares over the recent steps (older ones weigh less, so the fit follows the
 machine's speed), after every step the engine runs. The scheduler asks it how many prefill
-tokens still fit under ``max_step_time`` at a given position. Until ``MIN_STEPS`` steps have been
+tokens still fit under ``max_step_time`` at a given position, and no fewer than make the fixed
+part a small share of a step that prefills (``chunk_floor``: a large model's fixed part is a
+large share of a short step). Until ``MIN_STEPS`` steps have been
 seen (too few to tell the three parts apart) it bounds with one part, seconds per token fitted
 through the origin: a step's fixed part is then charged to its tokens, which overstates what
 further tokens cost, so the first steps err on the short side. Without that, a burst that comes
@@ -41,6 +43,13 @@ from kvserve.engine.sequence import Sequence
 
 MIN_STEPS = 8  # steps seen before the three-part fit (before it: seconds per token alone)
 MIN_PREFILL_CHUNK = 32  # prefill tokens a step may always take: waiting prompts always progress
+# ... and at least as many as make the step's fixed part (the fitted c0: the weights read once, the
+# panels unpacked, the step's Python) at most FIXED_SHARE of the step's predicted time. A small
+# model's c0 is tens of ms and the bound's chunks are far larger, so nothing changes there; a
+# 1.7B model on two cores has a c0 of ~0.1-0.3 s, and a 500 ms bound would otherwise cut its
+# prompts into chunks of a few dozen tokens whose steps are mostly that fixed part
+# (docs/performance/gguf_kquants.md, "What the step bound costs a large model"). 0: no such floor.
+FIXED_SHARE = 0.2
 # While prompts wait, the running decodes take at most DECODE_SHARE of a step that prefills: a
 # step's bound stretches to decode time / DECODE_SHARE (at most MAX_STRETCH times the configured
 # bound). Every waiting prompt pays each decode pass that runs before its chunk, so bursts of prompts
@@ -148,28 +157,39 @@ class StepTimeModel:
         """How many of ``wanted`` prompt tokens from ``position`` keep the step under ``limit``
         (the step's bound, ``step_limit``; default ``max_step_time``), given ``spent`` seconds
         already predicted for the step (the fixed part included). With ``floor`` (the step's first
-        prefill chunk) at least ``MIN_PREFILL_CHUNK`` (or ``wanted`` if smaller) and at least what
-        takes ``spent`` again, so that waiting prompts always progress; without it possibly 0."""
-        floor = min(wanted, MIN_PREFILL_CHUNK) if floor else 0
+        prefill chunk) at least ``chunk_floor`` (or ``wanted`` if smaller) and at least what takes
+        ``spent`` again, so that waiting prompts always progress; without it possibly 0."""
         if self.coef is None:
             return wanted
-        _, a, b = self.coef
+        least = self.chunk_floor(spent, position, wanted, first=floor)
         limit = self.max_step_time if limit is None else limit
         # where the step's other work alone takes the bound or more (many long decodes, a busy
         # machine), prefill may still take as long as that work: the step at most doubles rather
         # than prompts crawling a few tokens per step, each step paying the whole fixed part
         left = max(limit - spent, spent if floor else 0.0)
         if left <= 0:
-            return floor
-        # largest n with a*n + b*(n*position + n*(n+1)/2) <= left
+            return least
+        return max(least, min(wanted, int(self._tokens_costing(left, position, wanted))))
+
+    def chunk_floor(self, spent: float, position: int, wanted: int, first: bool = True) -> int:
+        """The least of ``wanted`` prompt tokens from ``position`` that a prefill chunk takes, with
+        ``spent`` seconds of the step predicted before it (the fixed part included): enough that the
+        fixed part is at most ``FIXED_SHARE`` of the step's predicted time (a later chunk tops the
+        step up to that), and the step's first chunk at least ``MIN_PREFILL_CHUNK``."""
+        least = MIN_PREFILL_CHUNK if first else 0
+        short = self.coef[0] / FIXED_SHARE - spent if self.coef and FIXED_SHARE else 0.0
+        if short > 0:  # the seconds the chunk must add
+            least = max(least, math.ceil(self._tokens_costing(short, position, wanted)))
+        return min(wanted, least)
+
+    def _tokens_costing(self, seconds: float, position: int, most: float) -> float:
+        """The prompt tokens from ``position`` whose predicted time is ``seconds``: the largest n with
+        a*n + b*(n*position + n*(n+1)/2) <= seconds (``most`` where the fit says tokens cost nothing)."""
+        _, a, b = self.coef
         lin, quad = a + b * (position + 0.5), b / 2
         if quad > 0:
-            n = (-lin + math.sqrt(lin * lin + 4 * quad * left)) / (2 * quad)
-        elif lin > 0:
-            n = left / lin
-        else:
-            return wanted
-        return max(floor, min(wanted, int(n)))
+            return (-lin + math.sqrt(lin * lin + 4 * quad * seconds)) / (2 * quad)
+        return seconds / lin if lin > 0 else most
 
 
 def _solve(m: list[list[float]], y: list[float]) -> list[float] | None:

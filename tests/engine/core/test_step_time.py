@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from kvserve.engine.core import step_time
 from kvserve.engine.core.block_manager import BlockManager
 from kvserve.engine.core.scheduler import Scheduler
 from kvserve.engine.core.step_time import (
@@ -222,3 +223,60 @@ def test_served_long_prompt_keeps_running_streams_moving():
     assert gaps, "the short stream produced no token while the long prompt was prefilled"
     print(f"long prompt TTFT {ttft:.1f} s; running stream: {len(gaps)} gaps, max {max(gaps):.2f} s")
     assert max(gaps) <= ITL_LIMIT_S, sorted(gaps)[-5:]
+
+
+# ---- the chunk floor: a step's fixed part against a large model's tokens (model seconds) -------------
+def burst(machine, bound=0.5, requests=16, seed=1):
+    """The peers harness's burst (``requests`` prompts of 64-400 tokens, 64 new tokens each, all at once)
+    through the real scheduler on a synthetic machine (``c0 + a * tokens + b * pairs`` seconds a step,
+    model seconds, no wall clock), its step time model trained on that machine first, as a server's is
+    by the requests before. Returns per step: its seconds, prompt tokens and prompt tokens left after it."""
+    rng = random.Random(seed)
+    s = Scheduler(BlockManager(4096, 16, False), requests, 2048, 1024, [0], max_step_time=bound)
+    c0, a, b = machine
+    for _ in range(40):  # one stream's requests before: prompts in chunks, then decode steps
+        tokens, pos = rng.choice([(1, 300), (1, 100), (64, 0), (200, 100)])
+        pairs = attended_pairs(pos, tokens)
+        s.step_time.observe(tokens, pairs, c0 + a * tokens + b * pairs)
+    for i in range(requests):
+        s.add(Sequence(f"r{i}", [rng.randrange(1, 30000) for _ in range(rng.randint(64, 400))],
+                       SamplingParams(max_tokens=64, ignore_eos=True)))
+    steps = []
+    while s.has_unfinished():
+        out = s.schedule()
+        prompt = sum(x.num_tokens for x in out.scheduled if x.seq.num_completion_tokens == 0)
+        pairs = out.attended_pairs
+        seconds = c0 + a * out.num_tokens + b * pairs
+        s.postprocess(out, [7] * len(out.sampling_seqs))
+        s.step_time.observe(out.num_tokens, pairs, seconds)
+        left = sum(q.num_prompt_tokens - q.num_computed_tokens for q in s.running + list(s.waiting)
+                   if q.num_completion_tokens == 0)
+        steps.append((seconds, prompt, left))
+    return steps
+
+
+LARGE = (0.6, 6e-3, 5e-7)  # a step's fixed part longer than the bound (a 2B model in bf16 on two cores)
+
+
+def test_a_large_models_prefill_steps_are_not_mostly_their_fixed_part(monkeypatch):
+    """Each step that computes prompt tokens while more wait is long enough that its fixed part is at
+    most FIXED_SHARE of it, even where that is past the stretched bound: fewer prefill steps and less
+    time for the same burst than with the bound alone, each step at most c0 / FIXED_SHARE long."""
+    c0 = LARGE[0]
+    steps = burst(LARGE)
+    prefill = [t for t, n, left in steps if n and left]
+    assert prefill and all(c0 <= step_time.FIXED_SHARE * t * (1 + 1e-6) for t in prefill)
+    assert max(t for t, _, _ in steps) <= max(MAX_STRETCH * 0.5, c0 / step_time.FIXED_SHARE) + LARGE[1]
+    monkeypatch.setattr(step_time, "FIXED_SHARE", 0.0)  # the bound alone (and MIN_PREFILL_CHUNK)
+    before = burst(LARGE)
+    before_prefill = [t for t, n, left in before if n and left]
+    assert max(c0 / t for t in before_prefill) > 0.25  # steps at the stretched bound: 30% fixed part
+    assert len(prefill) < len(before_prefill) and sum(prefill) < sum(before_prefill)
+    assert sum(t for t, _, _ in steps) < sum(t for t, _, _ in before)
+
+
+def test_the_chunk_floor_leaves_a_small_models_steps_alone(monkeypatch):
+    """The default model's fixed part is small against its bound's chunks: the same steps either way."""
+    floor = burst((C0, A, B))
+    monkeypatch.setattr(step_time, "FIXED_SHARE", 0.0)
+    assert burst((C0, A, B)) == floor
