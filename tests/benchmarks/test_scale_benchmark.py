@@ -107,7 +107,7 @@ def test_a_hybrids_long_prompts_pass_kvserves_limits_on(tmp_path, monkeypatch):
 
 
 def test_the_gated_delta_comparison_runs_on_the_tiny_shape(capsys):
-    from kvserve.benchmarks.scale import gated_delta
+    from kvserve.benchmarks.scale.hybrid import gated_delta
 
     assert gated_delta.main(["--shape", "qwen3.5-tiny", "--batch", "1", "3", "--slots", "4",
                              "--prompt", "70", "--repeats", "1"]) == 0
@@ -118,7 +118,7 @@ def test_the_gated_delta_comparison_runs_on_the_tiny_shape(capsys):
 
 def test_the_hybrid_verification_comparison_runs_on_the_tiny_shape(capsys):
     """Both ways leave the same states (recompute, kvserve's, and per-position copies)."""
-    from kvserve.benchmarks.scale import hybrid_verify
+    from kvserve.benchmarks.scale.hybrid import verify as hybrid_verify
 
     assert hybrid_verify.main(["--shape", "qwen3.5-tiny", "--batch", "1", "3", "--drafts", "3",
                                "--slots", "4", "--repeats", "1"]) == 0
@@ -127,7 +127,7 @@ def test_the_hybrid_verification_comparison_runs_on_the_tiny_shape(capsys):
 
 
 def test_the_hybrid_prefill_comparison_runs_on_the_tiny_shape(tmp_path, capsys):
-    from kvserve.benchmarks.scale import hybrid_prefill
+    from kvserve.benchmarks.scale.hybrid import prefill as hybrid_prefill
     from kvserve.engine.models.qwen3_5 import GatedDeltaNet
     from kvserve.testing.random_model import write_random_model
 
@@ -141,7 +141,7 @@ def test_the_hybrid_prefill_comparison_runs_on_the_tiny_shape(tmp_path, capsys):
 
 
 def test_the_hybrid_decode_breakdown_and_ab_run_on_the_tiny_shape(tmp_path, capsys):
-    from kvserve.benchmarks.scale import hybrid_decode
+    from kvserve.benchmarks.scale.hybrid import decode as hybrid_decode
     from kvserve.engine.models.qwen3_5 import GatedDeltaNet
     from kvserve.kernels.cpu.bindings import load_kernels
     from kvserve.testing.random_model import make_config, write_model_dir

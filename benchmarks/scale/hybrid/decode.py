@@ -1,5 +1,5 @@
 """One stream's decode step of a linear-attention hybrid in process (``python -m
-kvserve.benchmarks.scale.hybrid_decode --model DIR``; a Qwen3.5 checkpoint, e.g. the scale harness's
+kvserve.benchmarks.scale.hybrid.decode --model DIR``; a Qwen3.5 checkpoint, e.g. the scale harness's
 qwen3.5-2b): one sequence at ``--context`` tokens, then decode steps (temperature 0.6, as the served
 comparison samples).
 
@@ -164,7 +164,7 @@ def print_breakdown(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.hybrid_decode",
+    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.hybrid.decode",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a Qwen3.5 checkpoint directory")
     ap.add_argument("--dtype", default="bfloat16")

@@ -1,4 +1,4 @@
-"""A linear-attention hybrid's prefill in process (``python -m kvserve.benchmarks.scale.hybrid_prefill
+"""A linear-attention hybrid's prefill in process (``python -m kvserve.benchmarks.scale.hybrid.prefill
 --model DIR``; a Qwen3.5 checkpoint, e.g. the scale harness's qwen3.5-2b): prompt tokens per second
 of fresh prompts of ``--prompt`` tokens through ``LLM.generate`` (one output token each), per arm,
 the arms taking turns round by round in one engine, so that on a shared machine they see the same
@@ -31,7 +31,7 @@ def torch_norm(layer: GatedDeltaNet, out, z, mixed):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.hybrid_prefill",
+    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.hybrid.prefill",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a Qwen3.5 (or Qwen3-Next) checkpoint directory")
     ap.add_argument("--dtype", default="bfloat16")

@@ -1,5 +1,5 @@
 """The Gated DeltaNet layer's token mixing on the CPU, C kernels (csrc/gated_delta.c) against the
-torch forms, in one run (``python -m kvserve.benchmarks.scale.gated_delta``): one linear-attention
+torch forms, in one run (``python -m kvserve.benchmarks.scale.hybrid.gated_delta``): one linear-attention
 layer of a ``testing.random_model`` shape (qwen3.5-0.8b and qwen3.5-2b share it: 16 key and value
 heads of 128, conv kernel 4), both paths through the layer's own code (``GatedDeltaNet._decode`` and
 ``_sequence``; the torch path is the same layer with its kernels switched off), after its input
@@ -85,7 +85,7 @@ def difference(layer: GatedDeltaNet, fn, switch) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.gated_delta",
+    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.hybrid.gated_delta",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen3.5-2b", choices=("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-tiny"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

@@ -1,6 +1,6 @@
 """A speculative verification through one Gated DeltaNet layer on the CPU, the two ways of leaving
 each sequence's state at its accepted position, in one run
-(``python -m kvserve.benchmarks.scale.hybrid_verify``; docs/design/hybrid-state-cache.md):
+(``python -m kvserve.benchmarks.scale.hybrid.verify``; docs/design/hybrid-state-cache.md):
 
 - recompute (what kvserve does, ``GatedDeltaNet._decode_rows`` then ``roll_back``): keep the
   state from before the step (one copy), step the k + 1 rows in place; when only j + 1 rows are
@@ -24,7 +24,7 @@ import torch
 
 from kvserve.benchmarks import write_json
 from kvserve.benchmarks.instruments.ceiling import best_time
-from kvserve.benchmarks.scale.gated_delta import CPU, inputs, make_layer
+from kvserve.benchmarks.scale.hybrid.gated_delta import CPU, inputs, make_layer
 from kvserve.engine.models.qwen3_5 import GatedDeltaNet
 
 
@@ -56,7 +56,7 @@ def per_position(layer: GatedDeltaNet, rows, slots: list[int], kept: int) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.hybrid_verify",
+    ap = argparse.ArgumentParser(prog="python -m kvserve.benchmarks.scale.hybrid.verify",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen3.5-2b", choices=("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-tiny"))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
