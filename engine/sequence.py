@@ -128,6 +128,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def is_decoding(self) -> bool:
+        """One token left to compute: the sequence's next row is a decode row."""
+        return len(self.token_ids) - self.num_computed_tokens == 1
+
+    @property
     def last_token(self) -> int:
         return self.token_ids[-1]
 

@@ -111,7 +111,7 @@ class Scheduler(AdmissionChecks):
         # decode-phase sequences first, then those still prefilling, each in admission order
         decoding, prefilling = [], []
         for seq in self.running:
-            (decoding if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
+            (decoding if seq.is_decoding else prefilling).append(seq)
         decoding = self.shares.rows.select(decoding, self.running, self.step_clock, self.max_num_seqs,
                                            self.waiting)
         scheduled: dict[int, ScheduledSeq] = {}

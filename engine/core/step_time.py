@@ -242,7 +242,7 @@ class SchedulerOutput:
         """Of ``attended_pairs``, those of decode rows (with their drafts), which cost more a pair
         than a prefill chunk's (StepTimeModel)."""
         return sum(attended_pairs(s.seq.num_computed_tokens, s.num_tokens) for s in self.scheduled
-                   if s.seq.num_tokens - s.seq.num_computed_tokens == 1)
+                   if s.seq.is_decoding)
 
     @property
     def num_tokens(self) -> int:

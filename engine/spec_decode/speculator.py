@@ -58,7 +58,7 @@ class Speculator:
         for seq in running:
             seq.draft_token_ids = []
             cap = self._cap(seq)
-            decoding = seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1
+            decoding = seq.status is SequenceStatus.RUNNING and seq.is_decoding
             constrained = grammar is not None and grammar.is_constrained(seq)
             if not cap or not decoding or not (self.ngram or constrained):
                 continue

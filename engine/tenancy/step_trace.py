@@ -60,10 +60,10 @@ class StepTrace:
         scheduled = set()
         for s in out.scheduled:
             scheduled.add(s.seq.seq_id)
-            decode = s.seq.num_tokens - s.seq.num_computed_tokens == 1
+            decode = s.seq.is_decoding
             of(s.seq)["rows" if decode else "prefill"] += 1 if decode else s.num_tokens
         for seq in scheduler.running:
-            if seq.seq_id not in scheduled and seq.num_tokens - seq.num_computed_tokens == 1:
+            if seq.seq_id not in scheduled and seq.is_decoding:
                 of(seq)["held"] += 1
         for seq in scheduler.waiting:
             of(seq)["waiting"] += 1
