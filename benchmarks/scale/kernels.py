@@ -6,8 +6,9 @@ weight bytes per second and the ratio to ``cpu_matmul.linear`` on the dequantize
 paths of ``GGUFWeight.linear``: the int8 GEMM (csrc/kquant_gemm.c), the dots and bfloat16 panels
 dequantized 256 rows at a time into the float GEMM, interleaved round by round (``--rounds``; the
 best round of each), with the GEMM's int8 GOP/s against a tight vpdpbusd loop's in the same run
-and its parts (activation quantization, the panels' unpacking). ``--clock thread --threads 1``
-times one thread's CPU time instead of the wall clock (the peak too), so that other processes'
+and its parts (activation quantization, the panels' unpacking); for Q4_K on AVX512-VNNI also the
+repacked weight the loader keeps (``REPACKED``: the same tiles, no unpacking). ``--clock thread
+--threads 1`` times one thread's CPU time instead of the wall clock (the peak too), so that other processes'
 share of a loaded machine drops out; ``--against SO`` adds another build's GEMM (e.g. main's shared
 object from kernels/cpu/build.py's cache) to the same interleaved rounds. Random valid blocks; run
 it on a quiet machine.
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
+from kvserve.kernels.cpu.kquant import BLOCK_TYPES, REPACKED, kquant_kernels
 
 NAMES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "Q4_0": 2}
 SCALE_AT = {12: (0, 2), 13: (0, 2), 14: (208,), 8: (0,), 2: (0,)}  # each format's float16 scales in its block
@@ -88,6 +89,9 @@ def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: 
         # its parts: the activations' quantization, and the panels' unpacking (a 1-row product)
         fns["quantize"] = lambda: kernels.quantize(x)
         fns["unpack"] = lambda: kernels.gemm(weight, ggml_type, k, act[:1], out[:1])
+        packed = kernels.repack(weight, ggml_type, k)  # Q4_K's repacked panels (AVX512-VNNI)
+        if packed is not None:
+            fns["repacked"] = lambda: kernels.gemm(packed, REPACKED[ggml_type], k, kernels.quantize(x), out)
         if against is not None:
             fns["gemm_against"] = lambda: against.gemm(weight, ggml_type, k, against.quantize(x), out)
             fns["unpack_against"] = lambda: against.gemm(weight, ggml_type, k, act[:1], out[:1])
@@ -99,7 +103,9 @@ def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: 
         ratio = (f": gemm {best['panels'] / best['gemm']:.2f}x the panels, "
                  f"{best['dots'] / best['gemm']:.2f}x the dots, {ops:.0f} int8 GOP/s"
                  + (f" = {ops / peak:.0%} of the vpdpbusd peak" if peak else "")
-                 + (f", {best['gemm_against'] / best['gemm']:.2f}x the other build's" if against else ""))
+                 + (f", {best['gemm_against'] / best['gemm']:.2f}x the other build's" if against else "")
+                 + (f"; repacked {best['gemm'] / best['repacked']:.2f}x the gemm"
+                    if "repacked" in best else ""))
     part = GGUFTensor(weight, ggml_type, (n_out, k))
     gemm = kernels.gemm_takes(ggml_type) and k % 256 == 0 and rows >= gemm_from_rows(kernels, part)
     dots = rows < PANEL_FROM_ROWS or kernels.dots_over_panels(ggml_type)
@@ -119,8 +125,12 @@ def compare(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: int, r
     ours = timed(lambda: kernels.matmul(weight, ggml_type, k, kernels.quantize(x), out), repeat)
     theirs = timed(lambda: linear(x, dense, packed=packed, few_rows=8), repeat)
     rate = weight.numel() / ours / 1e9
+    repacked, line = kernels.repack(weight, ggml_type, k), ""
+    if repacked is not None:  # Q4_K's repacked panels (AVX512-VNNI): what the loader keeps
+        t = timed(lambda: kernels.matmul(repacked, REPACKED[ggml_type], k, kernels.quantize(x), out), repeat)
+        line = f", repacked {t * 1e3:8.2f} ms ({ours / t:.2f}x the blocks)"
     return (f"{name} rows {rows:4d}: {ours * 1e3:8.2f} ms ({rate:5.1f} GB/s of blocks), "
-            f"bf16 {theirs * 1e3:8.2f} ms: {theirs / ours:.2f}x")
+            f"bf16 {theirs * 1e3:8.2f} ms: {theirs / ours:.2f}x{line}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,9 @@ blocks, a view of the memory-mapped file: no copy) where kernels/cpu/kquant.py m
 type (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); the linear layers narrow them to their rank's shard like
 any checkpoint tensor and keep them as parts of a ``GGUFWeight`` (q, k and v, or gate and up, are
 separate tensors of possibly different types in the file: each stays a part of its own; a part
-the file stores in another type arrives as floats and stays a dense part).
+the file stores in another type arrives as floats and stays a dense part). A projection's Q4_K
+parts are then repacked (``GGUFTensor.repacked``: the int8 GEMM's panels, on AVX512-VNNI builds,
+not in float32), their file pages handed back.
 
 In bfloat16 a product quantizes the activation rows once (per 256 values, int8, as llama.cpp
 does) and multiplies every part in its own format into its columns of the output: the few rows of
@@ -23,16 +25,28 @@ the kernels (no compiler) and on GPUs the loader dequantizes every tensor to the
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.engine.layers.cpu_matmul import linear as float_linear
 from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, W_GGUF, KqPart, Linear
-from kvserve.kernels.cpu.kquant import BLOCK_TYPES, kquant_kernels
+from kvserve.kernels.cpu.kquant import (
+    BLOCK_TYPES,
+    Q4_K_X16,
+    REPACKED,
+    X16_LANES,
+    X16_SUPER,
+    kquant_kernels,
+)
 
 GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
-              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16", Q4_K_X16: "Q4_K_X16"}
+# KVSERVE_GGUF_REPACK=0 keeps the projections as the file stores them (as llama.cpp's --no-repack)
+REPACK_SWITCH = "KVSERVE_GGUF_REPACK"
+_MADV_DONTNEED = 4
 PANEL_ROWS = 256  # output rows dequantized at a time where the float GEMM multiplies
 # from this many activation rows (a prefill chunk) a bfloat16 product takes the int8 GEMM (or
 # dequantized panels into the float GEMM): the crossover with the block dots, measured at a 1.7B
@@ -65,23 +79,53 @@ def gemm_takes(kernels, part: GGUFTensor) -> bool:
 @dataclass(frozen=True)
 class GGUFTensor:
     """A 2-D GGUF tensor as stored: ``data`` uint8 [rows, bytes of a row's blocks] (rows may lie
-    further apart: a shard of columns), ``shape`` (rows, values per row)."""
+    further apart: a shard of columns), ``shape`` (rows, values per row); ``mapped``: ``data`` is a
+    view of the memory-mapped file (not a copy). ``Q4_K_X16`` (``repacked``): ``data`` holds panels
+    of ``X16_LANES`` rows, uint8 [rows / X16_LANES, a panel's bytes]."""
 
     data: torch.Tensor
     ggml_type: int
     shape: tuple[int, int]
+    mapped: bool = False
 
     def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
         """A shard, as ``torch.Tensor.narrow``: rows, or whole blocks of each row's values."""
+        if self.ggml_type in X16_SUPER:
+            raise ValueError("a repacked tensor is not sharded: shard the tensor as stored, then repack")
         if dim == 0:
-            return GGUFTensor(self.data.narrow(0, start, length), self.ggml_type, (length, self.shape[1]))
+            return GGUFTensor(self.data.narrow(0, start, length), self.ggml_type, (length, self.shape[1]),
+                              self.mapped)
         values, size = BLOCK_TYPES[self.ggml_type]
         if start % values or length % values:
             raise ValueError(f"a {ggml_name(self.ggml_type)} tensor of {self.shape[1]} inputs splits only "
                              f"at whole blocks of {values}: a shard of inputs {start}..{start + length} does "
                              "not (choose a tensor parallel size that divides the blocks)")
         data = self.data.narrow(1, start // values * size, length // values * size)
-        return GGUFTensor(data, self.ggml_type, (self.shape[0], length))
+        return GGUFTensor(data, self.ggml_type, (self.shape[0], length), self.mapped)
+
+    def rows(self, first: int, count: int) -> GGUFTensor:
+        """Weight rows ``first`` .. ``first + count - 1`` (a repacked tensor's at whole panels)."""
+        group = X16_LANES if self.ggml_type in X16_SUPER else 1
+        if first % group or (count % group and first + count < self.shape[0]):
+            raise ValueError(f"rows of a repacked tensor go in panels of {group}")
+        count = min(count, self.shape[0] - first)
+        data = self.data[first // group : (first + count + group - 1) // group]
+        return GGUFTensor(data, self.ggml_type, (count, self.shape[1]), self.mapped)
+
+    def repacked(self) -> GGUFTensor:
+        """This tensor in the int8 GEMM's panels (``REPACKED``: Q4_K on AVX512-VNNI builds,
+        rows a multiple of ``X16_LANES``; every product of it then reads it as stored, no per-step
+        unpacking; the same bits as the block dots), its file pages handed back to the kernel
+        (``mapped``); itself where there is no repacked form or ``KVSERVE_GGUF_REPACK=0``."""
+        kernels = kquant_kernels()
+        if kernels is None or os.environ.get(REPACK_SWITCH, "1") == "0":
+            return self
+        data = kernels.repack(self.data, self.ggml_type, self.shape[1])
+        if data is None:
+            return self
+        if self.mapped:
+            release_pages(self.data)
+        return GGUFTensor(data, REPACKED[self.ggml_type], self.shape)
 
     def dequantize(self, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` (all where None) as floats of ``dtype``."""
@@ -122,8 +166,8 @@ class GGUFWeight:
             elif panels or (prefill and not gemm_takes(kernels, part)
                             and not kernels.dots_over_panels(part.ggml_type)):
                 for first in range(0, n, PANEL_ROWS):
-                    panel = GGUFTensor(part.data[first : first + PANEL_ROWS], part.ggml_type, part.shape)
-                    cols = slice(first, first + panel.data.shape[0])
+                    panel = part.rows(first, PANEL_ROWS)
+                    cols = slice(first, first + panel.shape[0])
                     weight, bias_cols = panel.dequantize(x.dtype), None if b is None else b[cols]
                     out[:, cols] = float_linear(rows, weight, bias_cols, few_rows=MAX_FUSED_ROWS)
             elif rows.shape[0]:
@@ -178,17 +222,29 @@ class GGUFWeight:
         return linear
 
 
-def gguf_weight(param: torch.Tensor, parts: list[tuple[int, GGUFTensor]]) -> GGUFWeight:
+def release_pages(data: torch.Tensor) -> None:
+    """Hand the whole pages under ``data`` (a view of the copy-on-write file mapping, never written)
+    back to the kernel: they leave this process's resident memory; a later read would map the file's
+    bytes again."""
+    start = data.data_ptr()
+    end = start + (data.shape[0] - 1) * data.stride(0) + data.shape[1]
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def gguf_weight(param: torch.Tensor, parts: list[tuple[int, GGUFTensor]], repack: bool = False) -> GGUFWeight:
     """The weight of a layer whose float ``param`` [n_out, k_in] got the rows of ``parts`` as GGUF
     tensors and every other row as floats: those rows become dense parts (copies; the float
-    parameter is dropped after)."""
+    parameter is dropped after). ``repack``: the parts that have a repacked form take it
+    (``GGUFTensor.repacked``)."""
     n_out, k_in = param.shape
     placed: list[tuple[int, GGUFTensor | torch.Tensor]] = []
     at = 0
     for start, part in sorted(parts, key=lambda p: p[0]):
         if start > at:
             placed.append((at, param[at:start].clone()))
-        placed.append((start, part))
+        placed.append((start, part.repacked() if repack else part))
         at = start + part.shape[0]
     if at < n_out:
         placed.append((at, param[at:].clone()))

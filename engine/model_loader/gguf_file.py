@@ -86,7 +86,7 @@ class GGUFFile:
         values, size = BLOCK_TYPES[info.ggml_type]
         start = self._data_start + info.offset
         data = torch.from_numpy(self._data[start : start + rows * (width // values) * size])
-        return GGUFTensor(data.view(rows, -1), info.ggml_type, (rows, width))
+        return GGUFTensor(data.view(rows, -1), info.ggml_type, (rows, width), mapped=True)
 
     def _block_bytes(self, info: TensorInfo, start: int) -> np.ndarray:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType

@@ -56,6 +56,7 @@ SIGNATURES = {  # every exported C function: its argument types (each returns in
     "kq_gemm": [_P, _I64, _I32, _I32, _I32, _P, _I32, _P, _P, _I64, _I32, _I32],
     "kq_gemm_types": [_I32],
     "kq_vnni_peak": [_I32, _I32],
+    "kq_repack_x16": [_P, _I64, _I32, _I32, _I32, _P, _I32],
     "gdn_vector_bits": [],
     "gdn_conv": [_P, _I64, _I32, _P, _P, _I32, _I32, _I32, _P, _I32],
     "gdn_prefill": [_P, _I64, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _P, _P, _I32],

@@ -245,6 +245,8 @@ static void row_products(const uint8_t *row, kq_dot_fn dot, kq_dots_fn dots, con
  * portable dots whatever was built (tests). 0 on success, 1 for a type or width it does not take. */
 int kq_matmul(const void *w, int64_t row_bytes, int type, int n_out, int k, const void *act, int rows,
               const void *bias, void *y, int64_t y_stride, int dtype, int isa, int num_threads) {
+    if (type == KQ_Q4_K_X16) /* repacked: the GEMM's tiles at any row count (no portable dots) */
+        return isa == 1 ? 1 : kq_gemm(w, row_bytes, type, n_out, k, act, rows, bias, y, y_stride, dtype, num_threads);
     const kq_dot_fn dot = dot_for(type, isa);
     const kq_dots_fn dots = dots_for(type, isa);
     const int block = type == GGML_Q4_0 || type == GGML_Q8_0 ? 32 : KQ_BLOCK;
@@ -279,7 +281,9 @@ int kq_linear_takes(const lin_t *L) {
     int rows = 0;
     for (int64_t p = 0; p < L->row_bytes; ++p) {
         const int block = parts[p].type == GGML_Q4_0 || parts[p].type == GGML_Q8_0 ? 32 : KQ_BLOCK;
-        if (dot_for(parts[p].type, 0) == NULL || L->k_in % block || parts[p].rows < 1) return 0;
+        const int x16 = parts[p].type == KQ_Q4_K_X16;
+        if (x16 ? KQ_ISA != 512 || parts[p].rows % KQ_X16_LANES : dot_for(parts[p].type, 0) == NULL) return 0;
+        if (L->k_in % block || parts[p].rows < 1) return 0;
         rows += parts[p].rows;
     }
     return rows == L->n_out;
@@ -291,11 +295,16 @@ int kq_linear_takes(const lin_t *L) {
  * meets. (Runs of 16 rows dealt out in turn, as a static schedule of 16 gives, read the weights at
  * half the rate at one row: docs/design/gguf_kquants.md.) */
 #define TEAM_ROWS 32 /* 64 bytes of bfloat16 outputs: no cache line of y written by two threads */
+/* a part's bytes a row (an X16 part's row_bytes are a panel's, of KQ_X16_LANES rows) */
+static int64_t bytes_a_row(const kq_part_t *part) {
+    return part->type == KQ_Q4_K_X16 ? part->row_bytes / KQ_X16_LANES : part->row_bytes;
+}
+
 static void team_share(const kq_part_t *parts, int n_parts, int t, int T, int *begin, int *end) {
     int64_t total = 0;
     int rows = 0;
     for (int p = 0; p < n_parts; ++p) {
-        total += (int64_t)parts[p].rows * parts[p].row_bytes;
+        total += (int64_t)parts[p].rows * bytes_a_row(&parts[p]);
         rows += parts[p].rows;
     }
     int at[2];
@@ -303,11 +312,11 @@ static void team_share(const kq_part_t *parts, int n_parts, int t, int T, int *b
         const int64_t goal = total * (t + e) / T;
         int64_t before = 0;
         int row = 0, p = 0;
-        while (p < n_parts && before + (int64_t)parts[p].rows * parts[p].row_bytes <= goal) {
-            before += (int64_t)parts[p].rows * parts[p].row_bytes;
+        while (p < n_parts && before + (int64_t)parts[p].rows * bytes_a_row(&parts[p]) <= goal) {
+            before += (int64_t)parts[p].rows * bytes_a_row(&parts[p]);
             row += parts[p++].rows;
         }
-        if (p < n_parts) row += (int)((goal - before + parts[p].row_bytes - 1) / parts[p].row_bytes);
+        if (p < n_parts) row += (int)((goal - before + bytes_a_row(&parts[p]) - 1) / bytes_a_row(&parts[p]));
         row = (row + TEAM_ROWS / 2) / TEAM_ROWS * TEAM_ROWS;
         at[e] = t + e == T ? rows : (row < rows ? row : rows);
     }
@@ -339,10 +348,26 @@ void kq_linear_team(const lin_t *L, int rows, const float *xf, const void *xh, v
     }
     const kq_part_t *parts = (const kq_part_t *)L->w;
     const int elem = elem_size(dtype);
+    int32_t pairs[MAX_FUSED_ROWS * ((KQ_MAX_WIDTH + KQ_BLOCK - 1) / KQ_BLOCK) * 4];
+    int32_t *pb = NULL; /* the rows' minimum pairs, made at the first X16 part */
     int begin, end; /* this thread's rows, in whichever parts they fall */
     team_share(parts, (int)L->row_bytes, omp_get_thread_num(), omp_get_num_threads(), &begin, &end);
     for (int p = 0, first = 0; p < L->row_bytes && first < end; first += parts[p++].rows) {
         const int lo = begin > first ? begin : first, hi = end < first + parts[p].rows ? end : first + parts[p].rows;
+        if (parts[p].type == KQ_Q4_K_X16) {
+            if (lo >= hi) continue;
+            if (pb == NULL) {
+                pb = k <= KQ_MAX_WIDTH ? pairs : malloc(sizeof(int32_t) * 4 * (size_t)rows * (size_t)nb);
+                if (pb == NULL) {
+                    fprintf(stderr, "kvserve kernels: out of memory for a GGUF weight's activation sums\n");
+                    abort();
+                }
+                kq_min_pairs(a, (int64_t)rows * nb, pb);
+            }
+            kq_x16_range((const uint8_t *)parts[p].w, parts[p].row_bytes, lo - first, hi - first, nb, a, pb, rows,
+                         L->bias, y, L->n_out, first, dtype);
+            continue;
+        }
         const kq_dot_fn dot = dot_for(parts[p].type, 0);
         const kq_dots_fn dots = dots_for(parts[p].type, 0);
         for (int n = lo; n < hi; ++n) {
@@ -353,6 +378,7 @@ void kq_linear_team(const lin_t *L, int rows, const float *xf, const void *xh, v
         }
     }
     if (a != act) free(a);
+    if (pb != NULL && pb != pairs) free(pb);
 }
 
 /* ---- dequantization ---- */
@@ -401,7 +427,7 @@ static void dequantize_row_f32(const uint8_t *w, int type, int k, float *out) {
 int kq_dequantize(const void *w, int64_t row_bytes, int type, int k, const int64_t *ids, int n, void *out,
                   int64_t out_stride, int dtype, int num_threads) {
     const int block = type == GGML_Q4_0 || type == GGML_Q8_0 ? 32 : KQ_BLOCK;
-    if (kq_dot_portable(type) == NULL || k <= 0 || k % block) return 1;
+    if ((type != KQ_Q4_K_X16 && kq_dot_portable(type) == NULL) || k <= 0 || k % block) return 1;
     const int elem = elem_size(dtype);
     const int threads = (int64_t)n * k >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
     float *bufs = malloc(sizeof(float) * (size_t)k * (size_t)threads);
@@ -410,7 +436,8 @@ int kq_dequantize(const void *w, int64_t row_bytes, int type, int k, const int64
     for (int i = 0; i < n; ++i) {
         float *buf = bufs + (size_t)omp_get_thread_num() * (size_t)k;
         const int64_t r = ids != NULL ? ids[i] : i;
-        dequantize_row_f32((const uint8_t *)w + r * row_bytes, type, k, buf);
+        if (type == KQ_Q4_K_X16) kq_x16_dequantize_row((const uint8_t *)w, row_bytes, r, k, buf);
+        else dequantize_row_f32((const uint8_t *)w + r * row_bytes, type, k, buf);
         from_float(buf, 1.f, dtype, (char *)out + (int64_t)i * out_stride * elem, k);
     }
     free(bufs);

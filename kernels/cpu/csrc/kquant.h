@@ -28,6 +28,19 @@ typedef struct {
 } kq_act_t;
 #define KQ_ACT_BYTES 292
 
+/* Q4_K repacked at load into the int8 GEMM's panels (kquant_gemm.c, AVX512-VNNI builds only;
+ * docs/design/gguf_kquants.md): a weight of n_out rows (a multiple of KQ_X16_LANES) as n_out / 16
+ * panels of 16 rows, each k / 256 superblocks of KQ_X16_SUPER bytes: per sub-block s of 32 values,
+ * 4 vectors of 64 bytes at 256 s (vector c: byte 4 l + b holds value 32 s + 4 c + b of row l in its
+ * low nibble and value 32 s + 16 + 4 c + b in its high one), then the rows' 6-bit scales (a byte a
+ * row, 16 bytes a sub-block, at 2048), the minimums as byte pairs (m_2q, m_2q+1) a row (32 bytes a
+ * pair q, at 2176) and the rows' d and dmin as float16 (at 2304 and 2336): 2368 bytes against the
+ * 16 rows' 2304 as stored. A kernel reads it as it is, no unpacking into a buffer: the GEMM's rows
+ * are the block dots' bit for bit (the dots' canonical order). Its type code is not ggml's. */
+#define KQ_Q4_K_X16 268
+#define KQ_X16_LANES 16
+#define KQ_X16_SUPER 2368
+
 /* one part of a W_GGUF lin_t (common.h): `rows` output rows of ggml type `type`, row_bytes apart */
 typedef struct {
     const void *w;
@@ -150,6 +163,21 @@ kq_dot_fn kq_dot_avx2(int type);
 kq_dot_fn kq_dot_avx512(int type);
 kq_dots_fn kq_dots_avx512(int type);
 kq_dots_fn kq_dots_avx2(int type);
+
+/* kquant_gemm.c's int8 GEMM (kq_matmul's arguments but isa); kq_matmul hands it X16 weights */
+int kq_gemm(const void *w, int64_t row_bytes, int type, int n_out, int k, const void *act, int rows,
+            const void *bias, void *y, int64_t y_stride, int dtype, int num_threads);
+/* an X16 weight's output rows [lo, hi) (kquant_gemm.c): y[m][col0 + n] = <row n, activation row m>
+ * (+ bias[col0 + n]) for the `rows` activation rows of A (nsb blocks a row; pb their minimum pairs,
+ * kq_min_pairs), y of dtype with rows y_stride elements apart; row n of the weight in panel n / 16,
+ * panels panel_bytes apart */
+void kq_x16_range(const uint8_t *w, int64_t panel_bytes, int lo, int hi, int nsb, const kq_act_t *A,
+                  const int32_t *pb, int rows, const void *bias, void *y, int64_t y_stride, int col0, int dtype);
+/* per activation block, its Q4_K minimum pairs (the sums of sub-blocks 2q and 2q + 1 as int16 in an
+ * int32, q = 0..3): what the minimums' bytes multiply */
+void kq_min_pairs(const kq_act_t *A, int64_t blocks, int32_t *pb);
+/* row r of an X16 weight as floats (the values dequantize_row_f32 gives the row as stored) */
+void kq_x16_dequantize_row(const uint8_t *w, int64_t panel_bytes, int64_t r, int k, float *out);
 
 /* which vector dots this build has: 512 (AVX512-VNNI), 256 (AVX2), 0 (the portable loops only) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)

@@ -253,6 +253,87 @@ static int tiles_k(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, i
 }
 #endif
 
+#if KQ_ISA == 512
+/* as tile_k for Q4_K, on a repacked panel (kquant.h KQ_Q4_K_X16): each 64-byte vector's low and
+ * high nibbles are two runs, masked and shifted in registers; the scales, minimum pairs and d, dmin
+ * widened from bytes and float16 as loaded; the same integers and float steps, so the same bits */
+KG_TILE_FN tile_x16(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, const int R, float *out) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[KG_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < nsb; ++i) {
+        const uint8_t *P = panel + (int64_t)i * KQ_X16_SUPER;
+        __m512i tot[KG_ROWS], part[KG_ROWS];
+        for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; ++s) {
+            for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
+            for (int c = 0; c < 4; ++c) {
+                const __m512i q = _mm512_loadu_si512(P + 256 * s + 64 * c);
+                const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *x = a[(int64_t)r * nsb + i].qs + 32 * s + 4 * c;
+                    int32_t x0, x1;
+                    memcpy(&x0, x, 4);
+                    memcpy(&x1, x + 16, 4);
+                    part[r] = _mm512_dpbusd_epi32(part[r], lo, _mm512_set1_epi32(x0));
+                    part[r] = _mm512_dpbusd_epi32(part[r], hi, _mm512_set1_epi32(x1));
+                }
+            }
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(P + 2048 + 16 * s)));
+            for (int r = 0; r < R; ++r) tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(part[r], sc));
+        }
+        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
+        for (int q = 0; q < 4; ++q) {
+            const __m512i mv = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(P + 2176 + 32 * q)));
+            for (int r = 0; r < R; ++r)
+                part[r] = _mm512_dpwssd_epi32(part[r], mv, _mm512_set1_epi32(pb[((int64_t)r * nsb + i) * 4 + q]));
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2304)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2336)));
+        for (int r = 0; r < R; ++r) {
+            const __m512 ad = _mm512_set1_ps(a[(int64_t)r * nsb + i].d);
+            const __m512 t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(part[r]), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(tot[r]), d));
+            acc[r] = _mm512_fmadd_ps(t, ad, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + KG_LANES * r, acc[r]);
+}
+
+static int tiles_x16(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, int rows, float *out) {
+#define KG_AT(R)                                     \
+    if (rows >= (R)) {                               \
+        tile_x16(panel, a, pb, nsb, (R), out);       \
+        return (R);                                  \
+    }
+    KG_AT(KG_ROWS)
+    KG_AT(4)
+    KG_AT(2)
+    KG_AT(1)
+#undef KG_AT
+    return 0;
+}
+
+/* panel p's superblocks as pack_panel_k laid them out (Q4_K: sub-blocks of 8 runs and int32 scales,
+ * minimum pairs as int16, d and dmin as floats) into the repacked layout */
+static void x16_from_k(const uint8_t *K, uint8_t *X) {
+    const int64_t sub = 32 * KG_LANES + 4 * KG_LANES;
+    for (int s = 0; s < 8; ++s) {
+        const uint8_t *B = K + s * sub;
+        for (int c = 0; c < 4; ++c) {
+            const __m512i lo = _mm512_load_si512(B + 64 * c), hi = _mm512_load_si512(B + 64 * (c + 4));
+            _mm512_storeu_si512(X + 256 * s + 64 * c, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+        }
+        _mm_storeu_si128((__m128i *)(X + 2048 + 16 * s), _mm512_cvtepi32_epi8(_mm512_load_si512(B + 32 * KG_LANES)));
+    }
+    const uint8_t *Q = K + 8 * sub;
+    for (int q = 0; q < 4; ++q)
+        _mm256_storeu_si256((__m256i *)(X + 2176 + 32 * q), _mm512_cvtepi16_epi8(_mm512_load_si512(Q + 64 * q)));
+    const float *f = (const float *)(Q + 4 * 64);
+    _mm256_storeu_si256((__m256i *)(X + 2304), _mm512_cvtps_ph(_mm512_loadu_ps(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256((__m256i *)(X + 2336), _mm512_cvtps_ph(_mm512_loadu_ps(f + KG_LANES), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
 /* the rows taken (KG_ROWS, else 4, 2, 1 of the rows left), each count its own inlined tile */
 static int tiles(const uint8_t *panel, const kq_act_t *a, const float *fb, int nsb, int rows, int S, int q8,
                  float *out) {
@@ -274,11 +355,113 @@ static int tiles(const uint8_t *panel, const kq_act_t *a, const float *fb, int n
 }
 #endif
 
+void kq_min_pairs(const kq_act_t *A, int64_t blocks, int32_t *pb) {
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int q = 0; q < 4; ++q) {
+            const int16_t p[2] = {(int16_t)(A[b].bsums[4 * q] + A[b].bsums[4 * q + 1]),
+                                  (int16_t)(A[b].bsums[4 * q + 2] + A[b].bsums[4 * q + 3])};
+            memcpy(&pb[b * 4 + q], p, 4);
+        }
+}
+
+void kq_x16_range(const uint8_t *w, int64_t panel_bytes, int lo, int hi, int nsb, const kq_act_t *A,
+                  const int32_t *pb, int rows, const void *bias, void *y, int64_t y_stride, int col0, int dtype) {
+#if KQ_ISA == 512
+    const int elem = elem_size(dtype);
+    for (int p = lo / KG_LANES; p * KG_LANES < hi; ++p) {
+        const int n0 = p * KG_LANES, a0 = lo > n0 ? lo : n0, a1 = hi < n0 + KG_LANES ? hi : n0 + KG_LANES;
+        float b[KG_LANES] = {0};
+        if (bias != NULL) to_float((const char *)bias + (int64_t)(col0 + a0) * elem, dtype, b + (a0 - n0), a1 - a0);
+        for (int m = 0; m < rows;) {
+            float out[KG_ROWS * KG_LANES];
+            const int done = tiles_x16(w + (int64_t)p * panel_bytes, A + (int64_t)m * nsb, pb + (int64_t)m * nsb * 4,
+                                       nsb, rows - m, out);
+            for (int r = 0; r < done; ++r) {
+                float *o = out + KG_LANES * r;
+                for (int l = a0 - n0; l < a1 - n0; ++l) o[l] += b[l];
+                from_float(o + (a0 - n0), 1.f, dtype, (char *)y + ((int64_t)(m + r) * y_stride + col0 + a0) * elem, a1 - a0);
+            }
+            m += done;
+        }
+    }
+#else
+    (void)w, (void)panel_bytes, (void)lo, (void)hi, (void)nsb, (void)A, (void)pb, (void)rows, (void)bias, (void)y;
+    (void)y_stride, (void)col0, (void)dtype;
+#endif
+}
+
+/* out = the Q4_K weight (n_out rows, row_bytes apart, k values a row) repacked (kquant.h
+ * KQ_Q4_K_X16), n_out / 16 panels of k / 256 x KQ_X16_SUPER bytes. 0 on success, 1 for a type,
+ * shape or build it does not take (AVX512-VNNI only; n_out a multiple of 16, k of 256), 2 when
+ * memory could not be had. */
+int kq_repack_x16(const void *w, int64_t row_bytes, int type, int n_out, int k, void *out, int num_threads) {
+#if KQ_ISA == 512
+    if (type != GGML_Q4_K || n_out <= 0 || n_out % KG_LANES || k <= 0 || k % KQ_BLOCK) return 1;
+    const int nsb = k / KQ_BLOCK, panels = n_out / KG_LANES;
+    const int64_t panel_bytes = (int64_t)nsb * KQ_X16_SUPER;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        uint8_t *buf = aligned_alloc(64, (size_t)nsb * (size_t)k_super_bytes(0));
+        failed = buf == NULL;
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; ++p) {
+            if (buf == NULL) continue;
+            pack_panel_k((const uint8_t *)w, row_bytes, GGML_Q4_K, p * KG_LANES, n_out, nsb, buf);
+            for (int i = 0; i < nsb; ++i)
+                x16_from_k(buf + (int64_t)i * k_super_bytes(0), (uint8_t *)out + p * panel_bytes + (int64_t)i * KQ_X16_SUPER);
+        }
+        free(buf);
+    }
+    return failed ? 2 : 0;
+#else
+    (void)w, (void)row_bytes, (void)type, (void)n_out, (void)k, (void)out, (void)num_threads;
+    return 1;
+#endif
+}
+
+void kq_x16_dequantize_row(const uint8_t *w, int64_t panel_bytes, int64_t r, int k, float *out) {
+    const int l = (int)(r % KQ_X16_LANES);
+    const uint8_t *panel = w + (r / KQ_X16_LANES) * panel_bytes;
+    for (int i = 0; i < k / KQ_BLOCK; ++i) {
+        const uint8_t *P = panel + (int64_t)i * KQ_X16_SUPER;
+        const float d = kq_half(P + 2304 + 2 * l), dmin = kq_half(P + 2336 + 2 * l);
+        for (int s = 0; s < 8; ++s) {
+            const int sc = P[2048 + 16 * s + l], m = P[2176 + 32 * (s / 2) + 2 * l + s % 2];
+            for (int j = 0; j < 32; ++j) {
+                const uint8_t byte = P[256 * s + 64 * (j % 16 / 4) + 4 * l + j % 4];
+                const int q = j < 16 ? byte & 15 : byte >> 4;
+                out[KQ_BLOCK * i + 32 * s + j] = d * (float)sc * (float)q - dmin * (float)m;
+            }
+        }
+    }
+}
+
+/* kq_gemm of an X16 weight (row_bytes: a panel's bytes), at any row count: the panels as stored */
+static int gemm_x16(const uint8_t *w, int64_t panel_bytes, int n_out, int k, const void *act, int rows,
+                    const void *bias, void *y, int64_t y_stride, int dtype, int num_threads) {
+    if (KQ_ISA != 512 || k <= 0 || k % KQ_BLOCK || rows < 0 || n_out < 0 || n_out % KQ_X16_LANES) return 1;
+    const int nsb = k / KQ_BLOCK, panels = n_out / KQ_X16_LANES;
+    const kq_act_t *A = (const kq_act_t *)act;
+    int32_t *pb = malloc(sizeof(int32_t) * 4 * ((size_t)rows * (size_t)nsb + 1));
+    if (pb == NULL) return 2;
+    kq_min_pairs(A, (int64_t)rows * nsb, pb);
+    const int threads = (int64_t)n_out * k * (rows > 0 ? rows : 1) >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int p = 0; p < panels; ++p)
+        kq_x16_range(w, panel_bytes, p * KQ_X16_LANES, (p + 1) * KQ_X16_LANES, nsb, A, pb, rows, bias, y, y_stride, 0,
+                     dtype);
+    free(pb);
+    return 0;
+}
+
 /* y[m][n] = dot(weight row n, activation row m) (+ bias[n]), as kq_matmul (the same arguments but
  * isa), for k a multiple of 256 and a type kq_gemm_types(0) has. 0 on success, 1 for a type or
  * width it does not take, 2 when memory could not be had. */
 int kq_gemm(const void *w, int64_t row_bytes, int type, int n_out, int k, const void *act, int rows,
             const void *bias, void *y, int64_t y_stride, int dtype, int num_threads) {
+    if (type == KQ_Q4_K_X16) return gemm_x16((const uint8_t *)w, row_bytes, n_out, k, act, rows, bias, y, y_stride,
+                                             dtype, num_threads);
     if (type < GGML_Q4_0 || type > GGML_Q6_K || !(KG_TYPES & KG_BIT(type)) || k <= 0 || k % KQ_BLOCK || rows < 0 ||
         n_out < 0)
         return 1;
@@ -293,15 +476,8 @@ int kq_gemm(const void *w, int64_t row_bytes, int type, int n_out, int k, const 
     float *fb = malloc(sizeof(float) * ((size_t)rows * (size_t)nsb * (size_t)subs + 1));
     if (fb == NULL) return 2;
     int32_t *pb = (int32_t *)fb;
-    for (int64_t b = 0; b < (int64_t)rows * nsb; ++b) {
-        if (alike) {
-            for (int q = 0; q < 4 && !q6; ++q) {
-                const int16_t p[2] = {(int16_t)(A[b].bsums[4 * q] + A[b].bsums[4 * q + 1]),
-                                      (int16_t)(A[b].bsums[4 * q + 2] + A[b].bsums[4 * q + 3])};
-                memcpy(&pb[b * 4 + q], p, 4);
-            }
-            continue;
-        }
+    if (alike && !q6) kq_min_pairs(A, (int64_t)rows * nsb, pb);
+    for (int64_t b = 0; b < (int64_t)rows * nsb && !alike; ++b) {
         for (int s = 0; s < subs; ++s)
             fb[b * subs + s] = S == 16 ? (float)A[b].bsums[s] : (float)(A[b].bsums[2 * s] + A[b].bsums[2 * s + 1]);
     }

@@ -25,7 +25,7 @@ from kvserve.engine.model_input import ModelInput
 from kvserve.engine.models.decode_row import DecodeRow
 from kvserve.engine.runner.model_runner import ModelRunner
 from kvserve.kernels.cpu.bindings import CpuKernels, load_kernels
-from kvserve.kernels.cpu.kquant import kquant_kernels
+from kvserve.kernels.cpu.kquant import BLOCK_TYPES, REPACKED, X16_SUPER, kquant_kernels
 
 pytestmark = pytest.mark.skipif(kquant_kernels() is None, reason="the CPU kernels are not built here")
 
@@ -76,6 +76,19 @@ def held_spans(model: torch.nn.Module) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in merged]
 
 
+def mapping_resident(path) -> int:
+    """Bytes of the file's mapping resident in this process (/proc/self/smaps' Rss)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
 def file_mapping(path) -> list[tuple[int, int]]:
     with open("/proc/self/maps") as f:
         lines = [line.split()[0] for line in f if line.rstrip().endswith(str(path))]
@@ -92,11 +105,23 @@ def test_a_q4_k_m_model_holds_at_most_1_3x_its_files_tensor_bytes(tmp_path, dtyp
     held = sum(hi - lo for lo, hi in spans)
     mapped = file_mapping(path)
     in_file = sum(hi - lo for lo, hi in spans if any(a <= lo < b for a, b in mapped))
+    # each repacked part's bytes, and its bytes as the file stores them
+    stored = {x16: 16 * BLOCK_TYPES[t][1] for t, x16 in REPACKED.items()}
+    parts = [p for m in runner.model.modules() if isinstance(getattr(m, "quantized", None), GGUFWeight)
+             for _, p in m.quantized.parts if isinstance(p, GGUFTensor) and p.ggml_type in X16_SUPER]
+    repacked = sum(p.data.numel() for p in parts)
+    repacked_stored = sum(p.data.numel() * stored[p.ggml_type] // X16_SUPER[p.ggml_type] for p in parts)
+    resident = mapping_resident(path)
     runner.shutdown()
-    # the layers' block tensors are views of the mapping; the copies are llama's q and k rows
-    # (reordered for rotate-half rotary) and the float norms
-    assert held <= 1.3 * file_bytes, (held, file_bytes, in_file)
-    assert in_file >= 0.6 * file_bytes, (held, file_bytes, in_file)
+    # the layers' block tensors are views of the mapping, or (Q4_K on AVX512-VNNI builds, not in
+    # float32) repacked copies; the other copies are llama's q and k rows (reordered for
+    # rotate-half rotary) and the float norms
+    assert held <= 1.3 * file_bytes, (held, file_bytes, in_file, repacked)
+    assert in_file + repacked >= 0.6 * file_bytes, (held, file_bytes, in_file, repacked)
+    assert (repacked > 0) == (dtype == "bfloat16" and kquant_kernels().isa == 512)
+    # a repacked tensor's pages of the file, read once to repack it, are handed back: what stays
+    # resident of the mapping is at most the rest of the file
+    assert resident <= file_bytes - 0.9 * repacked_stored + (1 << 20), (resident, file_bytes, repacked_stored)
 
 
 def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
@@ -211,8 +236,9 @@ def test_a_prefill_chunk_through_the_int8_gemm_gives_the_block_dots_logits(tmp_p
     def cosine(a, b):
         return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
-    if kernels.isa:  # q, k, o, gate, up in Q4_K and v, down in Q6_K, each layer
-        assert sorted(set(taken)) == [int(T.Q4_K), int(T.Q6_K)] and len(taken) == 7 * LAYERS
+    if kernels.isa:  # q, k, o, gate, up in Q4_K (repacked on AVX512-VNNI) and v, down in Q6_K, each layer
+        types = [REPACKED.get(int(t), int(t)) if kernels.isa == 512 else int(t) for t in (T.Q4_K, T.Q6_K)]
+        assert sorted(set(taken)) == sorted(types) and len(taken) == 7 * LAYERS
         assert cosine(got, dots) > 0.9995
         if kernels.gemm_alike(int(T.Q4_K)) and kernels.gemm_alike(int(T.Q6_K)):
             assert torch.equal(got, dots)  # the GEMM's rows are the dots' bits
@@ -247,3 +273,27 @@ def test_a_decode_row_beside_a_prefill_chunk_in_the_gemm_gives_its_logits_alone(
     if alike:
         assert torch.equal(alone, both[0])
     assert (alone - both[0]).abs().max() <= 1e-2 * alone.abs().max()
+
+
+@pytest.mark.skipif(kquant_kernels() is None or kquant_kernels().isa != 512,
+                    reason="Q4_K is repacked on AVX512-VNNI builds only")
+def test_repacked_q4_k_gives_the_stored_blocks_bits(tmp_path, monkeypatch):
+    """The Q4_K projections repacked at load (``REPACKED``, the default) against the same file kept as
+    stored (``KVSERVE_GGUF_REPACK=0``: the block dots and per-step panels), in bfloat16: a 40-token
+    prefill (the int8 GEMM) and 4 decode steps (one row: the dots against the repacked tiles; the
+    fused decode step where built) give the same logits, bit for bit."""
+    path = tmp_path / "model-Q4_K_M.gguf"
+    write_q4_k_m(path)
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+
+    def logits(repack: str) -> torch.Tensor:
+        monkeypatch.setenv(gguf_linear.REPACK_SWITCH, repack)
+        config = EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=8, enforce_eager=True)
+        runner = ModelRunner(config)
+        formats = runner.weight_formats
+        out = decode_logits(runner, prompt, 4)
+        runner.shutdown()
+        assert ("o_proj=Q4_K_X16" in formats) == (repack == "1"), formats
+        return out
+
+    assert torch.equal(logits("1"), logits("0"))
