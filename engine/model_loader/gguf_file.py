@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.engine.layers.gguf_linear import GGUFTensor
+from kvserve.engine.layers.gguf_linear import GGUFTensor, release_pages
 from kvserve.engine.model_loader import gguf_families
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES
 
@@ -256,7 +256,8 @@ def hf_tensors(gguf: GGUFFile, keep_blocks: bool = False) -> Iterator[tuple[str,
             count = heads if "q_proj" in name else kv_heads
             if as_stored:  # whole rows move: a copy of these two tensors' blocks in the new order
                 order = _unpermute_rotary_rows(torch.arange(info.shape[0]), count)
-                tensor = GGUFTensor(tensor.data[order], tensor.ggml_type, tensor.shape)
+                stored, tensor = tensor, GGUFTensor(tensor.data[order], tensor.ggml_type, tensor.shape)
+                release_pages(stored.data)  # read once for the copy, never again
             else:
                 tensor = _unpermute_rotary_rows(tensor, count)
         yield from gguf_families.regroup(arch, name, tensor, pending)
