@@ -237,23 +237,6 @@ KG_TILE_FN tile_k(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, in
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + KG_LANES * r, acc[r]);
 }
 
-static int tiles_k(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, int rows, int q6, float *out) {
-#define KG_AT(R)                                                                 \
-    if (rows >= (R)) {                                                           \
-        if (q6) tile_k(panel, a, pb, nsb, (R), 1, out);                          \
-        else tile_k(panel, a, pb, nsb, (R), 0, out);                             \
-        return (R);                                                              \
-    }
-    KG_AT(KG_ROWS)
-    KG_AT(4)
-    KG_AT(2)
-    KG_AT(1)
-#undef KG_AT
-    return 0;
-}
-#endif
-
-#if KQ_ISA == 512
 /* as tile_k for Q4_K, on a repacked panel (kquant.h KQ_Q4_K_X16): each 64-byte vector's low and
  * high nibbles are two runs, masked and shifted in registers; the scales, minimum pairs and d, dmin
  * widened from bytes and float16 as loaded; the same integers and float steps, so the same bits */
@@ -299,11 +282,16 @@ KG_TILE_FN tile_x16(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, 
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + KG_LANES * r, acc[r]);
 }
 
-static int tiles_x16(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, int rows, float *out) {
-#define KG_AT(R)                                     \
-    if (rows >= (R)) {                               \
-        tile_x16(panel, a, pb, nsb, (R), out);       \
-        return (R);                                  \
+/* the rows a K-quant panel's tile takes (KG_ROWS, else 4, 2, 1 of the rows left), each count its
+ * own inlined tile; kind 0: Q4_K/Q5_K's panel (pack_panel_k), 1: Q6_K's, 2: a repacked Q4_K panel */
+static int tiles_k(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, int rows, int kind,
+                   float *out) {
+#define KG_AT(R)                                                                 \
+    if (rows >= (R)) {                                                           \
+        if (kind == 2) tile_x16(panel, a, pb, nsb, (R), out);                    \
+        else if (kind) tile_k(panel, a, pb, nsb, (R), 1, out);                   \
+        else tile_k(panel, a, pb, nsb, (R), 0, out);                             \
+        return (R);                                                              \
     }
     KG_AT(KG_ROWS)
     KG_AT(4)
@@ -374,8 +362,8 @@ void kq_x16_range(const uint8_t *w, int64_t panel_bytes, int lo, int hi, int nsb
         if (bias != NULL) to_float((const char *)bias + (int64_t)(col0 + a0) * elem, dtype, b + (a0 - n0), a1 - a0);
         for (int m = 0; m < rows;) {
             float out[KG_ROWS * KG_LANES];
-            const int done = tiles_x16(w + (int64_t)p * panel_bytes, A + (int64_t)m * nsb, pb + (int64_t)m * nsb * 4,
-                                       nsb, rows - m, out);
+            const int done = tiles_k(w + (int64_t)p * panel_bytes, A + (int64_t)m * nsb, pb + (int64_t)m * nsb * 4,
+                                     nsb, rows - m, 2, out);
             for (int r = 0; r < done; ++r) {
                 float *o = out + KG_LANES * r;
                 for (int l = a0 - n0; l < a1 - n0; ++l) o[l] += b[l];
