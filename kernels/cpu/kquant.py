@@ -144,7 +144,6 @@ class KQuantKernels:
                                        DTYPES[dtype], torch.get_num_threads()), "kq_dequantize")
         return out
 
-
     def repack(self, weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor | None:
         """``weight`` (uint8 rows of ``ggml_type``'s blocks, ``k`` values a row) repacked as
         ``REPACKED[ggml_type]``: a new uint8 [rows / X16_LANES, panel bytes] tensor; None where this
