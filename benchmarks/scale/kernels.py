@@ -10,8 +10,8 @@ and its parts (activation quantization, the panels' unpacking); for Q4_K on AVX5
 repacked weight the loader keeps (``REPACKED``: the same tiles, no unpacking). ``--clock thread
 --threads 1`` times one thread's CPU time instead of the wall clock (the peak too), so that other processes'
 share of a loaded machine drops out; ``--against SO`` adds another build's GEMM (e.g. main's shared
-object from kernels/cpu/build.py's cache) to the same interleaved rounds. Random valid blocks; run
-it on a quiet machine.
+object from kernels/cpu/build.py's cache) to the same interleaved rounds, and its repacked product
+beside this build's. Random valid blocks; run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: 
     dequantized bfloat16 panels (what ``GGUFWeight.linear`` chooses between), milliseconds, best
     of interleaved rounds; the GEMM's int8 rate against ``peak`` (GOP/s of all threads: 2 per
     multiply-add), and its parts: the activations' quantization, the panels' unpacking; with
-    ``against`` (another build's kernels) that build's GEMM and unpacking in the same rounds."""
+    ``against`` (another build's kernels) that build's GEMM, unpacking and repacked product in the
+    same rounds."""
     from kvserve.engine.layers.cpu_matmul import linear
     from kvserve.engine.layers.gguf_linear import PANEL_FROM_ROWS, PANEL_ROWS, GGUFTensor, gemm_from_rows
 
@@ -95,6 +96,10 @@ def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: 
         if against is not None:
             fns["gemm_against"] = lambda: against.gemm(weight, ggml_type, k, against.quantize(x), out)
             fns["unpack_against"] = lambda: against.gemm(weight, ggml_type, k, act[:1], out[:1])
+            theirs = against.repack(weight, ggml_type, k)
+            if packed is not None and theirs is not None:
+                fns["repacked_against"] = lambda: against.gemm(theirs, REPACKED[ggml_type], k,
+                                                               against.quantize(x), out)
     best = best_of_interleaved(fns, rounds, clock)
     cells = ", ".join(f"{key} {t * 1e3:8.2f} ms" for key, t in best.items())
     ratio = ""
@@ -105,7 +110,9 @@ def prefill_paths(kernels, name: str, ggml_type: int, n_out: int, k: int, rows: 
                  + (f" = {ops / peak:.0%} of the vpdpbusd peak" if peak else "")
                  + (f", {best['gemm_against'] / best['gemm']:.2f}x the other build's" if against else "")
                  + (f"; repacked {best['gemm'] / best['repacked']:.2f}x the gemm"
-                    if "repacked" in best else ""))
+                    if "repacked" in best else "")
+                 + (f", {best['repacked_against'] / best['repacked']:.2f}x the other build's repacked"
+                    if "repacked_against" in best else ""))
     part = GGUFTensor(weight, ggml_type, (n_out, k))
     gemm = kernels.gemm_takes(ggml_type) and k % 256 == 0 and rows >= gemm_from_rows(kernels, part)
     dots = rows < PANEL_FROM_ROWS or kernels.dots_over_panels(ggml_type)

@@ -11,7 +11,8 @@ Per arm and round: the whole burst's seconds and generated tokens per second, st
 chunks the scheduler chose, TTFT p50 and the gaps between a request's tokens (ITL p50, p99) while
 other prompts prefilled. ``--split`` adds where the steps' wall time went: the projections (every
 ``LinearBase``), attention, norms, the LM head, the sampler, the rest of the forward (embedding,
-rotary, activation, Python), and the engine around the model (scheduling, inputs, outputs).
+rotary, activation, Python), and the engine around the model (scheduling, inputs, outputs), for
+the steps with a prompt chunk and for the decode-only steps apart.
 """
 
 from __future__ import annotations
@@ -142,8 +143,18 @@ def summarize(steps, total, first, stamps, generated) -> dict:
            "prefill_step_p50_s": statistics.median([s["seconds"] for s in prefill_steps] or [0]),
            "ttft_p50_s": ttft[len(ttft) // 2], "itl_p50_s": gaps[len(gaps) // 2] if gaps else 0,
            "itl_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0}
+    out["prefill_steps_split_s"] = split_parts(prefill_steps)
+    out["decode_steps_split_s"] = split_parts([s for s in steps if not s["chunks"]])
+    out["steps_seen"] = [[s["decode"], s["chunks"], s["pairs"], round(s["seconds"], 4)] for s in steps]
+    fits = [s["coef"] for s in prefill_steps if s["coef"]]
+    out["fit_p50"] = [statistics.median(c[i] for c in fits) for i in range(3)] if fits else None
+    return out
+
+
+def split_parts(steps) -> dict[str, float]:
+    """Where ``steps``' wall time went: the timers' parts and, with ``--split``, the forward's."""
     split = defaultdict(float)
-    for s in prefill_steps:
+    for s in steps:
         split["sampler"] += s["sampler"]
         split["scheduler"] += s["schedule"]
         split["engine around the model"] += s["seconds"] - s["forward"] - s["sampler"] - s["schedule"]
@@ -154,11 +165,7 @@ def summarize(steps, total, first, stamps, generated) -> dict:
             split["rest of the forward"] += s["forward"] - sum(inside.values())
         else:
             split["forward"] += s["forward"]
-    out["prefill_steps_split_s"] = dict(split)
-    out["steps_seen"] = [[s["decode"], s["chunks"], s["pairs"], round(s["seconds"], 4)] for s in steps]
-    fits = [s["coef"] for s in prefill_steps if s["coef"]]
-    out["fit_p50"] = [statistics.median(c[i] for c in fits) for i in range(3)] if fits else None
-    return out
+    return dict(split)
 
 
 def simulate(machine: tuple[float, float, float], work, arm) -> dict:
@@ -266,10 +273,11 @@ def main(argv: list[str] | None = None) -> dict:
     for arm, got in results.items():
         best = min(got, key=lambda g: g["seconds"])
         print(f"arm {fmt(arm)} best of {len(got)}: {line(best)}")
-        split = best["prefill_steps_split_s"]
-        whole = sum(split.values()) or 1.0
-        print("  prefill steps: " + ", ".join(f"{k} {v:.2f} s ({v / whole:.0%})" for k, v in
-                                              sorted(split.items(), key=lambda kv: -kv[1])))
+        for kind in ("prefill", "decode"):
+            split = best[f"{kind}_steps_split_s"]
+            whole = sum(split.values()) or 1.0
+            print(f"  {kind} steps {whole:.2f} s: " + ", ".join(
+                f"{k} {v:.2f} s ({v / whole:.0%})" for k, v in sorted(split.items(), key=lambda kv: -kv[1])))
     write_json(args.json, {"model": args.model,
                            "arms": [{"arm": fmt(a), "rounds": g} for a, g in results.items()]})
     return results

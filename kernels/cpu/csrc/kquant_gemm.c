@@ -237,59 +237,82 @@ KG_TILE_FN tile_k(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, in
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + KG_LANES * r, acc[r]);
 }
 
-/* as tile_k for Q4_K, on a repacked panel (kquant.h KQ_Q4_K_X16): each 64-byte vector's low and
- * high nibbles are two runs, masked and shifted in registers; the scales, minimum pairs and d, dmin
- * widened from bytes and float16 as loaded; the same integers and float steps, so the same bits */
-KG_TILE_FN tile_x16(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, const int R, float *out) {
+/* acc += the unsigned bytes of w by the 4 signed bytes at x broadcast, the broadcast embedded in the
+ * instruction (compilers load it apart with set1 of a loaded int: 1.03-1.08x slower, measured) */
+static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
+/* as tile_k for Q4_K, on a repacked panel (kquant.h KQ_Q4_K_X16), one superblock P of it for R rows:
+ * each 64-byte vector's low and high nibbles are two runs, masked and shifted in registers; the
+ * scales, minimum pairs and d, dmin widened from bytes and float16 as loaded; the same integers and
+ * float steps into acc[r], so the same bits. a, pb: the rows' superblock i (rows nsb apart) */
+KG_TILE_FN super_x16(const uint8_t *P, const kq_act_t *a, const int32_t *pb, int nsb, const int R, __m512 *acc) {
     const __m512i low = _mm512_set1_epi8(15);
-    __m512 acc[KG_ROWS];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    __m512i tot[KG_ROWS], part[KG_ROWS];
+    for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s) {
+        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+            const __m512i q = _mm512_loadu_si512(P + 256 * s + 64 * c);
+            const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+            for (int r = 0; r < R; ++r) {
+                const int8_t *x = a[(int64_t)r * nsb].qs + 32 * s + 4 * c;
+                part[r] = dpbusd_bcast(part[r], lo, x);
+                part[r] = dpbusd_bcast(part[r], hi, x + 16);
+            }
+        }
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(P + 2048 + 16 * s)));
+        for (int r = 0; r < R; ++r) tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(part[r], sc));
+    }
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
+    for (int q = 0; q < 4; ++q) {
+        const __m512i mv = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(P + 2176 + 32 * q)));
+        for (int r = 0; r < R; ++r)
+            part[r] = _mm512_dpwssd_epi32(part[r], mv, _mm512_set1_epi32(pb[(int64_t)r * nsb * 4 + q]));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2304)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2336)));
+    for (int r = 0; r < R; ++r) {
+        const __m512 ad = _mm512_set1_ps(a[(int64_t)r * nsb].d);
+        const __m512 t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(part[r]), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(tot[r]), d));
+        acc[r] = _mm512_fmadd_ps(t, ad, acc[r]);
+    }
+}
+
+/* rows (at most KG_X16_BLOCK) of activations by a repacked panel, superblock by superblock: each of
+ * the panel's superblocks read once (from memory, the first time) for all the rows, in tiles of
+ * KG_ROWS, else 4, 2, 1 (each count its own inlined tile); a row's steps are tile_k's, in order */
+#define KG_X16_BLOCK 32
+#define KG_X16_AHEAD 4
+static void block_x16(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, int rows, float *out) {
+    __m512 acc[KG_X16_BLOCK];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
     for (int i = 0; i < nsb; ++i) {
         const uint8_t *P = panel + (int64_t)i * KQ_X16_SUPER;
-        __m512i tot[KG_ROWS], part[KG_ROWS];
-        for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_si512();
-        for (int s = 0; s < 8; ++s) {
-            for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
-            for (int c = 0; c < 4; ++c) {
-                const __m512i q = _mm512_loadu_si512(P + 256 * s + 64 * c);
-                const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-                for (int r = 0; r < R; ++r) {
-                    const int8_t *x = a[(int64_t)r * nsb + i].qs + 32 * s + 4 * c;
-                    int32_t x0, x1;
-                    memcpy(&x0, x, 4);
-                    memcpy(&x1, x + 16, 4);
-                    part[r] = _mm512_dpbusd_epi32(part[r], lo, _mm512_set1_epi32(x0));
-                    part[r] = _mm512_dpbusd_epi32(part[r], hi, _mm512_set1_epi32(x1));
-                }
-            }
-            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(P + 2048 + 16 * s)));
-            for (int r = 0; r < R; ++r) tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(part[r], sc));
-        }
-        for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
-        for (int q = 0; q < 4; ++q) {
-            const __m512i mv = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(P + 2176 + 32 * q)));
-            for (int r = 0; r < R; ++r)
-                part[r] = _mm512_dpwssd_epi32(part[r], mv, _mm512_set1_epi32(pb[((int64_t)r * nsb + i) * 4 + q]));
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2304)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + 2336)));
-        for (int r = 0; r < R; ++r) {
-            const __m512 ad = _mm512_set1_ps(a[(int64_t)r * nsb + i].d);
-            const __m512 t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(part[r]), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(tot[r]), d));
-            acc[r] = _mm512_fmadd_ps(t, ad, acc[r]);
+        for (int line = 0; line < KQ_X16_SUPER; line += 64) /* the superblock KG_X16_AHEAD on, every line */
+            _mm_prefetch((const char *)(P + KG_X16_AHEAD * KQ_X16_SUPER + line), _MM_HINT_T1);
+        for (int m = 0; m < rows;) {
+            const kq_act_t *am = a + (int64_t)m * nsb + i;
+            const int32_t *pm = pb + ((int64_t)m * nsb + i) * 4;
+            const int left = rows - m;
+            if (left >= KG_ROWS) super_x16(P, am, pm, nsb, KG_ROWS, acc + m), m += KG_ROWS;
+            else if (left >= 4) super_x16(P, am, pm, nsb, 4, acc + m), m += 4;
+            else if (left >= 2) super_x16(P, am, pm, nsb, 2, acc + m), m += 2;
+            else super_x16(P, am, pm, nsb, 1, acc + m), m += 1;
         }
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + KG_LANES * r, acc[r]);
+    for (int r = 0; r < rows; ++r) _mm512_storeu_ps(out + KG_LANES * r, acc[r]);
 }
 
 /* the rows a K-quant panel's tile takes (KG_ROWS, else 4, 2, 1 of the rows left), each count its
- * own inlined tile; kind 0: Q4_K/Q5_K's panel (pack_panel_k), 1: Q6_K's, 2: a repacked Q4_K panel */
+ * own inlined tile; kind 0: Q4_K/Q5_K's panel (pack_panel_k), 1: Q6_K's */
 static int tiles_k(const uint8_t *panel, const kq_act_t *a, const int32_t *pb, int nsb, int rows, int kind,
                    float *out) {
 #define KG_AT(R)                                                                 \
     if (rows >= (R)) {                                                           \
-        if (kind == 2) tile_x16(panel, a, pb, nsb, (R), out);                    \
-        else if (kind) tile_k(panel, a, pb, nsb, (R), 1, out);                   \
+        if (kind) tile_k(panel, a, pb, nsb, (R), 1, out);                        \
         else tile_k(panel, a, pb, nsb, (R), 0, out);                             \
         return (R);                                                              \
     }
@@ -361,9 +384,9 @@ void kq_x16_range(const uint8_t *w, int64_t panel_bytes, int lo, int hi, int nsb
         float b[KG_LANES] = {0};
         if (bias != NULL) to_float((const char *)bias + (int64_t)(col0 + a0) * elem, dtype, b + (a0 - n0), a1 - a0);
         for (int m = 0; m < rows;) {
-            float out[KG_ROWS * KG_LANES];
-            const int done = tiles_k(w + (int64_t)p * panel_bytes, A + (int64_t)m * nsb, pb + (int64_t)m * nsb * 4,
-                                     nsb, rows - m, 2, out);
+            float out[KG_X16_BLOCK * KG_LANES];
+            const int done = rows - m < KG_X16_BLOCK ? rows - m : KG_X16_BLOCK;
+            block_x16(w + (int64_t)p * panel_bytes, A + (int64_t)m * nsb, pb + (int64_t)m * nsb * 4, nsb, done, out);
             for (int r = 0; r < done; ++r) {
                 float *o = out + KG_LANES * r;
                 for (int l = a0 - n0; l < a1 - n0; ++l) o[l] += b[l];
@@ -435,7 +458,10 @@ static int gemm_x16(const uint8_t *w, int64_t panel_bytes, int n_out, int k, con
     if (pb == NULL) return 2;
     kq_min_pairs(A, (int64_t)rows * nsb, pb);
     const int threads = (int64_t)n_out * k * (rows > 0 ? rows : 1) >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    /* runs of panels a thread (4 a thread, each taken when the last is done): the panel after the
+     * one being multiplied is most often the same thread's, so block_x16's prefetch is its own */
+    const int run = panels / (4 * threads) > 1 ? panels / (4 * threads) : 1;
+#pragma omp parallel for schedule(dynamic, run) num_threads(threads)
     for (int p = 0; p < panels; ++p)
         kq_x16_range(w, panel_bytes, p * KQ_X16_LANES, (p + 1) * KQ_X16_LANES, nsb, A, pb, rows, bias, y, y_stride, 0,
                      dtype);

@@ -2,9 +2,10 @@
 GEMM's panels kept as the weight, read as stored at any row count. Against the blocks as the
 file stores them, multiplied by the block dots (few rows) and the GEMM (many): the same bits, in
 float32 and bfloat16, with a bias, at widths of 1, 9 and 32 superblocks, row counts through every
-tile height, a shard of columns; dequantized rows equal to the stored blocks' dequantized rows. Random
-valid blocks (any bytes with finite float16 scales). AVX512-VNNI builds only (``make test-isa`` runs
-it under the Ice Lake class; the AVX2 class has no repacked form and keeps the blocks)."""
+tile height and past a block of rows, a shard of columns; dequantized rows equal to the stored
+blocks' dequantized rows. Random valid blocks (any bytes with finite float16 scales). AVX512-VNNI
+builds only (``make test-isa`` runs it under the Ice Lake class; the AVX2 class has no repacked
+form and keeps the blocks)."""
 
 from __future__ import annotations
 
@@ -30,15 +31,16 @@ def product(weight, ggml_type, k, act, rows, n_out, dtype, bias=None, gemm=False
 @pytest.mark.parametrize("stored", sorted(REPACKED), ids=NAMES.get)
 @pytest.mark.parametrize(("n_out", "k"), [(16, 256), (48, 2304), (32, 8192)])
 def test_repacked_rows_are_the_stored_blocks_bits(stored, n_out, k):
-    """Rows 1..19 (tiles of 8, 4, 2 and 1) and one row at a time, activations of mixed magnitudes."""
+    """Rows 1..71 (tiles of 8, 4, 2 and 1; blocks of 32 rows a superblock, the last one short) and
+    one row at a time, activations of mixed magnitudes."""
     weight = random_weight(stored, n_out, k, seed=k + n_out + stored)
     packed, x16 = KQ.repack(weight, stored, k), REPACKED[stored]
     assert packed.shape == (n_out // X16_LANES, k // 256 * X16_SUPER[x16])
     gen = torch.Generator().manual_seed(k)
-    x = torch.randn(19, k, generator=gen) * torch.logspace(-3, 3, 19).unsqueeze(1)
+    x = torch.randn(71, k, generator=gen) * torch.logspace(-3, 3, 71).unsqueeze(1)
     for dtype in (torch.float32, torch.bfloat16):
         bias = torch.randn(n_out, generator=gen).to(dtype) if dtype == torch.bfloat16 else None
-        for rows in (1, 2, 3, 5, 8, 15, 16, 19):
+        for rows in (1, 2, 3, 5, 8, 15, 16, 19, 32, 33, 71):
             act = KQ.quantize(x[:rows].to(dtype))
             want = product(weight, stored, k, act, rows, n_out, dtype, bias)  # the dots (the GEMM from 16)
             assert torch.equal(product(packed, x16, k, act, rows, n_out, dtype, bias), want), (dtype, rows)
