@@ -4,7 +4,8 @@ Each rank holds ``ceil(vocab / tp)`` rows (the last shard padded with zero rows)
 looks up the ids in its range and all-reduces; the LM head computes its slice of the logits and
 gathers them on rank 0, which trims the padding. A GGUF file's table in a block format
 (``gguf_linear.GGUFTensor``) stays as stored: lookups dequantize the rows they take, and the LM
-head (its own table, or the embedding's when tied) multiplies it as a ``GGUFWeight``.
+head (its own table, or the embedding's when tied) multiplies it as a ``GGUFWeight`` (repacked as
+the projections are).
 """
 
 from __future__ import annotations
@@ -82,11 +83,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.quantized = quantize_int8(self.weight.data)
 
     def finish_loading(self) -> None:
-        """A table loaded as GGUF blocks (its own, or the tied embedding's) is multiplied as stored;
-        this shard's padding rows stay zero."""
+        """A table loaded as GGUF blocks (its own, or the tied embedding's) is multiplied as stored,
+        repacked where the projections are (``GGUFTensor.repacked``: not in float32; a tied
+        embedding's lookups keep reading the stored rows); this shard's padding rows stay zero."""
         table = getattr(self.weight, "gguf_table", None)
         if table is not None:
-            self.quantized = gguf_weight(self.weight.data, [(0, table)])
+            self.quantized = gguf_weight(self.weight.data, [(0, table)],
+                                         repack=self.weight.dtype != torch.float32)
             self.weight = nn.Parameter(torch.empty(0, self.weight.shape[1], dtype=self.weight.dtype),
                                        requires_grad=False)
 

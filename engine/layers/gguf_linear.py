@@ -36,6 +36,7 @@ from kvserve.kernels.cpu.abi import MAX_FUSED_ROWS, W_GGUF, KqPart, Linear
 from kvserve.kernels.cpu.kquant import (
     BLOCK_TYPES,
     Q4_K_X16,
+    Q6_K_X16,
     REPACKED,
     X16_LANES,
     X16_SUPER,
@@ -43,7 +44,8 @@ from kvserve.kernels.cpu.kquant import (
 )
 
 GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
-              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16", Q4_K_X16: "Q4_K_X16"}
+              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16", Q4_K_X16: "Q4_K_X16",
+              Q6_K_X16: "Q6_K_X16"}
 # KVSERVE_GGUF_REPACK=0 keeps the projections as the file stores them (as llama.cpp's --no-repack)
 REPACK_SWITCH = "KVSERVE_GGUF_REPACK"
 _MADV_DONTNEED = 4

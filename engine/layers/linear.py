@@ -102,7 +102,7 @@ class LinearBase(nn.Module):
         """After every tensor is loaded: a weight that got GGUF tensors is kept as a ``GGUFWeight``
         (its other rows as floats), and the float weight goes."""
         if self.gguf_parts:
-            # a projection's Q4_K parts repacked for the int8 kernels, except in float32 (whose
+            # a projection's Q4_K and Q6_K parts repacked for the int8 kernels, except in float32 (whose
             # products multiply dequantized panels: docs/design/gguf_kquants.md)
             self.quantized = gguf_weight(self.weight.data, self.gguf_parts,
                                          repack=self.weight.dtype != torch.float32)

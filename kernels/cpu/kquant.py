@@ -34,14 +34,15 @@ BLOCK_TYPES = {_code("GGML_Q4_0"): (32, 18), _code("GGML_Q8_0"): (32, 34),
                _code("GGML_Q4_K"): (256, 144), _code("GGML_Q5_K"): (256, 176),
                _code("GGML_Q6_K"): (256, 210)}
 PORTABLE = 1  # ``matmul``'s isa: the portable dots whatever the build has (tests)
-# Q4_K repacked at load into the int8 GEMM's panels of X16_LANES rows (csrc/kquant.h; AVX512-VNNI
-# builds): ``repack`` makes it; a tensor of it is uint8 [rows / X16_LANES, a panel's bytes];
-# REPACKED maps a stored type to its repacked type, X16_SUPER a repacked type to its bytes a
+# Q4_K and Q6_K repacked at load into the int8 GEMM's panels of X16_LANES rows (csrc/kquant.h;
+# AVX512-VNNI builds): ``repack`` makes them; a tensor of one is uint8 [rows / X16_LANES, a panel's
+# bytes]; REPACKED maps a stored type to its repacked type, X16_SUPER a repacked type to its bytes a
 # panel's superblock
 Q4_K_X16 = _code("KQ_Q4_K_X16")
+Q6_K_X16 = _code("KQ_Q6_K_X16")
 X16_LANES = _code("KQ_X16_LANES")
-X16_SUPER = {Q4_K_X16: _code("KQ_X16_SUPER")}
-REPACKED = {_code("GGML_Q4_K"): Q4_K_X16}
+X16_SUPER = {Q4_K_X16: _code("KQ_X16_SUPER"), Q6_K_X16: _code("KQ_Q6X16_SUPER")}
+REPACKED = {_code("GGML_Q4_K"): Q4_K_X16, _code("GGML_Q6_K"): Q6_K_X16}
 
 
 def stored_rows(weight: torch.Tensor, ggml_type: int) -> int:
@@ -147,7 +148,7 @@ class KQuantKernels:
     def repack(self, weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor | None:
         """``weight`` (uint8 rows of ``ggml_type``'s blocks, ``k`` values a row) repacked as
         ``REPACKED[ggml_type]``: a new uint8 [rows / X16_LANES, panel bytes] tensor; None where this
-        build or shape has no repacked form (AVX512-VNNI builds, Q4_K, rows a multiple of
+        build or shape has no repacked form (AVX512-VNNI builds, Q4_K and Q6_K, rows a multiple of
         X16_LANES, k of ``KQ_BLOCK``)."""
         n_out = weight.shape[0]
         if (self.isa != 512 or ggml_type not in REPACKED or n_out % X16_LANES or k % KQ_BLOCK

@@ -245,7 +245,7 @@ static void row_products(const uint8_t *row, kq_dot_fn dot, kq_dots_fn dots, con
  * portable dots whatever was built (tests). 0 on success, 1 for a type or width it does not take. */
 int kq_matmul(const void *w, int64_t row_bytes, int type, int n_out, int k, const void *act, int rows,
               const void *bias, void *y, int64_t y_stride, int dtype, int isa, int num_threads) {
-    if (type == KQ_Q4_K_X16) /* repacked: the GEMM's tiles at any row count (no portable dots) */
+    if (KQ_IS_X16(type)) /* repacked: the GEMM's tiles at any row count (no portable dots) */
         return isa == 1 ? 1 : kq_gemm(w, row_bytes, type, n_out, k, act, rows, bias, y, y_stride, dtype, num_threads);
     const kq_dot_fn dot = dot_for(type, isa);
     const kq_dots_fn dots = dots_for(type, isa);
@@ -281,7 +281,7 @@ int kq_linear_takes(const lin_t *L) {
     int rows = 0;
     for (int64_t p = 0; p < L->row_bytes; ++p) {
         const int block = parts[p].type == GGML_Q4_0 || parts[p].type == GGML_Q8_0 ? 32 : KQ_BLOCK;
-        const int x16 = parts[p].type == KQ_Q4_K_X16;
+        const int x16 = KQ_IS_X16(parts[p].type);
         if (x16 ? KQ_ISA != 512 || parts[p].rows % KQ_X16_LANES : dot_for(parts[p].type, 0) == NULL) return 0;
         if (L->k_in % block || parts[p].rows < 1) return 0;
         rows += parts[p].rows;
@@ -297,7 +297,7 @@ int kq_linear_takes(const lin_t *L) {
 #define TEAM_ROWS 32 /* 64 bytes of bfloat16 outputs: no cache line of y written by two threads */
 /* a part's bytes a row (an X16 part's row_bytes are a panel's, of KQ_X16_LANES rows) */
 static int64_t bytes_a_row(const kq_part_t *part) {
-    return part->type == KQ_Q4_K_X16 ? part->row_bytes / KQ_X16_LANES : part->row_bytes;
+    return KQ_IS_X16(part->type) ? part->row_bytes / KQ_X16_LANES : part->row_bytes;
 }
 
 static void team_share(const kq_part_t *parts, int n_parts, int t, int T, int *begin, int *end) {
@@ -354,9 +354,9 @@ void kq_linear_team(const lin_t *L, int rows, const float *xf, const void *xh, v
     team_share(parts, (int)L->row_bytes, omp_get_thread_num(), omp_get_num_threads(), &begin, &end);
     for (int p = 0, first = 0; p < L->row_bytes && first < end; first += parts[p++].rows) {
         const int lo = begin > first ? begin : first, hi = end < first + parts[p].rows ? end : first + parts[p].rows;
-        if (parts[p].type == KQ_Q4_K_X16) {
+        if (KQ_IS_X16(parts[p].type)) {
             if (lo >= hi) continue;
-            if (pb == NULL) {
+            if (pb == NULL && parts[p].type == KQ_Q4_K_X16) {
                 pb = k <= KQ_MAX_WIDTH ? pairs : malloc(sizeof(int32_t) * 4 * (size_t)rows * (size_t)nb);
                 if (pb == NULL) {
                     fprintf(stderr, "kvserve kernels: out of memory for a GGUF weight's activation sums\n");
@@ -364,8 +364,8 @@ void kq_linear_team(const lin_t *L, int rows, const float *xf, const void *xh, v
                 }
                 kq_min_pairs(a, (int64_t)rows * nb, pb);
             }
-            kq_x16_range((const uint8_t *)parts[p].w, parts[p].row_bytes, lo - first, hi - first, nb, a, pb, rows,
-                         L->bias, y, L->n_out, first, dtype);
+            kq_x16_range((const uint8_t *)parts[p].w, parts[p].row_bytes, parts[p].type, lo - first, hi - first, nb,
+                         a, parts[p].type == KQ_Q4_K_X16 ? pb : NULL, rows, L->bias, y, L->n_out, first, dtype);
             continue;
         }
         const kq_dot_fn dot = dot_for(parts[p].type, 0);
@@ -427,7 +427,7 @@ static void dequantize_row_f32(const uint8_t *w, int type, int k, float *out) {
 int kq_dequantize(const void *w, int64_t row_bytes, int type, int k, const int64_t *ids, int n, void *out,
                   int64_t out_stride, int dtype, int num_threads) {
     const int block = type == GGML_Q4_0 || type == GGML_Q8_0 ? 32 : KQ_BLOCK;
-    if ((type != KQ_Q4_K_X16 && kq_dot_portable(type) == NULL) || k <= 0 || k % block) return 1;
+    if ((!KQ_IS_X16(type) && kq_dot_portable(type) == NULL) || k <= 0 || k % block) return 1;
     const int elem = elem_size(dtype);
     const int threads = (int64_t)n * k >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
     float *bufs = malloc(sizeof(float) * (size_t)k * (size_t)threads);
@@ -436,7 +436,7 @@ int kq_dequantize(const void *w, int64_t row_bytes, int type, int k, const int64
     for (int i = 0; i < n; ++i) {
         float *buf = bufs + (size_t)omp_get_thread_num() * (size_t)k;
         const int64_t r = ids != NULL ? ids[i] : i;
-        if (type == KQ_Q4_K_X16) kq_x16_dequantize_row((const uint8_t *)w, row_bytes, r, k, buf);
+        if (KQ_IS_X16(type)) kq_x16_dequantize_row((const uint8_t *)w, row_bytes, type, r, k, buf);
         else dequantize_row_f32((const uint8_t *)w + r * row_bytes, type, k, buf);
         from_float(buf, 1.f, dtype, (char *)out + (int64_t)i * out_stride * elem, k);
     }

@@ -40,6 +40,17 @@ typedef struct {
 #define KQ_Q4_K_X16 268
 #define KQ_X16_LANES 16
 #define KQ_X16_SUPER 2368
+/* Q6_K repacked likewise (KQ_Q6_K_X16), panels of 16 rows, k / 256 superblocks of KQ_Q6X16_SUPER
+ * bytes: per pair t of 16-value sub-blocks (2t, 2t + 1), 4 vectors of 64 bytes at 256 t (vector c:
+ * byte 4 l + b holds the low 4 bits of value 32 t + 4 c + b of row l in its low nibble, of value
+ * 32 t + 16 + 4 c + b in its high one); per quad u of sub-blocks, 4 vectors at 2048 + 256 u (vector
+ * c: byte 4 l + b holds the 2 high bits of value 16 (4 u + j) + 4 c + b at bits 2 j, 2 j + 1); then
+ * the rows' int8 scales (16 bytes a sub-block, at 3072), the same as pairs (sc_2q, sc_2q+1) a row (32
+ * bytes a pair q, at 3328) and the rows' d as float16 (at 3584): 3616 bytes against the 16 rows'
+ * 3360 as stored. A kernel rebuilds each superblock's bytes once for all its activation rows. */
+#define KQ_Q6_K_X16 269
+#define KQ_Q6X16_SUPER 3616
+#define KQ_IS_X16(t) ((t) == KQ_Q4_K_X16 || (t) == KQ_Q6_K_X16)
 
 /* one part of a W_GGUF lin_t (common.h): `rows` output rows of ggml type `type`, row_bytes apart */
 typedef struct {
@@ -169,15 +180,15 @@ int kq_gemm(const void *w, int64_t row_bytes, int type, int n_out, int k, const 
             const void *bias, void *y, int64_t y_stride, int dtype, int num_threads);
 /* an X16 weight's output rows [lo, hi) (kquant_gemm.c): y[m][col0 + n] = <row n, activation row m>
  * (+ bias[col0 + n]) for the `rows` activation rows of A (nsb blocks a row; pb their minimum pairs,
- * kq_min_pairs), y of dtype with rows y_stride elements apart; row n of the weight in panel n / 16,
- * panels panel_bytes apart */
-void kq_x16_range(const uint8_t *w, int64_t panel_bytes, int lo, int hi, int nsb, const kq_act_t *A,
+ * kq_min_pairs, for KQ_Q4_K_X16; NULL for KQ_Q6_K_X16), y of dtype with rows y_stride elements
+ * apart; row n of the weight in panel n / 16, panels panel_bytes apart */
+void kq_x16_range(const uint8_t *w, int64_t panel_bytes, int type, int lo, int hi, int nsb, const kq_act_t *A,
                   const int32_t *pb, int rows, const void *bias, void *y, int64_t y_stride, int col0, int dtype);
 /* per activation block, its Q4_K minimum pairs (the sums of sub-blocks 2q and 2q + 1 as int16 in an
  * int32, q = 0..3): what the minimums' bytes multiply */
 void kq_min_pairs(const kq_act_t *A, int64_t blocks, int32_t *pb);
 /* row r of an X16 weight as floats (the values dequantize_row_f32 gives the row as stored) */
-void kq_x16_dequantize_row(const uint8_t *w, int64_t panel_bytes, int64_t r, int k, float *out);
+void kq_x16_dequantize_row(const uint8_t *w, int64_t panel_bytes, int type, int64_t r, int k, float *out);
 
 /* which vector dots this build has: 512 (AVX512-VNNI), 256 (AVX2), 0 (the portable loops only) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)

@@ -143,18 +143,19 @@ def test_greedy_tokens_equal_the_dequantized_weights_up_to_the_first_near_tie(tm
     got, _ = greedy(runner, prompt, 40)
     layer = runner.model.model.layers[0]
     qkv, down = layer.self_attn.qkv_proj.quantized, layer.mlp.down_proj.quantized
-    # Q4_K projections are repacked for the int8 kernels where they run them (AVX512-VNNI builds,
-    # not float32)
+    # Q4_K and Q6_K projections (and LM head) are repacked for the int8 kernels where they run them
+    # (AVX512-VNNI builds, not float32)
     x16 = "_X16" if dtype == "bfloat16" and kquant_kernels().isa == 512 else ""
-    assert isinstance(qkv, GGUFWeight) and qkv.formats() == [f"Q4_K{x16}", dtype, "Q6_K"]
+    assert isinstance(qkv, GGUFWeight) and qkv.formats() == [f"Q4_K{x16}", dtype, f"Q6_K{x16}"]
     assert down.formats() == ["Q4_0"] and layer.mlp.gate_up_proj.quantized.formats() == ["Q5_K", "Q8_0"]
     assert layer.mlp.down_proj.weight.numel() == 0  # no float copy
     embed, head = runner.model.model.embed_tokens, runner.model.lm_head
     assert isinstance(embed.table, GGUFTensor)
-    assert head.quantized.formats() == (["Q8_0"] if tied else ["Q6_K"])
+    assert head.quantized.formats() == (["Q8_0"] if tied else [f"Q6_K{x16}"])
     assert runner.weight_formats == [  # ModelInfo's weight_formats
         "down_proj=Q4_0", f"embed_tokens={'Q8_0' if tied else 'Q4_K'}", "gate_up_proj=Q5_K,Q8_0",
-        f"lm_head={'Q8_0' if tied else 'Q6_K'}", f"o_proj=Q4_K{x16}", f"qkv_proj=Q4_K{x16},Q6_K,{dtype}"]
+        f"lm_head={'Q8_0' if tied else f'Q6_K{x16}'}", f"o_proj=Q4_K{x16}",
+        f"qkv_proj=Q4_K{x16},Q6_K{x16},{dtype}"]
     runner.shutdown()
     # a near-tie: a runner-up within 4 times that RMS change of the reference's choice
     first_tie = next((i for i, m in enumerate(margins) if m < 4 * moved), len(margins))

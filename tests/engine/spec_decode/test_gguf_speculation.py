@@ -104,7 +104,7 @@ def test_ngram_speculation_gives_plain_greedy_tokens_on_a_k_quant_model(llm, tog
     assert len(llm.tokenizer.encode(PROMPTS[-1])) > PANEL_FROM_ROWS
     formats = dict(f.split("=") for f in llm.engine.executor.weight_formats)
     x16 = "_X16" if kquant_kernels().isa == 512 else ""  # repacked where the kernels run them
-    assert formats["qkv_proj"] == f"Q4_K{x16},Q6_K" and formats["down_proj"] == "Q6_K", formats
+    assert formats["qkv_proj"] == f"Q4_K{x16},Q6_K{x16}" and formats["down_proj"] == f"Q6_K{x16}", formats
     with_control_plane(llm, speculative="off")
     plain = tokens(llm, PROMPTS, together)
     with_control_plane(llm, CHEAP_ROWS, speculative="ngram", num_speculative_tokens=8,

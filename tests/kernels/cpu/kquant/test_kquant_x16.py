@@ -1,4 +1,4 @@
-"""Q4_K repacked at load (``KQuantKernels.repack``, ``REPACKED``; csrc/kquant_gemm.c): the int8
+"""Q4_K and Q6_K repacked at load (``KQuantKernels.repack``, ``REPACKED``; csrc/kquant_gemm.c): the int8
 GEMM's panels kept as the weight, read as stored at any row count. Against the blocks as the
 file stores them, multiplied by the block dots (few rows) and the GEMM (many): the same bits, in
 float32 and bfloat16, with a bias, at widths of 1, 9 and 32 superblocks, row counts through every
@@ -16,10 +16,10 @@ from kvserve.benchmarks.scale.kernels import random_weight
 from kvserve.kernels.cpu.kquant import BLOCK_TYPES, REPACKED, X16_LANES, X16_SUPER, kquant_kernels
 
 Q4_K, Q5_K, Q6_K = 12, 13, 14
-NAMES = {Q4_K: "Q4_K"}
+NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K"}
 KQ = kquant_kernels()
 pytestmark = pytest.mark.skipif(KQ is None or KQ.isa != 512,
-                                reason="Q4_K is repacked on AVX512-VNNI builds only")
+                                reason="Q4_K and Q6_K are repacked on AVX512-VNNI builds only")
 
 
 def product(weight, ggml_type, k, act, rows, n_out, dtype, bias=None, gemm=False):
@@ -74,11 +74,12 @@ def test_dequantized_rows_are_the_stored_blocks_values(stored):
                            KQ.dequantize(weight, stored, 768, dtype, ids))
 
 
-def test_only_q4_k_in_whole_panels_is_repacked():
+def test_only_q4_k_and_q6_k_in_whole_panels_are_repacked():
     """Other types, and row counts that are not whole panels of 16, keep their blocks (None)."""
-    assert list(REPACKED) == [Q4_K]
-    for other in (Q5_K, Q6_K):
+    assert sorted(REPACKED) == [Q4_K, Q6_K]
+    for other in (Q5_K, 2, 8):  # Q5_K, Q4_0, Q8_0
         assert KQ.repack(random_weight(other, 32, 256, seed=5), other, 256) is None
-    assert KQ.repack(random_weight(Q4_K, 24, 256, seed=6), Q4_K, 256) is None
+    for stored in REPACKED:
+        assert KQ.repack(random_weight(stored, 24, 256, seed=6), stored, 256) is None
     for x16 in REPACKED.values():
         assert KQ.gemm_takes(x16) and KQ.gemm_alike(x16) and not KQ.dots_over_panels(x16)
