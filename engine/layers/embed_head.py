@@ -33,7 +33,6 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.shard_rows, vocab_size)
         self.weight = nn.Parameter(torch.zeros(self.shard_rows, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.table: GGUFTensor | None = None  # this shard's rows as a GGUF file stores them
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | GGUFTensor, shard_id=None) -> None:
         if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
@@ -51,9 +50,20 @@ class VocabParallelEmbedding(nn.Module):
         """After every tensor is loaded: a table loaded as GGUF blocks replaces the float one."""
         table = getattr(self.weight, "gguf_table", None)
         if table is not None:
-            self.table = table
+            # the loaded parameter's attributes (not the parameter: its float storage goes), where a
+            # tied LM head puts its repacked copy of the table
+            self._table_attrs = vars(self.weight)
             self.weight = nn.Parameter(torch.empty(0, self.weight.shape[1], dtype=self.weight.dtype),
                                        requires_grad=False)
+
+    @property
+    def table(self) -> GGUFTensor | None:
+        """This shard's rows as a GGUF file stores them, or as a tied LM head repacked them (the
+        lookups then read that copy, and the file's pages are handed back: each lookup from the
+        mapping made ~40 KB of it resident, the kernel mapping the cached pages around the faulting
+        one, until the whole table was)."""
+        attrs = getattr(self, "_table_attrs", None)
+        return None if attrs is None else attrs["gguf_table"]
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of this shard's table."""
@@ -90,6 +100,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if table is not None:
             self.quantized = gguf_weight(self.weight.data, [(0, table)],
                                          repack=self.weight.dtype != torch.float32)
+            self.weight.gguf_table = dict(self.quantized.parts)[0]  # a tied embedding's lookups read it
             self.weight = nn.Parameter(torch.empty(0, self.weight.shape[1], dtype=self.weight.dtype),
                                        requires_grad=False)
 

@@ -8,6 +8,7 @@ load through here.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable
 
 import torch
@@ -44,6 +45,17 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     for module in model.modules():  # layers that got GGUF blocks keep them as stored (gguf_linear.py)
         if hasattr(module, "finish_loading"):
             module.finish_loading()
+    return_freed_heap()
+
+
+def return_freed_heap() -> None:
+    """Hand the allocator's free heap back to the kernel after loading: the transient copies of a
+    load (float parameters replaced, a repack's buffers) leave free blocks the C heap keeps
+    resident (glibc's ``malloc_trim``: ~65 MB of a 1.7B Q4_K_M file's load, measured); nothing
+    where the C library has no such call."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _parts(model: nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, object, torch.Tensor]]:
