@@ -112,6 +112,11 @@ def test_a_q4_k_m_model_holds_at_most_1_3x_its_files_tensor_bytes(tmp_path, dtyp
     repacked = sum(p.data.numel() for p in parts)
     repacked_stored = sum(p.data.numel() * stored[p.ggml_type] // X16_SUPER[p.ggml_type] for p in parts)
     resident = mapping_resident(path)
+    embed = runner.model.model.embed_tokens
+    vocab = embed.vocab_end - embed.vocab_start
+    embed.lookup(torch.randint(0, vocab, (4 * vocab,), generator=torch.Generator().manual_seed(0)))
+    looked_up = mapping_resident(path) - resident
+    table_repacked = embed.table.ggml_type in X16_SUPER
     runner.shutdown()
     # the layers' block tensors are views of the mapping, or (Q4_K and Q6_K on AVX512-VNNI builds,
     # not in float32) repacked copies; the other copies are llama's q and k rows (reordered for
@@ -125,6 +130,11 @@ def test_a_q4_k_m_model_holds_at_most_1_3x_its_files_tensor_bytes(tmp_path, dtyp
     # a repacked tensor's pages of the file, read once to repack it, are handed back: what stays
     # resident of the mapping is at most the rest of the file
     assert resident <= file_bytes - 0.9 * repacked_stored + (1 << 20), (resident, file_bytes, repacked_stored)
+    # the tied table repacked for the LM head: the embedding looks its rows up in that copy, so no
+    # lookup brings the file's table back (from the mapping, each fault maps the cached pages around)
+    assert table_repacked == (repacked > 0)
+    if table_repacked:
+        assert looked_up == 0, looked_up
 
 
 def test_a_prefill_product_dequantizes_one_panel_at_a_time(monkeypatch):
