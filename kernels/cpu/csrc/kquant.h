@@ -28,7 +28,7 @@ typedef struct {
 } kq_act_t;
 #define KQ_ACT_BYTES 292
 
-/* Q4_K repacked at load into the int8 GEMM's panels (kquant_gemm.c, AVX512-VNNI builds only;
+/* Q4_K repacked at load into the int8 GEMM's panels (kquant_x16.c, AVX512-VNNI builds only;
  * docs/design/gguf_kquants.md): a weight of n_out rows (a multiple of KQ_X16_LANES) as n_out / 16
  * panels of 16 rows, each k / 256 superblocks of KQ_X16_SUPER bytes: per sub-block s of 32 values,
  * 4 vectors of 64 bytes at 256 s (vector c: byte 4 l + b holds value 32 s + 4 c + b of row l in its
@@ -178,7 +178,10 @@ kq_dots_fn kq_dots_avx2(int type);
 /* kquant_gemm.c's int8 GEMM (kq_matmul's arguments but isa); kq_matmul hands it X16 weights */
 int kq_gemm(const void *w, int64_t row_bytes, int type, int n_out, int k, const void *act, int rows,
             const void *bias, void *y, int64_t y_stride, int dtype, int num_threads);
-/* an X16 weight's output rows [lo, hi) (kquant_gemm.c): y[m][col0 + n] = <row n, activation row m>
+/* kq_gemm of an X16 weight (row_bytes: a panel's bytes), at any row count (kquant_x16.c) */
+int kq_gemm_x16(const uint8_t *w, int64_t panel_bytes, int type, int n_out, int k, const void *act, int rows,
+                const void *bias, void *y, int64_t y_stride, int dtype, int num_threads);
+/* an X16 weight's output rows [lo, hi) (kquant_x16.c): y[m][col0 + n] = <row n, activation row m>
  * (+ bias[col0 + n]) for the `rows` activation rows of A (nsb blocks a row; pb their minimum pairs,
  * kq_min_pairs, for KQ_Q4_K_X16; NULL for KQ_Q6_K_X16), y of dtype with rows y_stride elements
  * apart; row n of the weight in panel n / 16, panels panel_bytes apart */

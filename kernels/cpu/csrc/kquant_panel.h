@@ -1,5 +1,5 @@
-/* The panels of csrc/kquant_gemm.c's int8 GEMM, unpacked in vectors (included by it alone, on its
- * vector builds: KQ_ISA 512 with KG_LANES 16, 256 with 8). A panel holds KG_LANES weight rows,
+/* The panels of csrc/kquant_gemm.c's int8 GEMM, unpacked in vectors (included by it and, for the
+ * repack, csrc/kquant_x16.c, on their vector builds: KQ_ISA 512 with KG_LANES 16, 256 with 8). A panel holds KG_LANES weight rows,
  * superblock after superblock; per sub-block of S values (32, Q6_K's 16) S / 4 runs of KG_LANES x 4
  * bytes (run c: values S s + 4c .. + 3 of each row, row r at byte 4r, so an int32 lane holds one
  * weight row), then the rows' scales. Per superblock every row's 256 values are unpacked into a
@@ -15,6 +15,15 @@
 #include <string.h>
 
 #include "kquant.h"
+
+#if KQ_ISA == 512
+/* acc += the unsigned bytes of w by the 4 signed bytes at x broadcast, the broadcast embedded in the
+ * instruction (compilers load it apart with set1 of a loaded int: 1.03-1.08x slower, measured) */
+static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+#endif
 
 static inline float half_of(const uint8_t *p) {
     uint16_t h;
@@ -173,7 +182,7 @@ static inline void unpack_rows(const uint8_t *w, int64_t row_bytes, int type, in
 
 /* rows n0 .. n0 + KG_LANES - 1 of the weight (zeros past n_out) into a float panel: per superblock,
  * per sub-block s the runs, then the rows' scales and minimums as floats (value = scale v - min) */
-static void pack_panel(const uint8_t *w, int64_t row_bytes, int type, int n0, int n_out, int nsb, uint8_t *panel) {
+static inline void pack_panel(const uint8_t *w, int64_t row_bytes, int type, int n0, int n_out, int nsb, uint8_t *panel) {
     const int S = sub_values(type), subs = KQ_BLOCK / S;
     uint8_t vals[KG_LANES * KQ_BLOCK] __attribute__((aligned(64)));
     for (int64_t i = 0; i < nsb; ++i) {
