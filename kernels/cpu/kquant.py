@@ -7,7 +7,8 @@ multiplies a weight (uint8 rows of the file's blocks, e.g. a view of the memory-
 them, writing into a column range of the output, so that q, k and v (or gate and up), each a
 tensor of its own type in the file, share one quantization of their input. ``dequantize`` gives
 rows of a weight as floats (embedding lookups; the panels of CPUs without vector dots); ``gemm``
-is ``matmul`` for a prefill chunk's many rows (csrc/kquant_gemm.c).
+is ``matmul`` for a prefill chunk's many rows (csrc/kquant_gemm.c); ``repack`` rewrites a Q4_K or
+Q6_K weight into the GEMM's panels, which every product then reads as they are (csrc/kquant_x16.c).
 """
 
 from __future__ import annotations
