@@ -95,7 +95,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def finish_loading(self) -> None:
         """A table loaded as GGUF blocks (its own, or the tied embedding's) is multiplied as stored,
         repacked where the projections are (``GGUFTensor.repacked``: not in float32; a tied
-        embedding's lookups keep reading the stored rows); this shard's padding rows stay zero."""
+        embedding then looks its rows up in the repacked copy); this shard's padding rows stay zero."""
         table = getattr(self.weight, "gguf_table", None)
         if table is not None:
             self.quantized = gguf_weight(self.weight.data, [(0, table)],

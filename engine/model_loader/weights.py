@@ -51,7 +51,7 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
 def return_freed_heap() -> None:
     """Hand the allocator's free heap back to the kernel after loading: the transient copies of a
     load (float parameters replaced, a repack's buffers) leave free blocks the C heap keeps
-    resident (glibc's ``malloc_trim``: ~65 MB of a 1.7B Q4_K_M file's load, measured); nothing
+    resident (glibc's ``malloc_trim``: 55-65 MB of a 1.7B Q4_K_M file's load, measured); nothing
     where the C library has no such call."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
