@@ -201,8 +201,7 @@ void kq_x16_range(const uint8_t *w, int64_t panel_bytes, int type, int lo, int h
         if (bias != NULL) to_float((const char *)bias + (int64_t)(col0 + a0) * elem, dtype, b + (a0 - n0), a1 - a0);
         for (int m = 0; m < rows;) {
             float out[KG_X16_BLOCK * KG_LANES];
-            const int done = rows - m < KG_X16_BLOCK ? rows - m : KG_X16_BLOCK;
-            const int q6 = type == KQ_Q6_K_X16;
+            const int done = rows - m < KG_X16_BLOCK ? rows - m : KG_X16_BLOCK, q6 = type == KQ_Q6_K_X16;
             block_x16(w + (int64_t)p * panel_bytes, A + (int64_t)m * nsb, q6 ? NULL : pb + (int64_t)m * nsb * 4, nsb,
                       done, q6, out);
             for (int r = 0; r < done; ++r) {
@@ -215,8 +214,7 @@ void kq_x16_range(const uint8_t *w, int64_t panel_bytes, int type, int lo, int h
     }
 #else
     (void)w, (void)panel_bytes, (void)type, (void)lo, (void)hi, (void)nsb, (void)A, (void)pb, (void)rows, (void)bias;
-    (void)y;
-    (void)y_stride, (void)col0, (void)dtype;
+    (void)y, (void)y_stride, (void)col0, (void)dtype;
 #endif
 }
 
@@ -285,7 +283,7 @@ void kq_x16_dequantize_row(const uint8_t *w, int64_t panel_bytes, int type, int6
 
 /* kq_gemm of an X16 weight (row_bytes: a panel's bytes), at any row count: the panels as stored */
 int kq_gemm_x16(const uint8_t *w, int64_t panel_bytes, int type, int n_out, int k, const void *act, int rows,
-                    const void *bias, void *y, int64_t y_stride, int dtype, int num_threads) {
+                const void *bias, void *y, int64_t y_stride, int dtype, int num_threads) {
     if (KQ_ISA != 512 || k <= 0 || k % KQ_BLOCK || rows < 0 || n_out < 0 || n_out % KQ_X16_LANES) return 1;
     const int nsb = k / KQ_BLOCK, panels = n_out / KQ_X16_LANES;
     const kq_act_t *A = (const kq_act_t *)act;
